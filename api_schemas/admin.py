@@ -1,0 +1,35 @@
+"""Operator and admin API models."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from pydantic import BaseModel, Field
+
+from api_schemas.common import StrictModel
+from api_schemas.identity import NodeOut
+
+
+class StatusChangeOut(BaseModel):
+    from_status: str | None
+    to_status: str
+    reason: str
+    actor: str
+    at: dt.datetime
+
+
+class NodeDetailOut(NodeOut):
+    ip_address: str | None
+    ban_reason: str | None
+    status_history: list[StatusChangeOut] = Field(description="Newest first, at most 100")
+
+
+class BanIn(StrictModel):
+    reason: str = Field(min_length=1, max_length=500, description="Why; kept in the status history")
+
+
+class TokenOut(BaseModel):
+    id: str
+    name: str
+    role: str
+    created_at: dt.datetime

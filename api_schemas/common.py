@@ -1,0 +1,61 @@
+"""Shapes shared by every domain: problems, pages, key ids."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Generic, TypeVar
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from orchestrator.core.keys import is_key_id
+
+T = TypeVar("T")
+
+
+def _check_key_id(value: str) -> str:
+    if not is_key_id(value):
+        raise ValueError("must be a raw 32-byte Ed25519 public key in unpadded base64url (43 characters)")
+    return value
+
+
+KeyId = Annotated[
+    str,
+    Field(min_length=43, max_length=43, examples=["Q2FsbWx5IGFuZCBjYXJlZnVsbHkgc2lnbmVkIGtleSE"]),
+    AfterValidator(_check_key_id),
+]
+
+
+class StrictModel(BaseModel):
+    """Request bodies: unknown fields are refused, so typos do not pass silently."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details, with a stable machine-readable ``code``."""
+
+    type: str = Field(description="URI reference naming the problem type: /problems/{code}")
+    title: str
+    status: int
+    detail: str
+    code: str = Field(description="Stable machine code, e.g. signature_invalid, nonce_replayed")
+    instance: str | None = None
+    errors: list[dict[str, Any]] | None = Field(default=None, description="Validation errors, for 422")
+
+
+class Page(BaseModel, Generic[T]):
+    items: list[T]
+    next_cursor: str | None = Field(description="Pass as ?cursor= to get the next page; null at the end")
+
+
+PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": Problem, "content": {"application/problem+json": {}}, "description": desc}
+    for code, desc in {
+        401: "Missing or invalid credentials (signature or bearer token)",
+        403: "Authenticated, but not allowed to do this",
+        404: "Not found",
+        409: "Conflicts with the current state",
+        413: "Request body too large",
+        422: "Body does not parse or validate",
+        429: "Rate limited; see Retry-After",
+    }.items()
+}

@@ -1,0 +1,96 @@
+"""Providers, nodes and heartbeats (contributor-facing, signed)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from pydantic import BaseModel, Field, model_validator
+
+from api_schemas.common import KeyId, StrictModel
+
+
+class ProviderRegister(StrictModel):
+    display_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=100,
+        pattern=r"^[\x20-\x7e]+$",
+        description="Optional printable ASCII name shown to operators.",
+    )
+
+
+class ProviderOut(BaseModel):
+    id: KeyId = Field(description="The provider's Ed25519 public key, unpadded base64url")
+    display_name: str | None
+    created_at: dt.datetime
+
+
+class NodeSpecs(StrictModel):
+    gpu_model: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=100,
+        pattern=r"^[A-Za-z0-9 ._()+/-]+$",
+        description="GPU model as reported by the driver, e.g. 'NVIDIA H100 80GB HBM3'. Null for CPU-only.",
+    )
+    gpu_count: int = Field(ge=0, le=64, description="Number of GPUs")
+    gpu_memory_mb: int = Field(ge=0, le=1_048_576, description="Memory per GPU in MiB")
+    cpu_cores: int = Field(ge=1, le=1024)
+    ram_mb: int = Field(ge=256, le=16_777_216, description="System RAM in MiB")
+
+    @model_validator(mode="after")
+    def _gpu_fields_agree(self) -> NodeSpecs:
+        if self.gpu_count > 0 and (self.gpu_model is None or self.gpu_memory_mb == 0):
+            raise ValueError("a node with GPUs must give gpu_model and gpu_memory_mb")
+        if self.gpu_count == 0 and (self.gpu_model is not None or self.gpu_memory_mb != 0):
+            raise ValueError("a node without GPUs must leave gpu_model null and gpu_memory_mb 0")
+        return self
+
+
+class NodeRegister(StrictModel):
+    provider_id: KeyId
+    attestation: str = Field(
+        min_length=86,
+        max_length=86,
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="Provider's Ed25519 signature over 'orchestrator/v1/attest-node:' + node id, base64url",
+    )
+    specs: NodeSpecs
+    version: str = Field(
+        min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._+-]+$", description="Worker software version"
+    )
+
+
+class NodeOut(BaseModel):
+    id: KeyId
+    provider_id: KeyId
+    specs: NodeSpecs
+    version: str
+    status: str = Field(description="waiting | healthy | unhealthy | dead | banned")
+    status_changed_at: dt.datetime
+    created_at: dt.datetime
+    last_heartbeat_at: dt.datetime | None = None
+
+
+class HeartbeatIn(StrictModel):
+    metrics: dict[str, float] = Field(
+        default_factory=dict,
+        max_length=32,
+        description="Free-form numeric gauges (gpu_util, tokens_per_s, ...); at most 32.",
+    )
+    leases: list[str] = Field(
+        default_factory=list, max_length=1024, description="Ids of the leases this node is working on."
+    )
+
+    @model_validator(mode="after")
+    def _metric_names(self) -> HeartbeatIn:
+        for name in self.metrics:
+            if not (1 <= len(name) <= 64 and name.replace("_", "").isalnum() and name.isascii()):
+                raise ValueError(f"metric name {name!r} must be 1-64 ASCII letters, digits or _")
+        return self
+
+
+class HeartbeatOut(BaseModel):
+    status: str
+    next_heartbeat_in_s: float = Field(description="When to beat next")
+    drop_leases: list[str] = Field(default_factory=list, description="Leases the node must stop working on")

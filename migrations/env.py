@@ -1,0 +1,63 @@
+"""Alembic environment: async engine, batch mode on SQLite, type comparison on."""
+
+from __future__ import annotations
+
+import asyncio
+
+from alembic import context
+from sqlalchemy.engine import Connection
+
+from orchestrator.all_models import Base
+from orchestrator.core.db import make_engine
+from orchestrator.settings import DatabaseSettings, get_settings
+
+config = context.config
+target_metadata = Base.metadata
+
+
+def _url() -> str:
+    return config.get_main_option("sqlalchemy.url") or get_settings().db.url
+
+
+def _configure(connection: Connection | None = None, url: str | None = None) -> None:
+    is_sqlite = (url or _url()).startswith("sqlite")
+    context.configure(
+        connection=connection,
+        url=url,
+        target_metadata=target_metadata,
+        compare_type=True,
+        render_as_batch=is_sqlite,
+        literal_binds=connection is None,
+    )
+
+
+def run_migrations_offline() -> None:
+    _configure(url=_url())
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def _run_sync(connection: Connection) -> None:
+    _configure(connection=connection)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+async def run_migrations_online() -> None:
+    connection = config.attributes.get("connection")
+    if connection is not None:
+        await connection.run_sync(_run_sync)
+        return
+    engine = make_engine(DatabaseSettings(url=_url()))
+    try:
+        async with engine.connect() as conn:
+            await conn.run_sync(_run_sync)
+            await conn.commit()
+    finally:
+        await engine.dispose()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    asyncio.run(run_migrations_online())

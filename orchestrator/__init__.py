@@ -1,0 +1,3 @@
+"""Coordination service for permissionless compute pools."""
+
+__version__ = "0.1.0"

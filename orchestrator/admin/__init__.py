@@ -1,0 +1,1 @@
+"""Operator authentication (bearer tokens with roles) and the admin API."""

@@ -1,0 +1,87 @@
+"""Admin API for the node registry: list, inspect, ban and unban nodes."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from api_schemas.admin import BanIn, NodeDetailOut, StatusChangeOut
+from api_schemas.common import PROBLEM_RESPONSES, KeyId, Page
+from api_schemas.identity import NodeOut
+from orchestrator.admin import service
+from orchestrator.admin.tokens import AdminOnly
+from orchestrator.core.pagination import decode_cursor, encode_cursor
+from orchestrator.core.state import Session, State
+from orchestrator.identity import repository as repo
+from orchestrator.identity.models import NODE_STATUSES, Node
+from orchestrator.identity.service import node_out
+
+router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=PROBLEM_RESPONSES)
+
+StatusFilter = Annotated[
+    str | None, Query(pattern="^(" + "|".join(NODE_STATUSES) + ")$", description="Only nodes in this status")
+]
+
+
+@router.get("/nodes", response_model=Page[NodeOut], summary="List nodes (cursor pagination, by id)")
+async def list_nodes(
+    _: AdminOnly,
+    session: Session,
+    state: State,
+    status: StatusFilter = None,
+    provider_id: Annotated[KeyId | None, Query(description="Only this provider's nodes")] = None,
+    cursor: Annotated[str | None, Query(max_length=200)] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 100,
+) -> Page[NodeOut]:
+    nodes = await repo.list_nodes(
+        session, status=status, provider_id=provider_id, after=decode_cursor(cursor), limit=limit + 1
+    )
+    more = len(nodes) > limit
+    nodes = nodes[:limit]
+    items = [await node_out(state, n) for n in nodes]
+    return Page[NodeOut](items=items, next_cursor=encode_cursor(nodes[-1].id) if more else None)
+
+
+@router.get("/nodes/{node_id}", response_model=NodeDetailOut, summary="One node with its status history")
+async def get_node(node_id: KeyId, _: AdminOnly, session: Session, state: State) -> NodeDetailOut:
+    node = await service.node_or_404(session, node_id)
+    return await _detail(session, state, node_id, node)
+
+
+@router.post(
+    "/nodes/{node_id}/ban",
+    response_model=NodeDetailOut,
+    summary="Ban a node: every contributor endpoint then answers 403 node_banned",
+)
+async def ban_node(
+    node_id: KeyId, body: BanIn, principal: AdminOnly, session: Session, state: State
+) -> NodeDetailOut:
+    node = await service.ban(session, state, node_id, body.reason, actor=principal.token_id)
+    return await _detail(session, state, node_id, node)
+
+
+@router.post(
+    "/nodes/{node_id}/unban",
+    response_model=NodeDetailOut,
+    summary="Lift a ban; the node becomes healthy again on its next heartbeat",
+)
+async def unban_node(node_id: KeyId, principal: AdminOnly, session: Session, state: State) -> NodeDetailOut:
+    node = await service.unban(session, node_id, actor=principal.token_id)
+    return await _detail(session, state, node_id, node)
+
+
+async def _detail(session: Session, state: State, node_id: str, node: Node) -> NodeDetailOut:
+    base = await node_out(state, node)
+    history = await repo.status_history(session, node_id)
+    return NodeDetailOut(
+        **base.model_dump(),
+        ip_address=node.ip_address,
+        ban_reason=node.ban_reason,
+        status_history=[
+            StatusChangeOut(
+                from_status=h.from_status, to_status=h.to_status, reason=h.reason, actor=h.actor, at=h.at
+            )
+            for h in history
+        ],
+    )

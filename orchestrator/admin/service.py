@@ -1,0 +1,52 @@
+"""Admin rules for nodes: bans and unbans, recorded in the status history."""
+
+from __future__ import annotations
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from orchestrator.core.errors import NotFound
+from orchestrator.core.state import AppState
+from orchestrator.identity import repository as repo
+from orchestrator.identity.models import NODE_STATUSES, Node, NodeStatus
+
+
+async def node_or_404(session: AsyncSession, node_id: str, *, for_update: bool = False) -> Node:
+    node = await repo.get_node(session, node_id, for_update=for_update)
+    if node is None:
+        raise NotFound("no node with this id", code="node_not_found")
+    return node
+
+
+async def ban(session: AsyncSession, state: AppState, node_id: str, reason: str, *, actor: str) -> Node:
+    """Idempotent: banning a banned node changes nothing."""
+    node = await node_or_404(session, node_id, for_update=True)
+    not_banned = [s for s in NODE_STATUSES if s != NodeStatus.banned]
+    if await repo.transition(
+        session,
+        [node_id],
+        from_statuses=not_banned,
+        to_status=NodeStatus.banned.value,
+        reason=f"banned: {reason}",
+        actor=actor,
+    ):
+        node.ban_reason = reason
+        await session.flush()
+        await state.hot_store.forget_node(node_id)
+    await session.refresh(node)
+    return node
+
+
+async def unban(session: AsyncSession, node_id: str, *, actor: str) -> Node:
+    node = await node_or_404(session, node_id, for_update=True)
+    if await repo.transition(
+        session,
+        [node_id],
+        from_statuses=[NodeStatus.banned.value],
+        to_status=NodeStatus.waiting.value,
+        reason="unbanned",
+        actor=actor,
+    ):
+        node.ban_reason = None
+        await session.flush()
+    await session.refresh(node)
+    return node

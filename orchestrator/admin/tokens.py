@@ -1,0 +1,111 @@
+"""Bearer API tokens: created once, stored as SHA-256 hashes, checked by role.
+
+Tokens are 256-bit random strings, so a fast hash is enough (no password stretching is
+needed against guessing); the plaintext is shown once, at creation.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+from typing import Annotated
+
+import structlog
+from fastapi import Depends, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from orchestrator.admin.models import ApiToken
+from orchestrator.core.db import utcnow
+from orchestrator.core.errors import Forbidden, Unauthorized
+from orchestrator.core.state import Session
+
+TOKEN_PREFIX = "orch_"  # noqa: S105 - a prefix, not a secret
+
+
+class Role(enum.StrEnum):
+    admin = "admin"
+    operator = "operator"
+    validator = "validator"
+    trainer = "trainer"
+
+
+@dataclass(frozen=True)
+class Principal:
+    token_id: str
+    name: str
+    role: Role
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+async def create_token(session: AsyncSession, *, role: Role, name: str) -> tuple[str, ApiToken]:
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    row = ApiToken(
+        id="tok_" + secrets.token_hex(8),
+        name=name,
+        role=role.value,
+        token_hash=hash_token(token),
+        created_at=utcnow(),
+    )
+    session.add(row)
+    await session.flush()
+    return token, row
+
+
+async def revoke_token(session: AsyncSession, token_id: str) -> bool:
+    row = await session.get(ApiToken, token_id)
+    if row is None or row.revoked_at is not None:
+        return False
+    row.revoked_at = utcnow()
+    await session.flush()
+    return True
+
+
+bearer_scheme = HTTPBearer(
+    scheme_name="BearerToken",
+    description="Operator API token (roles: admin, operator, validator, trainer). "
+    "Create one with `orchestrator admin create-token --role ...`.",
+    auto_error=False,
+)
+
+
+async def authenticate(
+    session: Session, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer_scheme)]
+) -> Principal:
+    if credentials is None or credentials.scheme.lower() != "bearer":
+        raise Unauthorized(
+            "a bearer token is required", code="token_missing", headers={"WWW-Authenticate": "Bearer"}
+        )
+    digest = hash_token(credentials.credentials)
+    row = (await session.execute(select(ApiToken).where(ApiToken.token_hash == digest))).scalar_one_or_none()
+    if row is None or row.revoked_at is not None or not hmac.compare_digest(row.token_hash, digest):
+        raise Unauthorized(
+            "the bearer token is not valid", code="token_invalid", headers={"WWW-Authenticate": "Bearer"}
+        )
+    structlog.contextvars.bind_contextvars(token_id=row.id)
+    return Principal(token_id=row.id, name=row.name, role=Role(row.role))
+
+
+def require_roles(*roles: Role) -> object:
+    allowed = frozenset(roles)
+
+    async def dependency(principal: Annotated[Principal, Depends(authenticate)]) -> Principal:
+        if principal.role not in allowed:
+            raise Forbidden(
+                f"role {principal.role.value!r} may not do this; needs one of "
+                + ", ".join(sorted(r.value for r in allowed)),
+                code="role_forbidden",
+            )
+        return principal
+
+    return Depends(dependency)
+
+
+AdminOnly = Annotated[Principal, require_roles(Role.admin)]

@@ -1,0 +1,101 @@
+"""The FastAPI application factory and its lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import structlog
+from fastapi import FastAPI
+
+from orchestrator import __version__
+from orchestrator.admin.router import router as admin_router
+from orchestrator.core.clock import Clock, SystemClock
+from orchestrator.core.db import make_engine, make_sessionmaker
+from orchestrator.core.errors import install_error_handlers
+from orchestrator.core.health import router as health_router
+from orchestrator.core.hotstore import HotStore, make_hot_store
+from orchestrator.core.logging import configure_logging
+from orchestrator.core.middleware import BodyLimitMiddleware, RequestContextMiddleware
+from orchestrator.core.state import AppState
+from orchestrator.identity.router import router as identity_router
+from orchestrator.liveness import service as liveness
+from orchestrator.liveness.router import router as liveness_router
+from orchestrator.settings import Settings, get_settings
+
+log = structlog.get_logger(__name__)
+
+DESCRIPTION = """
+Coordinator for permissionless compute pools: contributors register Ed25519-keyed nodes,
+heartbeat, claim rollout tasks and submit signed results; operators run pools through the
+admin API.
+
+**Contributor requests** are signed with RFC 9421 HTTP Message Signatures (ed25519) and
+carry an RFC 9530 Content-Digest with any body (scheme `HttpMessageSignature`).
+**Operator requests** use a bearer token with a role (scheme `BearerToken`).
+Every error is RFC 9457 `application/problem+json` with a stable `code`.
+"""
+
+RESULT_PATHS = r"/v1/assignments/[^/]+/result"
+
+
+def create_app(
+    settings: Settings | None = None, *, clock: Clock | None = None, hot_store: HotStore | None = None
+) -> FastAPI:
+    settings = settings or get_settings()
+    configure_logging(settings.log_level, json=settings.log_json)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = make_engine(settings.db)
+        store = hot_store or make_hot_store(settings.redis_url, settings.redis.prefix)
+        state = AppState(
+            settings=settings,
+            engine=engine,
+            sessionmaker=make_sessionmaker(engine),
+            hot_store=store,
+            clock=clock or SystemClock(),
+        )
+        app.state.orch = state
+        stop = asyncio.Event()
+        tasks: list[asyncio.Task[None]] = []
+        if settings.server.background_loops:
+            tasks.append(asyncio.create_task(liveness.run_sweeper(state, stop), name="liveness-sweeper"))
+        log.info(
+            "started",
+            version=__version__,
+            db=engine.dialect.name,
+            hot_store=type(store).__name__,
+            background_loops=settings.server.background_loops,
+        )
+        try:
+            yield
+        finally:
+            stop.set()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            if hot_store is None:
+                await store.aclose()
+            await engine.dispose()
+
+    app = FastAPI(
+        title="orchestrator",
+        version=__version__,
+        description=DESCRIPTION,
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        default_limit=settings.limits.max_body_bytes,
+        large_limit=settings.limits.max_result_body_bytes,
+        large_paths=RESULT_PATHS,
+    )
+    app.add_middleware(RequestContextMiddleware)
+    app.include_router(health_router)
+    app.include_router(identity_router)
+    app.include_router(liveness_router)
+    app.include_router(admin_router)
+    return app

@@ -1,0 +1,216 @@
+"""Errors, rendered as RFC 9457 ``application/problem+json``.
+
+Every error a client can see is an ``OrchestratorError`` with a stable machine ``code``.
+The hierarchy::
+
+    OrchestratorError
+    ├── BadRequest (400)                 bad_request, ...
+    ├── Unauthorized (401)               signature_*, nonce_replayed, unknown_key, token_invalid, ...
+    ├── Forbidden (403)                  node_banned, not_permitted, ...
+    ├── NotFound (404)                   not_found, node_not_found, ...
+    ├── Conflict (409)                   key_bound_to_other_provider, ...
+    ├── PayloadTooLarge (413)            payload_too_large
+    ├── UnprocessableEntity (422)        validation_failed (body does not parse or validate)
+    ├── RateLimited (429)                rate_limited (with Retry-After)
+    └── ServiceUnavailable (503)         not_ready
+
+Framework errors (unknown route, wrong method, request validation) and unhandled
+exceptions are rendered in the same format; a 500 never carries a stack trace.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+PROBLEM_TYPE_BASE = "/problems/"
+
+log = structlog.get_logger(__name__)
+
+
+class OrchestratorError(Exception):
+    status: int = 400
+    code: str = "bad_request"
+    title: str = "Bad request"
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        code: str | None = None,
+        status: int | None = None,
+        title: str | None = None,
+        headers: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+        if title is not None:
+            self.title = title
+        self.headers = headers or {}
+        self.extra = extra or {}
+
+
+class BadRequest(OrchestratorError):
+    status, code, title = 400, "bad_request", "Bad request"
+
+
+class Unauthorized(OrchestratorError):
+    status, code, title = 401, "unauthorized", "Not authenticated"
+
+
+class Forbidden(OrchestratorError):
+    status, code, title = 403, "forbidden", "Not permitted"
+
+
+class NotFound(OrchestratorError):
+    status, code, title = 404, "not_found", "Not found"
+
+
+class Conflict(OrchestratorError):
+    status, code, title = 409, "conflict", "Conflict"
+
+
+class PayloadTooLarge(OrchestratorError):
+    status, code, title = 413, "payload_too_large", "Payload too large"
+
+
+class UnprocessableEntity(OrchestratorError):
+    status, code, title = 422, "validation_failed", "Request body did not validate"
+
+
+class RateLimited(OrchestratorError):
+    status, code, title = 429, "rate_limited", "Too many requests"
+
+    def __init__(self, detail: str, *, retry_after: int) -> None:
+        super().__init__(detail, headers={"Retry-After": str(max(1, retry_after))})
+
+
+class ServiceUnavailable(OrchestratorError):
+    status, code, title = 503, "not_ready", "Service unavailable"
+
+
+def problem_body(
+    *, status: int, code: str, title: str, detail: str, instance: str | None = None, **extra: Any
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "type": PROBLEM_TYPE_BASE + code,
+        "title": title,
+        "status": status,
+        "detail": detail,
+        "code": code,
+    }
+    if instance:
+        body["instance"] = instance
+    body.update(extra)
+    return body
+
+
+def problem_response(
+    *,
+    status: int,
+    code: str,
+    title: str,
+    detail: str,
+    request: Request | None = None,
+    headers: dict[str, str] | None = None,
+    **extra: Any,
+) -> JSONResponse:
+    body = problem_body(
+        status=status,
+        code=code,
+        title=title,
+        detail=detail,
+        instance=request.url.path if request is not None else None,
+        **extra,
+    )
+    return JSONResponse(body, status_code=status, headers=headers, media_type=PROBLEM_MEDIA_TYPE)
+
+
+_STATUS_CODES = {
+    400: ("bad_request", "Bad request"),
+    401: ("unauthorized", "Not authenticated"),
+    403: ("forbidden", "Not permitted"),
+    404: ("not_found", "Not found"),
+    405: ("method_not_allowed", "Method not allowed"),
+    406: ("not_acceptable", "Not acceptable"),
+    413: ("payload_too_large", "Payload too large"),
+    415: ("unsupported_media_type", "Unsupported media type"),
+}
+
+
+async def _orchestrator_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, OrchestratorError)
+    return problem_response(
+        status=exc.status,
+        code=exc.code,
+        title=exc.title,
+        detail=exc.detail,
+        request=request,
+        headers=exc.headers,
+        **exc.extra,
+    )
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    code, title = _STATUS_CODES.get(exc.status_code, ("http_error", "HTTP error"))
+    detail = exc.detail if isinstance(exc.detail, str) else title
+    if exc.status_code == 404 and detail == "Not Found":
+        detail = f"No route matches {request.method} {request.url.path}"
+    if exc.status_code == 405:
+        detail = f"{request.method} is not allowed on {request.url.path}"
+    return problem_response(
+        status=exc.status_code,
+        code=code,
+        title=title,
+        detail=detail,
+        request=request,
+        headers=dict(exc.headers or {}),
+    )
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = [
+        {"loc": list(err.get("loc", ())), "msg": str(err.get("msg", "")), "type": str(err.get("type", ""))}
+        for err in exc.errors()
+    ]
+    first = errors[0] if errors else {"loc": [], "msg": "invalid"}
+    where = ".".join(str(p) for p in first["loc"])
+    return problem_response(
+        status=422,
+        code="validation_failed",
+        title="Request did not validate",
+        detail=f"{where}: {first['msg']}" if where else str(first["msg"]),
+        request=request,
+        errors=errors,
+    )
+
+
+async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled_error", path=request.url.path, error_type=type(exc).__name__)
+    return problem_response(
+        status=500,
+        code="internal_error",
+        title="Internal server error",
+        detail="The server failed to handle this request; it has been logged.",
+        request=request,
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(OrchestratorError, _orchestrator_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _unhandled)

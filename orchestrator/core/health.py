@@ -1,0 +1,63 @@
+"""/healthz (the process is up), /readyz (database and hot store reachable), /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+from sqlalchemy import text
+
+from orchestrator.core import metrics
+from orchestrator.core.state import State
+from orchestrator.identity import repository as identity_repo
+from orchestrator.identity.models import NODE_STATUSES
+
+router = APIRouter(tags=["operations"])
+
+
+@router.get("/healthz", summary="Liveness: the process answers")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+async def _check_db(state: State) -> None:
+    async with state.engine.connect() as conn:
+        await conn.execute(text("SELECT 1"))
+
+
+@router.get(
+    "/readyz",
+    summary="Readiness: database and hot store reachable (503 otherwise)",
+    responses={503: {"description": "A dependency is down"}},
+)
+async def readyz(state: State) -> JSONResponse:
+    checks: dict[str, str] = {}
+    for name, probe in (("database", _check_db(state)), ("hot_store", state.hot_store.ping())):
+        try:
+            await asyncio.wait_for(probe, timeout=3)
+            checks[name] = "ok"
+        except Exception as exc:
+            checks[name] = f"unavailable: {type(exc).__name__}"
+    ready = all(v == "ok" for v in checks.values())
+    body: dict[str, object] = {"status": "ready" if ready else "not_ready", "checks": checks}
+    if not ready:
+        body.update(
+            type="/problems/not_ready",
+            title="Service unavailable",
+            status=503,
+            code="not_ready",
+            detail="; ".join(f"{k}: {v}" for k, v in checks.items() if v != "ok"),
+        )
+        return JSONResponse(body, status_code=503, media_type="application/problem+json")
+    return JSONResponse(body)
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+async def prometheus_metrics(state: State) -> Response:
+    async with state.sessionmaker() as session:
+        counts = await identity_repo.count_by_status(session)
+    for status in NODE_STATUSES:
+        metrics.NODES.labels(status).set(counts.get(status, 0))
+    payload, content_type = metrics.render()
+    return Response(payload, media_type=content_type)

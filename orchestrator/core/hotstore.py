@@ -1,0 +1,232 @@
+"""The hot store: short-lived, high-write state that does not belong in SQL.
+
+It holds signature nonces, liveness (last heartbeat per node, in sorted sets by stage so
+the sweeper reads only what changed), and rate-limit counters. ``RedisHotStore`` is the
+production implementation and works across any number of API processes;
+``MemoryHotStore`` serves the embedded default and is only correct inside one process.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import redis.asyncio as aioredis
+
+# Liveness stages, as sorted sets: member = node id, score = last beat (epoch seconds).
+HEALTHY = "healthy"
+UNHEALTHY = "unhealthy"
+
+
+@dataclass(frozen=True)
+class RateDecision:
+    allowed: bool
+    remaining: int
+    retry_after_s: int
+
+
+class HotStore(Protocol):
+    shared_across_processes: bool
+
+    async def ping(self) -> bool: ...
+
+    async def claim_nonce(self, keyid: str, nonce: str, ttl_s: int) -> bool:
+        """Atomically remember (keyid, nonce); False if it was already seen."""
+
+    async def record_beat(self, node_id: str, at: float, metrics: Mapping[str, str], ttl_s: int) -> None:
+        """Mark the node healthy as of ``at`` and keep its latest metrics for ``ttl_s``."""
+
+    async def last_beat(self, node_id: str) -> float | None: ...
+
+    async def move_stale(self, src: str, dst: str | None, cutoff: float, limit: int) -> list[str]:
+        """Atomically move members of stage ``src`` last seen at or before ``cutoff``
+        to stage ``dst`` (or drop them when ``dst`` is None); return their ids."""
+
+    async def forget_node(self, node_id: str) -> None: ...
+
+    async def hit(self, bucket: str, limit: int, window_s: int, now: float) -> RateDecision:
+        """Count one event in a fixed window; refuse past ``limit``."""
+
+    async def aclose(self) -> None: ...
+
+
+_MOVE_STALE = """
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[2]))
+local out = {}
+for i = 1, #ids, 2 do
+  redis.call('ZREM', KEYS[1], ids[i])
+  if KEYS[2] ~= nil and KEYS[2] ~= '' then
+    redis.call('ZADD', KEYS[2], ids[i+1], ids[i])
+  end
+  table.insert(out, ids[i])
+end
+return out
+"""
+
+
+class RedisHotStore:
+    shared_across_processes = True
+
+    def __init__(self, client: aioredis.Redis, prefix: str = "orch:") -> None:
+        self._r = client
+        self._p = prefix
+        self._move = client.register_script(_MOVE_STALE)
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str = "orch:") -> RedisHotStore:
+        client = aioredis.Redis.from_url(
+            url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5, health_check_interval=30
+        )
+        return cls(client, prefix)
+
+    def _k(self, *parts: str) -> str:
+        return self._p + ":".join(parts)
+
+    async def ping(self) -> bool:
+        return bool(await self._r.ping())
+
+    async def claim_nonce(self, keyid: str, nonce: str, ttl_s: int) -> bool:
+        return bool(await self._r.set(self._k("nonce", keyid, nonce), "1", nx=True, ex=ttl_s))
+
+    async def record_beat(self, node_id: str, at: float, metrics: Mapping[str, str], ttl_s: int) -> None:
+        hb = self._k("hb", node_id)
+        mapping: dict[str | bytes, str | bytes | int | float] = {"at": repr(at)}
+        mapping.update(metrics)
+        async with self._r.pipeline(transaction=True) as pipe:
+            pipe.zadd(self._k("live", HEALTHY), {node_id: at})
+            pipe.zrem(self._k("live", UNHEALTHY), node_id)
+            pipe.hset(hb, mapping=mapping)
+            pipe.expire(hb, ttl_s)
+            await pipe.execute()
+
+    async def last_beat(self, node_id: str) -> float | None:
+        value = await self._r.hget(self._k("hb", node_id), "at")
+        return float(value) if value is not None else None
+
+    async def move_stale(self, src: str, dst: str | None, cutoff: float, limit: int) -> list[str]:
+        keys = [self._k("live", src), self._k("live", dst) if dst else ""]
+        result = await self._move(keys=keys, args=[repr(cutoff), limit])
+        return [str(x) for x in result]
+
+    async def forget_node(self, node_id: str) -> None:
+        async with self._r.pipeline(transaction=True) as pipe:
+            pipe.zrem(self._k("live", HEALTHY), node_id)
+            pipe.zrem(self._k("live", UNHEALTHY), node_id)
+            pipe.delete(self._k("hb", node_id))
+            await pipe.execute()
+
+    async def hit(self, bucket: str, limit: int, window_s: int, now: float) -> RateDecision:
+        window = int(now // window_s)
+        key = self._k("rl", bucket, str(window))
+        async with self._r.pipeline(transaction=True) as pipe:
+            pipe.incr(key)
+            pipe.expire(key, window_s + 1)
+            count, _ = await pipe.execute()
+        return _decision(int(count), limit, window, window_s, now)
+
+    async def aclose(self) -> None:
+        await self._r.aclose()
+
+
+def _decision(count: int, limit: int, window: int, window_s: int, now: float) -> RateDecision:
+    retry = max(1, math.ceil((window + 1) * window_s - now))
+    return RateDecision(allowed=count <= limit, remaining=max(0, limit - count), retry_after_s=retry)
+
+
+class _Stage:
+    """A sorted set with O(log n) updates and pops of the oldest members (a lazy heap)."""
+
+    def __init__(self) -> None:
+        self.scores: dict[str, float] = {}
+        self._heap: list[tuple[float, str]] = []
+
+    def add(self, member: str, score: float) -> None:
+        self.scores[member] = score
+        heapq.heappush(self._heap, (score, member))
+        if len(self._heap) > 4 * len(self.scores) + 64:
+            self._heap = [(s, m) for m, s in self.scores.items()]
+            heapq.heapify(self._heap)
+
+    def remove(self, member: str) -> None:
+        self.scores.pop(member, None)
+
+    def pop_until(self, cutoff: float, limit: int) -> list[tuple[float, str]]:
+        out: list[tuple[float, str]] = []
+        while self._heap and len(out) < limit and self._heap[0][0] <= cutoff:
+            score, member = heapq.heappop(self._heap)
+            if self.scores.get(member) == score:  # skip entries superseded by a later beat
+                del self.scores[member]
+                out.append((score, member))
+        return out
+
+
+class MemoryHotStore:
+    """In-process hot store for the embedded default. Correct only in a single process."""
+
+    shared_across_processes = False
+
+    def __init__(self) -> None:
+        self._nonces: dict[str, float] = {}
+        self._stages: dict[str, _Stage] = {HEALTHY: _Stage(), UNHEALTHY: _Stage()}
+        self._beats: dict[str, tuple[float, dict[str, str], float]] = {}
+        self._counters: dict[str, tuple[int, float]] = {}
+
+    async def ping(self) -> bool:
+        return True
+
+    async def claim_nonce(self, keyid: str, nonce: str, ttl_s: int) -> bool:
+        now = time.monotonic()
+        if len(self._nonces) > 100_000:
+            self._nonces = {k: exp for k, exp in self._nonces.items() if exp > now}
+        key = f"{keyid}\x00{nonce}"
+        exp = self._nonces.get(key)
+        if exp is not None and exp > now:
+            return False
+        self._nonces[key] = now + ttl_s
+        return True
+
+    async def record_beat(self, node_id: str, at: float, metrics: Mapping[str, str], ttl_s: int) -> None:
+        self._stages[HEALTHY].add(node_id, at)
+        self._stages[UNHEALTHY].remove(node_id)
+        self._beats[node_id] = (at, dict(metrics), time.monotonic() + ttl_s)
+
+    async def last_beat(self, node_id: str) -> float | None:
+        entry = self._beats.get(node_id)
+        if entry is None or entry[2] <= time.monotonic():
+            return None
+        return entry[0]
+
+    async def move_stale(self, src: str, dst: str | None, cutoff: float, limit: int) -> list[str]:
+        moved = self._stages[src].pop_until(cutoff, limit)
+        if dst is not None:
+            for score, node in moved:
+                self._stages[dst].add(node, score)
+        return [node for _, node in moved]
+
+    async def forget_node(self, node_id: str) -> None:
+        for stage in self._stages.values():
+            stage.remove(node_id)
+        self._beats.pop(node_id, None)
+
+    async def hit(self, bucket: str, limit: int, window_s: int, now: float) -> RateDecision:
+        window = int(now // window_s)
+        key = f"{bucket}\x00{window}"
+        mono = time.monotonic()
+        if len(self._counters) > 100_000:
+            self._counters = {k: v for k, v in self._counters.items() if v[1] > mono}
+        count, exp = self._counters.get(key, (0, mono + window_s + 1))
+        self._counters[key] = (count + 1, exp)
+        return _decision(count + 1, limit, window, window_s, now)
+
+    async def aclose(self) -> None:
+        return None
+
+
+def make_hot_store(redis_url: str | None, prefix: str) -> HotStore:
+    if redis_url:
+        return RedisHotStore.from_url(redis_url, prefix)
+    return MemoryHotStore()

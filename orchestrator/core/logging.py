@@ -1,0 +1,44 @@
+"""structlog configuration: JSON lines with request id and identities bound per request.
+
+Keys, tokens and signatures are never logged: the processor below drops any event field
+whose name says it holds one, wherever it came from.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import MutableMapping
+from typing import Any
+
+import structlog
+
+SENSITIVE = ("authorization", "signature", "token", "secret", "private", "password", "attestation")
+
+
+def _drop_sensitive(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    for key in list(event):
+        lowered = key.lower()
+        if key == "event" or lowered.endswith("_id"):
+            continue
+        if any(word in lowered for word in SENSITIVE):
+            event[key] = "[redacted]"
+    return event
+
+
+def configure_logging(level: str = "INFO", *, json: bool = True) -> None:
+    renderer: Any = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
+    tracebacks: list[Any] = [structlog.processors.dict_tracebacks] if json else []
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            _drop_sensitive,
+            *tracebacks,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stdout),
+        cache_logger_on_first_use=False,
+    )

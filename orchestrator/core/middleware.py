@@ -1,0 +1,122 @@
+"""Pure ASGI middleware: request ids, access logs and metrics, body size limits."""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+
+import orjson
+import structlog
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from orchestrator.core import metrics
+from orchestrator.core.errors import PROBLEM_MEDIA_TYPE, PayloadTooLarge, problem_body
+
+REQUEST_ID_HEADER = "x-request-id"
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+log = structlog.get_logger("orchestrator.access")
+
+
+class RequestContextMiddleware:
+    """Binds a request id (the caller's if sane, else a new one), returns it as X-Request-ID,
+    logs one access line and records metrics by route template."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        incoming = dict(scope["headers"]).get(REQUEST_ID_HEADER.encode(), b"").decode("latin-1")
+        request_id = incoming if _REQUEST_ID_RE.fullmatch(incoming) else secrets.token_hex(8)
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = time.perf_counter()
+        status = 500
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (REQUEST_ID_HEADER.encode(), request_id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            elapsed = time.perf_counter() - started
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            method = scope["method"]
+            metrics.REQUESTS.labels(method, template, str(status)).inc()
+            metrics.LATENCY.labels(method, template).observe(elapsed)
+            log.info(
+                "request", method=method, route=template, status=status, duration_ms=round(elapsed * 1000, 2)
+            )
+            structlog.contextvars.clear_contextvars()
+
+
+class BodyLimitMiddleware:
+    """Refuses bodies over the limit with 413 before any parsing: at once when
+    Content-Length says so, otherwise as soon as the streamed bytes pass the limit."""
+
+    def __init__(self, app: ASGIApp, *, default_limit: int, large_limit: int, large_paths: str) -> None:
+        self.app = app
+        self.default_limit = default_limit
+        self.large_limit = large_limit
+        self.large_paths = re.compile(large_paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.large_limit if self.large_paths.fullmatch(scope["path"]) else self.default_limit
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            try:
+                too_big = int(declared) > limit
+            except ValueError:
+                too_big = False
+            if too_big:
+                await _send_413(scope, send, limit)
+                return
+        seen = 0
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+async def _send_413(scope: Scope, send: Send, limit: int) -> None:
+    body = orjson.dumps(
+        problem_body(
+            status=413,
+            code="payload_too_large",
+            title="Payload too large",
+            detail=f"request body exceeds {limit} bytes",
+            instance=scope["path"],
+        )
+    )
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [
+                (b"content-type", PROBLEM_MEDIA_TYPE.encode()),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,22 @@
+"""Opaque cursors for keyset pagination."""
+
+from __future__ import annotations
+
+from orchestrator.core.errors import BadRequest
+from orchestrator.core.keys import b64u_decode, b64u_encode
+
+
+def encode_cursor(last_key: str) -> str:
+    return b64u_encode(b"k1:" + last_key.encode("utf-8"))
+
+
+def decode_cursor(cursor: str | None) -> str | None:
+    if cursor is None:
+        return None
+    try:
+        raw = b64u_decode(cursor)
+    except ValueError:
+        raw = b""
+    if not raw.startswith(b"k1:"):
+        raise BadRequest("the cursor is not one this API issued", code="cursor_invalid")
+    return raw[3:].decode("utf-8", errors="strict")

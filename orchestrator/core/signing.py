@@ -1,0 +1,321 @@
+"""RFC 9421 HTTP Message Signatures with Ed25519, as PROTOCOL.md specifies.
+
+Both directions live here: ``verify_request`` (the server's checks, each failure with its
+own stable code) and ``sign_headers`` / ``SignatureAuth`` (the client side used by the
+worker SDK and the tests). Structured fields are parsed with ``http_sf``; the signature
+base is built and checked by ``http_message_signatures``; Content-Digest (RFC 9530) is
+checked by that library's ``ContentDigest``; the Ed25519 arithmetic is PyNaCl's.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import secrets
+from collections.abc import Generator, Iterable, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import http_sf
+import httpx
+from http_message_signatures import (
+    ContentDigest,
+    HTTPMessageSigner,
+    HTTPMessageVerifier,
+    HTTPSignatureAlgorithm,
+    HTTPSignatureKeyResolver,
+    InvalidSignature,
+)
+from http_message_signatures.exceptions import HTTPMessageSignaturesException
+from nacl.exceptions import BadSignatureError
+from nacl.signing import SigningKey, VerifyKey
+
+from orchestrator.core.errors import Unauthorized
+from orchestrator.core.keys import b64u_decode, is_key_id, key_id_of
+
+ALGORITHM = "ed25519"
+DEFAULT_COMPONENTS: tuple[str, ...] = ("@method", "@target-uri")
+MAX_NONCE_LENGTH = 128
+MAX_SIGNATURE_HEADER = 4096
+
+
+class NaclEd25519(HTTPSignatureAlgorithm):
+    """RFC 9421 ``ed25519`` backed by PyNaCl; keys are raw 32-byte keys or PyNaCl objects."""
+
+    algorithm_id = ALGORITHM
+
+    def __init__(self, public_key: Any = None, private_key: Any = None) -> None:
+        self.public_key = VerifyKey(public_key) if isinstance(public_key, bytes) else public_key
+        self.private_key = SigningKey(private_key) if isinstance(private_key, bytes) else private_key
+
+    def sign(self, message: bytes) -> bytes:
+        return bytes(self.private_key.sign(message).signature)
+
+    def verify(self, signature: bytes, message: bytes) -> None:
+        try:
+            self.public_key.verify(message, signature)
+        except BadSignatureError as exc:
+            raise InvalidSignature("Ed25519 signature does not verify") from exc
+
+
+class _OneKey(HTTPSignatureKeyResolver):
+    def __init__(
+        self, key_id: str, verify_key: VerifyKey | None = None, signing_key: SigningKey | None = None
+    ):
+        self.key_id = key_id
+        self.verify_key = verify_key
+        self.signing_key = signing_key
+
+    def resolve_public_key(self, key_id: str) -> VerifyKey | None:
+        return self.verify_key if key_id == self.key_id else None
+
+    def resolve_private_key(self, key_id: str) -> SigningKey:
+        if key_id != self.key_id or self.signing_key is None:
+            raise KeyError(key_id)
+        return self.signing_key
+
+
+class _Verifier(HTTPMessageVerifier):
+    # Time checks are ours (against the injectable clock, with the configured window),
+    # done before the library sees the message; keep the library's own from interfering.
+    max_clock_skew = dt.timedelta(days=365 * 100)
+
+
+class _HeaderLines:
+    """Header lines in order, exposing ``items()`` as the signature library expects."""
+
+    def __init__(self, lines: list[tuple[str, str]]) -> None:
+        self._lines = lines
+
+    def items(self) -> list[tuple[str, str]]:
+        return self._lines
+
+
+@dataclass
+class _Message:
+    """The request shape the signature library reads: method, absolute URL, header lines."""
+
+    method: str
+    url: str
+    headers: Any
+
+
+@dataclass(frozen=True)
+class SignedRequest:
+    """A request whose signature, digest, time window and nonce all checked out."""
+
+    keyid: str
+    nonce: str
+    created: int
+    covered: tuple[str, ...]
+    method: str
+    target_uri: str
+    signature_input: str
+    signature: str
+    content_digest: str | None
+    body: bytes
+
+
+def _fail(code: str, detail: str) -> Unauthorized:
+    return Unauthorized(detail, code=code, title="Request signature refused")
+
+
+def _parse_dictionary(name: str, value: str) -> dict[str, Any]:
+    if len(value) > MAX_SIGNATURE_HEADER:
+        raise _fail("signature_malformed", f"{name} is longer than {MAX_SIGNATURE_HEADER} bytes")
+    try:
+        parsed = http_sf.parse(value.encode("ascii"), tltype="dictionary")
+    except (ValueError, TypeError, UnicodeEncodeError) as exc:
+        raise _fail("signature_malformed", f"{name} is not a valid structured-field dictionary") from exc
+    if not isinstance(parsed, dict) or not parsed:
+        raise _fail("signature_malformed", f"{name} holds no signature")
+    return parsed
+
+
+@dataclass(frozen=True)
+class _Parsed:
+    label: str
+    components: tuple[str, ...]
+    params: dict[str, Any]
+    signature: bytes
+
+
+def _parse_signature_headers(sig_input: str, sig: str) -> _Parsed:
+    inputs = _parse_dictionary("Signature-Input", sig_input)
+    signatures = _parse_dictionary("Signature", sig)
+    if len(inputs) != 1 or len(signatures) != 1:
+        raise _fail("signature_malformed", "exactly one signature is expected per request")
+    ((label, (members, params)),) = inputs.items()
+    if label not in signatures:
+        raise _fail("signature_malformed", "Signature-Input and Signature use different labels")
+    sig_value, _ = signatures[label]
+    if not isinstance(members, list):
+        raise _fail("signature_malformed", "Signature-Input member must be an inner list of components")
+    components: list[str] = []
+    for item, item_params in members:
+        if not isinstance(item, str) or item_params:
+            raise _fail("signature_malformed", "covered components must be plain strings")
+        components.append(item)
+    if not isinstance(sig_value, bytes):
+        raise _fail("signature_malformed", "Signature member must be a byte sequence")
+    return _Parsed(label=label, components=tuple(components), params=dict(params), signature=sig_value)
+
+
+def _check_params(params: dict[str, Any], *, now: float, window_s: int) -> tuple[str, int, str]:
+    for name in ("keyid", "created", "nonce"):
+        if name not in params:
+            raise _fail("signature_param_missing", f"the signature parameter {name!r} is required")
+    keyid, created, nonce = params["keyid"], params["created"], params["nonce"]
+    if not isinstance(keyid, str) or not isinstance(nonce, str) or type(created) is not int:
+        raise _fail("signature_malformed", "keyid and nonce must be strings, created an integer")
+    if not 8 <= len(nonce) <= MAX_NONCE_LENGTH:
+        raise _fail("signature_malformed", f"nonce must be 8 to {MAX_NONCE_LENGTH} characters")
+    alg = params.get("alg")
+    if alg is not None and alg != ALGORITHM:
+        raise _fail("unsupported_algorithm", f"alg {alg!r} is not supported; use {ALGORITHM!r}")
+    expires = params.get("expires")
+    if expires is not None:
+        if type(expires) is not int:
+            raise _fail("signature_malformed", "expires must be an integer")
+        if expires < now:
+            raise _fail("signature_expired", "the signature's expires time has passed")
+    if created < now - window_s:
+        raise _fail("signature_stale", f"created is more than {window_s} s in the past")
+    if created > now + window_s:
+        raise _fail("signature_from_future", f"created is more than {window_s} s in the future")
+    return keyid, created, nonce
+
+
+def _check_coverage(components: Sequence[str], *, query: str, has_body: bool) -> None:
+    covered = set(components)
+    if "@method" not in covered:
+        raise _fail("signature_coverage_insufficient", "the signature must cover @method")
+    if "@target-uri" not in covered:
+        if "@path" not in covered:
+            raise _fail("signature_coverage_insufficient", "the signature must cover @target-uri or @path")
+        if query and "@query" not in covered:
+            raise _fail("signature_coverage_insufficient", "the signature must cover @query")
+    if has_body and "content-digest" not in covered:
+        raise _fail("signature_coverage_insufficient", "a request with a body must sign content-digest")
+
+
+def target_uri(scope: MutableMapping[str, Any], host: str) -> str:
+    """The absolute request URI as the client addressed it (raw path, raw query)."""
+    raw_path = scope.get("raw_path") or scope["path"].encode()
+    url = f"{scope['scheme']}://{host}{raw_path.decode('latin-1')}"
+    query = scope.get("query_string", b"")
+    return f"{url}?{query.decode('latin-1')}" if query else url
+
+
+def verify_request(
+    *,
+    method: str,
+    url: str,
+    query: str,
+    headers: Iterable[tuple[str, str]],
+    body: bytes,
+    now: float,
+    window_s: int,
+) -> SignedRequest:
+    """Check a request's signature, coverage, time window and digest (not the nonce).
+
+    Raises ``Unauthorized`` with a stable ``code`` on the first failed check.
+    """
+    header_lines = list(headers)
+    lookup: dict[str, list[str]] = {}
+    for name, value in header_lines:
+        lookup.setdefault(name.lower(), []).append(value)
+    sig_input = lookup.get("signature-input")
+    sig = lookup.get("signature")
+    if not sig_input or not sig:
+        raise _fail("signature_missing", "Signature-Input and Signature headers are required")
+    parsed = _parse_signature_headers(", ".join(sig_input), ", ".join(sig))
+    keyid, created, nonce = _check_params(parsed.params, now=now, window_s=window_s)
+    digest_values = lookup.get("content-digest")
+    if body and not digest_values:
+        raise _fail("digest_missing", "a request with a body must carry a Content-Digest header")
+    _check_coverage(parsed.components, query=query, has_body=bool(body))
+    if not is_key_id(keyid):
+        raise _fail("unknown_key", "keyid is not a base64url Ed25519 public key")
+    digest = ", ".join(digest_values) if digest_values else None
+    if digest is not None:
+        try:
+            ContentDigest.verify(digest, body)
+        except InvalidSignature as exc:
+            code = "digest_mismatch" if "does not match" in str(exc) else "digest_malformed"
+            raise _fail(code, f"Content-Digest: {exc}") from exc
+    verifier = _Verifier(
+        signature_algorithm=NaclEd25519,
+        key_resolver=_OneKey(keyid, verify_key=VerifyKey(b64u_decode(keyid))),
+    )
+    try:
+        verifier.verify(_Message(method=method, url=url, headers=_HeaderLines(header_lines)), max_age=None)
+    except (InvalidSignature, HTTPMessageSignaturesException) as exc:
+        raise _fail("signature_invalid", "the signature does not verify for this request") from exc
+    return SignedRequest(
+        keyid=keyid,
+        nonce=nonce,
+        created=created,
+        covered=parsed.components,
+        method=method,
+        target_uri=url,
+        signature_input=", ".join(sig_input),
+        signature=", ".join(sig),
+        content_digest=digest,
+        body=body,
+    )
+
+
+# ---------------------------------------------------------------- client side
+
+
+class _HeaderMap(dict[str, str]):
+    """A plain header dict the library can read and write."""
+
+
+def sign_headers(
+    key: SigningKey,
+    *,
+    method: str,
+    url: str,
+    body: bytes = b"",
+    headers: dict[str, str] | None = None,
+    components: Sequence[str] = DEFAULT_COMPONENTS,
+    created: int | None = None,
+    nonce: str | None = None,
+    expires: int | None = None,
+) -> dict[str, str]:
+    """Return the headers (Content-Digest, Signature-Input, Signature) for one request."""
+    keyid = key_id_of(key)
+    out = _HeaderMap(headers or {})
+    signer = HTTPMessageSigner(signature_algorithm=NaclEd25519, key_resolver=_OneKey(keyid, signing_key=key))
+    signer.sign(
+        _Message(method=method.upper(), url=url, headers=out),
+        key_id=keyid,
+        created=dt.datetime.fromtimestamp(created, dt.UTC) if created is not None else None,
+        expires=dt.datetime.fromtimestamp(expires, dt.UTC) if expires is not None else None,
+        nonce=nonce if nonce is not None else secrets.token_urlsafe(16),
+        covered_component_ids=tuple(components),
+        body=body if body else None,
+    )
+    return dict(out)
+
+
+class SignatureAuth(httpx.Auth):
+    """httpx auth that signs every request with one Ed25519 key."""
+
+    requires_request_body = True
+
+    def __init__(self, key: SigningKey, components: Sequence[str] = DEFAULT_COMPONENTS) -> None:
+        self.key = key
+        self.components = tuple(components)
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        body = request.content
+        for name in ("Signature-Input", "Signature", "Content-Digest"):
+            request.headers.pop(name, None)
+        request.headers.update(
+            sign_headers(
+                self.key, method=request.method, url=str(request.url), body=body, components=self.components
+            )
+        )
+        yield request

@@ -1,0 +1,44 @@
+"""Process-wide resources, made in the FastAPI lifespan and closed there."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Annotated, cast
+
+from fastapi import Depends, Request
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from orchestrator.core.clock import Clock
+from orchestrator.core.hotstore import HotStore
+from orchestrator.settings import Settings
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    engine: AsyncEngine
+    sessionmaker: async_sessionmaker[AsyncSession]
+    hot_store: HotStore
+    clock: Clock
+    instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+
+
+def get_state(request: Request) -> AppState:
+    return cast(AppState, request.app.state.orch)
+
+
+State = Annotated[AppState, Depends(get_state)]
+
+
+async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
+    """The request's one transaction: committed after the handler, rolled back on error."""
+    state = get_state(request)
+    async with state.sessionmaker() as session, session.begin():
+        yield session
+
+
+# scope="function": commit before the response is sent, so a failed commit is never reported as success.
+Session = Annotated[AsyncSession, Depends(get_session, scope="function")]

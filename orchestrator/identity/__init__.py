@@ -1,0 +1,1 @@
+"""Providers and their nodes: registration, identity and the node registry."""

@@ -1,0 +1,94 @@
+"""Contributor authentication: RFC 9421 signed requests, resolved to a provider or node.
+
+``signed_request`` checks the signature (``orchestrator.core.signing``) and claims the
+nonce in the hot store; ``current_node`` and ``current_provider`` then load the signer,
+so a handler can only ever act as the identity that signed.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import structlog
+from fastapi import Depends, Request, Security
+from fastapi.security import APIKeyHeader
+
+from orchestrator.core.errors import Forbidden, Unauthorized
+from orchestrator.core.signing import SignedRequest, target_uri, verify_request
+from orchestrator.core.state import Session, State
+from orchestrator.identity import repository as repo
+from orchestrator.identity.models import Node, NodeStatus, Provider
+
+# Declares the scheme in the OpenAPI document; the checks are ours (auto_error=False).
+signature_scheme = APIKeyHeader(
+    name="Signature",
+    scheme_name="HttpMessageSignature",
+    description=(
+        "RFC 9421 HTTP Message Signature, algorithm ed25519. Send Signature-Input and Signature, "
+        "and Content-Digest (RFC 9530) with any body. Parameters keyid, created and nonce are "
+        "required; @method and @target-uri (or @path and @query) must be covered, plus "
+        "content-digest when there is a body. See PROTOCOL.md."
+    ),
+    auto_error=False,
+)
+
+
+async def signed_request(
+    request: Request, state: State, _scheme: Annotated[str | None, Security(signature_scheme)] = None
+) -> SignedRequest:
+    body = await request.body()
+    host = request.headers.get("host") or (
+        f"{request.url.hostname}:{request.url.port}" if request.url.port else str(request.url.hostname)
+    )
+    signed = verify_request(
+        method=request.method,
+        url=target_uri(request.scope, host),
+        query=request.url.query,
+        headers=request.headers.items(),
+        body=body,
+        now=state.clock.now(),
+        window_s=state.settings.signature.window_s,
+    )
+    if not await state.hot_store.claim_nonce(
+        signed.keyid, signed.nonce, state.settings.signature.effective_nonce_ttl_s
+    ):
+        raise Unauthorized(
+            "this nonce was already used with this key",
+            code="nonce_replayed",
+            title="Request signature refused",
+        )
+    structlog.contextvars.bind_contextvars(keyid=signed.keyid)
+    return signed
+
+
+Signed = Annotated[SignedRequest, Depends(signed_request)]
+
+
+async def current_node(signed: Signed, session: Session) -> Node:
+    node = await repo.get_node(session, signed.keyid)
+    if node is None:
+        raise Unauthorized(
+            "no node is registered with this key", code="unknown_key", title="Request signature refused"
+        )
+    if node.status == NodeStatus.banned:
+        raise Forbidden("this node is banned", code="node_banned")
+    structlog.contextvars.bind_contextvars(node_id=node.id)
+    return node
+
+
+async def current_provider(signed: Signed, session: Session) -> Provider:
+    provider = await repo.get_provider(session, signed.keyid)
+    if provider is None:
+        raise Unauthorized(
+            "no provider is registered with this key", code="unknown_key", title="Request signature refused"
+        )
+    structlog.contextvars.bind_contextvars(provider_id=provider.id)
+    return provider
+
+
+CurrentNode = Annotated[Node, Depends(current_node)]
+CurrentProvider = Annotated[Provider, Depends(current_provider)]
+
+
+def client_ip(request: Request) -> str:
+    return request.client.host if request.client else "unknown"

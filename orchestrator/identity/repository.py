@@ -1,0 +1,117 @@
+"""SQL for providers, nodes and status history."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from sqlalchemy import func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from orchestrator.core.db import utcnow
+from orchestrator.core.sql import insert_ignore
+from orchestrator.identity.models import Node, NodeStatusChange, Provider
+
+
+async def get_provider(session: AsyncSession, provider_id: str) -> Provider | None:
+    return await session.get(Provider, provider_id)
+
+
+async def insert_provider(
+    session: AsyncSession, provider_id: str, display_name: str | None, ip: str | None
+) -> bool:
+    return await insert_ignore(
+        session,
+        Provider,
+        {"id": provider_id, "display_name": display_name, "registered_ip": ip, "created_at": utcnow()},
+    )
+
+
+async def get_node(session: AsyncSession, node_id: str, *, for_update: bool = False) -> Node | None:
+    stmt = select(Node).where(Node.id == node_id)
+    if for_update:
+        stmt = stmt.with_for_update()
+    return (await session.execute(stmt)).scalar_one_or_none()
+
+
+async def insert_node(session: AsyncSession, values: Mapping[str, object]) -> bool:
+    now = utcnow()
+    return await insert_ignore(
+        session, Node, {**values, "status_changed_at": now, "created_at": now, "updated_at": now}
+    )
+
+
+async def transition(
+    session: AsyncSession,
+    node_ids: Sequence[str],
+    *,
+    from_statuses: Sequence[str],
+    to_status: str,
+    reason: str,
+    actor: str,
+) -> list[str]:
+    """Move nodes currently in ``from_statuses`` to ``to_status``, recording history.
+
+    Conditional, so concurrent callers never record one change twice. Returns the ids moved.
+    """
+    if not node_ids:
+        return []
+    current = (
+        await session.execute(
+            select(Node.id, Node.status)
+            .where(Node.id.in_(node_ids), Node.status.in_(from_statuses))
+            .with_for_update()
+        )
+    ).all()
+    if not current:
+        return []
+    now = utcnow()
+    moved = (
+        (
+            await session.execute(
+                update(Node)
+                .where(Node.id.in_([row.id for row in current]), Node.status.in_(from_statuses))
+                .values(status=to_status, status_changed_at=now, updated_at=now)
+                .returning(Node.id)
+            )
+        )
+        .scalars()
+        .all()
+    )
+    moved_set = set(moved)
+    session.add_all(
+        NodeStatusChange(
+            node_id=row.id, from_status=row.status, to_status=to_status, reason=reason, actor=actor, at=now
+        )
+        for row in current
+        if row.id in moved_set
+    )
+    await session.flush()
+    return list(moved)
+
+
+async def status_history(session: AsyncSession, node_id: str, limit: int = 100) -> list[NodeStatusChange]:
+    stmt = (
+        select(NodeStatusChange)
+        .where(NodeStatusChange.node_id == node_id)
+        .order_by(NodeStatusChange.id.desc())
+        .limit(limit)
+    )
+    return list((await session.execute(stmt)).scalars())
+
+
+async def list_nodes(
+    session: AsyncSession, *, status: str | None, provider_id: str | None, after: str | None, limit: int
+) -> list[Node]:
+    stmt = select(Node).order_by(Node.id).limit(limit)
+    if status is not None:
+        stmt = stmt.where(Node.status == status)
+    if provider_id is not None:
+        stmt = stmt.where(Node.provider_id == provider_id)
+    if after is not None:
+        stmt = stmt.where(Node.id > after)
+    return list((await session.execute(stmt)).scalars())
+
+
+async def count_by_status(session: AsyncSession) -> dict[str, int]:
+    rows = (await session.execute(select(Node.status, func.count()).group_by(Node.status))).all()
+    return {status: int(count) for status, count in rows}

@@ -1,0 +1,76 @@
+"""Contributor endpoints for providers and nodes (all signed, PROTOCOL.md)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+
+from api_schemas.common import PROBLEM_RESPONSES
+from api_schemas.identity import NodeOut, NodeRegister, ProviderOut, ProviderRegister
+from orchestrator.core import ratelimit
+from orchestrator.core.state import Session, State
+from orchestrator.identity import service
+from orchestrator.identity.auth import CurrentNode, Signed, client_ip
+
+router = APIRouter(prefix="/v1", tags=["contributors"], responses=PROBLEM_RESPONSES)
+
+
+async def _limit_registration(state: State, request: Request, keyid: str) -> None:
+    limits = state.settings.limits
+    await ratelimit.enforce(
+        state,
+        f"ip:register:{client_ip(request)}",
+        limit=limits.registration_per_ip,
+        window_s=limits.registration_window_s,
+    )
+    await ratelimit.enforce(
+        state,
+        f"key:register:{keyid}",
+        limit=limits.registration_per_key,
+        window_s=limits.registration_window_s,
+    )
+
+
+@router.post(
+    "/providers",
+    response_model=ProviderOut,
+    status_code=201,
+    summary="Register a provider (idempotent; signed by the provider key)",
+    responses={200: {"model": ProviderOut, "description": "Already registered"}},
+)
+async def register_provider(
+    body: ProviderRegister,
+    signed: Signed,
+    request: Request,
+    response: Response,
+    session: Session,
+    state: State,
+) -> ProviderOut:
+    await _limit_registration(state, request, signed.keyid)
+    provider, created = await service.register_provider(
+        session, signed.keyid, body.display_name, client_ip(request)
+    )
+    if not created:
+        response.status_code = 200
+    return service.provider_out(provider)
+
+
+@router.post(
+    "/nodes",
+    response_model=NodeOut,
+    status_code=201,
+    summary="Register a node (idempotent; signed by the node key, attested by its provider)",
+    responses={200: {"model": NodeOut, "description": "Already registered; specs and version updated"}},
+)
+async def register_node(
+    body: NodeRegister, signed: Signed, request: Request, response: Response, session: Session, state: State
+) -> NodeOut:
+    await _limit_registration(state, request, signed.keyid)
+    node, created = await service.register_node(session, signed.keyid, body, client_ip(request))
+    if not created:
+        response.status_code = 200
+    return await service.node_out(state, node)
+
+
+@router.get("/nodes/me", response_model=NodeOut, summary="The signing node's own record")
+async def get_me(node: CurrentNode, state: State) -> NodeOut:
+    return await service.node_out(state, node)

@@ -1,0 +1,99 @@
+"""Rules for registering providers and nodes."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from api_schemas.identity import NodeOut, NodeRegister, NodeSpecs, ProviderOut
+from orchestrator.core.errors import Conflict, Forbidden, NotFound
+from orchestrator.core.keys import verify_attestation
+from orchestrator.core.state import AppState
+from orchestrator.identity import repository as repo
+from orchestrator.identity.models import Node, NodeStatus, Provider
+
+
+def provider_out(provider: Provider) -> ProviderOut:
+    return ProviderOut(id=provider.id, display_name=provider.display_name, created_at=provider.created_at)
+
+
+async def node_out(state: AppState, node: Node) -> NodeOut:
+    last = await state.hot_store.last_beat(node.id)
+    return NodeOut(
+        id=node.id,
+        provider_id=node.provider_id,
+        specs=NodeSpecs(
+            gpu_model=node.gpu_model,
+            gpu_count=node.gpu_count,
+            gpu_memory_mb=node.gpu_memory_mb,
+            cpu_cores=node.cpu_cores,
+            ram_mb=node.ram_mb,
+        ),
+        version=node.version,
+        status=node.status,
+        status_changed_at=node.status_changed_at,
+        created_at=node.created_at,
+        last_heartbeat_at=dt.datetime.fromtimestamp(last, dt.UTC) if last is not None else None,
+    )
+
+
+async def register_provider(
+    session: AsyncSession, provider_id: str, display_name: str | None, ip: str
+) -> tuple[Provider, bool]:
+    """Idempotent: the same key again returns the existing record (created=False)."""
+    created = await repo.insert_provider(session, provider_id, display_name, ip)
+    provider = await repo.get_provider(session, provider_id)
+    assert provider is not None
+    return provider, created
+
+
+async def register_node(
+    session: AsyncSession, node_id: str, body: NodeRegister, ip: str
+) -> tuple[Node, bool]:
+    """Register a node under its provider; re-registering updates specs and version."""
+    if await repo.get_provider(session, body.provider_id) is None:
+        raise NotFound(
+            "the provider is not registered; register it first (POST /v1/providers)",
+            code="provider_not_found",
+        )
+    if not verify_attestation(body.provider_id, node_id, body.attestation):
+        raise Forbidden(
+            "the attestation is not the provider's signature over this node id", code="attestation_invalid"
+        )
+    values = {
+        "id": node_id,
+        "provider_id": body.provider_id,
+        "attestation": body.attestation,
+        "gpu_model": body.specs.gpu_model,
+        "gpu_count": body.specs.gpu_count,
+        "gpu_memory_mb": body.specs.gpu_memory_mb,
+        "cpu_cores": body.specs.cpu_cores,
+        "ram_mb": body.specs.ram_mb,
+        "version": body.version,
+        "ip_address": ip,
+        "status": NodeStatus.waiting.value,
+    }
+    created = await repo.insert_node(session, values)
+    node = await repo.get_node(session, node_id, for_update=not created)
+    assert node is not None
+    if node.provider_id != body.provider_id:
+        raise Conflict(
+            "this node key is already bound to another provider", code="node_bound_to_other_provider"
+        )
+    if node.status == NodeStatus.banned:
+        raise Forbidden("this node is banned", code="node_banned")
+    if not created:
+        for field in (
+            "attestation",
+            "gpu_model",
+            "gpu_count",
+            "gpu_memory_mb",
+            "cpu_cores",
+            "ram_mb",
+            "version",
+            "ip_address",
+        ):
+            setattr(node, field, values[field])
+        await session.flush()
+    return node, created

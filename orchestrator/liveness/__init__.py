@@ -1,0 +1,1 @@
+"""Heartbeats and the liveness sweeper: healthy -> unhealthy -> dead."""

@@ -1,0 +1,22 @@
+"""POST /v1/nodes/me/heartbeat."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from api_schemas.common import PROBLEM_RESPONSES
+from api_schemas.identity import HeartbeatIn, HeartbeatOut
+from orchestrator.core.state import Session, State
+from orchestrator.identity.auth import CurrentNode
+from orchestrator.liveness import service
+
+router = APIRouter(prefix="/v1", tags=["contributors"], responses=PROBLEM_RESPONSES)
+
+
+@router.post(
+    "/nodes/me/heartbeat",
+    response_model=HeartbeatOut,
+    summary="Report liveness (hot store only; no SQL write unless the status changes)",
+)
+async def heartbeat(body: HeartbeatIn, node: CurrentNode, session: Session, state: State) -> HeartbeatOut:
+    return await service.heartbeat(session, state, node, body)

@@ -1,0 +1,130 @@
+"""Configuration: one ``Settings`` object, read from ``ORCH_*`` environment variables.
+
+Nested groups use a double underscore: ``ORCH_DB__URL``, ``ORCH_REDIS__URL``,
+``ORCH_HEARTBEAT__INTERVAL_S``. See the README's configuration table.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Literal
+
+from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PLACEHOLDER_SECRETS = {"", "change-me", "changeme", "dev-secret", "secret", "placeholder"}
+DEV_SEED_SECRET = "dev-secret"  # noqa: S105 - the dev placeholder, refused in prod
+
+
+class DatabaseSettings(BaseModel):
+    url: str = Field(
+        default="sqlite+aiosqlite:///./orchestrator.db",
+        description="SQLAlchemy async URL: sqlite+aiosqlite:///path or postgresql+asyncpg://user@host/db",
+    )
+    pool_size: int = Field(default=10, ge=1, le=200)
+    max_overflow: int = Field(default=20, ge=0, le=500)
+    echo: bool = False
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.url.startswith("sqlite")
+
+
+class RedisSettings(BaseModel):
+    url: SecretStr | None = Field(
+        default=None,
+        description="redis://host:port/db. Unset: the in-process hot store (single process only).",
+    )
+    prefix: str = Field(
+        default="orch:", description="Key prefix, so several deployments can share one Redis."
+    )
+
+
+class SignatureSettings(BaseModel):
+    window_s: int = Field(default=300, ge=5, le=3600, description="Accepted |server time - created|.")
+    nonce_ttl_s: int = Field(
+        default=0,
+        ge=0,
+        description="How long a nonce is remembered; 0 means twice the window (covers past and future skew).",
+    )
+
+    @property
+    def effective_nonce_ttl_s(self) -> int:
+        return self.nonce_ttl_s or 2 * self.window_s + 1
+
+
+class LimitSettings(BaseModel):
+    max_body_bytes: int = Field(default=1_048_576, ge=1024, description="Largest request body in general.")
+    max_result_body_bytes: int = Field(
+        default=10_485_760, ge=1024, description="Largest result submission body (proofs included)."
+    )
+    registration_per_ip: int = Field(default=60, ge=1, description="Registrations per IP per window.")
+    registration_per_key: int = Field(default=20, ge=1, description="Registrations per key per window.")
+    registration_window_s: int = Field(default=60, ge=1)
+
+
+class HeartbeatSettings(BaseModel):
+    interval_s: float = Field(default=10.0, gt=0, le=3600, description="Interval told to workers.")
+    unhealthy_after_missed: int = Field(default=3, ge=1, description="Missed intervals before unhealthy.")
+    dead_after_missed: int = Field(default=9, ge=2, description="Missed intervals before dead.")
+    sweep_interval_s: float = Field(default=5.0, gt=0, description="How often the liveness sweeper ticks.")
+
+    @model_validator(mode="after")
+    def _dead_after_unhealthy(self) -> HeartbeatSettings:
+        if self.dead_after_missed <= self.unhealthy_after_missed:
+            raise ValueError("dead_after_missed must be greater than unhealthy_after_missed")
+        return self
+
+    @property
+    def unhealthy_after_s(self) -> float:
+        return self.interval_s * self.unhealthy_after_missed
+
+    @property
+    def dead_after_s(self) -> float:
+        return self.interval_s * self.dead_after_missed
+
+
+class ServerSettings(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    workers: int = Field(default=1, ge=1, le=64)
+    migrate_on_start: bool = True
+    background_loops: bool = Field(
+        default=True, description="Run the sweeper and other loops in this process."
+    )
+    trust_proxy_headers: bool = False
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="ORCH_", env_nested_delimiter="__", env_file=None, extra="ignore"
+    )
+
+    env: Literal["dev", "test", "prod"] = "dev"
+    log_level: str = "INFO"
+    log_json: bool = True
+    seed_secret: SecretStr = Field(
+        default=SecretStr(DEV_SEED_SECRET),
+        description="Server secret for task seeds; must be set to a real value outside dev.",
+    )
+    db: DatabaseSettings = DatabaseSettings()
+    redis: RedisSettings = RedisSettings()
+    signature: SignatureSettings = SignatureSettings()
+    limits: LimitSettings = LimitSettings()
+    heartbeat: HeartbeatSettings = HeartbeatSettings()
+    server: ServerSettings = ServerSettings()
+
+    @model_validator(mode="after")
+    def _no_placeholder_secrets_in_prod(self) -> Settings:
+        if self.env == "prod" and self.seed_secret.get_secret_value().lower() in PLACEHOLDER_SECRETS:
+            raise ValueError("ORCH_SEED_SECRET must be set to a real secret when ORCH_ENV=prod")
+        return self
+
+    @property
+    def redis_url(self) -> str | None:
+        return self.redis.url.get_secret_value() if self.redis.url is not None else None
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()
