@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 
@@ -94,8 +94,7 @@ class RedisHotStore:
 
     async def record_beat(self, node_id: str, at: float, metrics: Mapping[str, str], ttl_s: int) -> None:
         hb = self._k("hb", node_id)
-        mapping: dict[str | bytes, str | bytes | int | float] = {"at": repr(at)}
-        mapping.update(metrics)
+        mapping: dict[Any, Any] = {"at": repr(at), **metrics}
         async with self._r.pipeline(transaction=True) as pipe:
             pipe.zadd(self._k("live", HEALTHY), {node_id: at})
             pipe.zrem(self._k("live", UNHEALTHY), node_id)

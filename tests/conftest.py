@@ -1,0 +1,274 @@
+"""Test fixtures: a real database and hot store per run, a fresh app per test.
+
+Backends come from the environment, so the same suite runs twice in CI:
+
+* ``ORCH_TEST_DATABASE_URL``: unset -> a SQLite file in a temporary directory;
+  ``postgresql+asyncpg://...`` -> that database (its ``public`` schema is rebuilt).
+* ``ORCH_TEST_REDIS_URL``: unset -> the in-process hot store; ``redis://...`` -> Redis,
+  every test under its own key prefix.
+
+An unreachable backend that was asked for fails the run; nothing is skipped silently.
+Tests commit for real (concurrency tests need separate connections), and every table is
+emptied after each test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from asgi_lifespan import LifespanManager
+from nacl.signing import SigningKey
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from orchestrator.all_models import Base
+from orchestrator.app import create_app
+from orchestrator.core.clock import FakeClock
+from orchestrator.core.hotstore import HotStore, MemoryHotStore, RedisHotStore
+from orchestrator.core.keys import attest_node, generate_key, key_id_of
+from orchestrator.core.migrate import upgrade
+from orchestrator.core.signing import SignatureAuth
+from orchestrator.settings import (
+    DatabaseSettings,
+    HeartbeatSettings,
+    RedisSettings,
+    ServerSettings,
+    Settings,
+)
+
+DATABASE_URL = os.environ.get("ORCH_TEST_DATABASE_URL")
+REDIS_URL = os.environ.get("ORCH_TEST_REDIS_URL")
+IS_POSTGRES = bool(DATABASE_URL and DATABASE_URL.startswith("postgresql"))
+
+postgres_only = pytest.mark.postgres_only
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if IS_POSTGRES:
+        return
+    skip = pytest.mark.skip(reason="needs PostgreSQL (set ORCH_TEST_DATABASE_URL); runs in the PostgreSQL CI pass")
+    for item in items:
+        if "postgres_only" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"orchestrator backends: database={DATABASE_URL or 'sqlite (temp file)'}, hot store={REDIS_URL or 'in-process'}"
+
+
+async def _reset_postgres(url: str) -> None:
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(text("DROP SCHEMA IF EXISTS public CASCADE"))
+            await conn.execute(text("CREATE SCHEMA public"))
+    finally:
+        await engine.dispose()
+
+
+async def _check_redis(url: str) -> None:
+    client = aioredis.Redis.from_url(url, socket_connect_timeout=3)
+    try:
+        await client.ping()
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture(scope="session")
+def database_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    if DATABASE_URL:
+        try:
+            asyncio.run(_reset_postgres(DATABASE_URL))
+        except Exception as exc:  # fail loudly: the run asked for this database
+            pytest.exit(f"ORCH_TEST_DATABASE_URL={DATABASE_URL} is unreachable: {exc!r}", returncode=3)
+        url = DATABASE_URL
+    else:
+        url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('db') / 'test.db'}"
+    if REDIS_URL:
+        try:
+            asyncio.run(_check_redis(REDIS_URL))
+        except Exception as exc:
+            pytest.exit(f"ORCH_TEST_REDIS_URL={REDIS_URL} is unreachable: {exc!r}", returncode=3)
+    upgrade(url)
+    return url
+
+
+async def _empty_tables(url: str) -> None:
+    engine = create_async_engine(url)
+    tables = [t.name for t in reversed(Base.metadata.sorted_tables)]
+    try:
+        async with engine.begin() as conn:
+            if url.startswith("postgresql"):
+                await conn.execute(text(f"TRUNCATE {', '.join(tables)} RESTART IDENTITY CASCADE"))
+            else:
+                for name in tables:
+                    await conn.execute(text(f"DELETE FROM {name}"))
+    finally:
+        await engine.dispose()
+
+
+async def _drop_prefix(url: str, prefix: str) -> None:
+    client = aioredis.Redis.from_url(url)
+    try:
+        keys = [k async for k in client.scan_iter(match=prefix + "*", count=1000)]
+        if keys:
+            await client.delete(*keys)
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture
+def redis_prefix() -> str:
+    return f"test:{uuid.uuid4().hex[:12]}:"
+
+
+@pytest.fixture
+def settings(database_url: str, redis_prefix: str) -> Settings:
+    return Settings(
+        env="test",
+        log_level="WARNING",
+        db=DatabaseSettings(url=database_url, pool_size=20, max_overflow=40),
+        redis=RedisSettings(url=REDIS_URL, prefix=redis_prefix),  # type: ignore[arg-type]
+        heartbeat=HeartbeatSettings(interval_s=10, unhealthy_after_missed=3, dead_after_missed=9,
+                                    sweep_interval_s=5),
+        server=ServerSettings(background_loops=False, migrate_on_start=False),
+    )
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+async def hot_store(settings: Settings) -> AsyncIterator[HotStore]:
+    """One hot store per test; shared by every app instance the test builds (like one Redis)."""
+    store: HotStore
+    if REDIS_URL:
+        store = RedisHotStore.from_url(REDIS_URL, settings.redis.prefix)
+    else:
+        store = MemoryHotStore()
+    yield store
+    await store.aclose()
+    if REDIS_URL:
+        await _drop_prefix(REDIS_URL, settings.redis.prefix)
+
+
+@pytest.fixture(autouse=True)
+def _clean_database(database_url: str) -> Iterator[None]:
+    yield
+    asyncio.run(_empty_tables(database_url))
+
+
+@pytest.fixture
+async def app(settings: Settings, clock: FakeClock, hot_store: HotStore) -> AsyncIterator[Any]:
+    application = create_app(settings, clock=clock, hot_store=hot_store)
+    async with LifespanManager(application) as manager:
+        yield manager.app
+
+
+@pytest.fixture
+async def client(app: Any) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as c:
+        yield c
+
+
+@pytest.fixture
+def app_state(app: Any) -> Any:
+    return app.state.orch
+
+
+# ------------------------------------------------------------------ contributors
+
+GPU_SPECS = {"gpu_model": "NVIDIA H100 80GB HBM3", "gpu_count": 1, "gpu_memory_mb": 81559,
+             "cpu_cores": 16, "ram_mb": 131072}
+
+
+@dataclass
+class Contributor:
+    """A provider key and one node key, with signing helpers."""
+
+    provider_key: SigningKey
+    node_key: SigningKey
+
+    @property
+    def provider_id(self) -> str:
+        return key_id_of(self.provider_key)
+
+    @property
+    def node_id(self) -> str:
+        return key_id_of(self.node_key)
+
+    @property
+    def node_auth(self) -> SignatureAuth:
+        return SignatureAuth(self.node_key)
+
+    @property
+    def provider_auth(self) -> SignatureAuth:
+        return SignatureAuth(self.provider_key)
+
+    def node_body(self, **overrides: Any) -> dict[str, Any]:
+        return {"provider_id": self.provider_id, "attestation": attest_node(self.provider_key, self.node_id),
+                "specs": dict(GPU_SPECS), "version": "0.1.0", **overrides}
+
+    async def register(self, client: httpx.AsyncClient) -> None:
+        r = await client.post("/v1/providers", json={"display_name": "test provider"}, auth=self.provider_auth)
+        assert r.status_code in (200, 201), r.text
+        r = await client.post("/v1/nodes", json=self.node_body(), auth=self.node_auth)
+        assert r.status_code in (200, 201), r.text
+
+    async def beat(self, client: httpx.AsyncClient, **body: Any) -> httpx.Response:
+        return await client.post("/v1/nodes/me/heartbeat", json=body, auth=self.node_auth)
+
+
+def new_contributor(provider_key: SigningKey | None = None) -> Contributor:
+    return Contributor(provider_key=provider_key or generate_key(), node_key=generate_key())
+
+
+@pytest.fixture
+async def contributor(client: httpx.AsyncClient) -> Contributor:
+    c = new_contributor()
+    await c.register(client)
+    return c
+
+
+# ------------------------------------------------------------------ operators
+
+async def make_token(app_state: Any, role: str, name: str = "test") -> str:
+    from orchestrator.admin.tokens import Role, create_token
+
+    async with app_state.sessionmaker() as session, session.begin():
+        token, _ = await create_token(session, role=Role(role), name=name)
+    return token
+
+
+@pytest.fixture
+async def admin_headers(app_state: Any) -> dict[str, str]:
+    return {"Authorization": f"Bearer {await make_token(app_state, 'admin')}"}
+
+
+@pytest.fixture
+async def operator_headers(app_state: Any) -> dict[str, str]:
+    return {"Authorization": f"Bearer {await make_token(app_state, 'operator')}"}
+
+
+def problem(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
+    """Assert an RFC 9457 problem with this status and code; return its body."""
+    assert response.status_code == status, (response.status_code, response.text)
+    assert response.headers["content-type"].startswith("application/problem+json"), response.headers
+    body = response.json()
+    assert body["status"] == status and body["code"] == code, body
+    assert body["type"].endswith("/" + code) and body["title"] and body["detail"]
+    return body
+
+
+ROOT = Path(__file__).resolve().parent.parent

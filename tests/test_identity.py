@@ -1,0 +1,96 @@
+"""Provider and node registration, GET /v1/nodes/me."""
+
+from __future__ import annotations
+
+import httpx
+
+from orchestrator.core.keys import attest_node, generate_key
+from tests.conftest import Contributor, new_contributor, problem
+
+
+async def test_provider_registration_is_idempotent(client: httpx.AsyncClient) -> None:
+    c = new_contributor()
+    first = await client.post("/v1/providers", json={"display_name": "lab"}, auth=c.provider_auth)
+    assert first.status_code == 201
+    assert first.json()["id"] == c.provider_id
+    again = await client.post("/v1/providers", json={"display_name": "lab"}, auth=c.provider_auth)
+    assert again.status_code == 200
+    assert again.json() == first.json()
+
+
+async def test_node_registration_then_me(client: httpx.AsyncClient, contributor: Contributor) -> None:
+    r = await client.get("/v1/nodes/me", auth=contributor.node_auth)
+    assert r.status_code == 200
+    body = r.json()
+    assert body["id"] == contributor.node_id
+    assert body["provider_id"] == contributor.provider_id
+    assert body["status"] == "waiting"
+    assert body["specs"]["gpu_count"] == 1
+
+
+async def test_reregistering_a_node_updates_specs_and_is_idempotent(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    body = contributor.node_body(version="0.2.0")
+    r = await client.post("/v1/nodes", json=body, auth=contributor.node_auth)
+    assert r.status_code == 200
+    assert r.json()["version"] == "0.2.0"
+
+
+async def test_node_key_bound_to_another_provider_conflicts(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    other = new_contributor()
+    r = await client.post("/v1/providers", json={}, auth=other.provider_auth)
+    assert r.status_code == 201
+    body = {**contributor.node_body(), "provider_id": other.provider_id,
+            "attestation": attest_node(other.provider_key, contributor.node_id)}
+    problem(await client.post("/v1/nodes", json=body, auth=contributor.node_auth), 409,
+            "node_bound_to_other_provider")
+
+
+async def test_attestation_must_be_the_providers(client: httpx.AsyncClient) -> None:
+    c = new_contributor()
+    assert (await client.post("/v1/providers", json={}, auth=c.provider_auth)).status_code == 201
+    forged = attest_node(generate_key(), c.node_id)
+    problem(await client.post("/v1/nodes", json=c.node_body(attestation=forged), auth=c.node_auth), 403,
+            "attestation_invalid")
+    # and nothing was registered
+    problem(await client.get("/v1/nodes/me", auth=c.node_auth), 401, "unknown_key")
+
+
+async def test_node_needs_a_registered_provider(client: httpx.AsyncClient) -> None:
+    c = new_contributor()
+    problem(await client.post("/v1/nodes", json=c.node_body(), auth=c.node_auth), 404, "provider_not_found")
+
+
+async def test_specs_are_validated(client: httpx.AsyncClient) -> None:
+    c = new_contributor()
+    assert (await client.post("/v1/providers", json={}, auth=c.provider_auth)).status_code == 201
+    bad_specs = [
+        {"gpu_model": "H100", "gpu_count": 65, "gpu_memory_mb": 80000, "cpu_cores": 8, "ram_mb": 4096},
+        {"gpu_model": "H100", "gpu_count": 1, "gpu_memory_mb": -1, "cpu_cores": 8, "ram_mb": 4096},
+        {"gpu_model": None, "gpu_count": 2, "gpu_memory_mb": 80000, "cpu_cores": 8, "ram_mb": 4096},
+        {"gpu_model": "H100", "gpu_count": 1, "gpu_memory_mb": 80000, "cpu_cores": 0, "ram_mb": 4096},
+        {"gpu_model": "H100", "gpu_count": 1, "gpu_memory_mb": 80000, "cpu_cores": 8, "ram_mb": 1},
+        {"gpu_model": "H100\n", "gpu_count": 1, "gpu_memory_mb": 80000, "cpu_cores": 8, "ram_mb": 4096},
+        {"gpu_model": "H100", "gpu_count": 1, "gpu_memory_mb": 80000, "cpu_cores": 8, "ram_mb": 4096,
+         "extra": 1},
+    ]
+    for specs in bad_specs:
+        body = problem(await client.post("/v1/nodes", json=c.node_body(specs=specs), auth=c.node_auth), 422,
+                       "validation_failed")
+        assert body["errors"], body
+    problem(await client.get("/v1/nodes/me", auth=c.node_auth), 401, "unknown_key")
+
+
+async def test_cpu_only_node_is_accepted(client: httpx.AsyncClient) -> None:
+    c = new_contributor()
+    assert (await client.post("/v1/providers", json={}, auth=c.provider_auth)).status_code == 201
+    specs = {"gpu_model": None, "gpu_count": 0, "gpu_memory_mb": 0, "cpu_cores": 4, "ram_mb": 8192}
+    r = await client.post("/v1/nodes", json=c.node_body(specs=specs), auth=c.node_auth)
+    assert r.status_code == 201, r.text
+
+
+async def test_a_provider_key_cannot_act_as_a_node(client: httpx.AsyncClient, contributor: Contributor) -> None:
+    problem(await client.get("/v1/nodes/me", auth=contributor.provider_auth), 401, "unknown_key")
