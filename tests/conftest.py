@@ -55,7 +55,9 @@ postgres_only = pytest.mark.postgres_only
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if IS_POSTGRES:
         return
-    skip = pytest.mark.skip(reason="needs PostgreSQL (set ORCH_TEST_DATABASE_URL); runs in the PostgreSQL CI pass")
+    skip = pytest.mark.skip(
+        reason="needs PostgreSQL (set ORCH_TEST_DATABASE_URL); runs in the PostgreSQL CI pass"
+    )
     for item in items:
         if "postgres_only" in item.keywords:
             item.add_marker(skip)
@@ -138,8 +140,9 @@ def settings(database_url: str, redis_prefix: str) -> Settings:
         log_level="WARNING",
         db=DatabaseSettings(url=database_url, pool_size=20, max_overflow=40),
         redis=RedisSettings(url=REDIS_URL, prefix=redis_prefix),  # type: ignore[arg-type]
-        heartbeat=HeartbeatSettings(interval_s=10, unhealthy_after_missed=3, dead_after_missed=9,
-                                    sweep_interval_s=5),
+        heartbeat=HeartbeatSettings(
+            interval_s=10, unhealthy_after_missed=3, dead_after_missed=9, sweep_interval_s=5
+        ),
         server=ServerSettings(background_loops=False, migrate_on_start=False),
     )
 
@@ -189,8 +192,13 @@ def app_state(app: Any) -> Any:
 
 # ------------------------------------------------------------------ contributors
 
-GPU_SPECS = {"gpu_model": "NVIDIA H100 80GB HBM3", "gpu_count": 1, "gpu_memory_mb": 81559,
-             "cpu_cores": 16, "ram_mb": 131072}
+GPU_SPECS = {
+    "gpu_model": "NVIDIA H100 80GB HBM3",
+    "gpu_count": 1,
+    "gpu_memory_mb": 81559,
+    "cpu_cores": 16,
+    "ram_mb": 131072,
+}
 
 
 @dataclass
@@ -217,11 +225,18 @@ class Contributor:
         return SignatureAuth(self.provider_key)
 
     def node_body(self, **overrides: Any) -> dict[str, Any]:
-        return {"provider_id": self.provider_id, "attestation": attest_node(self.provider_key, self.node_id),
-                "specs": dict(GPU_SPECS), "version": "0.1.0", **overrides}
+        return {
+            "provider_id": self.provider_id,
+            "attestation": attest_node(self.provider_key, self.node_id),
+            "specs": dict(GPU_SPECS),
+            "version": "0.1.0",
+            **overrides,
+        }
 
     async def register(self, client: httpx.AsyncClient) -> None:
-        r = await client.post("/v1/providers", json={"display_name": "test provider"}, auth=self.provider_auth)
+        r = await client.post(
+            "/v1/providers", json={"display_name": "test provider"}, auth=self.provider_auth
+        )
         assert r.status_code in (200, 201), r.text
         r = await client.post("/v1/nodes", json=self.node_body(), auth=self.node_auth)
         assert r.status_code in (200, 201), r.text
@@ -242,6 +257,7 @@ async def contributor(client: httpx.AsyncClient) -> Contributor:
 
 
 # ------------------------------------------------------------------ operators
+
 
 async def make_token(app_state: Any, role: str, name: str = "test") -> str:
     from orchestrator.admin.tokens import Role, create_token

@@ -43,18 +43,27 @@ async def test_node_key_bound_to_another_provider_conflicts(
     other = new_contributor()
     r = await client.post("/v1/providers", json={}, auth=other.provider_auth)
     assert r.status_code == 201
-    body = {**contributor.node_body(), "provider_id": other.provider_id,
-            "attestation": attest_node(other.provider_key, contributor.node_id)}
-    problem(await client.post("/v1/nodes", json=body, auth=contributor.node_auth), 409,
-            "node_bound_to_other_provider")
+    body = {
+        **contributor.node_body(),
+        "provider_id": other.provider_id,
+        "attestation": attest_node(other.provider_key, contributor.node_id),
+    }
+    problem(
+        await client.post("/v1/nodes", json=body, auth=contributor.node_auth),
+        409,
+        "node_bound_to_other_provider",
+    )
 
 
 async def test_attestation_must_be_the_providers(client: httpx.AsyncClient) -> None:
     c = new_contributor()
     assert (await client.post("/v1/providers", json={}, auth=c.provider_auth)).status_code == 201
     forged = attest_node(generate_key(), c.node_id)
-    problem(await client.post("/v1/nodes", json=c.node_body(attestation=forged), auth=c.node_auth), 403,
-            "attestation_invalid")
+    problem(
+        await client.post("/v1/nodes", json=c.node_body(attestation=forged), auth=c.node_auth),
+        403,
+        "attestation_invalid",
+    )
     # and nothing was registered
     problem(await client.get("/v1/nodes/me", auth=c.node_auth), 401, "unknown_key")
 
@@ -74,12 +83,21 @@ async def test_specs_are_validated(client: httpx.AsyncClient) -> None:
         {"gpu_model": "H100", "gpu_count": 1, "gpu_memory_mb": 80000, "cpu_cores": 0, "ram_mb": 4096},
         {"gpu_model": "H100", "gpu_count": 1, "gpu_memory_mb": 80000, "cpu_cores": 8, "ram_mb": 1},
         {"gpu_model": "H100\n", "gpu_count": 1, "gpu_memory_mb": 80000, "cpu_cores": 8, "ram_mb": 4096},
-        {"gpu_model": "H100", "gpu_count": 1, "gpu_memory_mb": 80000, "cpu_cores": 8, "ram_mb": 4096,
-         "extra": 1},
+        {
+            "gpu_model": "H100",
+            "gpu_count": 1,
+            "gpu_memory_mb": 80000,
+            "cpu_cores": 8,
+            "ram_mb": 4096,
+            "extra": 1,
+        },
     ]
     for specs in bad_specs:
-        body = problem(await client.post("/v1/nodes", json=c.node_body(specs=specs), auth=c.node_auth), 422,
-                       "validation_failed")
+        body = problem(
+            await client.post("/v1/nodes", json=c.node_body(specs=specs), auth=c.node_auth),
+            422,
+            "validation_failed",
+        )
         assert body["errors"], body
     problem(await client.get("/v1/nodes/me", auth=c.node_auth), 401, "unknown_key")
 
@@ -92,5 +110,7 @@ async def test_cpu_only_node_is_accepted(client: httpx.AsyncClient) -> None:
     assert r.status_code == 201, r.text
 
 
-async def test_a_provider_key_cannot_act_as_a_node(client: httpx.AsyncClient, contributor: Contributor) -> None:
+async def test_a_provider_key_cannot_act_as_a_node(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
     problem(await client.get("/v1/nodes/me", auth=contributor.provider_auth), 401, "unknown_key")
