@@ -122,7 +122,8 @@ class Settings(BaseSettings):
 
     @property
     def redis_url(self) -> str | None:
-        return self.redis.url.get_secret_value() if self.redis.url is not None else None
+        url = self.redis.url.get_secret_value().strip() if self.redis.url is not None else ""
+        return url or None
 
 
 @lru_cache

@@ -175,8 +175,8 @@ def _clean_database(database_url: str) -> Iterator[None]:
 @pytest.fixture
 async def app(settings: Settings, clock: FakeClock, hot_store: HotStore) -> AsyncIterator[Any]:
     application = create_app(settings, clock=clock, hot_store=hot_store)
-    async with LifespanManager(application) as manager:
-        yield manager.app
+    async with LifespanManager(application):
+        yield application
 
 
 @pytest.fixture

@@ -8,10 +8,11 @@ import time
 
 import orjson
 import structlog
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from orchestrator.core import metrics
-from orchestrator.core.errors import PROBLEM_MEDIA_TYPE, PayloadTooLarge, problem_body
+from orchestrator.core.errors import PROBLEM_MEDIA_TYPE, problem_body
 
 REQUEST_ID_HEADER = "x-request-id"
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -85,17 +86,31 @@ class BodyLimitMiddleware:
                 await _send_413(scope, send, limit)
                 return
         seen = 0
+        refused = False
 
         async def limited_receive() -> Message:
-            nonlocal seen
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+                    # Answer 413 now; the app sees a disconnected client and its reply is dropped.
+                    refused = True
+                    await _send_413(scope, send, limit)
+                    return {"type": "http.disconnect"}
             return message
 
-        await self.app(scope, limited_receive, send)
+        async def guarded_send(message: Message) -> None:
+            if not refused:
+                await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except ClientDisconnect:
+            if not refused:
+                raise
 
 
 async def _send_413(scope: Scope, send: Send, limit: int) -> None:

@@ -122,8 +122,12 @@ def _fail(code: str, detail: str) -> Unauthorized:
 def _parse_dictionary(name: str, value: str) -> dict[str, Any]:
     if len(value) > MAX_SIGNATURE_HEADER:
         raise _fail("signature_malformed", f"{name} is longer than {MAX_SIGNATURE_HEADER} bytes")
+    def reject_duplicate(key: str, context: str) -> None:
+        if context == "dictionary":
+            raise ValueError(f"duplicate label {key!r}")
+
     try:
-        parsed = http_sf.parse(value.encode("ascii"), tltype="dictionary")
+        parsed = http_sf.parse(value.encode("ascii"), tltype="dictionary", on_duplicate_key=reject_duplicate)
     except (ValueError, TypeError, UnicodeEncodeError) as exc:
         raise _fail("signature_malformed", f"{name} is not a valid structured-field dictionary") from exc
     if not isinstance(parsed, dict) or not parsed:

@@ -1,0 +1,87 @@
+"""The orchestrator command line: keys, tokens, migrate, serve's process-model guard."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import create_async_engine
+from typer.testing import CliRunner
+
+from orchestrator.admin.models import ApiToken
+from orchestrator.admin.tokens import hash_token
+from orchestrator.cli import app
+from orchestrator.core.keys import key_id_of, read_key_file
+from orchestrator.settings import get_settings
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_settings() -> Iterator[None]:
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
+
+
+def test_keys_generate_writes_a_private_file_and_refuses_to_overwrite(tmp_path: Path) -> None:
+    path = tmp_path / "node.key"
+    result = runner.invoke(app, ["keys", "generate", str(path)])
+    assert result.exit_code == 0, result.output
+    key = read_key_file(path)
+    assert result.stdout.strip() == key_id_of(key)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+    again = runner.invoke(app, ["keys", "generate", str(path)])
+    assert again.exit_code == 1
+    assert "--force" in again.output
+    assert read_key_file(path).encode() == key.encode()
+
+    forced = runner.invoke(app, ["keys", "generate", str(path), "--force"])
+    assert forced.exit_code == 0
+    assert read_key_file(path).encode() != key.encode()
+
+
+def test_create_token_prints_a_working_token_once(database_url: str) -> None:
+    result = runner.invoke(app, ["admin", "create-token", "--role", "operator", "--name", "alice"],
+                           env={"ORCH_DB__URL": database_url})
+    assert result.exit_code == 0, result.output
+    token = result.stdout.strip().splitlines()[-1]
+    assert token.startswith("orch_")
+
+    async def stored() -> tuple[str, str]:
+        engine = create_async_engine(database_url)
+        try:
+            async with engine.connect() as conn:
+                row = (await conn.execute(select(ApiToken.role, ApiToken.token_hash))).one()
+                return row.role, row.token_hash
+        finally:
+            await engine.dispose()
+
+    role, digest = asyncio.run(stored())
+    assert role == "operator" and digest == hash_token(token)
+
+
+def test_create_token_refuses_unknown_roles(database_url: str) -> None:
+    result = runner.invoke(app, ["admin", "create-token", "--role", "root"], env={"ORCH_DB__URL": database_url})
+    assert result.exit_code != 0
+    assert "role" in result.output
+
+
+def test_serve_refuses_several_workers_without_redis() -> None:
+    result = runner.invoke(app, ["serve", "--workers", "2"], env={"ORCH_REDIS__URL": ""})
+    assert result.exit_code == 2
+    assert "ORCH_REDIS__URL" in result.output
+
+
+def test_migrate_creates_the_schema(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'cli.db'}"
+    result = runner.invoke(app, ["migrate"], env={"ORCH_DB__URL": url})
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "cli.db").exists()
+    again = runner.invoke(app, ["migrate"], env={"ORCH_DB__URL": url})
+    assert again.exit_code == 0

@@ -1,0 +1,154 @@
+"""Errors (RFC 9457), body limits, health, OpenAPI, logs and metrics."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from asgi_lifespan import LifespanManager
+
+from orchestrator.app import create_app
+from orchestrator.core.clock import FakeClock
+from orchestrator.core.hotstore import HotStore, RedisHotStore
+from orchestrator.core.signing import SignatureAuth
+from orchestrator.settings import LimitSettings, Settings
+from tests.conftest import Contributor, problem
+
+
+async def test_unknown_route_and_wrong_method_are_problems(client: httpx.AsyncClient) -> None:
+    body = problem(await client.get("/v1/nope"), 404, "not_found")
+    assert body["instance"] == "/v1/nope"
+    problem(await client.delete("/v1/nodes/me"), 405, "method_not_allowed")
+
+
+async def test_a_body_that_does_not_parse_is_a_422_problem(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    r = await client.post("/v1/nodes/me/heartbeat", content=b"{not json", auth=contributor.node_auth,
+                          headers={"content-type": "application/json"})
+    body = problem(r, 422, "validation_failed")
+    assert body["errors"]
+
+
+async def test_unhandled_errors_are_a_500_problem_without_internals(
+    settings: Settings, clock: FakeClock, hot_store: HotStore
+) -> None:
+    app = create_app(settings, clock=clock, hot_store=hot_store)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("secret internal detail")
+
+    async with LifespanManager(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as c:
+            r = await c.get("/boom")
+    body = problem(r, 500, "internal_error")
+    assert "secret" not in r.text and "Traceback" not in r.text
+    assert body["detail"]
+
+
+async def _limited_app(settings: Settings, clock: FakeClock, hot_store: HotStore) -> Any:
+    limited = settings.model_copy(update={"limits": LimitSettings(max_body_bytes=2048,
+                                                                  max_result_body_bytes=4096)})
+    return create_app(limited, clock=clock, hot_store=hot_store)
+
+
+async def test_oversized_bodies_are_refused_with_413_before_parsing(
+    settings: Settings, clock: FakeClock, hot_store: HotStore, contributor: Contributor
+) -> None:
+    app = await _limited_app(settings, clock, hot_store)
+    big = json.dumps({"metrics": {}, "leases": ["x" * 100] * 30}).encode()
+    assert len(big) > 2048
+    async with LifespanManager(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                                       base_url="http://testserver") as c:
+        r = await c.post("/v1/nodes/me/heartbeat", content=big, auth=contributor.node_auth,
+                         headers={"content-type": "application/json"})
+        problem(r, 413, "payload_too_large")
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for _ in range(3):
+                yield b"x" * 1000
+
+        # No Content-Length: refused while streaming, as soon as the limit is passed.
+        r = await c.post("/v1/providers", content=chunks(), headers={"content-type": "application/json"})
+        problem(r, 413, "payload_too_large")
+        # Result submissions have their own, larger limit.
+        r = await c.post("/v1/assignments/abc/result", content=b"x" * 3000)
+        assert r.status_code == 404
+
+
+async def test_healthz_and_readyz(client: httpx.AsyncClient) -> None:
+    assert (await client.get("/healthz")).json() == {"status": "ok"}
+    r = await client.get("/readyz")
+    assert r.status_code == 200
+    assert r.json()["checks"] == {"database": "ok", "hot_store": "ok"}
+
+
+async def test_readyz_is_503_when_the_hot_store_is_down(settings: Settings, clock: FakeClock) -> None:
+    dead = RedisHotStore.from_url("redis://127.0.0.1:1/0")
+    app = create_app(settings, clock=clock, hot_store=dead)
+    async with LifespanManager(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                                       base_url="http://testserver") as c:
+        r = await c.get("/readyz")
+    await dead.aclose()
+    body = problem(r, 503, "not_ready")
+    assert body["checks"]["database"] == "ok"
+    assert body["checks"]["hot_store"].startswith("unavailable")
+
+
+async def test_openapi_documents_both_security_schemes(client: httpx.AsyncClient) -> None:
+    spec = (await client.get("/openapi.json")).json()
+    schemes = spec["components"]["securitySchemes"]
+    assert "HttpMessageSignature" in schemes and "BearerToken" in schemes
+    assert schemes["BearerToken"]["scheme"] == "bearer"
+    heartbeat = spec["paths"]["/v1/nodes/me/heartbeat"]["post"]
+    assert {"HttpMessageSignature": []} in heartbeat["security"]
+    assert {"BearerToken": []} in spec["paths"]["/v1/admin/nodes"]["get"]["security"]
+    assert "application/problem+json" in heartbeat["responses"]["401"]["content"]
+    docs = await client.get("/docs")
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+
+
+async def test_request_id_is_returned_and_logged_without_secrets(
+    settings: Settings, clock: FakeClock, hot_store: HotStore, capsys: Any
+) -> None:
+    from tests.conftest import new_contributor
+
+    app = create_app(settings.model_copy(update={"log_level": "INFO"}), clock=clock, hot_store=hot_store)
+    c = new_contributor()
+    async with LifespanManager(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                                       base_url="http://testserver") as client:
+        await c.register(client)
+        r = await client.post("/v1/nodes/me/heartbeat", json={}, auth=c.node_auth,
+                              headers={"X-Request-ID": "req-abc-123"})
+        assert r.headers["x-request-id"] == "req-abc-123"
+        generated = (await client.get("/healthz")).headers["x-request-id"]
+        assert len(generated) >= 8
+        signed = r.request.headers["signature"]
+    out = capsys.readouterr().out
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    beat = [ln for ln in lines if ln.get("request_id") == "req-abc-123" and ln.get("event") == "request"]
+    assert beat and beat[0]["route"] == "/v1/nodes/me/heartbeat" and beat[0]["status"] == 200
+    assert beat[0]["node_id"] == c.node_id
+    assert signed.split(":")[1] not in out
+    assert "signature-input" not in out.lower()
+
+
+async def test_metrics_are_labelled_by_route_template(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    await contributor.beat(client)
+    text = (await client.get("/metrics")).text
+    assert 'route="/v1/nodes/me/heartbeat"' in text
+    assert contributor.node_id not in text
+    assert "orchestrator_heartbeats_total" in text
+    assert 'orchestrator_nodes{status="healthy"} 1.0' in text
+
+
+async def test_signed_requests_work_with_the_sdk_auth(client: httpx.AsyncClient, contributor: Contributor) -> None:
+    auth = SignatureAuth(contributor.node_key, components=("@method", "@path", "@query"))
+    r = await client.get("/v1/nodes/me", auth=auth)
+    assert r.status_code == 200

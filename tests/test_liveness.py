@@ -1,0 +1,193 @@
+"""Heartbeats and the liveness sweeper."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+from asgi_lifespan import LifespanManager
+from sqlalchemy import event, func, select
+
+from orchestrator.app import create_app
+from orchestrator.core.clock import FakeClock
+from orchestrator.core.hotstore import HotStore
+from orchestrator.core.ticks import tick_runs
+from orchestrator.identity.models import Node, NodeStatusChange
+from orchestrator.liveness.service import SWEEPER, sweep_once
+from orchestrator.settings import Settings
+from tests.conftest import Contributor, new_contributor
+
+
+async def status_of(client: httpx.AsyncClient, c: Contributor) -> str:
+    r = await client.get("/v1/nodes/me", auth=c.node_auth)
+    assert r.status_code == 200, r.text
+    return str(r.json()["status"])
+
+
+async def history(app_state: Any, node_id: str) -> list[tuple[str | None, str, str]]:
+    async with app_state.sessionmaker() as session:
+        rows = (await session.execute(
+            select(NodeStatusChange).where(NodeStatusChange.node_id == node_id).order_by(NodeStatusChange.id)
+        )).scalars()
+        return [(r.from_status, r.to_status, r.actor) for r in rows]
+
+
+async def test_heartbeat_makes_a_node_healthy_and_returns_the_interval(
+    client: httpx.AsyncClient, contributor: Contributor, app_state: Any
+) -> None:
+    r = await contributor.beat(client, metrics={"gpu_util": 0.9, "tokens_per_s": 1200.0})
+    assert r.status_code == 200
+    assert r.json() == {"status": "healthy", "next_heartbeat_in_s": 10.0, "drop_leases": []}
+    assert await status_of(client, contributor) == "healthy"
+    me = (await client.get("/v1/nodes/me", auth=contributor.node_auth)).json()
+    assert me["last_heartbeat_at"] is not None
+    assert await history(app_state, contributor.node_id) == [("waiting", "healthy", "node")]
+
+
+async def test_steady_heartbeats_write_no_sql(
+    client: httpx.AsyncClient, contributor: Contributor, app_state: Any, clock: FakeClock
+) -> None:
+    await contributor.beat(client)
+    async with app_state.sessionmaker() as session:
+        before = (await session.execute(select(Node.updated_at).where(Node.id == contributor.node_id))).scalar_one()
+    for _ in range(5):
+        clock.advance(10)
+        assert (await contributor.beat(client)).status_code == 200
+    async with app_state.sessionmaker() as session:
+        after = (await session.execute(select(Node.updated_at).where(Node.id == contributor.node_id))).scalar_one()
+    assert after == before
+    assert len(await history(app_state, contributor.node_id)) == 1
+
+
+async def test_sweeper_moves_silent_nodes_healthy_unhealthy_dead(
+    client: httpx.AsyncClient, app_state: Any, clock: FakeClock
+) -> None:
+    silent, steady = new_contributor(), new_contributor()
+    for c in (silent, steady):
+        await c.register(client)
+        await c.beat(client)
+    # 3 intervals (30 s) without a beat -> unhealthy; steady keeps beating.
+    for _ in range(3):
+        clock.advance(10.5)
+        await steady.beat(client)
+    report = await sweep_once(app_state)
+    assert report.ran and report.to_unhealthy == 1 and report.to_dead == 0
+    assert await status_of(client, silent) == "unhealthy"
+    assert await status_of(client, steady) == "healthy"
+    # 9 intervals -> dead.
+    for _ in range(6):
+        clock.advance(10)
+        await steady.beat(client)
+    report = await sweep_once(app_state)
+    assert report.to_dead == 1
+    assert await status_of(client, silent) == "dead"
+    assert await status_of(client, steady) == "healthy"
+    assert [h[1] for h in await history(app_state, silent.node_id)] == ["healthy", "unhealthy", "dead"]
+    reasons = await _reasons(app_state, silent.node_id)
+    assert "no heartbeat for 3 intervals" in reasons[1] and "no heartbeat for 9 intervals" in reasons[2]
+
+
+async def _reasons(app_state: Any, node_id: str) -> list[str]:
+    async with app_state.sessionmaker() as session:
+        return list((await session.execute(
+            select(NodeStatusChange.reason).where(NodeStatusChange.node_id == node_id).order_by(NodeStatusChange.id)
+        )).scalars())
+
+
+async def test_a_dead_node_that_beats_again_is_healthy(
+    client: httpx.AsyncClient, contributor: Contributor, app_state: Any, clock: FakeClock
+) -> None:
+    await contributor.beat(client)
+    clock.advance(31)
+    await sweep_once(app_state)
+    clock.advance(60)
+    await sweep_once(app_state)
+    assert await status_of(client, contributor) == "dead"
+    r = await contributor.beat(client)
+    assert r.json()["status"] == "healthy"
+    assert [h[1] for h in await history(app_state, contributor.node_id)] == ["healthy", "unhealthy", "dead", "healthy"]
+
+
+async def test_an_unhealthy_node_that_beats_again_is_not_later_swept_to_dead(
+    client: httpx.AsyncClient, contributor: Contributor, app_state: Any, clock: FakeClock
+) -> None:
+    await contributor.beat(client)
+    clock.advance(31)
+    await sweep_once(app_state)
+    assert await status_of(client, contributor) == "unhealthy"
+    await contributor.beat(client)
+    clock.advance(60)
+    await contributor.beat(client)
+    clock.advance(6)
+    await sweep_once(app_state)
+    assert await status_of(client, contributor) == "healthy"
+
+
+async def test_sweeper_runs_once_per_tick_across_processes(
+    settings: Settings, clock: FakeClock, hot_store: HotStore, client: httpx.AsyncClient, app_state: Any
+) -> None:
+    nodes = [new_contributor() for _ in range(4)]
+    for c in nodes:
+        await c.register(client)
+        await c.beat(client)
+    clock.advance(31)
+    others = [create_app(settings, clock=clock, hot_store=hot_store) for _ in range(2)]
+    async with LifespanManager(others[0]), LifespanManager(others[1]):
+        states = [app_state, others[0].state.orch, others[1].state.orch]
+        reports = await asyncio.gather(*(sweep_once(s) for s in states))
+    assert sum(r.ran for r in reports) == 1
+    assert sum(r.to_unhealthy for r in reports) == 4
+    async with app_state.sessionmaker() as session:
+        assert await tick_runs(session, SWEEPER) == 1
+        changes = await session.scalar(select(func.count()).select_from(NodeStatusChange)
+                                       .where(NodeStatusChange.to_status == "unhealthy"))
+    assert changes == 4
+    # The next tick runs again (once).
+    clock.advance(5)
+    assert (await sweep_once(app_state)).ran
+
+
+async def test_sweeper_cost_does_not_grow_with_beating_nodes(
+    client: httpx.AsyncClient, app_state: Any, clock: FakeClock
+) -> None:
+    """A tick reads only what changed: the SQL it issues is the same for 10 or 3,000 beating
+    nodes, and a tick where one node went silent touches that one node only."""
+    store = app_state.hot_store
+    statements: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(statement)
+
+    async def tick_cost(n_beating: int) -> int:
+        for i in range(n_beating):
+            await store.record_beat(f"beating-{i:05d}", clock.now(), {}, ttl_s=600)
+        clock.advance(5)
+        statements.clear()
+        event.listen(app_state.engine.sync_engine, "before_cursor_execute", count)
+        try:
+            report = await sweep_once(app_state)
+        finally:
+            event.remove(app_state.engine.sync_engine, "before_cursor_execute", count)
+        assert report.ran
+        assert report.to_unhealthy == 0
+        return len(statements)
+
+    assert await tick_cost(10) == await tick_cost(3000)
+
+    silent = new_contributor()
+    await silent.register(client)
+    await silent.beat(client)
+    clock.advance(31)
+    for i in range(3000):
+        await store.record_beat(f"beating-{i:05d}", clock.now(), {}, ttl_s=600)
+    report = await sweep_once(app_state)
+    assert (report.to_unhealthy, report.to_dead) == (1, 0)
+
+
+async def test_heartbeat_rejects_bad_metrics(client: httpx.AsyncClient, contributor: Contributor) -> None:
+    r = await contributor.beat(client, metrics={"bad name!": 1})
+    assert r.status_code == 422
+    r = await contributor.beat(client, metrics={f"m{i}": i for i in range(40)})
+    assert r.status_code == 422
+    assert (await status_of(client, contributor)) == "waiting"

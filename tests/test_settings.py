@@ -1,0 +1,46 @@
+"""Configuration from ORCH_* environment variables."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from orchestrator.settings import Settings
+
+
+def test_nested_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORCH_DB__URL", "postgresql+asyncpg://u@db/orch")
+    monkeypatch.setenv("ORCH_REDIS__URL", "redis://cache:6379/1")
+    monkeypatch.setenv("ORCH_HEARTBEAT__INTERVAL_S", "5")
+    monkeypatch.setenv("ORCH_SIGNATURE__WINDOW_S", "120")
+    s = Settings()
+    assert s.db.url == "postgresql+asyncpg://u@db/orch" and not s.db.is_sqlite
+    assert s.redis_url == "redis://cache:6379/1"
+    assert "cache" not in repr(s)  # the Redis URL may hold a password: it is a secret
+    assert s.heartbeat.interval_s == 5 and s.heartbeat.unhealthy_after_s == 15
+    assert s.signature.window_s == 120 and s.signature.effective_nonce_ttl_s == 241
+
+
+def test_defaults_are_the_embedded_setup(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("ORCH_DB__URL", "ORCH_REDIS__URL"):
+        monkeypatch.delenv(name, raising=False)
+    s = Settings()
+    assert s.db.url == "sqlite+aiosqlite:///./orchestrator.db"
+    assert s.redis_url is None
+    assert (s.heartbeat.interval_s, s.heartbeat.unhealthy_after_missed, s.heartbeat.dead_after_missed) == (10, 3, 9)
+
+
+def test_production_refuses_the_placeholder_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORCH_ENV", "prod")
+    monkeypatch.delenv("ORCH_SEED_SECRET", raising=False)
+    with pytest.raises(ValidationError, match="ORCH_SEED_SECRET"):
+        Settings()
+    monkeypatch.setenv("ORCH_SEED_SECRET", "a-real-long-random-secret-value")
+    assert Settings().env == "prod"
+
+
+def test_dead_must_come_after_unhealthy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORCH_HEARTBEAT__UNHEALTHY_AFTER_MISSED", "5")
+    monkeypatch.setenv("ORCH_HEARTBEAT__DEAD_AFTER_MISSED", "4")
+    with pytest.raises(ValidationError, match="dead_after_missed"):
+        Settings()

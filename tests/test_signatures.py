@@ -1,0 +1,674 @@
+"""Request signatures: RFC 9421 with ed25519 and RFC 9530 Content-Digest (PROTOCOL.md).
+
+Three signers are used: the server's own ``sign_headers``; ``requests-http-signature``
+(an independent implementation, in its default profile); and ``hand_signed`` below, which
+builds the RFC 9421 signature base by hand so that any parameter can be left out or set
+to a value no library would produce, while the signature itself stays valid.
+
+Every refusal asserts the exact status and stable problem ``code``. Where a refusal could
+pass for the wrong reason, the untampered request (same headers, same nonce) is sent
+afterwards and accepted: a refused request must not burn its nonce, and this proves that
+the tampering alone caused the refusal.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+import requests
+from asgi_lifespan import LifespanManager
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from http_message_signatures import HTTPSignatureKeyResolver, algorithms
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+from nacl.signing import SigningKey
+from requests_http_signature import HTTPSignatureAuth
+
+from orchestrator.app import create_app
+from orchestrator.core.clock import FakeClock
+from orchestrator.core.errors import Unauthorized
+from orchestrator.core.hotstore import HotStore, RedisHotStore
+from orchestrator.core.keys import generate_key, key_id_of
+from orchestrator.core.signing import sign_headers, verify_request
+from orchestrator.settings import Settings
+from tests.conftest import Contributor, new_contributor, problem
+
+BASE = "http://testserver"
+ME = "/v1/nodes/me"
+HEARTBEAT = "/v1/nodes/me/heartbeat"
+HB_BODY = json.dumps({"metrics": {"gpu_util": 0.5}}).encode()
+OTHER_BODY = json.dumps({"metrics": {"gpu_util": 0.9}}).encode()
+REDIS_URL = os.environ.get("ORCH_TEST_REDIS_URL")
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def signed(key: SigningKey, method: str, path: str, body: bytes = b"", **options: Any) -> dict[str, str]:
+    """Headers from the server's own client-side signer for ``method BASE+path``."""
+    return sign_headers(key, method=method, url=BASE + path, body=body, **options)
+
+
+async def send(
+    client: httpx.AsyncClient, method: str, path: str, headers: Any, body: bytes = b""
+) -> httpx.Response:
+    """Send exactly these headers and raw body bytes (a JSON content type when there is a body)."""
+    extra = [("content-type", "application/json")] if body else []
+    lines = list(headers.items()) if isinstance(headers, dict) else list(headers)
+    return await client.request(method, path, content=body, headers=lines + extra)
+
+
+def content_digest(body: bytes) -> str:
+    return "sha-256=:" + base64.b64encode(hashlib.sha256(body).digest()).decode() + ":"
+
+
+def _sf(value: int | str) -> str:
+    return str(value) if isinstance(value, int) else f'"{value}"'
+
+
+def hand_signed(
+    key: SigningKey,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    *,
+    components: tuple[str, ...] | None = None,
+    label: str = "sig1",
+    **params: int | str | None,
+) -> dict[str, str]:
+    """Sign by building the RFC 9421 signature base here, independently of any library.
+
+    Parameters default to created=now, keyid=the key's id, nonce=random, alg="ed25519";
+    pass one as None to leave it out, or any value to override it. A body gets a
+    Content-Digest header, covered by default.
+    """
+    url = BASE + path
+    if components is None:
+        components = ("@method", "@target-uri", "content-digest") if body else ("@method", "@target-uri")
+    defaults: dict[str, int | str | None] = {
+        "created": int(time.time()),
+        "keyid": key_id_of(key),
+        "nonce": secrets.token_urlsafe(16),
+        "alg": "ed25519",
+    }
+    chosen = {name: value for name, value in {**defaults, **params}.items() if value is not None}
+    headers: dict[str, str] = {}
+    if body:
+        headers["Content-Digest"] = content_digest(body)
+    parts = urlsplit(url)
+    values = {
+        "@method": method.upper(),
+        "@target-uri": url,
+        "@authority": parts.netloc,
+        "@path": parts.path,
+        "@query": "?" + parts.query,
+        "content-digest": headers.get("Content-Digest", ""),
+    }
+    signature_params = "(" + " ".join(f'"{c}"' for c in components) + ")"
+    signature_params += "".join(f";{name}={_sf(value)}" for name, value in chosen.items())
+    lines = [f'"{c}": {values[c]}' for c in components]
+    lines.append(f'"@signature-params": {signature_params}')
+    signature = key.sign("\n".join(lines).encode("ascii")).signature
+    headers["Signature-Input"] = f"{label}={signature_params}"
+    headers["Signature"] = f"{label}=:{base64.b64encode(signature).decode()}:"
+    return headers
+
+
+class _SeedKeyResolver(HTTPSignatureKeyResolver):
+    """Resolves one keyid to a `cryptography` Ed25519 key built from the PyNaCl seed."""
+
+    def __init__(self, key: SigningKey) -> None:
+        self.key_id = key_id_of(key)
+        self.private_key = Ed25519PrivateKey.from_private_bytes(bytes(key))
+
+    def resolve_private_key(self, key_id: str) -> Ed25519PrivateKey:
+        if key_id != self.key_id:
+            raise KeyError(key_id)
+        return self.private_key
+
+    def resolve_public_key(self, key_id: str) -> Ed25519PublicKey | None:
+        return self.private_key.public_key() if key_id == self.key_id else None
+
+
+def independently_signed(
+    key: SigningKey, method: str, path: str, json_body: Any = None
+) -> requests.PreparedRequest:
+    """A request prepared and signed by requests-http-signature (default profile), never sent."""
+    auth = HTTPSignatureAuth(
+        signature_algorithm=algorithms.ED25519,
+        key_id=key_id_of(key),
+        key_resolver=_SeedKeyResolver(key),
+        use_nonce=True,
+    )
+    prepared = requests.Request(method, BASE + path, json=json_body).prepare()
+    signed_request = auth(prepared)
+    signature_input = signed_request.headers["Signature-Input"]
+    # The library's default profile, as PROTOCOL.md promises to accept it.
+    for component in ('"@method"', '"@authority"', '"@target-uri"', '"content-digest"'):
+        assert component in signature_input, signature_input
+    assert 'alg="ed25519"' in signature_input and ";nonce=" in signature_input
+    return signed_request
+
+
+async def replay(client: httpx.AsyncClient, prepared: requests.PreparedRequest) -> httpx.Response:
+    """Send a requests-prepared request through the ASGI client, byte for byte."""
+    body = prepared.body or b""
+    assert isinstance(body, bytes)
+    assert prepared.method is not None and prepared.url is not None
+    return await client.request(
+        prepared.method, prepared.url, content=body, headers=list(prepared.headers.items())
+    )
+
+
+# ------------------------------------------------- an independent implementation
+
+
+async def test_independent_client_can_register_a_provider(client: httpx.AsyncClient) -> None:
+    key = generate_key()
+    prepared = independently_signed(key, "POST", "/v1/providers", {"display_name": "independent lab"})
+    r = await replay(client, prepared)
+    assert r.status_code == 201, r.text
+    assert r.json()["id"] == key_id_of(key)
+
+
+async def test_independent_client_can_read_its_node_record(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    r = await replay(client, independently_signed(contributor.node_key, "GET", ME))
+    assert r.status_code == 200, r.text
+    assert r.json()["id"] == contributor.node_id
+    assert r.json()["provider_id"] == contributor.provider_id
+
+
+async def test_independent_client_can_send_a_heartbeat(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    r = await replay(
+        client, independently_signed(contributor.node_key, "POST", HEARTBEAT, {"metrics": {"gpu_util": 0.5}})
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["next_heartbeat_in_s"] > 0
+    me = await send(client, "GET", ME, signed(contributor.node_key, "GET", ME))
+    assert me.json()["last_heartbeat_at"] is not None
+
+
+async def test_hand_built_signature_base_is_accepted(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    # The hand-built signer is the control for every refusal built with it below.
+    r = await send(client, "GET", ME, hand_signed(contributor.node_key, "GET", ME))
+    assert r.status_code == 200, r.text
+    r = await send(
+        client, "POST", HEARTBEAT, hand_signed(contributor.node_key, "POST", HEARTBEAT, HB_BODY), HB_BODY
+    )
+    assert r.status_code == 200, r.text
+
+
+# ------------------------------------------------------------- tampering
+
+
+async def test_signature_for_another_method_is_refused(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    created, nonce = int(time.time()), secrets.token_urlsafe(16)
+    as_post = signed(contributor.node_key, "POST", ME, created=created, nonce=nonce)
+    problem(await send(client, "GET", ME, as_post), 401, "signature_invalid")
+    as_get = signed(contributor.node_key, "GET", ME, created=created, nonce=nonce)
+    assert (await send(client, "GET", ME, as_get)).status_code == 200
+
+
+async def test_signature_for_another_path_is_refused(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    headers = signed(contributor.node_key, "POST", HEARTBEAT, HB_BODY)
+    problem(await send(client, "POST", "/v1/providers", headers, HB_BODY), 401, "signature_invalid")
+    assert (await send(client, "POST", HEARTBEAT, headers, HB_BODY)).status_code == 200
+
+
+async def test_signature_for_another_query_is_refused(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    headers = signed(contributor.node_key, "GET", ME + "?x=1")
+    problem(await send(client, "GET", ME + "?x=2", headers), 401, "signature_invalid")
+    problem(await send(client, "GET", ME, headers), 401, "signature_invalid")
+    assert (await send(client, "GET", ME + "?x=1", headers)).status_code == 200
+
+
+async def test_tampered_body_is_refused_as_digest_mismatch(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    headers = signed(contributor.node_key, "POST", HEARTBEAT, HB_BODY)
+    problem(await send(client, "POST", HEARTBEAT, headers, OTHER_BODY), 401, "digest_mismatch")
+    assert (await send(client, "POST", HEARTBEAT, headers, HB_BODY)).status_code == 200
+
+
+async def test_rewritten_content_digest_is_refused(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    # The attacker's body with a matching digest: the digest checks out, the signature does not.
+    headers = signed(contributor.node_key, "POST", HEARTBEAT, HB_BODY)
+    forged = {**headers, "Content-Digest": content_digest(OTHER_BODY)}
+    problem(await send(client, "POST", HEARTBEAT, forged, OTHER_BODY), 401, "signature_invalid")
+    assert (await send(client, "POST", HEARTBEAT, headers, HB_BODY)).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "digest",
+    [
+        "sha-256=:AAAA:",  # wrong length
+        "md5=:" + base64.b64encode(hashlib.md5(HB_BODY).digest()).decode() + ":",  # unsupported
+        "sha-256=" + hashlib.sha256(HB_BODY).hexdigest(),  # not a byte sequence
+        "(((",  # not a dictionary
+    ],
+)
+async def test_malformed_content_digest_is_refused(
+    client: httpx.AsyncClient, contributor: Contributor, digest: str
+) -> None:
+    headers = signed(contributor.node_key, "POST", HEARTBEAT, HB_BODY)
+    problem(
+        await send(client, "POST", HEARTBEAT, {**headers, "Content-Digest": digest}, HB_BODY),
+        401,
+        "digest_malformed",
+    )
+
+
+async def test_body_without_content_digest_is_refused(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    headers = signed(contributor.node_key, "POST", HEARTBEAT, HB_BODY)
+    del headers["Content-Digest"]
+    problem(await send(client, "POST", HEARTBEAT, headers, HB_BODY), 401, "digest_missing")
+
+
+async def test_body_whose_digest_is_not_signed_is_refused(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    headers = hand_signed(
+        contributor.node_key, "POST", HEARTBEAT, HB_BODY, components=("@method", "@target-uri")
+    )
+    assert headers["Content-Digest"] == content_digest(HB_BODY)
+    problem(await send(client, "POST", HEARTBEAT, headers, HB_BODY), 401, "signature_coverage_insufficient")
+
+
+# ---------------------------------------------------------------- time
+
+
+async def test_stale_created_is_refused(
+    client: httpx.AsyncClient, contributor: Contributor, settings: Settings, clock: FakeClock
+) -> None:
+    window, now = settings.signature.window_s, int(clock.now())
+    old = signed(contributor.node_key, "GET", ME, created=now - window - 2)
+    problem(await send(client, "GET", ME, old), 401, "signature_stale")
+    just_inside = signed(contributor.node_key, "GET", ME, created=now - window + 2)
+    assert (await send(client, "GET", ME, just_inside)).status_code == 200
+
+
+async def test_created_in_the_future_is_refused(
+    client: httpx.AsyncClient, contributor: Contributor, settings: Settings, clock: FakeClock
+) -> None:
+    window, now = settings.signature.window_s, int(clock.now())
+    ahead = signed(contributor.node_key, "GET", ME, created=now + window + 2)
+    problem(await send(client, "GET", ME, ahead), 401, "signature_from_future")
+    just_inside = signed(contributor.node_key, "GET", ME, created=now + window - 2)
+    assert (await send(client, "GET", ME, just_inside)).status_code == 200
+
+
+async def test_signature_goes_stale_as_server_time_passes(
+    client: httpx.AsyncClient, contributor: Contributor, settings: Settings, clock: FakeClock
+) -> None:
+    headers = signed(contributor.node_key, "GET", ME, created=int(clock.now()))
+    clock.advance(settings.signature.window_s + 2)
+    problem(await send(client, "GET", ME, headers), 401, "signature_stale")
+
+
+async def test_expired_signature_is_refused(
+    client: httpx.AsyncClient, contributor: Contributor, clock: FakeClock
+) -> None:
+    now = int(clock.now())
+    expired = signed(contributor.node_key, "GET", ME, created=now - 10, expires=now - 1)
+    problem(await send(client, "GET", ME, expired), 401, "signature_expired")
+    valid = signed(contributor.node_key, "GET", ME, created=now - 10, expires=now + 60)
+    assert (await send(client, "GET", ME, valid)).status_code == 200
+
+
+# ---------------------------------------------------------------- nonces
+
+
+async def test_replayed_nonce_is_refused(client: httpx.AsyncClient, contributor: Contributor) -> None:
+    headers = signed(contributor.node_key, "GET", ME)
+    assert (await send(client, "GET", ME, headers)).status_code == 200
+    problem(await send(client, "GET", ME, headers), 401, "nonce_replayed")
+
+
+async def test_replayed_heartbeat_is_refused(client: httpx.AsyncClient, contributor: Contributor) -> None:
+    headers = signed(contributor.node_key, "POST", HEARTBEAT, HB_BODY)
+    assert (await send(client, "POST", HEARTBEAT, headers, HB_BODY)).status_code == 200
+    problem(await send(client, "POST", HEARTBEAT, headers, HB_BODY), 401, "nonce_replayed")
+
+
+async def test_nonce_reused_in_a_new_signature_is_refused(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    nonce = secrets.token_urlsafe(16)
+    first = signed(contributor.node_key, "GET", ME, nonce=nonce)
+    assert (await send(client, "GET", ME, first)).status_code == 200
+    second = signed(contributor.node_key, "POST", HEARTBEAT, HB_BODY, nonce=nonce)
+    problem(await send(client, "POST", HEARTBEAT, second, HB_BODY), 401, "nonce_replayed")
+
+
+async def test_nonces_are_per_key(client: httpx.AsyncClient, contributor: Contributor) -> None:
+    other = new_contributor()
+    await other.register(client)
+    nonce = secrets.token_urlsafe(16)
+    for c in (contributor, other):
+        r = await send(client, "GET", ME, signed(c.node_key, "GET", ME, nonce=nonce))
+        assert r.status_code == 200, r.text
+        assert r.json()["id"] == c.node_id
+
+
+@pytest.fixture
+async def second_client(
+    settings: Settings, clock: FakeClock, hot_store: HotStore
+) -> AsyncIterator[httpx.AsyncClient]:
+    """A second app instance on the same database and the same hot store: with Redis, a
+    separate connection pool to the same server (as two API processes would have)."""
+    store: HotStore = RedisHotStore.from_url(REDIS_URL, settings.redis.prefix) if REDIS_URL else hot_store
+    assert (store is not hot_store) == bool(REDIS_URL)
+    try:
+        application = create_app(settings, clock=clock, hot_store=store)
+        async with (
+            LifespanManager(application) as manager,
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=manager.app), base_url=BASE) as c,
+        ):
+            yield c
+    finally:
+        if store is not hot_store:
+            await store.aclose()
+
+
+async def test_replayed_nonce_is_refused_across_app_instances(
+    client: httpx.AsyncClient, second_client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    headers = signed(contributor.node_key, "POST", HEARTBEAT, HB_BODY)
+    assert (await send(client, "POST", HEARTBEAT, headers, HB_BODY)).status_code == 200
+    problem(await send(second_client, "POST", HEARTBEAT, headers, HB_BODY), 401, "nonce_replayed")
+
+    headers = signed(contributor.node_key, "GET", ME)
+    assert (await send(second_client, "GET", ME, headers)).status_code == 200
+    problem(await send(client, "GET", ME, headers), 401, "nonce_replayed")
+
+
+# ------------------------------------------------------------- keys and algorithms
+
+
+async def test_unregistered_key_is_refused(client: httpx.AsyncClient) -> None:
+    stranger = generate_key()
+    problem(await send(client, "GET", ME, signed(stranger, "GET", ME)), 401, "unknown_key")
+    headers = signed(stranger, "POST", HEARTBEAT, HB_BODY)
+    problem(await send(client, "POST", HEARTBEAT, headers, HB_BODY), 401, "unknown_key")
+
+
+async def test_provider_key_cannot_act_as_a_node(client: httpx.AsyncClient, contributor: Contributor) -> None:
+    headers = signed(contributor.provider_key, "GET", ME)
+    problem(await send(client, "GET", ME, headers), 401, "unknown_key")
+
+
+async def test_keyid_that_is_not_a_public_key_is_refused(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    for keyid in ("not-a-key", contributor.node_id + "A", contributor.node_id[:-1] + "="):
+        headers = hand_signed(contributor.node_key, "GET", ME, keyid=keyid)
+        problem(await send(client, "GET", ME, headers), 401, "unknown_key")
+
+
+async def test_signature_by_another_key_than_keyid_is_refused(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    impostor = hand_signed(generate_key(), "GET", ME, keyid=contributor.node_id)
+    problem(await send(client, "GET", ME, impostor), 401, "signature_invalid")
+    body_impostor = hand_signed(generate_key(), "POST", HEARTBEAT, HB_BODY, keyid=contributor.node_id)
+    problem(await send(client, "POST", HEARTBEAT, body_impostor, HB_BODY), 401, "signature_invalid")
+
+
+@pytest.mark.parametrize("alg", ["hmac-sha256", "rsa-pss-sha512", "ecdsa-p256-sha256", "ED25519", ""])
+async def test_algorithm_other_than_ed25519_is_refused(
+    client: httpx.AsyncClient, contributor: Contributor, alg: str
+) -> None:
+    # A genuine ed25519 signature over a base that names another alg: refused for the alg.
+    problem(
+        await send(client, "GET", ME, hand_signed(contributor.node_key, "GET", ME, alg=alg)),
+        401,
+        "unsupported_algorithm",
+    )
+    # The same rewrite of a library-made header is refused for the alg too, before the crypto.
+    headers = signed(contributor.node_key, "GET", ME)
+    assert 'alg="ed25519"' in headers["Signature-Input"]
+    headers["Signature-Input"] = headers["Signature-Input"].replace('alg="ed25519"', f'alg="{alg}"')
+    problem(await send(client, "GET", ME, headers), 401, "unsupported_algorithm")
+
+
+async def test_signature_without_alg_is_accepted(client: httpx.AsyncClient, contributor: Contributor) -> None:
+    r = await send(client, "GET", ME, hand_signed(contributor.node_key, "GET", ME, alg=None))
+    assert r.status_code == 200, r.text
+
+
+# ---------------------------------------------------------------- coverage
+
+
+@pytest.mark.parametrize(
+    "components",
+    [
+        ("@method",),
+        ("@target-uri",),
+        ("@authority", "@target-uri"),
+        ("@method", "@authority"),
+        ("@method", "@query"),
+    ],
+)
+async def test_too_few_covered_components_are_refused(
+    client: httpx.AsyncClient, contributor: Contributor, components: tuple[str, ...]
+) -> None:
+    headers = signed(contributor.node_key, "GET", ME, components=components)
+    problem(await send(client, "GET", ME, headers), 401, "signature_coverage_insufficient")
+
+
+async def test_path_and_query_coverage_is_accepted(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    components = ("@method", "@path", "@query")
+    headers = signed(contributor.node_key, "GET", ME + "?x=1", components=components)
+    problem(await send(client, "GET", ME + "?x=2", headers), 401, "signature_invalid")
+    assert (await send(client, "GET", ME + "?x=1", headers)).status_code == 200
+
+    headers = hand_signed(contributor.node_key, "GET", ME + "?x=1", components=components)
+    assert (await send(client, "GET", ME + "?x=1", headers)).status_code == 200
+
+    beat = signed(contributor.node_key, "POST", HEARTBEAT, HB_BODY, components=components)
+    assert (await send(client, "POST", HEARTBEAT, beat, HB_BODY)).status_code == 200
+
+
+async def test_query_not_covered_with_path_is_refused(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    headers = signed(contributor.node_key, "GET", ME + "?x=1", components=("@method", "@path"))
+    problem(await send(client, "GET", ME + "?x=1", headers), 401, "signature_coverage_insufficient")
+    # Without a query, @path alone is the whole request target.
+    headers = signed(contributor.node_key, "GET", ME, components=("@method", "@path"))
+    assert (await send(client, "GET", ME, headers)).status_code == 200
+
+
+# ------------------------------------------------------------- parameters and syntax
+
+
+@pytest.mark.parametrize("missing", ["keyid", "created", "nonce"])
+async def test_missing_signature_parameter_is_refused(
+    client: httpx.AsyncClient, contributor: Contributor, missing: str
+) -> None:
+    headers = hand_signed(contributor.node_key, "GET", ME, **{missing: None})
+    problem(await send(client, "GET", ME, headers), 401, "signature_param_missing")
+
+
+@pytest.mark.parametrize(
+    "present",
+    [
+        pytest.param({}, id="none"),
+        pytest.param({"Signature-Input"}, id="signature-input-only"),
+        pytest.param({"Signature"}, id="signature-only"),
+    ],
+)
+async def test_missing_signature_headers_are_refused(
+    client: httpx.AsyncClient, contributor: Contributor, present: set[str]
+) -> None:
+    headers = signed(contributor.node_key, "GET", ME)
+    kept = {name: value for name, value in headers.items() if name in present}
+    problem(await send(client, "GET", ME, kept), 401, "signature_missing")
+
+
+def _malformed_cases(key: SigningKey) -> dict[str, Any]:
+    """Valid-looking requests for GET /v1/nodes/me, each broken in one way."""
+    h = hand_signed(key, "GET", ME)
+    other = hand_signed(key, "GET", ME, label="sig2")
+    return {
+        "garbage-signature-input": {**h, "Signature-Input": "((("},
+        "signature-input-not-ascii": {
+            **h,
+            "Signature-Input": (h["Signature-Input"] + ';x="\u00e9"').encode("latin-1"),
+        },
+        "signature-input-empty": {**h, "Signature-Input": " "},
+        "signature-input-not-inner-list": {
+            **h,
+            "Signature-Input": 'sig1="@method";created=1;keyid="k";nonce="12345678"',
+        },
+        "signature-input-too-long": {
+            **h,
+            "Signature-Input": h["Signature-Input"] + ';pad="' + "x" * 4096 + '"',
+        },
+        "component-with-parameters": {
+            **h,
+            "Signature-Input": h["Signature-Input"].replace('"@method"', '"@method";req'),
+        },
+        "signature-not-byte-sequence": {**h, "Signature": 'sig1="' + h["Signature"][6:-1] + '"'},
+        "signature-is-inner-list": {**h, "Signature": "sig1=(" + h["Signature"][5:] + ")"},
+        "two-signatures": {
+            "Signature-Input": h["Signature-Input"] + ", " + other["Signature-Input"],
+            "Signature": h["Signature"] + ", " + other["Signature"],
+        },
+        "two-signatures-in-two-field-lines": [
+            ("Signature-Input", h["Signature-Input"]),
+            ("Signature-Input", other["Signature-Input"]),
+            ("Signature", h["Signature"]),
+            ("Signature", other["Signature"]),
+        ],
+        "mismatched-labels": {**h, "Signature": other["Signature"]},
+        "duplicate-label": {
+            "Signature-Input": h["Signature-Input"] + ", " + h["Signature-Input"],
+            "Signature": h["Signature"],
+        },
+        "nonce-too-short": hand_signed(key, "GET", ME, nonce="1234567"),
+        "nonce-too-long": hand_signed(key, "GET", ME, nonce="n" * 129),
+        "created-not-an-integer": hand_signed(key, "GET", ME, created=str(int(time.time()))),
+        "keyid-not-a-string": hand_signed(key, "GET", ME, keyid=12345),
+        "expires-not-an-integer": hand_signed(key, "GET", ME, expires=str(int(time.time()) + 60)),
+    }
+
+
+MALFORMED = list(_malformed_cases(SigningKey(bytes(32))))
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+async def test_malformed_signature_headers_are_refused(
+    client: httpx.AsyncClient, contributor: Contributor, case: str
+) -> None:
+    headers = _malformed_cases(contributor.node_key)[case]
+    problem(await send(client, "GET", ME, headers), 401, "signature_malformed")
+
+
+# ------------------------------------------------------------------ identity
+
+
+async def test_node_acts_only_as_itself(client: httpx.AsyncClient, contributor: Contributor) -> None:
+    other = new_contributor()
+    await other.register(client)
+    r = await send(
+        client, "POST", HEARTBEAT, signed(contributor.node_key, "POST", HEARTBEAT, HB_BODY), HB_BODY
+    )
+    assert r.status_code == 200, r.text
+
+    mine = await send(client, "GET", ME, signed(contributor.node_key, "GET", ME))
+    theirs = await send(client, "GET", ME, signed(other.node_key, "GET", ME))
+    assert mine.status_code == theirs.status_code == 200
+    assert mine.json()["id"] == contributor.node_id
+    assert mine.json()["provider_id"] == contributor.provider_id
+    assert mine.json()["last_heartbeat_at"] is not None
+    assert theirs.json()["id"] == other.node_id
+    assert theirs.json()["provider_id"] == other.provider_id
+    assert theirs.json()["last_heartbeat_at"] is None  # A's heartbeat never landed on B
+
+
+# ------------------------------------------------------------------ properties
+
+PROPERTY_KEY = SigningKey(hashlib.sha256(b"test_signatures property key").digest())
+PROPERTY_URL = BASE + HEARTBEAT
+json_documents = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+def _verify(headers: dict[str, str], body: bytes, now: int) -> Any:
+    return verify_request(
+        method="POST",
+        url=PROPERTY_URL,
+        query="",
+        headers=list(headers.items()),
+        body=body,
+        now=now,
+        window_s=300,
+    )
+
+
+@hypothesis_settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    document=json_documents,
+    ascii_only=st.booleans(),
+    position=st.integers(min_value=0),
+    flip=st.integers(min_value=1, max_value=255),
+)
+def test_any_json_body_round_trips_and_any_flipped_byte_is_caught(
+    document: Any, ascii_only: bool, position: int, flip: int
+) -> None:
+    body = json.dumps(document, ensure_ascii=ascii_only).encode()
+    now = 1_750_000_000
+    headers = sign_headers(PROPERTY_KEY, method="POST", url=PROPERTY_URL, body=body, created=now)
+
+    result = _verify(headers, body, now)
+    assert result.keyid == key_id_of(PROPERTY_KEY)
+    assert result.body == body
+    assert "content-digest" in result.covered
+
+    tampered = bytearray(body)
+    tampered[position % len(body)] ^= flip
+    with pytest.raises(Unauthorized) as refused:
+        _verify(headers, bytes(tampered), now)
+    assert refused.value.status == 401
+    assert refused.value.code == "digest_mismatch"
