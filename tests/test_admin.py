@@ -24,7 +24,9 @@ async def test_the_node_registry_is_admin_only(
 ) -> None:
     headers = {"Authorization": f"Bearer {await make_token(app_state, role)}"}
     problem(await client.get("/v1/admin/nodes", headers=headers), 403, "role_forbidden")
-    problem(await client.get(f"/v1/admin/nodes/{contributor.node_id}", headers=headers), 403, "role_forbidden")
+    problem(
+        await client.get(f"/v1/admin/nodes/{contributor.node_id}", headers=headers), 403, "role_forbidden"
+    )
     r = await client.post(f"/v1/admin/nodes/{contributor.node_id}/ban", json={"reason": "x"}, headers=headers)
     problem(r, 403, "role_forbidden")
     assert (await client.get("/v1/nodes/me", auth=contributor.node_auth)).json()["status"] == "waiting"
@@ -78,13 +80,21 @@ async def test_list_nodes_filters_and_paginates(
             break
     assert seen == sorted(c.node_id for c in nodes)
 
-    healthy = (await client.get("/v1/admin/nodes", params={"status": "healthy"}, headers=admin_headers)).json()
+    healthy = (
+        await client.get("/v1/admin/nodes", params={"status": "healthy"}, headers=admin_headers)
+    ).json()
     assert sorted(n["id"] for n in healthy["items"]) == sorted(c.node_id for c in nodes[:2])
 
-    problem(await client.get("/v1/admin/nodes", params={"status": "sleepy"}, headers=admin_headers), 422,
-            "validation_failed")
-    problem(await client.get("/v1/admin/nodes", params={"cursor": "garbage"}, headers=admin_headers), 400,
-            "cursor_invalid")
+    problem(
+        await client.get("/v1/admin/nodes", params={"status": "sleepy"}, headers=admin_headers),
+        422,
+        "validation_failed",
+    )
+    problem(
+        await client.get("/v1/admin/nodes", params={"cursor": "garbage"}, headers=admin_headers),
+        400,
+        "cursor_invalid",
+    )
 
 
 async def test_get_node_shows_status_history(
@@ -105,27 +115,36 @@ async def test_a_banned_node_is_refused_everywhere_until_unbanned(
     client: httpx.AsyncClient, admin_headers: dict[str, str], contributor: Contributor
 ) -> None:
     await contributor.beat(client)
-    r = await client.post(f"/v1/admin/nodes/{contributor.node_id}/ban", json={"reason": "forged rewards"},
-                          headers=admin_headers)
+    r = await client.post(
+        f"/v1/admin/nodes/{contributor.node_id}/ban", json={"reason": "forged rewards"}, headers=admin_headers
+    )
     assert r.status_code == 200
     assert r.json()["status"] == "banned" and r.json()["ban_reason"] == "forged rewards"
 
     problem(await contributor.beat(client), 403, "node_banned")
     problem(await client.get("/v1/nodes/me", auth=contributor.node_auth), 403, "node_banned")
-    problem(await client.post("/v1/nodes", json=contributor.node_body(), auth=contributor.node_auth), 403,
-            "node_banned")
+    problem(
+        await client.post("/v1/nodes", json=contributor.node_body(), auth=contributor.node_auth),
+        403,
+        "node_banned",
+    )
 
     # Banning twice changes nothing.
-    again = await client.post(f"/v1/admin/nodes/{contributor.node_id}/ban", json={"reason": "again"},
-                              headers=admin_headers)
+    again = await client.post(
+        f"/v1/admin/nodes/{contributor.node_id}/ban", json={"reason": "again"}, headers=admin_headers
+    )
     assert again.json()["ban_reason"] == "forged rewards"
 
     r = await client.post(f"/v1/admin/nodes/{contributor.node_id}/unban", headers=admin_headers)
     assert r.json()["status"] == "waiting"
     assert (await contributor.beat(client)).json()["status"] == "healthy"
     detail = (await client.get(f"/v1/admin/nodes/{contributor.node_id}", headers=admin_headers)).json()
-    assert [h["to_status"] for h in reversed(detail["status_history"])] == ["healthy", "banned", "waiting",
-                                                                           "healthy"]
+    assert [h["to_status"] for h in reversed(detail["status_history"])] == [
+        "healthy",
+        "banned",
+        "waiting",
+        "healthy",
+    ]
 
 
 async def test_ban_needs_a_reason(

@@ -47,8 +47,11 @@ def test_keys_generate_writes_a_private_file_and_refuses_to_overwrite(tmp_path: 
 
 
 def test_create_token_prints_a_working_token_once(database_url: str) -> None:
-    result = runner.invoke(app, ["admin", "create-token", "--role", "operator", "--name", "alice"],
-                           env={"ORCH_DB__URL": database_url})
+    result = runner.invoke(
+        app,
+        ["admin", "create-token", "--role", "operator", "--name", "alice"],
+        env={"ORCH_DB__URL": database_url},
+    )
     assert result.exit_code == 0, result.output
     token = result.stdout.strip().splitlines()[-1]
     assert token.startswith("orch_")
@@ -67,7 +70,9 @@ def test_create_token_prints_a_working_token_once(database_url: str) -> None:
 
 
 def test_create_token_refuses_unknown_roles(database_url: str) -> None:
-    result = runner.invoke(app, ["admin", "create-token", "--role", "root"], env={"ORCH_DB__URL": database_url})
+    result = runner.invoke(
+        app, ["admin", "create-token", "--role", "root"], env={"ORCH_DB__URL": database_url}
+    )
     assert result.exit_code != 0
     assert "role" in result.output
 

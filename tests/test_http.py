@@ -26,8 +26,12 @@ async def test_unknown_route_and_wrong_method_are_problems(client: httpx.AsyncCl
 async def test_a_body_that_does_not_parse_is_a_422_problem(
     client: httpx.AsyncClient, contributor: Contributor
 ) -> None:
-    r = await client.post("/v1/nodes/me/heartbeat", content=b"{not json", auth=contributor.node_auth,
-                          headers={"content-type": "application/json"})
+    r = await client.post(
+        "/v1/nodes/me/heartbeat",
+        content=b"{not json",
+        auth=contributor.node_auth,
+        headers={"content-type": "application/json"},
+    )
     body = problem(r, 422, "validation_failed")
     assert body["errors"]
 
@@ -51,8 +55,9 @@ async def test_unhandled_errors_are_a_500_problem_without_internals(
 
 
 async def _limited_app(settings: Settings, clock: FakeClock, hot_store: HotStore) -> Any:
-    limited = settings.model_copy(update={"limits": LimitSettings(max_body_bytes=2048,
-                                                                  max_result_body_bytes=4096)})
+    limited = settings.model_copy(
+        update={"limits": LimitSettings(max_body_bytes=2048, max_result_body_bytes=4096)}
+    )
     return create_app(limited, clock=clock, hot_store=hot_store)
 
 
@@ -62,10 +67,16 @@ async def test_oversized_bodies_are_refused_with_413_before_parsing(
     app = await _limited_app(settings, clock, hot_store)
     big = json.dumps({"metrics": {}, "leases": ["x" * 100] * 30}).encode()
     assert len(big) > 2048
-    async with LifespanManager(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                                       base_url="http://testserver") as c:
-        r = await c.post("/v1/nodes/me/heartbeat", content=big, auth=contributor.node_auth,
-                         headers={"content-type": "application/json"})
+    async with (
+        LifespanManager(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as c,
+    ):
+        r = await c.post(
+            "/v1/nodes/me/heartbeat",
+            content=big,
+            auth=contributor.node_auth,
+            headers={"content-type": "application/json"},
+        )
         problem(r, 413, "payload_too_large")
 
         async def chunks() -> AsyncIterator[bytes]:
@@ -90,8 +101,10 @@ async def test_healthz_and_readyz(client: httpx.AsyncClient) -> None:
 async def test_readyz_is_503_when_the_hot_store_is_down(settings: Settings, clock: FakeClock) -> None:
     dead = RedisHotStore.from_url("redis://127.0.0.1:1/0")
     app = create_app(settings, clock=clock, hot_store=dead)
-    async with LifespanManager(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                                       base_url="http://testserver") as c:
+    async with (
+        LifespanManager(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as c,
+    ):
         r = await c.get("/readyz")
     await dead.aclose()
     body = problem(r, 503, "not_ready")
@@ -119,11 +132,14 @@ async def test_request_id_is_returned_and_logged_without_secrets(
 
     app = create_app(settings.model_copy(update={"log_level": "INFO"}), clock=clock, hot_store=hot_store)
     c = new_contributor()
-    async with LifespanManager(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                                       base_url="http://testserver") as client:
+    async with (
+        LifespanManager(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as client,
+    ):
         await c.register(client)
-        r = await client.post("/v1/nodes/me/heartbeat", json={}, auth=c.node_auth,
-                              headers={"X-Request-ID": "req-abc-123"})
+        r = await client.post(
+            "/v1/nodes/me/heartbeat", json={}, auth=c.node_auth, headers={"X-Request-ID": "req-abc-123"}
+        )
         assert r.headers["x-request-id"] == "req-abc-123"
         generated = (await client.get("/healthz")).headers["x-request-id"]
         assert len(generated) >= 8
@@ -148,7 +164,9 @@ async def test_metrics_are_labelled_by_route_template(
     assert 'orchestrator_nodes{status="healthy"} 1.0' in text
 
 
-async def test_signed_requests_work_with_the_sdk_auth(client: httpx.AsyncClient, contributor: Contributor) -> None:
+async def test_signed_requests_work_with_the_sdk_auth(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
     auth = SignatureAuth(contributor.node_key, components=("@method", "@path", "@query"))
     r = await client.get("/v1/nodes/me", auth=auth)
     assert r.status_code == 200

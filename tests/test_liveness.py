@@ -27,9 +27,13 @@ async def status_of(client: httpx.AsyncClient, c: Contributor) -> str:
 
 async def history(app_state: Any, node_id: str) -> list[tuple[str | None, str, str]]:
     async with app_state.sessionmaker() as session:
-        rows = (await session.execute(
-            select(NodeStatusChange).where(NodeStatusChange.node_id == node_id).order_by(NodeStatusChange.id)
-        )).scalars()
+        rows = (
+            await session.execute(
+                select(NodeStatusChange)
+                .where(NodeStatusChange.node_id == node_id)
+                .order_by(NodeStatusChange.id)
+            )
+        ).scalars()
         return [(r.from_status, r.to_status, r.actor) for r in rows]
 
 
@@ -50,12 +54,16 @@ async def test_steady_heartbeats_write_no_sql(
 ) -> None:
     await contributor.beat(client)
     async with app_state.sessionmaker() as session:
-        before = (await session.execute(select(Node.updated_at).where(Node.id == contributor.node_id))).scalar_one()
+        before = (
+            await session.execute(select(Node.updated_at).where(Node.id == contributor.node_id))
+        ).scalar_one()
     for _ in range(5):
         clock.advance(10)
         assert (await contributor.beat(client)).status_code == 200
     async with app_state.sessionmaker() as session:
-        after = (await session.execute(select(Node.updated_at).where(Node.id == contributor.node_id))).scalar_one()
+        after = (
+            await session.execute(select(Node.updated_at).where(Node.id == contributor.node_id))
+        ).scalar_one()
     assert after == before
     assert len(await history(app_state, contributor.node_id)) == 1
 
@@ -90,9 +98,15 @@ async def test_sweeper_moves_silent_nodes_healthy_unhealthy_dead(
 
 async def _reasons(app_state: Any, node_id: str) -> list[str]:
     async with app_state.sessionmaker() as session:
-        return list((await session.execute(
-            select(NodeStatusChange.reason).where(NodeStatusChange.node_id == node_id).order_by(NodeStatusChange.id)
-        )).scalars())
+        return list(
+            (
+                await session.execute(
+                    select(NodeStatusChange.reason)
+                    .where(NodeStatusChange.node_id == node_id)
+                    .order_by(NodeStatusChange.id)
+                )
+            ).scalars()
+        )
 
 
 async def test_a_dead_node_that_beats_again_is_healthy(
@@ -106,7 +120,12 @@ async def test_a_dead_node_that_beats_again_is_healthy(
     assert await status_of(client, contributor) == "dead"
     r = await contributor.beat(client)
     assert r.json()["status"] == "healthy"
-    assert [h[1] for h in await history(app_state, contributor.node_id)] == ["healthy", "unhealthy", "dead", "healthy"]
+    assert [h[1] for h in await history(app_state, contributor.node_id)] == [
+        "healthy",
+        "unhealthy",
+        "dead",
+        "healthy",
+    ]
 
 
 async def test_an_unhealthy_node_that_beats_again_is_not_later_swept_to_dead(
@@ -140,8 +159,11 @@ async def test_sweeper_runs_once_per_tick_across_processes(
     assert sum(r.to_unhealthy for r in reports) == 4
     async with app_state.sessionmaker() as session:
         assert await tick_runs(session, SWEEPER) == 1
-        changes = await session.scalar(select(func.count()).select_from(NodeStatusChange)
-                                       .where(NodeStatusChange.to_status == "unhealthy"))
+        changes = await session.scalar(
+            select(func.count())
+            .select_from(NodeStatusChange)
+            .where(NodeStatusChange.to_status == "unhealthy")
+        )
     assert changes == 4
     # The next tick runs again (once).
     clock.advance(5)

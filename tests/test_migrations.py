@@ -42,13 +42,16 @@ def scratch_url(tmp_path: Path) -> Iterator[str]:
     try:
         yield base.set(database=name).render_as_string(hide_password=False)
     finally:
-        asyncio.run(_admin(base.render_as_string(hide_password=False), f'DROP DATABASE "{name}" WITH (FORCE)'))
+        asyncio.run(
+            _admin(base.render_as_string(hide_password=False), f'DROP DATABASE "{name}" WITH (FORCE)')
+        )
 
 
 async def _inspect(url: str) -> tuple[set[str], list[Any]]:
     engine = create_async_engine(url)
     try:
         async with engine.connect() as conn:
+
             def read(sync_conn: Any) -> tuple[set[str], list[Any]]:
                 tables = set(inspect(sync_conn).get_table_names())
                 ctx = MigrationContext.configure(sync_conn, opts={"compare_type": True})

@@ -27,7 +27,11 @@ def test_defaults_are_the_embedded_setup(monkeypatch: pytest.MonkeyPatch) -> Non
     s = Settings()
     assert s.db.url == "sqlite+aiosqlite:///./orchestrator.db"
     assert s.redis_url is None
-    assert (s.heartbeat.interval_s, s.heartbeat.unhealthy_after_missed, s.heartbeat.dead_after_missed) == (10, 3, 9)
+    assert (s.heartbeat.interval_s, s.heartbeat.unhealthy_after_missed, s.heartbeat.dead_after_missed) == (
+        10,
+        3,
+        9,
+    )
 
 
 def test_production_refuses_the_placeholder_secret(monkeypatch: pytest.MonkeyPatch) -> None:

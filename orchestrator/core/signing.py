@@ -122,6 +122,7 @@ def _fail(code: str, detail: str) -> Unauthorized:
 def _parse_dictionary(name: str, value: str) -> dict[str, Any]:
     if len(value) > MAX_SIGNATURE_HEADER:
         raise _fail("signature_malformed", f"{name} is longer than {MAX_SIGNATURE_HEADER} bytes")
+
     def reject_duplicate(key: str, context: str) -> None:
         if context == "dictionary":
             raise ValueError(f"duplicate label {key!r}")
