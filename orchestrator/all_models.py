@@ -1,8 +1,19 @@
 """Imports every table module so ``Base.metadata`` is complete (Alembic, tests)."""
 
 from orchestrator.admin import models as admin_models
+from orchestrator.audit import models as audit_models
 from orchestrator.core import ticks
 from orchestrator.core.db import Base
 from orchestrator.identity import models as identity_models
+from orchestrator.ledger import models as ledger_models
+from orchestrator.pools import models as pools_models
 
-__all__ = ["Base", "admin_models", "identity_models", "ticks"]
+__all__ = [
+    "Base",
+    "admin_models",
+    "audit_models",
+    "identity_models",
+    "ledger_models",
+    "pools_models",
+    "ticks",
+]

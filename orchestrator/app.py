@@ -17,11 +17,16 @@ from orchestrator.core.errors import install_error_handlers
 from orchestrator.core.health import router as health_router
 from orchestrator.core.hotstore import HotStore, make_hot_store
 from orchestrator.core.logging import configure_logging
+from orchestrator.core.loops import run_periodically
 from orchestrator.core.middleware import BodyLimitMiddleware, RequestContextMiddleware
 from orchestrator.core.state import AppState
 from orchestrator.identity.router import router as identity_router
+from orchestrator.ledger import jobs as ledger_jobs
+from orchestrator.ledger.router import router as ledger_router
 from orchestrator.liveness import service as liveness
 from orchestrator.liveness.router import router as liveness_router
+from orchestrator.pools.router import admin_router as pools_admin_router
+from orchestrator.pools.router import router as pools_router
 from orchestrator.settings import Settings, get_settings
 
 log = structlog.get_logger(__name__)
@@ -61,7 +66,14 @@ def create_app(
         stop = asyncio.Event()
         tasks: list[asyncio.Task[None]] = []
         if settings.server.background_loops:
-            tasks.append(asyncio.create_task(liveness.run_sweeper(state, stop), name="liveness-sweeper"))
+            loops = [
+                ("liveness-sweeper", settings.heartbeat.sweep_interval_s, liveness.sweep_once),
+                ("stake-release", ledger_jobs.INTERVAL_S, ledger_jobs.release_once),
+            ]
+            tasks += [
+                asyncio.create_task(run_periodically(state, name, interval, tick, stop), name=name)
+                for name, interval, tick in loops
+            ]
         log.info(
             "started",
             version=__version__,
@@ -98,4 +110,7 @@ def create_app(
     app.include_router(identity_router)
     app.include_router(liveness_router)
     app.include_router(admin_router)
+    app.include_router(ledger_router)
+    app.include_router(pools_router)
+    app.include_router(pools_admin_router)
     return app

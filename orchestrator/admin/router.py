@@ -57,7 +57,7 @@ async def get_node(node_id: KeyId, _: AdminOnly, session: Session, state: State)
 async def ban_node(
     node_id: KeyId, body: BanIn, principal: AdminOnly, session: Session, state: State
 ) -> NodeDetailOut:
-    node = await service.ban(session, state, node_id, body.reason, actor=principal.token_id)
+    node = await service.ban(session, state, node_id, body.reason, principal=principal)
     return await _detail(session, state, node_id, node)
 
 
@@ -67,7 +67,7 @@ async def ban_node(
     summary="Lift a ban; the node becomes healthy again on its next heartbeat",
 )
 async def unban_node(node_id: KeyId, principal: AdminOnly, session: Session, state: State) -> NodeDetailOut:
-    node = await service.unban(session, node_id, actor=principal.token_id)
+    node = await service.unban(session, node_id, principal=principal)
     return await _detail(session, state, node_id, node)
 
 

@@ -1,9 +1,11 @@
-"""Admin rules for nodes: bans and unbans, recorded in the status history."""
+"""Admin rules for nodes: bans and unbans, recorded in the status history and the audit log."""
 
 from __future__ import annotations
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from orchestrator.admin.tokens import Principal
+from orchestrator.audit.service import record
 from orchestrator.core.errors import NotFound
 from orchestrator.core.state import AppState
 from orchestrator.identity import repository as repo
@@ -17,36 +19,60 @@ async def node_or_404(session: AsyncSession, node_id: str, *, for_update: bool =
     return node
 
 
-async def ban(session: AsyncSession, state: AppState, node_id: str, reason: str, *, actor: str) -> Node:
+async def ban(
+    session: AsyncSession, state: AppState, node_id: str, reason: str, *, principal: Principal
+) -> Node:
     """Idempotent: banning a banned node changes nothing."""
     node = await node_or_404(session, node_id, for_update=True)
+    before = {"status": node.status}
     not_banned = [s for s in NODE_STATUSES if s != NodeStatus.banned]
-    if await repo.transition(
+    moved = await repo.transition(
         session,
         [node_id],
         from_statuses=not_banned,
         to_status=NodeStatus.banned.value,
         reason=f"banned: {reason}",
-        actor=actor,
-    ):
+        actor=principal.token_id,
+    )
+    if moved:
         node.ban_reason = reason
         await session.flush()
+        await record(
+            session,
+            principal,
+            "node.ban",
+            target_type="node",
+            target_id=node_id,
+            before=before,
+            after={"status": NodeStatus.banned.value, "reason": reason},
+        )
         await state.hot_store.forget_node(node_id)
     await session.refresh(node)
     return node
 
 
-async def unban(session: AsyncSession, node_id: str, *, actor: str) -> Node:
+async def unban(session: AsyncSession, node_id: str, *, principal: Principal) -> Node:
     node = await node_or_404(session, node_id, for_update=True)
-    if await repo.transition(
+    before = {"status": node.status, "reason": node.ban_reason}
+    moved = await repo.transition(
         session,
         [node_id],
         from_statuses=[NodeStatus.banned.value],
         to_status=NodeStatus.waiting.value,
         reason="unbanned",
-        actor=actor,
-    ):
+        actor=principal.token_id,
+    )
+    if moved:
         node.ban_reason = None
         await session.flush()
+        await record(
+            session,
+            principal,
+            "node.unban",
+            target_type="node",
+            target_id=node_id,
+            before=before,
+            after={"status": NodeStatus.waiting.value},
+        )
     await session.refresh(node)
     return node

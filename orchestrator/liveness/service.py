@@ -9,7 +9,6 @@ tick reads only the nodes that changed, never the nodes that keep beating.
 
 from __future__ import annotations
 
-import asyncio
 import math
 from dataclasses import dataclass
 
@@ -90,18 +89,3 @@ async def sweep_once(state: AppState) -> SweepReport:
     if unhealthy or dead:
         log.info("liveness_sweep", tick=tick, to_unhealthy=len(unhealthy), to_dead=len(dead))
     return SweepReport(tick=tick, ran=True, to_unhealthy=len(unhealthy), to_dead=len(dead))
-
-
-async def run_sweeper(state: AppState, stop: asyncio.Event) -> None:
-    """Tick at every sweep-interval boundary until ``stop`` is set; errors are logged, not fatal."""
-    interval = state.settings.heartbeat.sweep_interval_s
-    while not stop.is_set():
-        try:
-            await sweep_once(state)
-        except Exception:
-            log.exception("liveness_sweep_failed")
-        delay = interval - (state.clock.now() % interval) + 0.05
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=delay)
-        except TimeoutError:
-            pass

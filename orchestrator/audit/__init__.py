@@ -1,0 +1,1 @@
+"""The append-only audit log of operator and admin actions."""

@@ -1,0 +1,381 @@
+"""Double-entry transfers with idempotency keys, and the stake flows built on them.
+
+Every movement of money is one ``transfer``: it inserts an append-only row claiming a unique
+idempotency key, then debits one account and credits another by the same amount, all inside
+one savepoint. So:
+
+* the sum of all balances is always zero (every account starts at zero);
+* a retried call with the same key moves nothing and returns the first transfer, even when the
+  retry races the original (the key's unique index decides; the loser reads the winner's row);
+* the same key with a different debit, credit or amount is refused (``idempotency_key_reused``);
+* an account that must not go negative never does: the debit is a conditional UPDATE under row
+  locks taken in id order (no deadlocks), and a CHECK constraint backs it up in the database.
+
+Account kinds for a provider: stake_free, stake_locked, stake_unbonding, rewards_pending,
+rewards_claimable, withdrawn. System accounts (allowed to go negative, they face the outside
+world): deposits (off-chain money coming in), rewards (what the pools pay out), slashed.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+from dataclasses import dataclass
+
+from sqlalchemy import or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from orchestrator.core.errors import Conflict
+from orchestrator.core.sql import insert_ignore
+from orchestrator.ledger.models import LedgerAccount, LedgerTransfer, StakeUnbonding
+
+MAX_AMOUNT = 10**15
+
+
+class ProviderAccount(enum.StrEnum):
+    stake_free = "stake_free"
+    stake_locked = "stake_locked"
+    stake_unbonding = "stake_unbonding"
+    rewards_pending = "rewards_pending"
+    rewards_claimable = "rewards_claimable"
+    withdrawn = "withdrawn"
+
+
+class SystemAccount(enum.StrEnum):
+    deposits = "deposits"
+    rewards = "rewards"
+    slashed = "slashed"
+
+
+@dataclass(frozen=True)
+class AccountRef:
+    owner_type: str
+    owner_id: str
+    kind: str
+
+    @property
+    def allow_negative(self) -> bool:
+        return self.owner_type == "system"
+
+    def __str__(self) -> str:
+        return f"{self.owner_type}:{self.owner_id}:{self.kind}"
+
+
+def provider_account(provider_id: str, kind: ProviderAccount) -> AccountRef:
+    return AccountRef("provider", provider_id, kind.value)
+
+
+def system_account(kind: SystemAccount) -> AccountRef:
+    return AccountRef("system", "system", kind.value)
+
+
+class InsufficientFunds(Conflict):
+    code = "insufficient_funds"
+
+
+class IdempotencyKeyReused(Conflict):
+    code = "idempotency_key_reused"
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    transfer: LedgerTransfer
+    created: bool
+
+
+async def account_id(session: AsyncSession, ref: AccountRef) -> int:
+    """The account's id, creating it (balance 0) if needed."""
+    stmt = select(LedgerAccount.id).where(
+        LedgerAccount.owner_type == ref.owner_type,
+        LedgerAccount.owner_id == ref.owner_id,
+        LedgerAccount.kind == ref.kind,
+    )
+    found = await session.scalar(stmt)
+    if found is not None:
+        return int(found)
+    await insert_ignore(
+        session,
+        LedgerAccount,
+        {
+            "owner_type": ref.owner_type,
+            "owner_id": ref.owner_id,
+            "kind": ref.kind,
+            "balance": 0,
+            "allow_negative": ref.allow_negative,
+        },
+    )
+    return int((await session.execute(stmt)).scalar_one())
+
+
+async def _existing(session: AsyncSession, key: str) -> LedgerTransfer | None:
+    return (
+        await session.execute(select(LedgerTransfer).where(LedgerTransfer.idempotency_key == key))
+    ).scalar_one_or_none()
+
+
+def _same(existing: LedgerTransfer, debit_id: int, credit_id: int, amount: int) -> LedgerTransfer:
+    if (existing.debit_account_id, existing.credit_account_id, existing.amount) != (
+        debit_id,
+        credit_id,
+        amount,
+    ):
+        raise IdempotencyKeyReused(
+            "this idempotency key was already used for a different transfer",
+            extra={"transfer_id": existing.id},
+        )
+    return existing
+
+
+async def transfer(
+    session: AsyncSession,
+    *,
+    debit: AccountRef,
+    credit: AccountRef,
+    amount: int,
+    key: str,
+    reason: str,
+    actor: str,
+    memo: str | None = None,
+    reference: tuple[str, str] | None = None,
+    reverses: int | None = None,
+) -> TransferResult:
+    """Move ``amount`` from ``debit`` to ``credit`` exactly once per ``key``."""
+    if not 0 < amount <= MAX_AMOUNT:
+        raise ValueError(f"amount must be in 1..{MAX_AMOUNT}")
+    if debit == credit:
+        raise ValueError("debit and credit must be different accounts")
+    debit_id = await account_id(session, debit)
+    credit_id = await account_id(session, credit)
+    existing = await _existing(session, key)
+    if existing is not None:
+        return TransferResult(_same(existing, debit_id, credit_id, amount), created=False)
+    row = LedgerTransfer(
+        idempotency_key=key,
+        debit_account_id=debit_id,
+        credit_account_id=credit_id,
+        amount=amount,
+        reason=reason,
+        memo=memo,
+        reference_type=reference[0] if reference else None,
+        reference_id=reference[1] if reference else None,
+        reverses_transfer_id=reverses,
+        actor=actor,
+        created_at=dt.datetime.now(dt.UTC),
+    )
+    try:
+        async with session.begin_nested():
+            session.add(row)
+            await session.flush()  # claims the key; a concurrent twin waits here, then fails
+            await session.execute(
+                select(LedgerAccount.id)
+                .where(LedgerAccount.id.in_([debit_id, credit_id]))
+                .order_by(LedgerAccount.id)
+                .with_for_update()
+            )
+            debited = await session.execute(
+                update(LedgerAccount)
+                .where(
+                    LedgerAccount.id == debit_id,
+                    or_(LedgerAccount.allow_negative, LedgerAccount.balance >= amount),
+                )
+                .values(balance=LedgerAccount.balance - amount)
+                .returning(LedgerAccount.id)
+                .execution_options(synchronize_session=False)
+            )
+            if debited.scalar_one_or_none() is None:
+                raise InsufficientFunds(
+                    f"{debit.kind} holds less than {amount}", extra={"account": debit.kind, "needed": amount}
+                )
+            await session.execute(
+                update(LedgerAccount)
+                .where(LedgerAccount.id == credit_id)
+                .values(balance=LedgerAccount.balance + amount)
+                .execution_options(synchronize_session=False)
+            )
+    except IntegrityError:
+        existing = await _existing(session, key)
+        if existing is None:
+            raise
+        return TransferResult(_same(existing, debit_id, credit_id, amount), created=False)
+    return TransferResult(row, created=True)
+
+
+async def reverse(
+    session: AsyncSession, transfer_id: int, *, key: str, actor: str, memo: str
+) -> TransferResult:
+    """A compensating transfer (credit back to the original debit), never an edit."""
+    original = await session.get(LedgerTransfer, transfer_id)
+    if original is None:
+        raise ValueError(f"no transfer {transfer_id}")
+    accounts = {
+        a.id: a
+        for a in (
+            await session.execute(
+                select(LedgerAccount).where(
+                    LedgerAccount.id.in_([original.debit_account_id, original.credit_account_id])
+                )
+            )
+        ).scalars()
+    }
+    debit, credit = accounts[original.credit_account_id], accounts[original.debit_account_id]
+    return await transfer(
+        session,
+        debit=AccountRef(debit.owner_type, debit.owner_id, debit.kind),
+        credit=AccountRef(credit.owner_type, credit.owner_id, credit.kind),
+        amount=original.amount,
+        key=key,
+        reason=f"reversal:{original.reason}",
+        actor=actor,
+        memo=memo,
+        reference=("transfer", str(original.id)),
+        reverses=original.id,
+    )
+
+
+async def balances(session: AsyncSession, owner_type: str, owner_id: str) -> dict[str, int]:
+    rows = (
+        await session.execute(
+            select(LedgerAccount.kind, LedgerAccount.balance).where(
+                LedgerAccount.owner_type == owner_type, LedgerAccount.owner_id == owner_id
+            )
+        )
+    ).all()
+    return {kind: int(balance) for kind, balance in rows}
+
+
+async def provider_balances(session: AsyncSession, provider_id: str) -> dict[str, int]:
+    found = await balances(session, "provider", provider_id)
+    return {kind.value: found.get(kind.value, 0) for kind in ProviderAccount}
+
+
+# ----------------------------------------------------------------------- stake flows
+
+
+async def deposit(
+    session: AsyncSession, provider_id: str, amount: int, *, key: str, actor: str, reference: str | None
+) -> TransferResult:
+    """Stake paid in off-chain, credited to the provider's free stake."""
+    return await transfer(
+        session,
+        debit=system_account(SystemAccount.deposits),
+        credit=provider_account(provider_id, ProviderAccount.stake_free),
+        amount=amount,
+        key=key,
+        reason="deposit",
+        actor=actor,
+        memo=reference,
+        reference=("deposit", reference) if reference else None,
+    )
+
+
+async def lock_stake(
+    session: AsyncSession,
+    provider_id: str,
+    amount: int,
+    *,
+    key: str,
+    actor: str,
+    reference: tuple[str, str] | None = None,
+) -> TransferResult:
+    """Free stake -> locked (a node joins a pool). ``InsufficientFunds`` if there is too little."""
+    return await transfer(
+        session,
+        debit=provider_account(provider_id, ProviderAccount.stake_free),
+        credit=provider_account(provider_id, ProviderAccount.stake_locked),
+        amount=amount,
+        key=key,
+        reason="stake_lock",
+        actor=actor,
+        reference=reference,
+    )
+
+
+async def unlock_stake(
+    session: AsyncSession,
+    provider_id: str,
+    amount: int,
+    *,
+    key: str,
+    actor: str,
+    reference: tuple[str, str] | None = None,
+) -> TransferResult:
+    """Locked stake straight back to free (a join that never became active: rejected, withdrawn)."""
+    return await transfer(
+        session,
+        debit=provider_account(provider_id, ProviderAccount.stake_locked),
+        credit=provider_account(provider_id, ProviderAccount.stake_free),
+        amount=amount,
+        key=key,
+        reason="stake_unlock",
+        actor=actor,
+        reference=reference,
+    )
+
+
+async def start_unbonding(
+    session: AsyncSession,
+    provider_id: str,
+    amount: int,
+    *,
+    release_at: dt.datetime,
+    key: str,
+    actor: str,
+    reference: tuple[str, str] | None = None,
+) -> StakeUnbonding:
+    """Locked stake -> unbonding, released to free stake at ``release_at`` by the release job."""
+    result = await transfer(
+        session,
+        debit=provider_account(provider_id, ProviderAccount.stake_locked),
+        credit=provider_account(provider_id, ProviderAccount.stake_unbonding),
+        amount=amount,
+        key=key,
+        reason="stake_unbond",
+        actor=actor,
+        reference=reference,
+    )
+    found = (
+        await session.execute(
+            select(StakeUnbonding).where(StakeUnbonding.start_transfer_id == result.transfer.id)
+        )
+    ).scalar_one_or_none()
+    if found is not None:
+        return found
+    unbonding = StakeUnbonding(
+        provider_id=provider_id,
+        amount=amount,
+        release_at=release_at,
+        released=False,
+        start_transfer_id=result.transfer.id,
+        created_at=dt.datetime.now(dt.UTC),
+    )
+    session.add(unbonding)
+    await session.flush()
+    return unbonding
+
+
+async def release_due_unbondings(session: AsyncSession, now: dt.datetime, *, limit: int = 500) -> int:
+    """Move every unbonding whose time has come back to free stake; returns how many."""
+    stmt = (
+        select(StakeUnbonding)
+        .where(StakeUnbonding.released.is_(False), StakeUnbonding.release_at <= now)
+        .order_by(StakeUnbonding.release_at, StakeUnbonding.id)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+    due = list((await session.execute(stmt)).scalars())
+    for unbonding in due:
+        result = await transfer(
+            session,
+            debit=provider_account(unbonding.provider_id, ProviderAccount.stake_unbonding),
+            credit=provider_account(unbonding.provider_id, ProviderAccount.stake_free),
+            amount=unbonding.amount,
+            key=f"unbonding-release:{unbonding.id}",
+            reason="stake_release",
+            actor="system",
+            reference=("unbonding", str(unbonding.id)),
+        )
+        unbonding.released = True
+        unbonding.release_transfer_id = result.transfer.id
+    await session.flush()
+    return len(due)

@@ -1,0 +1,1 @@
+"""Pools: what operators run and nodes join (requirements, admission, caps, economics)."""
