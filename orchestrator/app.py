@@ -11,6 +11,7 @@ from fastapi import FastAPI
 
 from orchestrator import __version__
 from orchestrator.admin.router import router as admin_router
+from orchestrator.audit.router import router as audit_router
 from orchestrator.core.clock import Clock, SystemClock
 from orchestrator.core.db import make_engine, make_sessionmaker
 from orchestrator.core.errors import install_error_handlers
@@ -113,4 +114,5 @@ def create_app(
     app.include_router(ledger_router)
     app.include_router(pools_router)
     app.include_router(pools_admin_router)
+    app.include_router(audit_router)
     return app
