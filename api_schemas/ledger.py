@@ -24,7 +24,7 @@ class Balances(BaseModel):
 
 
 class DepositIn(StrictModel):
-    amount: int = Field(gt=0, le=10**15, description=AMOUNT_DOC)
+    amount: int = Field(gt=0, le=10**15, strict=True, description=AMOUNT_DOC)
     reference: str | None = Field(
         default=None,
         min_length=1,

@@ -171,7 +171,9 @@ async def transfer(
                 select(LedgerAccount.id)
                 .where(LedgerAccount.id.in_([debit_id, credit_id]))
                 .order_by(LedgerAccount.id)
-                .with_for_update()
+                # NO KEY UPDATE: compatible with the KEY SHARE locks that the transfer row's
+                # foreign keys take, so two transfers on one account queue instead of deadlocking.
+                .with_for_update(key_share=True)
             )
             debited = await session.execute(
                 update(LedgerAccount)
