@@ -61,6 +61,11 @@ class NodeRegister(StrictModel):
     )
 
 
+class NodeMembership(BaseModel):
+    pool_id: str = Field(description="The pool")
+    status: str = Field(description="pending | active | left | ejected | rejected")
+
+
 class NodeOut(BaseModel):
     id: KeyId
     provider_id: KeyId
@@ -70,6 +75,9 @@ class NodeOut(BaseModel):
     status_changed_at: dt.datetime
     created_at: dt.datetime
     last_heartbeat_at: dt.datetime | None = None
+    memberships: list[NodeMembership] = Field(
+        default_factory=list, description="The node's pool memberships, by pool id"
+    )
 
 
 class HeartbeatIn(StrictModel):

@@ -7,6 +7,7 @@ from orchestrator.core.db import Base
 from orchestrator.identity import models as identity_models
 from orchestrator.ledger import models as ledger_models
 from orchestrator.pools import models as pools_models
+from orchestrator.tasks import models as tasks_models
 
 __all__ = [
     "Base",
@@ -15,5 +16,6 @@ __all__ = [
     "identity_models",
     "ledger_models",
     "pools_models",
+    "tasks_models",
     "ticks",
 ]

@@ -29,6 +29,9 @@ from orchestrator.liveness.router import router as liveness_router
 from orchestrator.pools.router import admin_router as pools_admin_router
 from orchestrator.pools.router import router as pools_router
 from orchestrator.settings import Settings, get_settings
+from orchestrator.tasks import jobs as task_jobs
+from orchestrator.tasks.router import admin_router as tasks_admin_router
+from orchestrator.tasks.router import router as tasks_router
 
 log = structlog.get_logger(__name__)
 
@@ -43,7 +46,8 @@ carry an RFC 9530 Content-Digest with any body (scheme `HttpMessageSignature`).
 Every error is RFC 9457 `application/problem+json` with a stable `code`.
 """
 
-RESULT_PATHS = r"/v1/assignments/[^/]+/result"
+# Result submissions (proofs) and task batches (10,000 prompts) get the larger body limit.
+LARGE_BODY_PATHS = r"/v1/assignments/[^/]+/result|/v1/admin/pools/[^/]+/tasks"
 
 
 def create_app(
@@ -70,6 +74,7 @@ def create_app(
             loops = [
                 ("liveness-sweeper", settings.heartbeat.sweep_interval_s, liveness.sweep_once),
                 ("stake-release", ledger_jobs.INTERVAL_S, ledger_jobs.release_once),
+                ("lease-reaper", task_jobs.INTERVAL_S, task_jobs.reap_once),
             ]
             tasks += [
                 asyncio.create_task(run_periodically(state, name, interval, tick, stop), name=name)
@@ -104,7 +109,7 @@ def create_app(
         BodyLimitMiddleware,
         default_limit=settings.limits.max_body_bytes,
         large_limit=settings.limits.max_result_body_bytes,
-        large_paths=RESULT_PATHS,
+        large_paths=LARGE_BODY_PATHS,
     )
     app.add_middleware(RequestContextMiddleware)
     app.include_router(health_router)
@@ -115,4 +120,6 @@ def create_app(
     app.include_router(pools_router)
     app.include_router(pools_admin_router)
     app.include_router(audit_router)
+    app.include_router(tasks_router)
+    app.include_router(tasks_admin_router)
     return app

@@ -78,14 +78,14 @@ def migrate_cmd(
     console.print(f"[green]schema at {revision if not downgrade else 'requested revision'}[/green]")
 
 
-async def _create_token(role: str, name: str) -> tuple[str, str]:
+async def _create_token(role: str, name: str, pools: list[str]) -> tuple[str, str]:
     from orchestrator.admin.tokens import Role, create_token
     from orchestrator.core.db import make_engine, make_sessionmaker
 
     engine = make_engine(get_settings().db)
     try:
         async with make_sessionmaker(engine)() as session, session.begin():
-            token, row = await create_token(session, role=Role(role), name=name)
+            token, row = await create_token(session, role=Role(role), name=name, pool_ids=pools)
             return token, row.id
     finally:
         await engine.dispose()
@@ -95,11 +95,16 @@ async def _create_token(role: str, name: str) -> tuple[str, str]:
 def create_token_cmd(
     role: Annotated[str, typer.Option(help="admin | operator | validator | trainer")],
     name: Annotated[str, typer.Option(help="Who or what the token is for")] = "cli",
+    pool: Annotated[
+        list[str] | None, typer.Option(help="A pool a validator or trainer token may act on (repeatable)")
+    ] = None,
 ) -> None:
     """Create an API token and print it once (only its hash is stored)."""
     if role not in {"admin", "operator", "validator", "trainer"}:
         raise typer.BadParameter("role must be admin, operator, validator or trainer", param_hint="--role")
-    token, token_id = asyncio.run(_create_token(role, name))
+    if role in {"validator", "trainer"} and not pool:
+        raise typer.BadParameter("validator and trainer tokens need at least one --pool", param_hint="--pool")
+    token, token_id = asyncio.run(_create_token(role, name, list(pool or [])))
     console.print(f"created {role} token {token_id}; it is shown only now:")
     typer.echo(token)
 

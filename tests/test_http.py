@@ -37,7 +37,7 @@ async def test_a_body_that_does_not_parse_is_a_422_problem(
 
 
 async def test_unhandled_errors_are_a_500_problem_without_internals(
-    settings: Settings, clock: FakeClock, hot_store: HotStore
+    settings: Settings, clock: FakeClock, hot_store: HotStore, capsys: Any
 ) -> None:
     app = create_app(settings, clock=clock, hot_store=hot_store)
 
@@ -48,10 +48,13 @@ async def test_unhandled_errors_are_a_500_problem_without_internals(
     async with LifespanManager(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as c:
-            r = await c.get("/boom")
+            r = await c.get("/boom", headers={"Authorization": "Bearer orch_do-not-log-me"})
     body = problem(r, 500, "internal_error")
     assert "secret" not in r.text and "Traceback" not in r.text
     assert body["detail"]
+    logged = capsys.readouterr().out
+    assert "unhandled_error" in logged and "RuntimeError" in logged
+    assert "do-not-log-me" not in logged
 
 
 async def _limited_app(settings: Settings, clock: FakeClock, hot_store: HotStore) -> Any:
@@ -88,7 +91,9 @@ async def test_oversized_bodies_are_refused_with_413_before_parsing(
         problem(r, 413, "payload_too_large")
         # Result submissions have their own, larger limit.
         r = await c.post("/v1/assignments/abc/result", content=b"x" * 3000)
-        assert r.status_code == 404
+        problem(r, 401, "signature_missing")  # past the body limit, stopped by the signature check
+        r = await c.post("/v1/assignments/abc/result", content=b"x" * 5000)
+        problem(r, 413, "payload_too_large")
 
 
 async def test_healthz_and_readyz(client: httpx.AsyncClient) -> None:

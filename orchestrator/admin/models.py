@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import CheckConstraint, String
+from sqlalchemy import JSON, CheckConstraint, String
 from sqlalchemy.orm import Mapped, mapped_column
 
 from orchestrator.core.db import Base, UTCDateTime, utcnow
@@ -20,5 +20,8 @@ class ApiToken(Base):
     name: Mapped[str] = mapped_column(String(100))
     role: Mapped[str] = mapped_column(String(16))
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    pool_ids: Mapped[list[str] | None] = mapped_column(
+        JSON, doc="validator and trainer tokens: the pools they may act on"
+    )
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     revoked_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())

@@ -39,19 +39,27 @@ class Principal:
     token_id: str
     name: str
     role: Role
+    pool_ids: frozenset[str] = frozenset()
+
+    def scoped_to(self, pool_id: str) -> bool:
+        """For validator and trainer tokens: the pools the token was created for."""
+        return pool_id in self.pool_ids
 
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
-async def create_token(session: AsyncSession, *, role: Role, name: str) -> tuple[str, ApiToken]:
+async def create_token(
+    session: AsyncSession, *, role: Role, name: str, pool_ids: list[str] | None = None
+) -> tuple[str, ApiToken]:
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     row = ApiToken(
         id="tok_" + secrets.token_hex(8),
         name=name,
         role=role.value,
         token_hash=hash_token(token),
+        pool_ids=sorted(set(pool_ids)) if pool_ids else None,
         created_at=utcnow(),
     )
     session.add(row)
@@ -90,7 +98,9 @@ async def authenticate(
             "the bearer token is not valid", code="token_invalid", headers={"WWW-Authenticate": "Bearer"}
         )
     structlog.contextvars.bind_contextvars(token_id=row.id)
-    return Principal(token_id=row.id, name=row.name, role=Role(row.role))
+    return Principal(
+        token_id=row.id, name=row.name, role=Role(row.role), pool_ids=frozenset(row.pool_ids or ())
+    )
 
 
 def require_roles(*roles: Role) -> object:

@@ -101,7 +101,13 @@ class ServiceUnavailable(OrchestratorError):
 
 
 def problem_body(
-    *, status: int, code: str, title: str, detail: str, instance: str | None = None, **extra: Any
+    *,
+    status: int,
+    code: str,
+    title: str,
+    detail: str,
+    instance: str | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "type": PROBLEM_TYPE_BASE + code,
@@ -112,7 +118,8 @@ def problem_body(
     }
     if instance:
         body["instance"] = instance
-    body.update(extra)
+    # Extra members never replace the RFC 9457 ones.
+    body.update({k: v for k, v in (extra or {}).items() if k not in body and k != "instance"})
     return body
 
 
@@ -124,7 +131,7 @@ def problem_response(
     detail: str,
     request: Request | None = None,
     headers: dict[str, str] | None = None,
-    **extra: Any,
+    extra: dict[str, Any] | None = None,
 ) -> JSONResponse:
     body = problem_body(
         status=status,
@@ -132,7 +139,7 @@ def problem_response(
         title=title,
         detail=detail,
         instance=request.url.path if request is not None else None,
-        **extra,
+        extra=extra,
     )
     return JSONResponse(body, status_code=status, headers=headers, media_type=PROBLEM_MEDIA_TYPE)
 
@@ -158,7 +165,7 @@ async def _orchestrator_error(request: Request, exc: Exception) -> JSONResponse:
         detail=exc.detail,
         request=request,
         headers=exc.headers,
-        **exc.extra,
+        extra=exc.extra,
     )
 
 
@@ -194,7 +201,7 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
         title="Request did not validate",
         detail=f"{where}: {first['msg']}" if where else str(first["msg"]),
         request=request,
-        errors=errors,
+        extra={"errors": errors},
     )
 
 

@@ -27,8 +27,21 @@ def _drop_sensitive(_logger: Any, _name: str, event: MutableMapping[str, Any]) -
 
 
 def configure_logging(level: str = "INFO", *, json: bool = True) -> None:
-    renderer: Any = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
-    tracebacks: list[Any] = [structlog.processors.dict_tracebacks] if json else []
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if json
+        else structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)
+    )
+    # Tracebacks without local variables: locals hold request headers (tokens, signatures).
+    tracebacks: list[Any] = (
+        [
+            structlog.processors.ExceptionRenderer(
+                structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+            )
+        ]
+        if json
+        else []
+    )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

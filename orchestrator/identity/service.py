@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncSession, async_object_session
 
-from api_schemas.identity import NodeOut, NodeRegister, NodeSpecs, ProviderOut
+from api_schemas.identity import NodeMembership, NodeOut, NodeRegister, NodeSpecs, ProviderOut
 from orchestrator.core.errors import Conflict, Forbidden, NotFound
 from orchestrator.core.keys import verify_attestation
 from orchestrator.core.state import AppState
 from orchestrator.identity import repository as repo
 from orchestrator.identity.models import Node, NodeStatus, Provider
+from orchestrator.pools import repository as pools_repo
 
 
 def provider_out(provider: Provider) -> ProviderOut:
@@ -20,6 +21,8 @@ def provider_out(provider: Provider) -> ProviderOut:
 
 async def node_out(state: AppState, node: Node) -> NodeOut:
     last = await state.hot_store.last_beat(node.id)
+    session = async_object_session(node)  # the request's session the node was loaded in
+    memberships = await pools_repo.memberships_of_node(session, node.id) if session is not None else []
     return NodeOut(
         id=node.id,
         provider_id=node.provider_id,
@@ -35,6 +38,7 @@ async def node_out(state: AppState, node: Node) -> NodeOut:
         status_changed_at=node.status_changed_at,
         created_at=node.created_at,
         last_heartbeat_at=dt.datetime.fromtimestamp(last, dt.UTC) if last is not None else None,
+        memberships=[NodeMembership(pool_id=p, status=s) for p, s in memberships],
     )
 
 

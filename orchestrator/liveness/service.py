@@ -22,6 +22,7 @@ from orchestrator.core.state import AppState
 from orchestrator.core.ticks import claim_tick
 from orchestrator.identity import repository as repo
 from orchestrator.identity.models import Node, NodeStatus
+from orchestrator.tasks.service import extend_leases
 
 log = structlog.get_logger(__name__)
 
@@ -49,7 +50,8 @@ async def heartbeat(session: AsyncSession, state: AppState, node: Node, body: He
         if moved:
             status = NodeStatus.healthy.value
             log.info("node_status_changed", node_id=node.id, to="healthy")
-    return HeartbeatOut(status=status, next_heartbeat_in_s=hb.interval_s, drop_leases=[])
+    drop = await extend_leases(session, node.id, body.leases, now=state.clock.utcnow()) if body.leases else []
+    return HeartbeatOut(status=status, next_heartbeat_in_s=hb.interval_s, drop_leases=drop)
 
 
 @dataclass(frozen=True)

@@ -1,3 +1,139 @@
-"""Tables for pools, memberships, invites and provider blacklists."""
+"""Tables for pools, memberships, invites and provider blacklists.
+
+Amounts are integers in the ledger's smallest unit. A pool's settings are columns (so later
+issues can query them), except the hardware requirements, which are one JSON document
+(``{"any_of": [{gpu_models, min_gpu_count, min_gpu_memory_mb, min_ram_mb}, ...]}``).
+"""
 
 from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import Mapped, mapped_column
+
+from orchestrator.core.db import Base, UTCDateTime, utcnow
+
+ID = BigInteger().with_variant(Integer, "sqlite")
+KEY_ID = String(43)
+POOL_ID = String(40)
+TOKEN_ID = String(32)
+
+
+class Pool(Base):
+    __tablename__ = "pools"
+    __table_args__ = (
+        CheckConstraint("status IN ('pending', 'active', 'paused', 'completed')", name="status_known"),
+        CheckConstraint("admission IN ('open', 'approval', 'invite')", name="admission_known"),
+        CheckConstraint("min_stake_per_node >= 0", name="min_stake_not_negative"),
+        Index("ix_pools_owner_token_id_id", "owner_token_id", "id"),
+        Index("ix_pools_status_id", "status", "id"),
+    )
+
+    id: Mapped[str] = mapped_column(POOL_ID, primary_key=True)
+    name: Mapped[str] = mapped_column(String(100))
+    description: Mapped[str | None] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16))
+    owner_token_id: Mapped[str] = mapped_column(TOKEN_ID, ForeignKey("api_tokens.id", ondelete="RESTRICT"))
+    admission: Mapped[str] = mapped_column(String(16))
+    requirements: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # caps (null: no cap)
+    max_nodes: Mapped[int | None] = mapped_column(Integer)
+    max_nodes_per_provider: Mapped[int | None] = mapped_column(Integer)
+    max_nodes_per_ip: Mapped[int | None] = mapped_column(Integer)
+    # economics
+    min_stake_per_node: Mapped[int] = mapped_column(BigInteger)
+    reward_per_sample: Mapped[int] = mapped_column(BigInteger)
+    reward_hold_s: Mapped[int] = mapped_column(Integer)
+    soft_invalid_penalty: Mapped[int] = mapped_column(BigInteger)
+    fraud_slash_amount: Mapped[int] = mapped_column(BigInteger)
+    strikes_before_ejection: Mapped[int] = mapped_column(Integer)
+    strikes_before_provider_ban: Mapped[int] = mapped_column(Integer)
+    unbonding_period_s: Mapped[int] = mapped_column(Integer)
+    # policy
+    lease_duration_s: Mapped[int] = mapped_column(Integer)
+    max_attempts: Mapped[int] = mapped_column(Integer)
+    replication_factor: Mapped[int] = mapped_column(Integer)
+    audit_rate_floor: Mapped[float] = mapped_column(Float)
+    max_async_level: Mapped[int] = mapped_column(Integer)
+    max_leases_per_node: Mapped[int] = mapped_column(Integer)
+
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    status_changed_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class PoolMembership(Base):
+    """One row per (pool, node); a node that joins again after leaving starts a new ``episode``."""
+
+    __tablename__ = "pool_memberships"
+    __table_args__ = (
+        UniqueConstraint("pool_id", "node_id"),
+        CheckConstraint(
+            "status IN ('pending', 'active', 'left', 'ejected', 'rejected')", name="status_known"
+        ),
+        CheckConstraint("stake >= 0", name="stake_not_negative"),
+        Index("ix_pool_memberships_pool_id_status_provider_id", "pool_id", "status", "provider_id"),
+        Index("ix_pool_memberships_node_id", "node_id"),
+    )
+
+    id: Mapped[int] = mapped_column(ID, primary_key=True, autoincrement=True)
+    pool_id: Mapped[str] = mapped_column(POOL_ID, ForeignKey("pools.id", ondelete="RESTRICT"))
+    node_id: Mapped[str] = mapped_column(KEY_ID, ForeignKey("nodes.id", ondelete="RESTRICT"))
+    provider_id: Mapped[str] = mapped_column(KEY_ID, ForeignKey("providers.id", ondelete="RESTRICT"))
+    status: Mapped[str] = mapped_column(String(16))
+    episode: Mapped[int] = mapped_column(Integer, default=1)
+    stake: Mapped[int] = mapped_column(BigInteger, default=0, doc="locked by this episode's join")
+    reason: Mapped[str | None] = mapped_column(Text)
+    invite_id: Mapped[str | None] = mapped_column(
+        String(32), ForeignKey("pool_invites.id", ondelete="RESTRICT")
+    )
+    joined_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    activated_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    ended_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class PoolInvite(Base):
+    """A single-use, expiring invite code; only the code's SHA-256 is stored."""
+
+    __tablename__ = "pool_invites"
+    __table_args__ = (Index("ix_pool_invites_pool_id", "pool_id"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    pool_id: Mapped[str] = mapped_column(POOL_ID, ForeignKey("pools.id", ondelete="RESTRICT"))
+    code_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_by: Mapped[str] = mapped_column(TOKEN_ID)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    expires_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+    used_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    used_by_node_id: Mapped[str | None] = mapped_column(KEY_ID)
+
+
+class PoolProviderBlacklist(Base):
+    """A provider shut out of a pool: its nodes were removed and none may join."""
+
+    __tablename__ = "pool_provider_blacklist"
+
+    pool_id: Mapped[str] = mapped_column(
+        POOL_ID, ForeignKey("pools.id", ondelete="RESTRICT"), primary_key=True
+    )
+    provider_id: Mapped[str] = mapped_column(
+        KEY_ID, ForeignKey("providers.id", ondelete="RESTRICT"), primary_key=True
+    )
+    reason: Mapped[str] = mapped_column(Text)
+    created_by: Mapped[str] = mapped_column(TOKEN_ID)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)

@@ -1,0 +1,445 @@
+"""Pools, memberships, invites and blacklists: request and response models.
+
+A pool's settings come in groups (``requirements``, ``caps``, ``economics``, ``policy``).
+Creating a pool takes the groups with defaults; ``PATCH`` takes any subset of any group and
+the merged result is validated again as a whole (cross-field rules included).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+from collections.abc import Callable
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from api_schemas.common import KeyId, StrictModel
+
+AMOUNT_MAX = 10**15  # the ledger's largest single amount
+DAY_S = 86_400
+
+# ------------------------------------------------------------------ enums
+
+
+class PoolStatus(enum.StrEnum):
+    pending = "pending"
+    active = "active"
+    paused = "paused"
+    completed = "completed"
+
+
+class Admission(enum.StrEnum):
+    open = "open"
+    approval = "approval"
+    invite = "invite"
+
+
+class MembershipStatus(enum.StrEnum):
+    pending = "pending"
+    active = "active"
+    left = "left"
+    ejected = "ejected"
+    rejected = "rejected"
+
+
+# ------------------------------------------------------------------ requirements
+
+GpuModelName = Annotated[
+    str,
+    Field(
+        min_length=1, max_length=100, pattern=r"^[A-Za-z0-9 ._()+/-]+$", examples=["NVIDIA H100 80GB HBM3"]
+    ),
+]
+
+
+class HardwareRule(StrictModel):
+    """One alternative: a node meets it when it meets every rule in it."""
+
+    gpu_models: list[GpuModelName] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=32,
+        description="GPU models accepted, as the driver reports them (compared case-insensitively); "
+        "null accepts any model, including none.",
+    )
+    min_gpu_count: int = Field(default=0, ge=0, le=64, description="Minimum number of GPUs")
+    min_gpu_memory_mb: int = Field(
+        default=0, ge=0, le=1_048_576, description="Minimum memory per GPU, in MiB"
+    )
+    min_ram_mb: int = Field(default=0, ge=0, le=16_777_216, description="Minimum system RAM, in MiB")
+
+    @model_validator(mode="after")
+    def _distinct_models(self) -> HardwareRule:
+        if self.gpu_models is not None and len({m.casefold() for m in self.gpu_models}) != len(
+            self.gpu_models
+        ):
+            raise ValueError("gpu_models must not repeat a model")
+        return self
+
+
+class Requirements(StrictModel):
+    any_of: list[HardwareRule] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Hardware alternatives; a node must meet at least one. Empty: no hardware requirement.",
+    )
+
+
+# ------------------------------------------------------------------ field types shared by create/patch
+
+MaxNodes = Annotated[
+    int | None,
+    Field(ge=1, le=1_000_000, description="Most nodes (active + pending) in the pool; null for no cap"),
+]
+MaxPerProvider = Annotated[
+    int | None,
+    Field(ge=1, le=1_000_000, description="Most nodes (active + pending) of one provider; null for no cap"),
+]
+MaxPerIp = Annotated[
+    int | None,
+    Field(
+        ge=1,
+        le=1_000_000,
+        description="Most nodes (active + pending) registered from one IP address; null for no cap",
+    ),
+]
+MinStake = Annotated[
+    int,
+    Field(
+        ge=0,
+        le=AMOUNT_MAX,
+        description="Stake (integer, smallest unit) locked from the provider's free stake for each "
+        "node that joins; 0 for none",
+    ),
+]
+RewardPerSample = Annotated[
+    int, Field(ge=0, le=AMOUNT_MAX, description="Reward (integer, smallest unit) per accepted sample")
+]
+RewardHold = Annotated[
+    int,
+    Field(
+        ge=0,
+        le=90 * DAY_S,
+        description="Seconds an earned reward stays pending (and slashable) before it becomes claimable",
+    ),
+]
+SoftPenalty = Annotated[
+    int,
+    Field(
+        ge=0,
+        le=AMOUNT_MAX,
+        description="Amount forfeited from the provider's pending rewards when a result is "
+        "soft-invalidated (beyond withholding its reward); 0 for none",
+    ),
+]
+FraudSlash = Annotated[
+    int,
+    Field(
+        ge=0,
+        le=AMOUNT_MAX,
+        description="Stake slashed for proven fraud; at most min_stake_per_node (what a membership locks)",
+    ),
+]
+StrikesEject = Annotated[
+    int, Field(ge=1, le=1000, description="Strikes (invalid results) after which a node is ejected")
+]
+StrikesBan = Annotated[
+    int,
+    Field(
+        ge=1,
+        le=10_000,
+        description="Strikes across a provider's nodes after which the provider is blacklisted from the "
+        "pool; at least strikes_before_ejection",
+    ),
+]
+Unbonding = Annotated[
+    int,
+    Field(
+        ge=0,
+        le=365 * DAY_S,
+        description="Seconds stake stays unbonding after a leave or an ejection before it is free again",
+    ),
+]
+LeaseDuration = Annotated[
+    int, Field(ge=10, le=7 * DAY_S, description="Seconds a task lease lasts unless heartbeats extend it")
+]
+MaxAttempts = Annotated[
+    int, Field(ge=1, le=100, description="Leases issued for one task before it is given up as failed")
+]
+Replication = Annotated[
+    int,
+    Field(
+        ge=1,
+        le=16,
+        description="Replicas of each task, on different providers and IPs; at most caps.max_nodes",
+    ),
+]
+AuditFloor = Annotated[
+    float,
+    Field(ge=0.0, le=1.0, description="Lowest fraction of results sent to expensive verification"),
+]
+MaxAsyncLevel = Annotated[
+    int,
+    Field(
+        ge=0,
+        le=64,
+        description="Staleness bound: results for a policy more than this many versions old are refused",
+    ),
+]
+MaxLeases = Annotated[int, Field(ge=1, le=1024, description="Most leases one node may hold at a time")]
+PoolName = Annotated[
+    str, Field(min_length=1, max_length=100, pattern=r"^[\x20-\x7e]+$", description="Printable ASCII name")
+]
+PoolDescription = Annotated[str | None, Field(max_length=2000, description="Free text shown to contributors")]
+AdmissionField = Annotated[
+    Admission,
+    Field(
+        description="open: auto-accept when requirements and stake are met; approval: an operator "
+        "approves each join; invite: a single-use invite code is needed"
+    ),
+]
+
+
+class Caps(StrictModel):
+    max_nodes: MaxNodes = None
+    max_nodes_per_provider: MaxPerProvider = None
+    max_nodes_per_ip: MaxPerIp = None
+
+
+class Economics(StrictModel):
+    min_stake_per_node: MinStake = 0
+    reward_per_sample: RewardPerSample = 0
+    reward_hold_s: RewardHold = DAY_S
+    soft_invalid_penalty: SoftPenalty = 0
+    fraud_slash_amount: FraudSlash = 0
+    strikes_before_ejection: StrikesEject = 3
+    strikes_before_provider_ban: StrikesBan = 10
+    unbonding_period_s: Unbonding = 7 * DAY_S
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Economics:
+        if self.fraud_slash_amount > self.min_stake_per_node:
+            raise ValueError("fraud_slash_amount must not exceed min_stake_per_node")
+        if self.strikes_before_provider_ban < self.strikes_before_ejection:
+            raise ValueError("strikes_before_provider_ban must be at least strikes_before_ejection")
+        return self
+
+
+class PublicPolicy(StrictModel):
+    """The policy knobs a contributor needs to know (the audit rate stays with the operator:
+    a worker that knows how rarely it is checked can price cheating)."""
+
+    lease_duration_s: LeaseDuration = 600
+    max_attempts: MaxAttempts = 3
+    replication_factor: Replication = 1
+    max_async_level: MaxAsyncLevel = 2
+    max_leases_per_node: MaxLeases = 1
+
+
+class Policy(PublicPolicy):
+    audit_rate_floor: AuditFloor = 0.05
+
+
+class PoolSettings(StrictModel):
+    """Everything an operator configures; validated as a whole on create and after every PATCH."""
+
+    name: PoolName
+    description: PoolDescription = None
+    admission: AdmissionField = Admission.open
+    requirements: Requirements = Field(default_factory=Requirements, description="Hardware requirements")
+    caps: Caps = Field(default_factory=Caps, description="Sybil friction: node caps")
+    economics: Economics = Field(
+        default_factory=Economics, description="Stake, rewards, penalties and strikes"
+    )
+    policy: Policy = Field(default_factory=Policy, description="Task scheduling and verification knobs")
+
+    @model_validator(mode="after")
+    def _replicas_fit(self) -> PoolSettings:
+        cap = self.caps.max_nodes
+        if cap is not None and self.policy.replication_factor > cap:
+            raise ValueError("policy.replication_factor must not exceed caps.max_nodes")
+        return self
+
+
+class PoolCreate(PoolSettings):
+    """A new pool starts ``pending``; activate it to open it to nodes."""
+
+
+def _described_like(source: type[BaseModel]) -> Callable[[dict[str, Any]], None]:
+    """For PATCH models: document each optional field with the description of the field it
+    changes (an ``X | None`` field would otherwise carry it only inside ``anyOf``)."""
+
+    def extra(schema: dict[str, Any]) -> None:
+        for name, prop in schema.get("properties", {}).items():
+            field = source.model_fields.get(name)
+            if field is not None and field.description and not prop.get("description"):
+                prop["description"] = field.description + ". Omit to keep the current value."
+
+    return extra
+
+
+class CapsPatch(StrictModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_described_like(Caps))
+
+    max_nodes: MaxNodes = None
+    max_nodes_per_provider: MaxPerProvider = None
+    max_nodes_per_ip: MaxPerIp = None
+
+
+class EconomicsPatch(StrictModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_described_like(Economics))
+
+    min_stake_per_node: MinStake | None = None
+    reward_per_sample: RewardPerSample | None = None
+    reward_hold_s: RewardHold | None = None
+    soft_invalid_penalty: SoftPenalty | None = None
+    fraud_slash_amount: FraudSlash | None = None
+    strikes_before_ejection: StrikesEject | None = None
+    strikes_before_provider_ban: StrikesBan | None = None
+    unbonding_period_s: Unbonding | None = None
+
+
+class PolicyPatch(StrictModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_described_like(Policy))
+
+    lease_duration_s: LeaseDuration | None = None
+    max_attempts: MaxAttempts | None = None
+    replication_factor: Replication | None = None
+    audit_rate_floor: AuditFloor | None = None
+    max_async_level: MaxAsyncLevel | None = None
+    max_leases_per_node: MaxLeases | None = None
+
+
+class PoolPatch(StrictModel):
+    """Only the fields present change; ``requirements`` is replaced as a whole. Caps may be set
+    to null (no cap); other fields may not. Stake already locked by members is unaffected."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_described_like(PoolSettings))
+
+    name: PoolName | None = None
+    description: PoolDescription = None
+    admission: AdmissionField | None = None
+    requirements: Requirements | None = Field(default=None, description="Replaces the requirements")
+    caps: CapsPatch | None = Field(default=None, description="Caps to change")
+    economics: EconomicsPatch | None = Field(default=None, description="Economics to change")
+    policy: PolicyPatch | None = Field(default=None, description="Policy knobs to change")
+
+    def changes(self) -> dict[str, Any]:
+        """The fields the caller sent (explicit nulls included), nested like ``PoolSettings``."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+# ------------------------------------------------------------------ pool responses
+
+
+class PublicPoolOut(BaseModel):
+    """What contributors see: terms and requirements, nothing about the operator."""
+
+    id: str = Field(description="Pool id: 'pool_' + 16 hex characters")
+    name: str = Field(description="Display name")
+    description: str | None = Field(description="Free text from the operator")
+    status: PoolStatus = Field(description="pending | active | paused | completed")
+    admission: Admission = Field(description="open | approval | invite")
+    requirements: Requirements = Field(description="Hardware requirements")
+    caps: Caps = Field(description="Node caps")
+    economics: Economics = Field(description="Stake, rewards, penalties and strikes")
+    policy: PublicPolicy = Field(description="Task scheduling knobs")
+    members: int = Field(description="Nodes in the pool now (active + pending)")
+    created_at: dt.datetime = Field(description="When the pool was created")
+
+
+class PoolOut(PublicPoolOut):
+    """The operator's view of a pool."""
+
+    policy: Policy = Field(description="Task scheduling and verification knobs")
+    owner_token_id: str = Field(description="The token that created the pool and may administer it")
+    active_members: int = Field(description="Active members")
+    pending_members: int = Field(description="Members waiting for approval")
+    status_changed_at: dt.datetime = Field(description="When the status last changed")
+    updated_at: dt.datetime = Field(description="When anything last changed")
+
+
+# ------------------------------------------------------------------ membership
+
+
+class JoinIn(StrictModel):
+    invite_code: str | None = Field(
+        default=None,
+        min_length=8,
+        max_length=100,
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="Needed for pools with invite admission (single use); ignored by other pools",
+    )
+
+
+class MembershipOut(BaseModel):
+    pool_id: str = Field(description="The pool")
+    node_id: KeyId = Field(description="The member node")
+    provider_id: KeyId = Field(description="The node's provider")
+    status: MembershipStatus = Field(description="pending | active | left | ejected | rejected")
+    episode: int = Field(description="1 on the first join, +1 on every join after a leave or rejection")
+    stake: int = Field(
+        description="Stake locked by this episode's join (after it ends: returned, or unbonding)"
+    )
+    reason: str | None = Field(description="Why it ended, for rejected, ejected or left by an operator")
+    joined_at: dt.datetime = Field(description="When this episode's join was accepted or queued")
+    activated_at: dt.datetime | None = Field(description="When this episode became active")
+    ended_at: dt.datetime | None = Field(description="When this episode ended")
+
+
+class RefusalReason(BaseModel):
+    """One unmet rule of a refused join (listed in the problem's ``reasons``)."""
+
+    code: str = Field(
+        description="pool_not_active | node_ejected | provider_blacklisted | requirements_unmet | "
+        "invite_required | invite_invalid | pool_full | provider_cap | ip_cap | stake_insufficient"
+    )
+    detail: str = Field(description="Human-readable explanation")
+    alternatives: list[dict[str, Any]] | None = Field(
+        default=None,
+        description="For requirements_unmet: each hardware alternative with the checks it failed "
+        "({rule, required, actual})",
+    )
+    required: int | None = Field(default=None, description="For stake_insufficient: the stake needed")
+
+
+# ------------------------------------------------------------------ operator actions
+
+
+class ReasonIn(StrictModel):
+    reason: str = Field(min_length=1, max_length=500, description="Why; kept on the membership and audited")
+
+
+class RejectIn(StrictModel):
+    reason: str | None = Field(
+        default=None, min_length=1, max_length=500, description="Why; kept on the membership and audited"
+    )
+
+
+class InviteIn(StrictModel):
+    expires_in_s: int = Field(
+        default=7 * DAY_S, ge=60, le=90 * DAY_S, description="Seconds until the invite code expires"
+    )
+
+
+class InviteOut(BaseModel):
+    id: str = Field(description="Invite id ('inv_' + 16 hex), for the audit log")
+    pool_id: str = Field(description="The pool the code admits to")
+    code: str = Field(description="The single-use code; shown only now, only its SHA-256 is stored")
+    expires_at: dt.datetime = Field(description="When the code stops working")
+
+
+class BlacklistIn(StrictModel):
+    provider_id: KeyId = Field(description="The provider to shut out of the pool")
+    reason: str = Field(min_length=1, max_length=500, description="Why; audited")
+
+
+class BlacklistOut(BaseModel):
+    pool_id: str = Field(description="The pool")
+    provider_id: KeyId = Field(description="The blacklisted provider")
+    reason: str = Field(description="Why it was blacklisted")
+    created_at: dt.datetime = Field(description="When it was blacklisted")
+    removed_nodes: list[KeyId] = Field(
+        description="Nodes of the provider that this call removed from the pool (empty on a repeat)"
+    )

@@ -1,0 +1,246 @@
+"""Policy versions, tasks, claims, leases and results."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from api_schemas.common import StrictModel
+
+SHA256 = r"^[0-9a-f]{64}$"
+MAX_PROOF_BYTES = 8 * 1024 * 1024
+
+
+class Shard(StrictModel):
+    uri: str = Field(min_length=1, max_length=2048)
+    sha256: str = Field(pattern=SHA256)
+    bytes: int = Field(gt=0, le=10**13)
+
+
+class PolicyIn(StrictModel):
+    step: int = Field(ge=0, le=10**12, description="Training step; must be greater than the current step")
+    uri: str = Field(min_length=1, max_length=2048, description="Where workers fetch the checkpoint")
+    sha256: str = Field(pattern=SHA256, description="SHA-256 of the whole checkpoint, lowercase hex")
+    size: int = Field(gt=0, le=10**13, description="Checkpoint size in bytes")
+    shards: list[Shard] | None = Field(default=None, max_length=10_000, description="Optional shard manifest")
+
+
+class PolicyOut(BaseModel):
+    pool_id: str
+    step: int
+    uri: str
+    sha256: str
+    size: int
+    shards: list[Shard] | None
+    created_at: dt.datetime
+
+
+class Sampling(StrictModel):
+    temperature: float = Field(default=1.0, ge=0, le=5)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=-1, ge=-1, le=100_000, description="-1: no top-k")
+    max_tokens: int = Field(ge=1, le=1_000_000)
+    n: int = Field(default=1, ge=1, le=1024, description="Samples per replica")
+
+
+class TaskIn(StrictModel):
+    prompt: str | None = Field(default=None, min_length=1, max_length=1_000_000)
+    problem_ref: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=500,
+        description="Reference into a problem set the workers can resolve",
+    )
+    sampling: Sampling
+    verification: dict[str, Any] | None = Field(
+        default=None,
+        description="How the server checks results (e.g. expected answer); never shown to workers",
+    )
+    metadata: dict[str, Any] | None = Field(
+        default=None, description="Opaque to the server, shown to workers"
+    )
+    replication: int | None = Field(
+        default=None, ge=1, le=16, description="Default: the pool's replication factor"
+    )
+    priority: int = Field(default=0, ge=-1000, le=1000, description="Higher is leased first")
+    deadline_at: dt.datetime | None = None
+
+    @model_validator(mode="after")
+    def _prompt_or_ref(self) -> TaskIn:
+        if (self.prompt is None) == (self.problem_ref is None):
+            raise ValueError("give exactly one of prompt and problem_ref")
+        return self
+
+
+class TaskBatchIn(StrictModel):
+    batch_key: str = Field(
+        min_length=1,
+        max_length=100,
+        pattern=r"^[A-Za-z0-9._:-]+$",
+        description="Client key: re-sending the same batch has no further effect",
+    )
+    tasks: list[TaskIn] = Field(min_length=1, max_length=10_000)
+
+
+class TaskBatchOut(BaseModel):
+    batch_id: int
+    batch_key: str
+    pool_id: str
+    task_count: int
+    first_task_id: int
+    created_at: dt.datetime
+
+
+class ReplicaOut(BaseModel):
+    replica_index: int
+    status: str
+    seed: int
+    leases_issued: int
+    expirations: int
+
+
+class AssignmentOut(BaseModel):
+    id: str
+    replica_index: int
+    node_id: str
+    status: str
+    fencing_token: int
+    policy_step: int
+    lease_expires_at: dt.datetime
+    created_at: dt.datetime
+    ended_at: dt.datetime | None
+
+
+class TaskOut(BaseModel):
+    id: int
+    pool_id: str
+    batch_id: int
+    status: str
+    prompt: str | None
+    problem_ref: str | None
+    sampling: Sampling
+    verification: dict[str, Any] | None
+    metadata: dict[str, Any] | None
+    replication: int
+    priority: int
+    deadline_at: dt.datetime | None
+    failure_reason: str | None
+    created_at: dt.datetime
+
+
+class TaskDetailOut(TaskOut):
+    replicas: list[ReplicaOut]
+    assignments: list[AssignmentOut]
+
+
+class ClaimIn(StrictModel):
+    pool_id: str = Field(min_length=1, max_length=40)
+    max_tasks: int = Field(default=1, ge=1, le=100)
+
+
+class LeasedTask(BaseModel):
+    """What a worker needs to run one replica; the verification spec is never included."""
+
+    task_id: int
+    prompt: str | None
+    problem_ref: str | None
+    sampling: Sampling
+    metadata: dict[str, Any] | None
+
+
+class PolicyRef(BaseModel):
+    step: int
+    uri: str
+    sha256: str
+
+
+class Lease(BaseModel):
+    assignment_id: str
+    fencing_token: int = Field(description="Echo it with the result; a reissued lease has a new one")
+    seed: int = Field(description="The sampling seed assigned by the coordinator")
+    replica_index: int
+    policy: PolicyRef
+    lease_expires_at: dt.datetime
+    task: LeasedTask
+
+
+NoWorkReason = Literal[
+    "no_tasks",
+    "node_unhealthy",
+    "not_a_member",
+    "pool_paused",
+    "pool_not_active",
+    "lease_cap_reached",
+    "no_policy",
+]
+
+
+class ClaimOut(BaseModel):
+    leases: list[Lease]
+    reason: NoWorkReason | None = Field(default=None, description="Why the list is empty")
+    detail: str | None = None
+    retry_after_s: int | None = Field(default=None, description="Also sent as Retry-After")
+
+
+class Sample(StrictModel):
+    completion: str | None = Field(default=None, max_length=4_000_000)
+    token_ids: list[int] | None = Field(default=None, max_length=1_000_000)
+    finish_reason: str = Field(
+        min_length=1, max_length=32, description="stop | length (others are rejected later)"
+    )
+    prompt_tokens: int = Field(ge=0, le=10_000_000)
+    completion_tokens: int = Field(ge=0, le=10_000_000)
+    logprob_summary: dict[str, float] | None = Field(default=None, max_length=64)
+
+    @field_validator("logprob_summary")
+    @classmethod
+    def _finite(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None and not all(math.isfinite(v) for v in value.values()):
+            raise ValueError("logprob summary values must be finite")
+        return value
+
+
+class ResultIn(StrictModel):
+    fencing_token: int = Field(ge=1)
+    policy_step: int = Field(ge=0, description="The policy step the samples were generated with")
+    seed: int = Field(description="The seed from the lease, echoed")
+    samples: list[Sample] = Field(min_length=1, max_length=1024)
+    claimed_reward: float | None = Field(default=None, allow_inf_nan=False)
+    proof: str | None = Field(
+        default=None,
+        max_length=MAX_PROOF_BYTES * 4 // 3 + 4,
+        description="Optional proof blob (e.g. TOPLOC), standard base64",
+    )
+
+    @field_validator("proof")
+    @classmethod
+    def _base64(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                raw = base64.b64decode(value, validate=True)
+            except ValueError as exc:
+                raise ValueError("proof must be standard base64") from exc
+            if len(raw) > MAX_PROOF_BYTES:
+                raise ValueError(f"proof is larger than {MAX_PROOF_BYTES} bytes")
+        return value
+
+
+class ResultOut(BaseModel):
+    submission_id: int
+    assignment_id: str
+    task_id: int
+    status: str = Field(description="pending: recorded, awaiting verification")
+    received_at: dt.datetime
+
+
+class LeaseStatsOut(BaseModel):
+    node_id: str
+    claimed: int
+    submitted: int
+    expired: int
+    released: int
+    last_expired_at: dt.datetime | None

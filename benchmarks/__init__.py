@@ -1,0 +1,1 @@
+"""On-demand benchmarks (never part of the test run)."""

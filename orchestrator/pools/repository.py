@@ -1,0 +1,173 @@
+"""SQL for pools, memberships, invites and blacklists."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+
+from sqlalchemy import func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from orchestrator.core.sql import insert_ignore
+from orchestrator.identity.models import Node
+from orchestrator.pools.models import Pool, PoolInvite, PoolMembership, PoolProviderBlacklist
+
+LIVE = ("active", "pending")  # memberships that count against caps and hold stake
+
+# ------------------------------------------------------------------ pools
+
+
+async def get_pool(session: AsyncSession, pool_id: str, *, for_update: bool = False) -> Pool | None:
+    stmt = select(Pool).where(Pool.id == pool_id)
+    if for_update:
+        # Serialises membership changes per pool, so caps hold under concurrent joins.
+        stmt = stmt.with_for_update()
+    return (await session.execute(stmt)).scalar_one_or_none()
+
+
+async def list_pools(
+    session: AsyncSession,
+    *,
+    owner_token_id: str | None,
+    status: str | None,
+    after: str | None,
+    limit: int,
+) -> list[Pool]:
+    stmt = select(Pool).order_by(Pool.id).limit(limit)
+    if owner_token_id is not None:
+        stmt = stmt.where(Pool.owner_token_id == owner_token_id)
+    if status is not None:
+        stmt = stmt.where(Pool.status == status)
+    if after is not None:
+        stmt = stmt.where(Pool.id > after)
+    return list((await session.execute(stmt)).scalars())
+
+
+async def member_counts(session: AsyncSession, pool_ids: Sequence[str]) -> dict[str, dict[str, int]]:
+    """Live (active, pending) member counts per pool."""
+    if not pool_ids:
+        return {}
+    rows = (
+        await session.execute(
+            select(PoolMembership.pool_id, PoolMembership.status, func.count())
+            .where(PoolMembership.pool_id.in_(pool_ids), PoolMembership.status.in_(LIVE))
+            .group_by(PoolMembership.pool_id, PoolMembership.status)
+        )
+    ).all()
+    counts: dict[str, dict[str, int]] = {pid: dict.fromkeys(LIVE, 0) for pid in pool_ids}
+    for pool_id, status, count in rows:
+        counts[pool_id][status] = int(count)
+    return counts
+
+
+# ------------------------------------------------------------------ memberships
+
+
+async def get_membership(
+    session: AsyncSession, pool_id: str, node_id: str, *, for_update: bool = False
+) -> PoolMembership | None:
+    stmt = select(PoolMembership).where(PoolMembership.pool_id == pool_id, PoolMembership.node_id == node_id)
+    if for_update:
+        stmt = stmt.with_for_update()
+    return (await session.execute(stmt)).scalar_one_or_none()
+
+
+async def list_members(
+    session: AsyncSession, pool_id: str, *, status: str | None, after: int | None, limit: int
+) -> list[PoolMembership]:
+    stmt = select(PoolMembership).where(PoolMembership.pool_id == pool_id).order_by(PoolMembership.id)
+    if status is not None:
+        stmt = stmt.where(PoolMembership.status == status)
+    if after is not None:
+        stmt = stmt.where(PoolMembership.id > after)
+    return list((await session.execute(stmt.limit(limit))).scalars())
+
+
+async def live_members(
+    session: AsyncSession, pool_id: str, *, provider_id: str | None = None
+) -> list[PoolMembership]:
+    """Active and pending memberships of a pool (optionally one provider's), locked for update.
+
+    Ordered by provider: a bulk change then takes the providers' ledger account locks in the
+    same order in every transaction, so two of them cannot deadlock on each other."""
+    stmt = (
+        select(PoolMembership)
+        .where(PoolMembership.pool_id == pool_id, PoolMembership.status.in_(LIVE))
+        .order_by(PoolMembership.provider_id, PoolMembership.id)
+        .with_for_update()
+    )
+    if provider_id is not None:
+        stmt = stmt.where(PoolMembership.provider_id == provider_id)
+    return list((await session.execute(stmt)).scalars())
+
+
+async def memberships_of_node(session: AsyncSession, node_id: str) -> list[tuple[str, str]]:
+    rows = await session.execute(
+        select(PoolMembership.pool_id, PoolMembership.status)
+        .where(PoolMembership.node_id == node_id)
+        .order_by(PoolMembership.pool_id)
+    )
+    return [(pool_id, status) for pool_id, status in rows.all()]
+
+
+async def count_live(
+    session: AsyncSession, pool_id: str, *, provider_id: str | None = None, ip_address: str | None = None
+) -> int:
+    """Active + pending memberships of the pool, optionally only one provider's or one IP's
+    (the nodes' registered ``ip_address``)."""
+    stmt = (
+        select(func.count())
+        .select_from(PoolMembership)
+        .where(PoolMembership.pool_id == pool_id, PoolMembership.status.in_(LIVE))
+    )
+    if provider_id is not None:
+        stmt = stmt.where(PoolMembership.provider_id == provider_id)
+    if ip_address is not None:
+        stmt = stmt.join(Node, Node.id == PoolMembership.node_id).where(Node.ip_address == ip_address)
+    return int((await session.execute(stmt)).scalar_one())
+
+
+# ------------------------------------------------------------------ invites
+
+
+async def get_invite_by_hash(session: AsyncSession, code_hash: str) -> PoolInvite | None:
+    # Not locked: joins are serialised by the pool row, and use_invite is conditional.
+    stmt = select(PoolInvite).where(PoolInvite.code_hash == code_hash)
+    return (await session.execute(stmt)).scalar_one_or_none()
+
+
+async def use_invite(session: AsyncSession, invite_id: str, node_id: str, now: dt.datetime) -> bool:
+    """Mark an invite used, once: False if it was used meanwhile."""
+    result = await session.execute(
+        update(PoolInvite)
+        .where(PoolInvite.id == invite_id, PoolInvite.used_at.is_(None))
+        .values(used_at=now, used_by_node_id=node_id)
+        .returning(PoolInvite.id)
+        .execution_options(synchronize_session=False)
+    )
+    return result.scalar_one_or_none() is not None
+
+
+# ------------------------------------------------------------------ blacklist
+
+
+async def get_blacklisting(
+    session: AsyncSession, pool_id: str, provider_id: str
+) -> PoolProviderBlacklist | None:
+    return await session.get(PoolProviderBlacklist, (pool_id, provider_id))
+
+
+async def insert_blacklisting(
+    session: AsyncSession, *, pool_id: str, provider_id: str, reason: str, created_by: str, now: dt.datetime
+) -> bool:
+    return await insert_ignore(
+        session,
+        PoolProviderBlacklist,
+        {
+            "pool_id": pool_id,
+            "provider_id": provider_id,
+            "reason": reason,
+            "created_by": created_by,
+            "created_at": now,
+        },
+    )

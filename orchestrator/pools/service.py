@@ -1,0 +1,798 @@
+"""Rules for pools: lifecycle, settings, membership, invites, blacklists, operator scoping.
+
+Lifecycle (anything else is 409 ``pool_transition_invalid``; asking for the state a pool is
+already in changes nothing)::
+
+    pending --activate--> active --pause--> paused --complete--> completed
+                            ^                  |
+                            +-----resume-------+
+
+A completed pool is read-only (409 ``pool_completed``); completing it ends every live
+membership. Memberships (one row per pool and node)::
+
+    (none) / left / rejected --join--> active (open, invite) or pending (approval)
+    pending --approve--> active          pending --reject--> rejected   (stake back at once)
+    active  --leave / blacklist / complete--> left                       (stake unbonds)
+    pending --leave / blacklist / complete--> left                       (stake back at once)
+    any     --eject--> ejected           (unbonds if active, back at once if pending; no rejoin)
+
+Money: a join locks ``min_stake_per_node`` from the provider's free stake; the amount is kept
+on the membership, so later changes to the pool's minimum never unlock more or less than was
+locked. Every ledger call carries a key derived from the membership id and its episode, so a
+retry never moves money twice.
+
+Concurrency: every membership change first locks the pool row (``SELECT ... FOR UPDATE`` on
+PostgreSQL; SQLite has one writer), so the cap counts a join reads cannot change before it
+commits, and locks are always taken in the order pool -> membership -> ledger accounts.
+
+Scoping: an operator administers the pools its token created, an admin every pool; a pool
+the caller may not administer is reported exactly like a missing one (404 ``pool_not_found``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from api_schemas.pools import (
+    Admission,
+    Caps,
+    Economics,
+    MembershipOut,
+    MembershipStatus,
+    Policy,
+    PoolOut,
+    PoolPatch,
+    PoolSettings,
+    PoolStatus,
+    PublicPolicy,
+    PublicPoolOut,
+    Requirements,
+)
+from orchestrator.admin.tokens import Principal, Role
+from orchestrator.audit.service import record
+from orchestrator.core.errors import Conflict, Forbidden, NotFound, UnprocessableEntity
+from orchestrator.identity import repository as identity_repo
+from orchestrator.identity.models import Node
+from orchestrator.ledger import service as ledger
+from orchestrator.pools import repository as repo
+from orchestrator.pools.models import Pool, PoolInvite, PoolMembership, PoolProviderBlacklist
+from orchestrator.pools.requirements import unmet_requirements
+
+LIVE = frozenset({MembershipStatus.active.value, MembershipStatus.pending.value})
+CAPS = tuple(Caps.model_fields)
+ECONOMICS = tuple(Economics.model_fields)
+POLICY = tuple(Policy.model_fields)
+
+# action -> (statuses it may start from, status it leads to)
+TRANSITIONS: dict[str, tuple[frozenset[str], str]] = {
+    "activate": (frozenset({PoolStatus.pending.value}), PoolStatus.active.value),
+    "pause": (frozenset({PoolStatus.active.value}), PoolStatus.paused.value),
+    "resume": (frozenset({PoolStatus.paused.value}), PoolStatus.active.value),
+    "complete": (frozenset({PoolStatus.paused.value}), PoolStatus.completed.value),
+}
+
+
+def new_pool_id() -> str:
+    return "pool_" + secrets.token_hex(8)
+
+
+def hash_invite_code(code: str) -> str:
+    return hashlib.sha256(code.encode("utf-8")).hexdigest()
+
+
+# ------------------------------------------------------------------ views
+
+
+def pool_settings(pool: Pool) -> PoolSettings:
+    return PoolSettings(
+        name=pool.name,
+        description=pool.description,
+        admission=Admission(pool.admission),
+        requirements=Requirements.model_validate(pool.requirements),
+        caps=Caps.model_validate({name: getattr(pool, name) for name in CAPS}),
+        economics=Economics.model_validate({name: getattr(pool, name) for name in ECONOMICS}),
+        policy=Policy.model_validate({name: getattr(pool, name) for name in POLICY}),
+    )
+
+
+def _apply_settings(pool: Pool, settings: PoolSettings) -> None:
+    pool.name = settings.name
+    pool.description = settings.description
+    pool.admission = settings.admission.value
+    pool.requirements = settings.requirements.model_dump(mode="json")
+    for group, names in ((settings.caps, CAPS), (settings.economics, ECONOMICS), (settings.policy, POLICY)):
+        for name in names:
+            setattr(pool, name, getattr(group, name))
+
+
+def _public_fields(pool: Pool, counts: dict[str, int]) -> dict[str, Any]:
+    settings = pool_settings(pool)
+    return {
+        "id": pool.id,
+        "name": settings.name,
+        "description": settings.description,
+        "status": PoolStatus(pool.status),
+        "admission": settings.admission,
+        "requirements": settings.requirements,
+        "caps": settings.caps,
+        "economics": settings.economics,
+        "policy": settings.policy,
+        "members": sum(counts.values()),
+        "created_at": pool.created_at,
+    }
+
+
+async def public_pool_views(session: AsyncSession, pools: list[Pool]) -> list[PublicPoolOut]:
+    counts = await repo.member_counts(session, [p.id for p in pools])
+    views = []
+    for p in pools:
+        fields = _public_fields(p, counts[p.id])
+        fields["policy"] = PublicPolicy(**fields["policy"].model_dump(exclude={"audit_rate_floor"}))
+        views.append(PublicPoolOut(**fields))
+    return views
+
+
+async def pool_views(session: AsyncSession, pools: list[Pool]) -> list[PoolOut]:
+    counts = await repo.member_counts(session, [p.id for p in pools])
+    return [
+        PoolOut(
+            **_public_fields(p, counts[p.id]),
+            owner_token_id=p.owner_token_id,
+            active_members=counts[p.id][MembershipStatus.active.value],
+            pending_members=counts[p.id][MembershipStatus.pending.value],
+            status_changed_at=p.status_changed_at,
+            updated_at=p.updated_at,
+        )
+        for p in pools
+    ]
+
+
+async def pool_view(session: AsyncSession, pool: Pool) -> PoolOut:
+    return (await pool_views(session, [pool]))[0]
+
+
+def membership_out(m: PoolMembership) -> MembershipOut:
+    return MembershipOut(
+        pool_id=m.pool_id,
+        node_id=m.node_id,
+        provider_id=m.provider_id,
+        status=MembershipStatus(m.status),
+        episode=m.episode,
+        stake=m.stake,
+        reason=m.reason,
+        joined_at=m.joined_at,
+        activated_at=m.activated_at,
+        ended_at=m.ended_at,
+    )
+
+
+# ------------------------------------------------------------------ scoping
+
+
+def may_administer(principal: Principal, pool: Pool) -> bool:
+    return principal.role == Role.admin or (
+        principal.role == Role.operator and pool.owner_token_id == principal.token_id
+    )
+
+
+async def pool_for(
+    session: AsyncSession, principal: Principal, pool_id: str, *, for_update: bool = False
+) -> Pool:
+    """The pool, if ``principal`` may administer it; otherwise 404 exactly as if it did not exist."""
+    pool = await repo.get_pool(session, pool_id, for_update=for_update)
+    if pool is None or not may_administer(principal, pool):
+        raise NotFound("no pool with this id", code="pool_not_found")
+    return pool
+
+
+async def list_pools(
+    session: AsyncSession, principal: Principal, *, status: str | None, after: str | None, limit: int
+) -> list[Pool]:
+    """The pools ``principal`` administers (an admin: all), by id."""
+    owner = None if principal.role == Role.admin else principal.token_id
+    return await repo.list_pools(session, owner_token_id=owner, status=status, after=after, limit=limit)
+
+
+async def list_public_pools(session: AsyncSession, *, after: str | None, limit: int) -> list[Pool]:
+    """Active pools, by id (what contributors may join)."""
+    return await repo.list_pools(
+        session, owner_token_id=None, status=PoolStatus.active.value, after=after, limit=limit
+    )
+
+
+def _writable(pool: Pool) -> None:
+    if pool.status == PoolStatus.completed.value:
+        raise Conflict("the pool is completed and can no longer change", code="pool_completed")
+
+
+# ------------------------------------------------------------------ pools
+
+
+async def create_pool(
+    session: AsyncSession, principal: Principal, body: PoolSettings, *, now: dt.datetime
+) -> Pool:
+    pool = Pool(
+        id=new_pool_id(),
+        status=PoolStatus.pending.value,
+        owner_token_id=principal.token_id,
+        created_at=now,
+        updated_at=now,
+        status_changed_at=now,
+    )
+    _apply_settings(pool, body)
+    session.add(pool)
+    await session.flush()
+    await record(
+        session,
+        principal,
+        "pool.create",
+        target_type="pool",
+        target_id=pool.id,
+        pool_id=pool.id,
+        after={"status": pool.status, **body.model_dump(mode="json")},
+    )
+    return pool
+
+
+def _flatten(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in settings.items():
+        if isinstance(value, dict) and key in {"caps", "economics", "policy"}:
+            flat.update(_flatten(value, f"{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def _merge(current: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(current)
+    for key, value in changes.items():
+        if key in {"caps", "economics", "policy"} and isinstance(value, dict):
+            merged[key] = {**current[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+async def update_pool(
+    session: AsyncSession, principal: Principal, pool_id: str, patch: PoolPatch, *, now: dt.datetime
+) -> Pool:
+    """Apply the fields sent, validate the merged settings as a whole, audit what changed."""
+    pool = await pool_for(session, principal, pool_id, for_update=True)
+    _writable(pool)
+    current = pool_settings(pool).model_dump(mode="json")
+    try:
+        merged = PoolSettings.model_validate(_merge(current, patch.changes()))
+    except ValidationError as exc:
+        errors = [
+            {"loc": ["body", *err["loc"]], "msg": err["msg"], "type": err["type"]} for err in exc.errors()
+        ]
+        first = errors[0]
+        raise UnprocessableEntity(
+            f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}", extra={"errors": errors}
+        ) from None
+    before, after = _flatten(current), _flatten(merged.model_dump(mode="json"))
+    changed = sorted(k for k in after if after[k] != before.get(k))
+    if changed:
+        _apply_settings(pool, merged)
+        pool.updated_at = now
+        await session.flush()
+        await record(
+            session,
+            principal,
+            "pool.update",
+            target_type="pool",
+            target_id=pool.id,
+            pool_id=pool.id,
+            before={k: before.get(k) for k in changed},
+            after={k: after[k] for k in changed},
+        )
+    return pool
+
+
+async def change_status(
+    session: AsyncSession, principal: Principal, pool_id: str, action: str, *, now: dt.datetime
+) -> Pool:
+    """Run a lifecycle action; idempotent when the pool is already where the action leads."""
+    sources, target = TRANSITIONS[action]
+    pool = await pool_for(session, principal, pool_id, for_update=True)
+    if pool.status == target:
+        return pool
+    if pool.status not in sources:
+        allowed = sorted(a for a, (srcs, _) in TRANSITIONS.items() if pool.status in srcs)
+        raise Conflict(
+            f"cannot {action} the pool: it is {pool.status}"
+            + (f" (possible now: {', '.join(allowed)})" if allowed else " (final)"),
+            code="pool_transition_invalid",
+            extra={"pool_status": pool.status, "allowed_actions": allowed},
+        )
+    before = pool.status
+    ended: list[str] = []
+    if target == PoolStatus.completed.value:
+        for m in await repo.live_members(session, pool.id):
+            await _end_membership(
+                session,
+                pool,
+                m,
+                to_status=MembershipStatus.left.value,
+                reason="pool completed",
+                actor=principal.token_id,
+                now=now,
+            )
+            ended.append(m.node_id)
+    pool.status = target
+    pool.status_changed_at = now
+    pool.updated_at = now
+    await session.flush()
+    after: dict[str, Any] = {"status": target}
+    if ended:
+        after["ended_memberships"] = ended
+    await record(
+        session,
+        principal,
+        f"pool.{action}",
+        target_type="pool",
+        target_id=pool.id,
+        pool_id=pool.id,
+        before={"status": before},
+        after=after,
+    )
+    return pool
+
+
+# ------------------------------------------------------------------ leases (filled in by the tasks issue)
+
+
+async def release_member_leases(
+    session: AsyncSession, pool_id: str, node_id: str, *, now: dt.datetime
+) -> int:
+    """Hook: release the leases ``node_id`` holds in ``pool_id`` because its membership ended
+    (leave, ejection, blacklisting, pool completion), so their tasks are reissued at once
+    instead of waiting for the leases to expire. Called in the membership change's transaction,
+    after the membership row is updated (and locked) and before it commits.
+
+    Returns how many leases were released.
+    """
+    from orchestrator.tasks.service import release_member_leases as release
+
+    return await release(session, pool_id, node_id, now=now)
+
+
+# ------------------------------------------------------------------ memberships: stake
+
+
+def _key(m: PoolMembership, what: str) -> str:
+    return f"membership:{m.id}:{m.episode}:{what}"
+
+
+async def _end_membership(
+    session: AsyncSession,
+    pool: Pool,
+    m: PoolMembership,
+    *,
+    to_status: str,
+    reason: str | None,
+    actor: str,
+    now: dt.datetime,
+) -> None:
+    """End (or re-label) a membership. Stake it still holds goes back: at once if it never
+    became active, through the pool's unbonding period if it did."""
+    was = m.status
+    m.status = to_status
+    m.reason = reason
+    m.updated_at = now
+    if was in LIVE:
+        m.ended_at = now
+    await session.flush()
+    if was not in LIVE:
+        return
+    reference = ("membership", str(m.id))
+    if m.stake > 0 and was == MembershipStatus.active.value:
+        await ledger.start_unbonding(
+            session,
+            m.provider_id,
+            m.stake,
+            release_at=now + dt.timedelta(seconds=pool.unbonding_period_s),
+            key=_key(m, "unbond"),
+            actor=actor,
+            reference=reference,
+        )
+    elif m.stake > 0:
+        await ledger.unlock_stake(
+            session, m.provider_id, m.stake, key=_key(m, "unlock"), actor=actor, reference=reference
+        )
+    await release_member_leases(session, pool.id, m.node_id, now=now)
+
+
+# ------------------------------------------------------------------ memberships: joining
+
+
+@dataclass(frozen=True)
+class Refusal:
+    code: str
+    detail: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "detail": self.detail, **self.extra}
+
+
+class JoinRefused(Forbidden):
+    """A join that breaks one or more rules; ``reasons`` names every one of them."""
+
+    title = "Join refused"
+
+    def __init__(self, reasons: list[Refusal]) -> None:
+        super().__init__(
+            "the node cannot join this pool: " + "; ".join(r.detail for r in reasons),
+            code=reasons[0].code,
+            extra={"reasons": [r.as_dict() for r in reasons]},
+        )
+
+
+async def _check_invite(
+    session: AsyncSession, pool: Pool, code: str, now: dt.datetime
+) -> tuple[PoolInvite | None, str | None]:
+    invite = await repo.get_invite_by_hash(session, hash_invite_code(code))
+    if invite is None:
+        return None, "the invite code is not known"
+    if invite.pool_id != pool.id:
+        return None, "the invite code is for another pool"
+    if invite.used_at is not None:
+        return None, "the invite code was already used"
+    if invite.expires_at <= now:
+        return None, "the invite code has expired"
+    return invite, None
+
+
+async def _refusals(
+    session: AsyncSession,
+    pool: Pool,
+    node: Node,
+    existing: PoolMembership | None,
+    invite_code: str | None,
+    now: dt.datetime,
+) -> tuple[list[Refusal], PoolInvite | None]:
+    """Every rule the join breaks, in a fixed order (the first one names the problem)."""
+    reasons: list[Refusal] = []
+    if pool.status != PoolStatus.active.value:
+        reasons.append(Refusal("pool_not_active", f"the pool is {pool.status}, not active"))
+    if existing is not None and existing.status == MembershipStatus.ejected.value:
+        reasons.append(Refusal("node_ejected", "this node was ejected from the pool and cannot rejoin"))
+    if await repo.get_blacklisting(session, pool.id, node.provider_id) is not None:
+        reasons.append(Refusal("provider_blacklisted", "the node's provider is blacklisted from this pool"))
+    unmet = unmet_requirements(pool.requirements, node)
+    if unmet is not None:
+        reasons.append(Refusal("requirements_unmet", unmet.describe(), {"alternatives": unmet.as_list()}))
+    invite: PoolInvite | None = None
+    if pool.admission == Admission.invite.value:
+        if invite_code is None:
+            reasons.append(Refusal("invite_required", "the pool admits nodes by invite code only"))
+        else:
+            invite, problem = await _check_invite(session, pool, invite_code, now)
+            if problem is not None:
+                reasons.append(Refusal("invite_invalid", problem))
+    if pool.max_nodes is not None:
+        count = await repo.count_live(session, pool.id)
+        if count >= pool.max_nodes:
+            reasons.append(Refusal("pool_full", f"the pool is full ({count} of {pool.max_nodes} nodes)"))
+    if pool.max_nodes_per_provider is not None:
+        count = await repo.count_live(session, pool.id, provider_id=node.provider_id)
+        if count >= pool.max_nodes_per_provider:
+            reasons.append(
+                Refusal(
+                    "provider_cap",
+                    f"the node's provider already has {count} nodes in the pool "
+                    f"(at most {pool.max_nodes_per_provider})",
+                )
+            )
+    if pool.max_nodes_per_ip is not None and node.ip_address is not None:
+        count = await repo.count_live(session, pool.id, ip_address=node.ip_address)
+        if count >= pool.max_nodes_per_ip:
+            reasons.append(
+                Refusal(
+                    "ip_cap",
+                    f"{count} nodes from the node's IP address are already in the pool "
+                    f"(at most {pool.max_nodes_per_ip})",
+                )
+            )
+    if pool.min_stake_per_node > 0:
+        free = (await ledger.provider_balances(session, node.provider_id))["stake_free"]
+        if free < pool.min_stake_per_node:
+            reasons.append(_stake_refusal(pool, free))
+    return reasons, invite
+
+
+def _stake_refusal(pool: Pool, free: int | None) -> Refusal:
+    has = f", the provider has {free} free" if free is not None else ""
+    return Refusal(
+        "stake_insufficient",
+        f"a node needs {pool.min_stake_per_node} free stake to join{has}",
+        {"required": pool.min_stake_per_node},
+    )
+
+
+async def join(
+    session: AsyncSession, pool_id: str, node: Node, invite_code: str | None, *, now: dt.datetime
+) -> tuple[PoolMembership, bool]:
+    """Join (or ask to join) a pool. Returns the membership and whether this call created it;
+    joining while already active or pending returns the membership unchanged."""
+    pool = await repo.get_pool(session, pool_id, for_update=True)
+    if pool is None:
+        raise NotFound("no pool with this id", code="pool_not_found")
+    m = await repo.get_membership(session, pool.id, node.id, for_update=True)
+    if m is not None and m.status in LIVE:
+        return m, False
+    reasons, invite = await _refusals(session, pool, node, m, invite_code, now)
+    if reasons:
+        raise JoinRefused(reasons)
+
+    status = (
+        MembershipStatus.pending if pool.admission == Admission.approval.value else MembershipStatus.active
+    )
+    activated_at = now if status == MembershipStatus.active else None
+    if m is None:
+        m = PoolMembership(
+            pool_id=pool.id,
+            node_id=node.id,
+            provider_id=node.provider_id,
+            episode=1,
+            created_at=now,
+        )
+        session.add(m)
+    else:
+        m.episode += 1
+    m.status = status.value
+    m.stake = pool.min_stake_per_node
+    m.reason = None
+    m.invite_id = invite.id if invite is not None else None
+    m.joined_at = now
+    m.activated_at = activated_at
+    m.ended_at = None
+    m.updated_at = now
+    await session.flush()
+
+    if invite is not None and not await repo.use_invite(session, invite.id, node.id, now):
+        raise JoinRefused([Refusal("invite_invalid", "the invite code was already used")])
+    if m.stake > 0:
+        try:
+            await ledger.lock_stake(
+                session,
+                node.provider_id,
+                m.stake,
+                key=_key(m, "lock"),
+                actor=f"node:{node.id}",
+                reference=("membership", str(m.id)),
+            )
+        except ledger.InsufficientFunds:
+            # Free stake was spent by a concurrent join elsewhere since we looked.
+            raise JoinRefused([_stake_refusal(pool, None)]) from None
+    return m, True
+
+
+async def leave(session: AsyncSession, pool_id: str, node: Node, *, now: dt.datetime) -> PoolMembership:
+    """Leave a pool (or withdraw a pending join); idempotent."""
+    pool = await repo.get_pool(session, pool_id, for_update=True)
+    if pool is None:
+        raise NotFound("no pool with this id", code="pool_not_found")
+    m = await repo.get_membership(session, pool.id, node.id, for_update=True)
+    if m is None:
+        raise Forbidden("this node is not a member of the pool", code="not_a_member")
+    if m.status in LIVE:
+        await _end_membership(
+            session,
+            pool,
+            m,
+            to_status=MembershipStatus.left.value,
+            reason=None,
+            actor=f"node:{node.id}",
+            now=now,
+        )
+    return m
+
+
+# ------------------------------------------------------------------ memberships: operators
+
+
+async def list_members(
+    session: AsyncSession,
+    principal: Principal,
+    pool_id: str,
+    *,
+    status: str | None,
+    after: int | None,
+    limit: int,
+) -> list[PoolMembership]:
+    pool = await pool_for(session, principal, pool_id)
+    return await repo.list_members(session, pool.id, status=status, after=after, limit=limit)
+
+
+async def _member_for(
+    session: AsyncSession, principal: Principal, pool_id: str, node_id: str
+) -> tuple[Pool, PoolMembership]:
+    pool = await pool_for(session, principal, pool_id, for_update=True)
+    _writable(pool)
+    m = await repo.get_membership(session, pool.id, node_id, for_update=True)
+    if m is None:
+        raise NotFound("this node has no membership in the pool", code="member_not_found")
+    return pool, m
+
+
+async def _audit_member(
+    session: AsyncSession,
+    principal: Principal,
+    action: str,
+    m: PoolMembership,
+    before: str,
+    reason: str | None,
+) -> None:
+    after: dict[str, Any] = {"status": m.status, "episode": m.episode}
+    if reason is not None:
+        after["reason"] = reason
+    await record(
+        session,
+        principal,
+        action,
+        target_type="node",
+        target_id=m.node_id,
+        pool_id=m.pool_id,
+        before={"status": before},
+        after=after,
+    )
+
+
+async def approve(
+    session: AsyncSession, principal: Principal, pool_id: str, node_id: str, *, now: dt.datetime
+) -> PoolMembership:
+    """pending -> active (its stake is already locked); approving an active member changes nothing."""
+    _, m = await _member_for(session, principal, pool_id, node_id)
+    if m.status == MembershipStatus.active.value:
+        return m
+    if m.status != MembershipStatus.pending.value:
+        raise Conflict(f"the membership is {m.status}, not pending", code="membership_not_pending")
+    m.status = MembershipStatus.active.value
+    m.activated_at = now
+    m.updated_at = now
+    await session.flush()
+    await _audit_member(session, principal, "membership.approve", m, MembershipStatus.pending.value, None)
+    return m
+
+
+async def reject(
+    session: AsyncSession,
+    principal: Principal,
+    pool_id: str,
+    node_id: str,
+    reason: str | None,
+    *,
+    now: dt.datetime,
+) -> PoolMembership:
+    """pending -> rejected, stake back at once; rejecting a rejected join changes nothing."""
+    pool, m = await _member_for(session, principal, pool_id, node_id)
+    if m.status == MembershipStatus.rejected.value:
+        return m
+    if m.status != MembershipStatus.pending.value:
+        raise Conflict(f"the membership is {m.status}, not pending", code="membership_not_pending")
+    await _end_membership(
+        session,
+        pool,
+        m,
+        to_status=MembershipStatus.rejected.value,
+        reason=reason,
+        actor=principal.token_id,
+        now=now,
+    )
+    await _audit_member(session, principal, "membership.reject", m, MembershipStatus.pending.value, reason)
+    return m
+
+
+async def eject(
+    session: AsyncSession, principal: Principal, pool_id: str, node_id: str, reason: str, *, now: dt.datetime
+) -> PoolMembership:
+    """Any membership -> ejected (the node can never rejoin this pool). An active member's
+    stake unbonds and its leases are released; a pending one's stake comes back at once."""
+    pool, m = await _member_for(session, principal, pool_id, node_id)
+    if m.status == MembershipStatus.ejected.value:
+        return m
+    before = m.status
+    await _end_membership(
+        session,
+        pool,
+        m,
+        to_status=MembershipStatus.ejected.value,
+        reason=reason,
+        actor=principal.token_id,
+        now=now,
+    )
+    await _audit_member(session, principal, "membership.eject", m, before, reason)
+    return m
+
+
+# ------------------------------------------------------------------ invites and blacklists
+
+
+async def create_invite(
+    session: AsyncSession, principal: Principal, pool_id: str, expires_in_s: int, *, now: dt.datetime
+) -> tuple[PoolInvite, str]:
+    """A single-use code, returned once; only its SHA-256 is stored."""
+    pool = await pool_for(session, principal, pool_id)
+    _writable(pool)
+    code = secrets.token_urlsafe(24)
+    invite = PoolInvite(
+        id="inv_" + secrets.token_hex(8),
+        pool_id=pool.id,
+        code_hash=hash_invite_code(code),
+        created_by=principal.token_id,
+        created_at=now,
+        expires_at=now + dt.timedelta(seconds=expires_in_s),
+    )
+    session.add(invite)
+    await session.flush()
+    await record(
+        session,
+        principal,
+        "invite.create",
+        target_type="invite",
+        target_id=invite.id,
+        pool_id=pool.id,
+        after={"expires_at": invite.expires_at},
+    )
+    return invite, code
+
+
+async def blacklist_provider(
+    session: AsyncSession,
+    principal: Principal,
+    pool_id: str,
+    provider_id: str,
+    reason: str,
+    *,
+    now: dt.datetime,
+) -> tuple[PoolProviderBlacklist, list[str], bool]:
+    """Shut a provider out of a pool: its live members leave (stake unbonds or comes back) and
+    none of its nodes may join. Returns the entry, the nodes removed and whether it is new."""
+    pool = await pool_for(session, principal, pool_id, for_update=True)
+    _writable(pool)
+    if await identity_repo.get_provider(session, provider_id) is None:
+        raise NotFound("no provider with this id", code="provider_not_found")
+    created = await repo.insert_blacklisting(
+        session,
+        pool_id=pool.id,
+        provider_id=provider_id,
+        reason=reason,
+        created_by=principal.token_id,
+        now=now,
+    )
+    entry = await repo.get_blacklisting(session, pool.id, provider_id)
+    assert entry is not None
+    removed: list[str] = []
+    if created:
+        for m in await repo.live_members(session, pool.id, provider_id=provider_id):
+            await _end_membership(
+                session,
+                pool,
+                m,
+                to_status=MembershipStatus.left.value,
+                reason=f"provider blacklisted: {reason}",
+                actor=principal.token_id,
+                now=now,
+            )
+            removed.append(m.node_id)
+        await record(
+            session,
+            principal,
+            "pool.blacklist_provider",
+            target_type="provider",
+            target_id=provider_id,
+            pool_id=pool.id,
+            before={"blacklisted": False},
+            after={"blacklisted": True, "reason": reason, "removed_nodes": removed},
+        )
+    return entry, removed, created

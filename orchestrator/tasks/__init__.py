@@ -1,0 +1,1 @@
+"""Rollout tasks: policy versions, task batches, replicas with seeds, leases and results."""

@@ -1,0 +1,28 @@
+"""Which bearer tokens may act on which pool."""
+
+from __future__ import annotations
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from orchestrator.admin.tokens import Principal, Role
+from orchestrator.core.errors import NotFound
+from orchestrator.pools.models import Pool
+
+
+def can_act_on(principal: Principal, pool: Pool) -> bool:
+    """admin: every pool; operator: the pools it created; trainer, validator: their scoped pools."""
+    if principal.role == Role.admin:
+        return True
+    if principal.role == Role.operator:
+        return pool.owner_token_id == principal.token_id
+    return principal.scoped_to(pool.id)
+
+
+async def pool_for(
+    session: AsyncSession, principal: Principal, pool_id: str, *, for_update: bool = False
+) -> Pool:
+    """The pool, or 404 ``pool_not_found`` when it is missing or not this token's (no existence leak)."""
+    pool = await session.get(Pool, pool_id, with_for_update=for_update)
+    if pool is None or not can_act_on(principal, pool):
+        raise NotFound("no pool with this id", code="pool_not_found")
+    return pool

@@ -1,0 +1,397 @@
+"""Task endpoints: node claims, results and releases (signed); policies and tasks (tokens)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Path, Query, Response
+from sqlalchemy import func, select
+
+from api_schemas.common import PROBLEM_RESPONSES, Page
+from api_schemas.tasks import (
+    AssignmentOut,
+    ClaimIn,
+    ClaimOut,
+    LeaseStatsOut,
+    PolicyIn,
+    PolicyOut,
+    ReplicaOut,
+    ResultIn,
+    ResultOut,
+    Sampling,
+    Shard,
+    TaskBatchIn,
+    TaskBatchOut,
+    TaskDetailOut,
+    TaskOut,
+)
+from orchestrator.admin.tokens import Principal, Role, require_roles
+from orchestrator.audit.service import record
+from orchestrator.core.errors import NotFound
+from orchestrator.core.state import Session, State
+from orchestrator.identity.auth import CurrentNode, Signed
+from orchestrator.pools.models import Pool, PoolMembership
+from orchestrator.tasks import service
+from orchestrator.tasks.access import pool_for
+from orchestrator.tasks.models import Assignment, PolicyVersion, Task, TaskReplica
+
+router = APIRouter(prefix="/v1", tags=["tasks"], responses=PROBLEM_RESPONSES)
+admin_router = APIRouter(prefix="/v1/admin", tags=["admin: tasks"], responses=PROBLEM_RESPONSES)
+
+PoolId = Annotated[str, Path(min_length=1, max_length=40)]
+Publisher = Annotated[Principal, require_roles(Role.admin, Role.operator, Role.trainer)]
+Operator = Annotated[Principal, require_roles(Role.admin, Role.operator)]
+
+
+async def _publisher_pool(pool_id: PoolId, principal: Publisher, session: Session) -> Pool:
+    """Scope check as a dependency, so it runs before body validation: a caller that may not
+    act on the pool learns nothing about it, not even what a valid body would be."""
+    return await pool_for(session, principal, pool_id)
+
+
+async def _operator_pool(pool_id: PoolId, principal: Operator, session: Session) -> Pool:
+    return await pool_for(session, principal, pool_id)
+
+
+PublisherPool = Annotated[Pool, Depends(_publisher_pool)]
+OperatorPool = Annotated[Pool, Depends(_operator_pool)]
+
+
+def policy_out(p: PolicyVersion) -> PolicyOut:
+    return PolicyOut(
+        pool_id=p.pool_id,
+        step=p.step,
+        uri=p.uri,
+        sha256=p.sha256,
+        size=p.size_bytes,
+        shards=[Shard(**s) for s in p.shards] if p.shards is not None else None,
+        created_at=p.created_at,
+    )
+
+
+def task_out(t: Task) -> TaskOut:
+    return TaskOut(
+        id=t.id,
+        pool_id=t.pool_id,
+        batch_id=t.batch_id,
+        status=t.status,
+        prompt=t.prompt,
+        problem_ref=t.problem_ref,
+        sampling=Sampling(**t.sampling),
+        verification=t.verification,
+        metadata=t.metadata_,
+        replication=t.replication,
+        priority=t.priority,
+        deadline_at=t.deadline_at,
+        failure_reason=t.failure_reason,
+        created_at=t.created_at,
+    )
+
+
+# ---------------------------------------------------------------- nodes (signed)
+
+
+@router.post(
+    "/assignments/claim",
+    response_model=ClaimOut,
+    summary="Lease up to max_tasks replicas; an empty list says why and when to retry",
+)
+async def claim(
+    body: ClaimIn, node: CurrentNode, session: Session, state: State, response: Response
+) -> ClaimOut:
+    out = await service.claim(session, node, body.pool_id, body.max_tasks, now=state.clock.utcnow())
+    if out.retry_after_s is not None:
+        response.headers["Retry-After"] = str(out.retry_after_s)
+    return out
+
+
+@router.post(
+    "/assignments/{assignment_id}/result",
+    response_model=ResultOut,
+    status_code=201,
+    summary="Submit a lease's signed result (idempotent: the same body returns the first answer)",
+    responses={200: {"model": ResultOut, "description": "The same result again"}},
+)
+async def submit_result(
+    assignment_id: Annotated[str, Path(max_length=40)],
+    body: ResultIn,
+    node: CurrentNode,
+    signed: Signed,
+    session: Session,
+    state: State,
+    response: Response,
+) -> ResultOut:
+    result = await service.submit_result(session, node, assignment_id, body, signed, now=state.clock.utcnow())
+    if not result.created:
+        response.status_code = 200
+    return result.out
+
+
+@router.post(
+    "/assignments/{assignment_id}/release",
+    response_model=AssignmentOut,
+    summary="Give a lease back so the replica is reissued at once",
+)
+async def release(
+    assignment_id: Annotated[str, Path(max_length=40)], node: CurrentNode, session: Session, state: State
+) -> AssignmentOut:
+    a = await service.release(session, node.id, assignment_id, now=state.clock.utcnow())
+    return await _assignment_out(session, a)
+
+
+@router.get(
+    "/pools/{pool_id}/policy", response_model=PolicyOut, summary="The pool's current policy (members only)"
+)
+async def member_policy(pool_id: PoolId, node: CurrentNode, session: Session) -> PolicyOut:
+    member = await session.scalar(
+        select(PoolMembership.status).where(
+            PoolMembership.pool_id == pool_id, PoolMembership.node_id == node.id
+        )
+    )
+    if member != "active":
+        raise NotFound("no pool with this id that this node is a member of", code="pool_not_found")
+    current = await service.current_policy(session, pool_id)
+    if current is None:
+        raise NotFound("no policy has been published for this pool yet", code="no_policy")
+    return policy_out(current)
+
+
+async def _assignment_out(session: Session, a: Assignment) -> AssignmentOut:
+    index = await session.scalar(select(TaskReplica.replica_index).where(TaskReplica.id == a.replica_id))
+    return AssignmentOut(
+        id=a.id,
+        replica_index=int(index or 0),
+        node_id=a.node_id,
+        status=a.status,
+        fencing_token=a.fencing_token,
+        policy_step=a.policy_step,
+        lease_expires_at=a.lease_expires_at,
+        created_at=a.created_at,
+        ended_at=a.ended_at,
+    )
+
+
+# ---------------------------------------------------------------- operators and trainers
+
+
+@admin_router.post(
+    "/pools/{pool_id}/policies",
+    response_model=PolicyOut,
+    status_code=201,
+    summary="Publish a policy version (step must increase)",
+)
+async def publish_policy(
+    scoped: PublisherPool, body: PolicyIn, principal: Publisher, session: Session
+) -> PolicyOut:
+    pool = await pool_for(session, principal, scoped.id, for_update=True)
+    row = await service.publish_policy(session, pool, body, principal.token_id)
+    await record(
+        session,
+        principal,
+        "policy.publish",
+        target_type="policy",
+        target_id=str(row.step),
+        pool_id=pool.id,
+        after={"step": row.step, "uri": row.uri, "sha256": row.sha256},
+    )
+    return policy_out(row)
+
+
+@admin_router.get(
+    "/pools/{pool_id}/policies",
+    response_model=list[PolicyOut],
+    summary="Published policy versions, newest first (at most 100)",
+)
+async def list_policies(pool: PublisherPool, session: Session) -> list[PolicyOut]:
+    rows = (
+        await session.execute(
+            select(PolicyVersion)
+            .where(PolicyVersion.pool_id == pool.id)
+            .order_by(PolicyVersion.step.desc())
+            .limit(100)
+        )
+    ).scalars()
+    return [policy_out(r) for r in rows]
+
+
+@admin_router.post(
+    "/pools/{pool_id}/tasks",
+    response_model=TaskBatchOut,
+    status_code=201,
+    summary="Enqueue up to 10,000 tasks atomically (idempotent by batch_key)",
+    responses={200: {"model": TaskBatchOut, "description": "The same batch again"}},
+)
+async def enqueue(
+    pool: PublisherPool,
+    body: TaskBatchIn,
+    principal: Publisher,
+    session: Session,
+    state: State,
+    response: Response,
+) -> TaskBatchOut:
+    result = await service.enqueue(
+        session,
+        pool,
+        body,
+        secret=state.settings.seed_secret.get_secret_value().encode(),
+        actor=principal.token_id,
+    )
+    if result.created:
+        await record(
+            session,
+            principal,
+            "tasks.enqueue",
+            target_type="task_batch",
+            target_id=str(result.batch.id),
+            pool_id=pool.id,
+            after={"batch_key": body.batch_key, "tasks": len(body.tasks)},
+        )
+    else:
+        response.status_code = 200
+    b = result.batch
+    return TaskBatchOut(
+        batch_id=b.id,
+        batch_key=b.batch_key,
+        pool_id=b.pool_id,
+        task_count=b.task_count,
+        first_task_id=result.first_task_id,
+        created_at=b.created_at,
+    )
+
+
+@admin_router.get("/pools/{pool_id}/tasks", response_model=Page[TaskOut], summary="List tasks (by id)")
+async def list_tasks(
+    pool: PublisherPool,
+    session: Session,
+    status: Annotated[str | None, Query(pattern="^(open|submitted|completed|failed|cancelled)$")] = None,
+    cursor: Annotated[int | None, Query(ge=0, description="Last task id of the previous page")] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 100,
+) -> Page[TaskOut]:
+    stmt = select(Task).where(Task.pool_id == pool.id).order_by(Task.id).limit(limit + 1)
+    if status is not None:
+        stmt = stmt.where(Task.status == status)
+    if cursor is not None:
+        stmt = stmt.where(Task.id > cursor)
+    rows = list((await session.execute(stmt)).scalars())
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return Page[TaskOut](items=[task_out(t) for t in rows], next_cursor=str(rows[-1].id) if more else None)
+
+
+async def _task(session: Session, pool: Pool, task_id: int) -> Task:
+    task = await session.get(Task, task_id)
+    if task is None or task.pool_id != pool.id:
+        raise NotFound("no task with this id in this pool", code="task_not_found")
+    return task
+
+
+@admin_router.get(
+    "/pools/{pool_id}/tasks/{task_id}",
+    response_model=TaskDetailOut,
+    summary="One task with its replicas and every lease it has had",
+)
+async def get_task(pool: PublisherPool, task_id: int, session: Session) -> TaskDetailOut:
+    task = await _task(session, pool, task_id)
+    replicas = list(
+        (
+            await session.execute(
+                select(TaskReplica).where(TaskReplica.task_id == task_id).order_by(TaskReplica.replica_index)
+            )
+        ).scalars()
+    )
+    index = {r.id: r.replica_index for r in replicas}
+    assignments = (
+        await session.execute(
+            select(Assignment)
+            .where(Assignment.task_id == task_id)
+            .order_by(Assignment.created_at, Assignment.id)
+        )
+    ).scalars()
+    return TaskDetailOut(
+        **task_out(task).model_dump(),
+        replicas=[
+            ReplicaOut(
+                replica_index=r.replica_index,
+                status=r.status,
+                seed=r.seed,
+                leases_issued=r.leases_issued,
+                expirations=r.expirations,
+            )
+            for r in replicas
+        ],
+        assignments=[
+            AssignmentOut(
+                id=a.id,
+                replica_index=index[a.replica_id],
+                node_id=a.node_id,
+                status=a.status,
+                fencing_token=a.fencing_token,
+                policy_step=a.policy_step,
+                lease_expires_at=a.lease_expires_at,
+                created_at=a.created_at,
+                ended_at=a.ended_at,
+            )
+            for a in assignments
+        ],
+    )
+
+
+@admin_router.post(
+    "/pools/{pool_id}/tasks/{task_id}/cancel",
+    response_model=TaskOut,
+    summary="Cancel a task; its live leases are dropped",
+)
+async def cancel(pool: OperatorPool, task_id: int, principal: Operator, session: Session) -> TaskOut:
+    task = await _task(session, pool, task_id)
+    before = task.status
+    task = await service.cancel_task(session, task, f"cancelled by {principal.token_id}")
+    if before != task.status:
+        await record(
+            session,
+            principal,
+            "task.cancel",
+            target_type="task",
+            target_id=str(task.id),
+            pool_id=pool.id,
+            before={"status": before},
+            after={"status": task.status},
+        )
+    return task_out(task)
+
+
+@admin_router.get(
+    "/pools/{pool_id}/lease-stats",
+    response_model=list[LeaseStatsOut],
+    summary="Nodes by expired leases (most first): who keeps squatting or failing",
+)
+async def lease_stats(
+    pool: OperatorPool, session: Session, limit: Annotated[int, Query(ge=1, le=500)] = 100
+) -> list[LeaseStatsOut]:
+    expired = func.count().filter(Assignment.status == "expired")
+    rows = (
+        await session.execute(
+            select(
+                Assignment.node_id,
+                func.count().label("claimed"),
+                func.count().filter(Assignment.status == "submitted").label("submitted"),
+                expired.label("expired"),
+                func.count().filter(Assignment.status == "released").label("released"),
+                func.max(Assignment.ended_at).filter(Assignment.status == "expired").label("last_expired_at"),
+            )
+            .where(Assignment.pool_id == pool.id)
+            .group_by(Assignment.node_id)
+            .order_by(expired.desc(), Assignment.node_id)
+            .limit(limit)
+        )
+    ).all()
+    return [
+        LeaseStatsOut(
+            node_id=r.node_id,
+            claimed=r.claimed,
+            submitted=r.submitted,
+            expired=r.expired,
+            released=r.released,
+            last_expired_at=r.last_expired_at,
+        )
+        for r in rows
+    ]

@@ -1,0 +1,178 @@
+"""Claims: atomic leases, placement rules, caps and every no-work reason."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from sqlalchemy import func, select
+
+from orchestrator.core.keys import generate_key
+from orchestrator.tasks.models import Assignment
+from tests.conftest import postgres_only, problem
+from tests.tasks_helpers import pool_setup, task
+
+
+async def test_a_claim_returns_a_lease_without_the_verification_spec(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1, step=7) as s:
+        await s.enqueue([task("What is 6*7?", n=4, metadata={"source": "gsm8k"})])
+        r = await s.workers[0].claim(s.pool_id, max_tasks=5)
+        assert r.status_code == 200
+        body = r.json()
+        assert body["reason"] is None and len(body["leases"]) == 1
+        lease = body["leases"][0]
+        assert lease["assignment_id"].startswith("asg_")
+        assert lease["fencing_token"] == 1
+        assert lease["policy"] == {"step": 7, "uri": "s3://ckpt/step-7", "sha256": "a" * 64}
+        assert lease["task"]["prompt"] == "What is 6*7?"
+        assert lease["task"]["sampling"]["n"] == 4 and lease["task"]["metadata"] == {"source": "gsm8k"}
+        assert "verification" not in lease["task"] and "expected_answer" not in r.text
+        assert isinstance(lease["seed"], int)
+
+
+async def test_no_work_reasons(app: Any, app_state: Any, clock: Any) -> None:
+    async with pool_setup(app, app_state, workers=1, step=None, max_leases_per_node=1) as s:
+        w = s.workers[0]
+
+        async def reason() -> str:
+            r = await w.claim(s.pool_id)
+            assert r.status_code == 200
+            assert r.json()["leases"] == []
+            assert int(r.headers["retry-after"]) == r.json()["retry_after_s"] > 0
+            return str(r.json()["reason"])
+
+        assert await reason() == "no_policy"
+        await s.publish(1)
+        assert await reason() == "no_tasks"
+        await s.enqueue([task(), task("other")])
+        assert len((await w.claim(s.pool_id)).json()["leases"]) == 1
+        assert await reason() == "lease_cap_reached"
+        await s.admin.post(f"/v1/admin/pools/{s.pool_id}/pause", headers=s.headers)
+        assert await reason() == "pool_paused"
+        await s.admin.post(f"/v1/admin/pools/{s.pool_id}/resume", headers=s.headers)
+        clock.advance(31)
+        from orchestrator.liveness.service import sweep_once
+
+        await sweep_once(app_state)
+        assert await reason() == "node_unhealthy"
+        stranger = await s.add_worker()
+        await stranger.client.post(
+            f"/v1/pools/{s.pool_id}/leave", json={}, auth=stranger.contributor.node_auth
+        )
+        r = await stranger.claim(s.pool_id)
+        assert r.json()["reason"] == "not_a_member"
+        await s.admin.post(f"/v1/admin/pools/{s.pool_id}/pause", headers=s.headers)
+        assert (
+            await s.admin.post(f"/v1/admin/pools/{s.pool_id}/complete", headers=s.headers)
+        ).status_code == 200
+        await w.beat()
+        assert await reason() == "pool_not_active"
+        problem(await w.claim("pool_doesnotexist00"), 404, "pool_not_found")
+
+
+async def test_replicas_go_to_different_providers_and_ips(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, replication_factor=3) as s:
+        shared_provider = generate_key()
+        a = await s.add_worker(provider_key=shared_provider)
+        a_twin = await s.add_worker(provider_key=shared_provider)  # same provider as a
+        b = await s.add_worker(ip="10.200.0.1")
+        b_same_ip = await s.add_worker(ip="10.200.0.1")  # same IP as b
+        c = await s.add_worker()
+        await s.enqueue([task()])
+        got = {}
+        for w in (a, a_twin, b, b_same_ip, c):
+            got[w.node_id] = len((await w.claim(s.pool_id)).json()["leases"])
+        assert got[a.node_id] == 1 and got[a_twin.node_id] == 0
+        assert got[b.node_id] == 1 and got[b_same_ip.node_id] == 0
+        assert got[c.node_id] == 1
+        # A node never gets a second replica of the same task.
+        more = await s.add_worker()
+        assert len((await more.claim(s.pool_id, max_tasks=3)).json()["leases"]) == 0
+
+
+async def test_a_node_never_gets_two_replicas_of_one_task_in_one_claim(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1, replication_factor=3, max_leases_per_node=10) as s:
+        await s.enqueue([task("one"), task("two")])
+        leases = (await s.workers[0].claim(s.pool_id, max_tasks=10)).json()["leases"]
+        assert sorted(lease["task"]["task_id"] for lease in leases) == sorted(
+            {le["task"]["task_id"] for le in leases}
+        )
+        assert len(leases) == 2
+
+
+async def test_higher_priority_is_leased_first(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=1) as s:
+        await s.enqueue([task("low", priority=-5), task("high", priority=9), task("mid")])
+        lease = (await s.workers[0].claim(s.pool_id)).json()["leases"][0]
+        assert lease["task"]["prompt"] == "high"
+
+
+async def test_concurrent_claimers_never_share_a_replica(app: Any, app_state: Any) -> None:
+    workers = 12 if not _is_postgres(app_state) else 50
+    async with pool_setup(app, app_state, replication_factor=1, max_leases_per_node=100) as s:
+        for _ in range(workers):
+            await s.add_worker()
+        total = 600
+        assert (
+            await s.enqueue(
+                [{"problem_ref": f"p/{i}", "sampling": {"max_tokens": 8}} for i in range(total)], key="many"
+            )
+        ).status_code == 201
+
+        async def drain(w: Any) -> list[str]:
+            got: list[str] = []
+            while True:
+                r = await w.claim(s.pool_id, max_tasks=25)
+                leases = r.json()["leases"]
+                if not leases:
+                    assert r.json()["reason"] == "no_tasks"
+                    return got
+                got += [lease["assignment_id"] for lease in leases]
+                for lease in leases:
+                    assert (await w.submit(lease)).status_code == 201
+
+        results = await asyncio.gather(*(drain(w) for w in s.workers))
+        flat = [a for r in results for a in r]
+        assert len(flat) == len(set(flat)) == total
+        async with app_state.sessionmaker() as session:
+            per_replica = (
+                await session.execute(
+                    select(Assignment.replica_id, func.count())
+                    .group_by(Assignment.replica_id)
+                    .having(func.count() > 1)
+                )
+            ).all()
+        assert per_replica == []
+
+
+def _is_postgres(app_state: Any) -> bool:
+    return bool(app_state.engine.dialect.name == "postgresql")
+
+
+@postgres_only
+async def test_fifty_concurrent_claimers_on_postgres_lease_each_replica_once(
+    app: Any, app_state: Any
+) -> None:
+    async with pool_setup(app, app_state, replication_factor=2, max_leases_per_node=1000) as s:
+        for _ in range(50):
+            await s.add_worker()
+        await s.enqueue(
+            [{"problem_ref": f"q/{i}", "sampling": {"max_tokens": 8}} for i in range(1500)], key="r2"
+        )
+
+        async def grab(w: Any) -> list[tuple[int, str]]:
+            out = []
+            for _ in range(200):
+                leases = (await w.claim(s.pool_id, max_tasks=20)).json()["leases"]
+                if not leases:
+                    break
+                out += [(lease["task"]["task_id"], w.node_id) for lease in leases]
+            return out
+
+        results = await asyncio.gather(*(grab(w) for w in s.workers))
+        pairs = [p for r in results for p in r]
+        assert len(pairs) == 3000
+        per_task: dict[int, set[str]] = {}
+        for task_id, node in pairs:
+            per_task.setdefault(task_id, set()).add(node)
+        assert all(len(nodes) == 2 for nodes in per_task.values())

@@ -1,0 +1,227 @@
+"""Leases (heartbeat extension, release, expiry and reissue, max attempts) and signed results
+(fencing, idempotency, conflicts, staleness, evidence)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sqlalchemy import select
+
+from orchestrator.core.clock import FakeClock
+from orchestrator.tasks.jobs import reap_once
+from orchestrator.tasks.models import Submission
+from tests.conftest import problem
+from tests.tasks_helpers import pool_setup, result_body, task
+
+
+async def test_heartbeats_extend_leases_and_name_the_ones_to_drop(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=1, lease_duration_s=100) as s:
+        w = s.workers[0]
+        await s.enqueue([task()])
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        for _ in range(6):  # 6 x 30 s > 100 s lease: alive only because the beats extend it
+            clock.advance(30)
+            r = await w.beat([lease["assignment_id"], "asg_not-mine"])
+            assert r.json()["drop_leases"] == ["asg_not-mine"]
+        assert (await reap_once(app_state)).expired == 0
+        assert (await w.submit(lease)).status_code == 201
+
+
+async def test_an_expired_lease_is_reissued_and_the_old_holder_is_fenced_off(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=2, lease_duration_s=60) as s:
+        slow, fast = s.workers
+        await s.enqueue([task()])
+        old = (await slow.claim(s.pool_id)).json()["leases"][0]
+        clock.advance(61)
+        await fast.beat()
+        report = await reap_once(app_state)
+        assert report.ran and report.expired == 1
+        new = (await fast.claim(s.pool_id)).json()["leases"][0]
+        assert new["task"]["task_id"] == old["task"]["task_id"]
+        assert new["fencing_token"] == old["fencing_token"] + 1
+        assert new["seed"] == old["seed"]
+        problem(await slow.submit(old), 409, "lease_expired")
+        # Even with the new token, the old assignment cannot answer for the new lease.
+        problem(await slow.submit(old, fencing_token=new["fencing_token"]), 409, "lease_expired")
+        assert (await fast.submit(new)).status_code == 201
+        beat = await slow.beat([old["assignment_id"]])
+        assert beat.json()["drop_leases"] == [old["assignment_id"]]
+        stats = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/lease-stats", headers=s.headers)).json()
+        assert stats[0]["node_id"] == slow.node_id and stats[0]["expired"] == 1
+
+
+async def test_a_task_fails_after_max_attempts_with_its_history(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=3, lease_duration_s=60, max_attempts=2) as s:
+        task_id = (await s.enqueue([task()])).json()["first_task_id"]
+        for w in s.workers[:2]:
+            for other in s.workers:
+                await other.beat()
+            assert len((await w.claim(s.pool_id)).json()["leases"]) == 1
+            clock.advance(61)
+            await reap_once(app_state)
+        await s.workers[2].beat()
+        assert (await s.workers[2].claim(s.pool_id)).json()["reason"] == "no_tasks"
+        detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
+        assert detail["status"] == "failed"
+        assert "max attempts" in detail["failure_reason"]
+        assert [a["status"] for a in detail["assignments"]] == ["expired", "expired"]
+        assert [a["node_id"] for a in detail["assignments"]] == [w.node_id for w in s.workers[:2]]
+
+
+async def test_the_reaper_runs_once_per_tick(app: Any, app_state: Any, clock: FakeClock) -> None:
+    import asyncio
+
+    async with pool_setup(app, app_state, workers=1, lease_duration_s=60) as s:
+        await s.enqueue([task("a"), task("b")])
+        await s.workers[0].claim(s.pool_id, max_tasks=2)
+        clock.advance(70)
+        reports = await asyncio.gather(reap_once(app_state), reap_once(app_state), reap_once(app_state))
+        assert sum(r.ran for r in reports) == 1
+        assert sum(r.expired for r in reports) == 2
+
+
+async def test_a_released_lease_is_reissued_at_once(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=2) as s:
+        await s.enqueue([task()])
+        lease = (await s.workers[0].claim(s.pool_id)).json()["leases"][0]
+        assert (await s.workers[1].claim(s.pool_id)).json()["reason"] == "no_tasks"
+        r = await s.workers[0].client.post(
+            f"/v1/assignments/{lease['assignment_id']}/release",
+            json={},
+            auth=s.workers[0].contributor.node_auth,
+        )
+        assert r.status_code == 200 and r.json()["status"] == "released"
+        assert len((await s.workers[1].claim(s.pool_id)).json()["leases"]) == 1
+        problem(await s.workers[0].submit(lease), 409, "lease_expired")
+
+
+async def test_results_are_idempotent_and_a_different_body_conflicts(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        await s.enqueue([task()])
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        first = await w.submit(lease)
+        assert first.status_code == 201
+        assert first.json()["status"] == "pending"
+        again = await w.submit(lease)
+        assert again.status_code == 200 and again.json() == first.json()
+        problem(await w.submit(lease, claimed_reward=0.0), 409, "result_conflict")
+        async with app_state.sessionmaker() as session:
+            subs = list((await session.execute(select(Submission))).scalars())
+        assert len(subs) == 1
+
+
+async def test_only_the_lease_holder_can_submit(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=2) as s:
+        holder, thief = s.workers
+        await s.enqueue([task()])
+        lease = (await holder.claim(s.pool_id)).json()["leases"][0]
+        problem(await thief.submit(lease), 404, "assignment_not_found")
+        assert (await holder.submit(lease)).status_code == 201
+
+
+async def test_stale_and_unknown_policies_are_refused(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1, step=10, max_async_level=2) as s:
+        w = s.workers[0]
+        await s.enqueue([task()])
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        for step in (11, 12, 13):
+            await s.publish(step)
+        body = problem(await w.submit(lease, policy_step=10), 409, "policy_stale")
+        assert body["current_step"] == 13
+        problem(await w.submit(lease, policy_step=14), 409, "policy_unknown")
+        assert (await w.submit(lease, policy_step=11)).status_code == 201
+
+
+async def test_the_signed_request_is_kept_as_evidence(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        await s.enqueue([task(n=2)])
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        r = await w.submit(lease, seed=12345)
+        assert r.status_code == 201
+        sent = r.request
+        async with app_state.sessionmaker() as session:
+            sub = (await session.execute(select(Submission))).scalar_one()
+        assert sub.body == sent.content
+        assert sub.signature == sent.headers["signature"]
+        assert sub.signature_input == sent.headers["signature-input"]
+        assert sub.content_digest == sent.headers["content-digest"]
+        assert sub.target_uri == str(sent.url)
+        assert sub.seed_echoed == 12345 and sub.sample_count == 2
+        assert json.loads(sub.body)["samples"][0]["completion"] == "answer 0"
+        # The evidence still verifies, whoever re-checks it later.
+        from orchestrator.core.signing import verify_request
+
+        checked = verify_request(
+            method=sub.method,
+            url=sub.target_uri,
+            query="",
+            headers=[
+                ("signature-input", sub.signature_input),
+                ("signature", sub.signature),
+                ("content-digest", sub.content_digest or ""),
+            ],
+            body=sub.body,
+            now=app_state.clock.now(),
+            window_s=300,
+        )
+        assert checked.keyid == w.node_id
+
+
+async def test_a_task_is_submitted_when_all_replicas_are(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=2, replication_factor=2) as s:
+        task_id = (await s.enqueue([task()])).json()["first_task_id"]
+        leases = [(await w.claim(s.pool_id)).json()["leases"][0] for w in s.workers]
+        assert (await s.workers[0].submit(leases[0])).status_code == 201
+        detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
+        assert detail["status"] == "open"
+        assert (await s.workers[1].submit(leases[1])).status_code == 201
+        detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
+        assert detail["status"] == "submitted"
+        assert [r["status"] for r in detail["replicas"]] == ["submitted", "submitted"]
+
+
+async def test_results_are_validated(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        await s.enqueue([task()])
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        for bad in (
+            {"samples": []},
+            {"proof": "not base64!"},
+            {"claimed_reward": "high"},
+            {"samples": [{"finish_reason": "stop"}]},
+        ):
+            r = await w.client.post(
+                f"/v1/assignments/{lease['assignment_id']}/result",
+                json={**result_body(lease), **bad},
+                auth=w.contributor.node_auth,
+            )
+            problem(r, 422, "validation_failed")
+        assert (await w.submit(lease)).status_code == 201
+
+
+async def test_leaving_a_pool_gives_its_leases_back_at_once(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=2) as s:
+        quitter, other = s.workers
+        await s.enqueue([task()])
+        lease = (await quitter.claim(s.pool_id)).json()["leases"][0]
+        assert (await other.claim(s.pool_id)).json()["reason"] == "no_tasks"
+        r = await quitter.client.post(
+            f"/v1/pools/{s.pool_id}/leave", json={}, auth=quitter.contributor.node_auth
+        )
+        assert r.status_code == 200
+        assert (await quitter.beat([lease["assignment_id"]])).json()["drop_leases"] == [
+            lease["assignment_id"]
+        ]
+        again = (await other.claim(s.pool_id)).json()["leases"]
+        assert [le["task"]["task_id"] for le in again] == [lease["task"]["task_id"]]
+        problem(await quitter.submit(lease), 409, "lease_expired")

@@ -1,0 +1,147 @@
+"""Policy versions and task batches (operator and trainer API)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from orchestrator.tasks.seeds import derive_seed
+from tests.conftest import make_token, problem
+from tests.tasks_helpers import pool_setup, task
+
+
+async def test_policy_steps_must_increase(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, step=None) as s:
+        assert (await s.publish(5)).status_code == 201
+        problem(await s.publish(5), 409, "policy_step_not_increasing")
+        problem(await s.publish(4), 409, "policy_step_not_increasing")
+        assert (await s.publish(6)).status_code == 201
+        listed = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/policies", headers=s.headers)).json()
+        assert [p["step"] for p in listed] == [6, 5]
+        bad = await s.admin.post(
+            f"/v1/admin/pools/{s.pool_id}/policies",
+            headers=s.headers,
+            json={"step": 7, "uri": "s3://x", "sha256": "XYZ", "size": 1},
+        )
+        problem(bad, 422, "validation_failed")
+
+
+async def test_members_see_the_current_policy(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1, step=3) as s:
+        w = s.workers[0]
+        r = await w.client.get(f"/v1/pools/{s.pool_id}/policy", auth=w.contributor.node_auth)
+        assert r.status_code == 200 and r.json()["step"] == 3 and r.json()["uri"] == "s3://ckpt/step-3"
+        outsider = await s.add_worker()
+        await outsider.client.post(
+            f"/v1/pools/{s.pool_id}/leave", json={}, auth=outsider.contributor.node_auth
+        )
+        problem(
+            await outsider.client.get(f"/v1/pools/{s.pool_id}/policy", auth=outsider.contributor.node_auth),
+            404,
+            "pool_not_found",
+        )
+
+
+async def test_a_trainer_token_acts_only_on_its_pools(
+    app: Any, app_state: Any, client: httpx.AsyncClient
+) -> None:
+    async with pool_setup(app, app_state, step=None) as s:
+        trainer = {"Authorization": f"Bearer {await make_token(app_state, 'trainer')}"}
+        problem(
+            await client.post(
+                f"/v1/admin/pools/{s.pool_id}/policies",
+                headers=trainer,
+                json={"step": 1, "uri": "s3://x", "sha256": "a" * 64, "size": 1},
+            ),
+            404,
+            "pool_not_found",
+        )
+        from orchestrator.admin.tokens import Role, create_token
+
+        async with app_state.sessionmaker() as session, session.begin():
+            token, _ = await create_token(session, role=Role.trainer, name="t", pool_ids=[s.pool_id])
+        scoped = {"Authorization": f"Bearer {token}"}
+        r = await client.post(
+            f"/v1/admin/pools/{s.pool_id}/policies",
+            headers=scoped,
+            json={"step": 1, "uri": "s3://x", "sha256": "a" * 64, "size": 1},
+        )
+        assert r.status_code == 201
+        r = await client.post(
+            f"/v1/admin/pools/{s.pool_id}/tasks", headers=scoped, json={"batch_key": "t-1", "tasks": [task()]}
+        )
+        assert r.status_code == 201
+        problem(
+            await client.post(f"/v1/admin/pools/{s.pool_id}/tasks/1/cancel", headers=scoped),
+            403,
+            "role_forbidden",
+        )
+        other_operator = {"Authorization": f"Bearer {await make_token(app_state, 'operator')}"}
+        problem(
+            await client.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=other_operator),
+            404,
+            "pool_not_found",
+        )
+
+
+async def test_enqueue_is_atomic_and_idempotent_by_batch_key(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state) as s:
+        tasks = [task(f"problem {i}") for i in range(50)]
+        first = await s.enqueue(tasks, key="b-1")
+        assert first.status_code == 201
+        assert first.json()["task_count"] == 50
+        again = await s.enqueue(tasks, key="b-1")
+        assert again.status_code == 200
+        assert again.json()["batch_id"] == first.json()["batch_id"]
+        problem(await s.enqueue(tasks[:10], key="b-1"), 409, "batch_key_reused")
+        # One bad task refuses the whole batch.
+        bad = [*tasks, {"sampling": {"max_tokens": 10}}]
+        problem(await s.enqueue(bad, key="b-2"), 422, "validation_failed")
+        listing = (
+            await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", params={"limit": 500}, headers=s.headers)
+        ).json()
+        assert len(listing["items"]) == 50
+
+
+async def test_enqueue_refuses_more_than_10000_tasks(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state) as s:
+        body = {"batch_key": "big", "tasks": [task()] * 10_001}
+        r = await s.admin.post(f"/v1/admin/pools/{s.pool_id}/tasks", json=body, headers=s.headers)
+        assert r.status_code in (413, 422)
+
+
+async def test_enqueue_accepts_a_10000_task_batch(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state) as s:
+        r = await s.enqueue(
+            [{"problem_ref": f"math/{i}", "sampling": {"max_tokens": 64}} for i in range(10_000)], key="full"
+        )
+        assert r.status_code == 201, r.text
+        assert r.json()["task_count"] == 10_000
+
+
+async def test_seeds_are_assigned_by_the_server_per_replica(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, replication_factor=3) as s:
+        r = await s.enqueue([task()])
+        task_id = r.json()["first_task_id"]
+        detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
+        secret = app_state.settings.seed_secret.get_secret_value().encode()
+        seeds = [rep["seed"] for rep in detail["replicas"]]
+        assert seeds == [derive_seed(secret, task_id, i) for i in range(3)]
+        assert len(set(seeds)) == 3
+        assert derive_seed(b"another secret", task_id, 0) != seeds[0]
+
+
+async def test_operators_can_cancel_a_task(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        task_id = (await s.enqueue([task()])).json()["first_task_id"]
+        lease = (await s.workers[0].claim(s.pool_id)).json()["leases"][0]
+        r = await s.admin.post(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}/cancel", headers=s.headers)
+        assert r.json()["status"] == "cancelled"
+        beat = await s.workers[0].beat([lease["assignment_id"]])
+        assert beat.json()["drop_leases"] == [lease["assignment_id"]]
+        problem(await s.workers[0].submit(lease), 409, "task_cancelled")
+        audit = (
+            await s.admin.get("/v1/admin/audit", params={"pool_id": s.pool_id}, headers=s.headers)
+        ).json()
+        assert "task.cancel" in {e["action"] for e in audit["items"]}
