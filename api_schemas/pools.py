@@ -10,9 +10,9 @@ from __future__ import annotations
 import datetime as dt
 import enum
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from api_schemas.common import KeyId, StrictModel
 
@@ -188,6 +188,28 @@ MaxAsyncLevel = Annotated[
     ),
 ]
 MaxLeases = Annotated[int, Field(ge=1, le=1024, description="Most leases one node may hold at a time")]
+
+
+def _known_reward_function(name: str) -> str:
+    from orchestrator.verification.rewards import available
+
+    if name not in available():
+        raise ValueError(f"unknown reward function {name!r}; available: {', '.join(available())}")
+    return name
+
+
+RewardFunctionName = Annotated[
+    str,
+    Field(
+        min_length=1, max_length=64, description="Server-side reward function: exact_match, math or a plugin"
+    ),
+    AfterValidator(_known_reward_function),
+]
+RequireProof = Annotated[bool, Field(description="Refuse (as invalid) results that carry no proof blob")]
+AuditMethod = Annotated[
+    Literal["replicate", "validator"],
+    Field(description="Audits add a replica (quorum) or go to trusted validators (e.g. TOPLOC)"),
+]
 PoolName = Annotated[
     str, Field(min_length=1, max_length=100, pattern=r"^[\x20-\x7e]+$", description="Printable ASCII name")
 ]
@@ -235,10 +257,13 @@ class PublicPolicy(StrictModel):
     replication_factor: Replication = 1
     max_async_level: MaxAsyncLevel = 2
     max_leases_per_node: MaxLeases = 1
+    reward_function: RewardFunctionName = "exact_match"
+    require_proof: RequireProof = False
 
 
 class Policy(PublicPolicy):
     audit_rate_floor: AuditFloor = 0.05
+    audit_method: AuditMethod = "replicate"
 
 
 class PoolSettings(StrictModel):
@@ -309,6 +334,9 @@ class PolicyPatch(StrictModel):
     audit_rate_floor: AuditFloor | None = None
     max_async_level: MaxAsyncLevel | None = None
     max_leases_per_node: MaxLeases | None = None
+    reward_function: RewardFunctionName | None = None
+    require_proof: RequireProof | None = None
+    audit_method: AuditMethod | None = None
 
 
 class PoolPatch(StrictModel):

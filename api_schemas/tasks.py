@@ -67,12 +67,18 @@ class TaskIn(StrictModel):
         default=None, ge=1, le=16, description="Default: the pool's replication factor"
     )
     priority: int = Field(default=0, ge=-1000, le=1000, description="Higher is leased first")
+    canary: bool = Field(
+        default=False,
+        description="A task with a known answer that workers cannot tell apart; a wrong answer is fraud",
+    )
     deadline_at: dt.datetime | None = None
 
     @model_validator(mode="after")
     def _prompt_or_ref(self) -> TaskIn:
         if (self.prompt is None) == (self.problem_ref is None):
             raise ValueError("give exactly one of prompt and problem_ref")
+        if self.canary and not self.verification:
+            raise ValueError("a canary task needs a verification spec with its known answer")
         return self
 
 
@@ -128,6 +134,7 @@ class TaskOut(BaseModel):
     replication: int
     priority: int
     deadline_at: dt.datetime | None
+    canary: bool
     failure_reason: str | None
     created_at: dt.datetime
 

@@ -6,8 +6,10 @@ from orchestrator.core import ticks
 from orchestrator.core.db import Base
 from orchestrator.identity import models as identity_models
 from orchestrator.ledger import models as ledger_models
+from orchestrator.payouts import models as payouts_models
 from orchestrator.pools import models as pools_models
 from orchestrator.tasks import models as tasks_models
+from orchestrator.verification import models as verification_models
 
 __all__ = [
     "Base",
@@ -15,7 +17,9 @@ __all__ = [
     "audit_models",
     "identity_models",
     "ledger_models",
+    "payouts_models",
     "pools_models",
     "tasks_models",
     "ticks",
+    "verification_models",
 ]

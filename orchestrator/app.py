@@ -26,12 +26,18 @@ from orchestrator.ledger import jobs as ledger_jobs
 from orchestrator.ledger.router import router as ledger_router
 from orchestrator.liveness import service as liveness
 from orchestrator.liveness.router import router as liveness_router
+from orchestrator.payouts.router import admin_router as payouts_admin_router
+from orchestrator.payouts.router import router as payouts_router
 from orchestrator.pools.router import admin_router as pools_admin_router
 from orchestrator.pools.router import router as pools_router
 from orchestrator.settings import Settings, get_settings
 from orchestrator.tasks import jobs as task_jobs
 from orchestrator.tasks.router import admin_router as tasks_admin_router
 from orchestrator.tasks.router import router as tasks_router
+from orchestrator.verification import jobs as verification_jobs
+from orchestrator.verification.router import admin_router as verification_admin_router
+from orchestrator.verification.router import router as verification_router
+from orchestrator.verification.router import validation_router
 
 log = structlog.get_logger(__name__)
 
@@ -75,6 +81,8 @@ def create_app(
                 ("liveness-sweeper", settings.heartbeat.sweep_interval_s, liveness.sweep_once),
                 ("stake-release", ledger_jobs.INTERVAL_S, ledger_jobs.release_once),
                 ("lease-reaper", task_jobs.INTERVAL_S, task_jobs.reap_once),
+                ("verifier", verification_jobs.VERIFY_INTERVAL_S, verification_jobs.verify_once),
+                ("reward-release", verification_jobs.RELEASE_INTERVAL_S, verification_jobs.release_once),
             ]
             tasks += [
                 asyncio.create_task(run_periodically(state, name, interval, tick, stop), name=name)
@@ -122,4 +130,9 @@ def create_app(
     app.include_router(audit_router)
     app.include_router(tasks_router)
     app.include_router(tasks_admin_router)
+    app.include_router(payouts_router)
+    app.include_router(payouts_admin_router)
+    app.include_router(verification_router)
+    app.include_router(verification_admin_router)
+    app.include_router(validation_router)
     return app

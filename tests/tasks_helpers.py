@@ -79,6 +79,7 @@ class PoolSetup:
     admin: httpx.AsyncClient
     headers: dict[str, str]
     pool_id: str
+    admin_headers: dict[str, str] = field(default_factory=dict)
     workers: list[Worker] = field(default_factory=list)
 
     async def enqueue(self, tasks: list[dict[str, Any]], key: str = "batch-1") -> httpx.Response:
@@ -96,11 +97,18 @@ class PoolSetup:
         )
 
     async def add_worker(
-        self, provider_key: SigningKey | None = None, ip: str | None = None, beat: bool = True
+        self, provider_key: SigningKey | None = None, ip: str | None = None, beat: bool = True, stake: int = 0
     ) -> Worker:
         c = new_contributor(provider_key)
         client = client_for(self.app, ip)
         await c.register(client)
+        if stake:
+            r = await self.admin.post(
+                f"/v1/admin/providers/{c.provider_id}/deposits",
+                json={"amount": stake},
+                headers={**self.admin_headers, "Idempotency-Key": f"stake-{c.node_id[:24]}"},
+            )
+            assert r.status_code in (200, 201), r.text
         r = await client.post(f"/v1/pools/{self.pool_id}/join", json={}, auth=c.node_auth)
         assert r.status_code in (200, 201), r.text
         worker = Worker(c, client)
@@ -126,14 +134,23 @@ def task(prompt: str = "What is 2+2?", n: int = 1, **extra: Any) -> dict[str, An
 
 @asynccontextmanager
 async def pool_setup(
-    app: Any, app_state: Any, *, workers: int = 0, step: int | None = 1, **policy: Any
+    app: Any,
+    app_state: Any,
+    *,
+    workers: int = 0,
+    step: int | None = 1,
+    economics: dict[str, Any] | None = None,
+    stake: int = 0,
+    **policy: Any,
 ) -> AsyncIterator[PoolSetup]:
     token = await make_token(app_state, "operator", name="pool-operator")
     headers = {"Authorization": f"Bearer {token}"}
     admin = client_for(app, "192.0.2.1")
     body = {
         "name": "rollouts",
+        "economics": economics or {},
         "policy": {
+            "audit_rate_floor": 0.0,
             "lease_duration_s": 600,
             "max_attempts": 3,
             "replication_factor": 1,
@@ -145,11 +162,18 @@ async def pool_setup(
     assert r.status_code == 201, r.text
     pool_id = r.json()["id"]
     assert (await admin.post(f"/v1/admin/pools/{pool_id}/activate", headers=headers)).status_code == 200
-    setup = PoolSetup(app=app, admin=admin, headers=headers, pool_id=pool_id)
+    admin_token = await make_token(app_state, "admin", name="pool-admin")
+    setup = PoolSetup(
+        app=app,
+        admin=admin,
+        headers=headers,
+        pool_id=pool_id,
+        admin_headers={"Authorization": f"Bearer {admin_token}"},
+    )
     if step is not None:
         assert (await setup.publish(step)).status_code == 201
     for _ in range(workers):
-        await setup.add_worker()
+        await setup.add_worker(stake=stake)
     try:
         yield setup
     finally:

@@ -33,6 +33,8 @@ SAMPLE_BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/v1/admin/pools/{pool_id}/blacklist"): {"provider_id": "{provider_id}", "reason": "mine now"},
     ("POST", "/v1/admin/nodes/{node_id}/ban"): {"reason": "mine now"},
     ("POST", "/v1/admin/providers/{provider_id}/deposits"): {"amount": 1},
+    ("POST", "/v1/admin/verdicts/{verdict_id}/reverse"): {"reason": "mine now"},
+    ("POST", "/v1/admin/payouts/{payout_id}/mark-paid"): {"external_reference": "mine now"},
     ("POST", "/v1/admin/pools/{pool_id}/policies"): {
         "step": 99,
         "uri": "s3://x",
@@ -145,11 +147,15 @@ async def test_no_admin_route_serves_or_changes_another_owners_pool(
         json={"batch_key": "owned", "tasks": [{"prompt": "p", "sampling": {"max_tokens": 8}}]},
     )
     assert r.status_code == 201, r.text
+    task_id = str(r.json()["first_task_id"])
+    verdict_id, payout_id = await _verdict_and_payout(client, app_state, owner, pool["id"], node)
     params = {
         "pool_id": pool["id"],
         "node_id": node.node_id,
         "provider_id": node.provider_id,
-        "task_id": str(r.json()["first_task_id"]),
+        "task_id": task_id,
+        "verdict_id": verdict_id,
+        "payout_id": payout_id,
     }
     secrets = [pool["id"], owner_token_id, node.node_id, node.provider_id]
     before = await _owner_view(client, owner, pool["id"], node)
@@ -195,6 +201,59 @@ async def test_no_admin_route_serves_or_changes_another_owners_pool(
         assert r.status_code not in {401, 403, 404}, (
             f"{method} {path} as admin: {r.status_code} {r.text[:300]}"
         )
+
+
+async def _verdict_and_payout(
+    client: httpx.AsyncClient, app_state: Any, owner: dict[str, str], pool_id: str, node: Contributor
+) -> tuple[str, str]:
+    """A verdict on a result in the owner's pool, and a payout of the member's provider."""
+    from orchestrator.ledger import service as ledger
+    from orchestrator.verification.jobs import drain
+
+    await client.post(
+        f"/v1/admin/pools/{pool_id}/policies",
+        headers=owner,
+        json={"step": 1, "uri": "s3://x", "sha256": "a" * 64, "size": 1},
+    )
+    assert (await client.post("/v1/nodes/me/heartbeat", json={}, auth=node.node_auth)).status_code == 200
+    lease = (
+        await client.post("/v1/assignments/claim", json={"pool_id": pool_id}, auth=node.node_auth)
+    ).json()["leases"][0]
+    body = {
+        "fencing_token": lease["fencing_token"],
+        "policy_step": 1,
+        "seed": lease["seed"],
+        "samples": [{"completion": "x", "finish_reason": "stop", "prompt_tokens": 1, "completion_tokens": 1}],
+    }
+    r = await client.post(f"/v1/assignments/{lease['assignment_id']}/result", json=body, auth=node.node_auth)
+    assert r.status_code == 201, r.text
+    from tests.verification_helpers import FixedDraw
+
+    app_state.rng = FixedDraw(1.0)  # no audit: decide at once
+    await drain(app_state)
+    async with app_state.sessionmaker() as session, session.begin():
+        from sqlalchemy import select
+
+        from orchestrator.verification.models import Verdict
+
+        verdict_id = (await session.execute(select(Verdict.id))).scalar_one()
+        await ledger.transfer(
+            session,
+            debit=ledger.system_account(ledger.SystemAccount.rewards),
+            credit=ledger.provider_account(node.provider_id, ledger.ProviderAccount.rewards_claimable),
+            amount=5,
+            key="scoping-claimable",
+            reason="test",
+            actor="test",
+        )
+    r = await client.post(
+        "/v1/providers/me/withdrawals",
+        json={"amount": 5},
+        headers={"Idempotency-Key": "scoping-withdrawal"},
+        auth=node.provider_auth,
+    )
+    assert r.status_code == 201, r.text
+    return str(verdict_id), str(r.json()["payout"]["id"])
 
 
 def _path_params(path: str) -> list[str]:

@@ -45,6 +45,9 @@ FULL_SETTINGS: dict[str, Any] = {
         "audit_rate_floor": 0.1,
         "max_async_level": 1,
         "max_leases_per_node": 2,
+        "reward_function": "math",
+        "require_proof": True,
+        "audit_method": "validator",
     },
 }
 
@@ -344,7 +347,8 @@ async def test_public_listing_shows_active_pools_and_their_terms_without_operato
     assert listed["owner_token_id"] not in r.text
     assert code not in r.text
     assert not {"active_members", "pending_members", "updated_at"} & public.keys()
-    assert public["policy"] == {k: v for k, v in FULL_SETTINGS["policy"].items() if k != "audit_rate_floor"}
+    hidden = {"audit_rate_floor", "audit_method"}  # how workers are audited stays with the operator
+    assert public["policy"] == {k: v for k, v in FULL_SETTINGS["policy"].items() if k not in hidden}
 
 
 async def test_public_listing_paginates(client: httpx.AsyncClient, operator_headers: dict[str, str]) -> None:

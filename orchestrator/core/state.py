@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ class AppState:
     sessionmaker: async_sessionmaker[AsyncSession]
     hot_store: HotStore
     clock: Clock
+    # The audit draws' random source: unpredictable to workers (tests pass a seeded Random).
+    rng: random.Random = field(default_factory=random.SystemRandom)
     instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     CheckConstraint,
     Float,
     ForeignKey,
@@ -69,6 +70,9 @@ class Pool(Base):
     audit_rate_floor: Mapped[float] = mapped_column(Float)
     max_async_level: Mapped[int] = mapped_column(Integer)
     max_leases_per_node: Mapped[int] = mapped_column(Integer)
+    reward_function: Mapped[str] = mapped_column(String(64), default="exact_match")
+    require_proof: Mapped[bool] = mapped_column(Boolean, default=False)
+    audit_method: Mapped[str] = mapped_column(String(16), default="replicate")
 
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)

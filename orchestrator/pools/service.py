@@ -134,7 +134,7 @@ async def public_pool_views(session: AsyncSession, pools: list[Pool]) -> list[Pu
     views = []
     for p in pools:
         fields = _public_fields(p, counts[p.id])
-        fields["policy"] = PublicPolicy(**fields["policy"].model_dump(exclude={"audit_rate_floor"}))
+        fields["policy"] = PublicPolicy(**fields["policy"].model_dump(include=set(PublicPolicy.model_fields)))
         views.append(PublicPoolOut(**fields))
     return views
 
@@ -796,3 +796,61 @@ async def blacklist_provider(
             after={"blacklisted": True, "reason": reason, "removed_nodes": removed},
         )
     return entry, removed, created
+
+
+# ------------------------------------------------------------------ sanctions by the verifier
+
+SYSTEM = Principal(token_id="system", name="verifier", role=Role.admin)  # noqa: S106 - an actor, not a secret
+
+
+async def eject_for_fraud(
+    session: AsyncSession, pool: Pool, m: PoolMembership, *, reason: str, now: dt.datetime
+) -> None:
+    """The verifier's ejection after the pool's strike limit (audited as actor ``system``)."""
+    if m.status == MembershipStatus.ejected.value:
+        return
+    before = m.status
+    await _end_membership(
+        session,
+        pool,
+        m,
+        to_status=MembershipStatus.ejected.value,
+        reason=reason,
+        actor=SYSTEM.token_id,
+        now=now,
+    )
+    await _audit_member(session, SYSTEM, "membership.eject", m, before, reason)
+
+
+async def blacklist_for_fraud(
+    session: AsyncSession, pool: Pool, provider_id: str, *, reason: str, now: dt.datetime
+) -> bool:
+    """The verifier's provider ban after the pool's provider strike limit; True if new."""
+    created = await repo.insert_blacklisting(
+        session, pool_id=pool.id, provider_id=provider_id, reason=reason, created_by=SYSTEM.token_id, now=now
+    )
+    if not created:
+        return False
+    removed = []
+    for m in await repo.live_members(session, pool.id, provider_id=provider_id):
+        await _end_membership(
+            session,
+            pool,
+            m,
+            to_status=MembershipStatus.left.value,
+            reason=f"provider blacklisted: {reason}",
+            actor=SYSTEM.token_id,
+            now=now,
+        )
+        removed.append(m.node_id)
+    await record(
+        session,
+        SYSTEM,
+        "pool.blacklist_provider",
+        target_type="provider",
+        target_id=provider_id,
+        pool_id=pool.id,
+        before={"blacklisted": False},
+        after={"blacklisted": True, "reason": reason, "removed_nodes": removed},
+    )
+    return True

@@ -101,6 +101,9 @@ class Task(Base):
     verification: Mapped[dict[str, Any] | None] = mapped_column(JSON, doc="never shown to workers")
     metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
     replication: Mapped[int] = mapped_column(Integer)
+    min_quorum: Mapped[int] = mapped_column(
+        Integer, doc="results that must agree-by-majority (BOINC min_quorum)"
+    )
     priority: Mapped[int] = mapped_column(Integer, default=0)
     claim_rank: Mapped[int] = mapped_column(
         Integer, doc="-priority, so one ascending index serves the claim order"
@@ -192,6 +195,7 @@ class Submission(Base):
     node_id: Mapped[str] = mapped_column(KEY_ID)
     provider_id: Mapped[str] = mapped_column(KEY_ID)
     policy_step: Mapped[int] = mapped_column(BigInteger)
+    policy_current_step: Mapped[int] = mapped_column(BigInteger, doc="the pool's policy step when received")
     seed_echoed: Mapped[int | None] = mapped_column(BigInteger)
     claimed_reward: Mapped[float | None] = mapped_column(Float)
     sample_count: Mapped[int] = mapped_column(Integer)

@@ -83,6 +83,7 @@ def task_out(t: Task) -> TaskOut:
         replication=t.replication,
         priority=t.priority,
         deadline_at=t.deadline_at,
+        canary=t.is_canary,
         failure_reason=t.failure_reason,
         created_at=t.created_at,
     )

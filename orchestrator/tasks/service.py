@@ -46,6 +46,7 @@ from orchestrator.tasks.models import (
     TaskReplica,
 )
 from orchestrator.tasks.seeds import derive_seed
+from orchestrator.verification import service as verification
 
 log = structlog.get_logger(__name__)
 
@@ -157,13 +158,14 @@ async def enqueue(
                 "verification": t.verification,
                 "metadata_": t.metadata,
                 "replication": replication,
+                "min_quorum": replication,
                 "priority": t.priority,
                 "claim_rank": -t.priority,
                 "deadline_at": t.deadline_at,
                 "status": "open",
                 "available_replicas": replication,
                 "submitted_replicas": 0,
-                "is_canary": False,
+                "is_canary": t.canary,
                 "created_at": now,
                 "updated_at": now,
             }
@@ -606,6 +608,7 @@ async def submit_result(
         node_id=node.id,
         provider_id=node.provider_id,
         policy_step=body.policy_step,
+        policy_current_step=policy.step,
         seed_echoed=body.seed,
         claimed_reward=body.claimed_reward,
         sample_count=len(body.samples),
@@ -630,6 +633,7 @@ async def submit_result(
         received_at=now,
     )
     submission.response = out.model_dump(mode="json")
+    await verification.enqueue(session, submission)
     assignment.status = "submitted"
     assignment.ended_at = now
     replica.status = "submitted"

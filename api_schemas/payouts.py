@@ -1,0 +1,61 @@
+"""Withdrawals of claimable rewards, and the payouts admins settle off-chain."""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+
+from pydantic import BaseModel, Field
+
+from api_schemas.common import StrictModel
+from api_schemas.ledger import AMOUNT_DOC, Balances
+
+
+class PayoutStatus(enum.StrEnum):
+    requested = "requested"
+    paid = "paid"
+
+
+class ExportFormat(enum.StrEnum):
+    csv = "csv"
+    jsonl = "jsonl"
+
+
+class WithdrawalIn(StrictModel):
+    amount: int = Field(
+        gt=0, le=10**15, strict=True, description=AMOUNT_DOC + "; at most the claimable rewards"
+    )
+
+
+class PayoutOut(BaseModel):
+    id: int = Field(description="Payout id; pages run from newest to oldest")
+    provider_id: str = Field(description="The provider being paid")
+    amount: int = Field(description=AMOUNT_DOC)
+    status: PayoutStatus = Field(
+        description="requested: withdrawn from the ledger, waiting for settlement; paid: settled"
+    )
+    transfer_id: int = Field(description="The ledger transfer that moved claimable rewards to withdrawn")
+    requested_at: dt.datetime = Field(description="When the withdrawal was requested")
+    paid_at: dt.datetime | None = Field(description="When an admin marked it paid")
+    external_reference: str | None = Field(
+        description="The settlement's reference outside this service (e.g. a bank or chain transaction)"
+    )
+
+
+class AdminPayoutOut(PayoutOut):
+    paid_by: str | None = Field(description="Token id of the admin who marked it paid")
+
+
+class WithdrawalOut(BaseModel):
+    payout: PayoutOut
+    balances: Balances = Field(description="The provider's balances now (after the withdrawal)")
+
+
+class MarkPaidIn(StrictModel):
+    external_reference: str = Field(
+        min_length=1,
+        max_length=200,
+        pattern=r"^[^\x00-\x1f\x7f]+$",
+        description="Reference of the off-chain settlement (no control characters). Marking a paid "
+        "payout again with the same reference changes nothing; another reference is refused (409).",
+    )

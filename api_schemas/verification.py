@@ -1,0 +1,88 @@
+"""Verdicts, appeals, pool statistics and the validator API."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from api_schemas.common import StrictModel
+
+
+class VerdictOut(BaseModel):
+    id: int
+    submission_id: int
+    task_id: int
+    pool_id: str
+    node_id: str
+    provider_id: str
+    outcome: str = Field(description="accepted | rejected")
+    category: str = Field(description="valid | invalid | fraud | inconclusive")
+    reason: str = Field(
+        description="Stable reason code, e.g. verified, wrong_answer, seed_mismatch, reward_forged"
+    )
+    verifier: str = Field(description="checks | reward | quorum | validator")
+    details: dict[str, Any]
+    server_reward: float | None
+    reward_amount: int
+    slashed_amount: int
+    decided_at: dt.datetime
+    reversed_at: dt.datetime | None
+    reversal_reason: str | None
+
+
+class ReverseIn(StrictModel):
+    reason: str = Field(min_length=1, max_length=500, description="Why the verdict is reversed (kept)")
+
+
+class PoolStatsOut(BaseModel):
+    pool_id: str
+    verdicts: int
+    by_category: dict[str, int]
+    acceptance_rate: float | None = Field(description="valid / all verdicts not reversed")
+    fraud_rate: float | None = Field(description="fraud / all verdicts not reversed")
+    tasks_by_status: dict[str, int]
+
+
+class ValidationClaimIn(StrictModel):
+    pool_id: str | None = Field(
+        default=None, max_length=40, description="Only this pool (default: all in scope)"
+    )
+    max_jobs: int = Field(default=1, ge=1, le=50)
+
+
+class ValidationJobOut(BaseModel):
+    job_id: int
+    fencing_token: int
+    lease_expires_at: dt.datetime
+    pool_id: str
+    submission_id: int
+    node_id: str
+    task: dict[str, Any] = Field(description="prompt or problem_ref, sampling, and the verification spec")
+    policy_step: int
+    seed: int
+    result: dict[str, Any] = Field(description="The signed result body exactly as the node sent it")
+
+
+class ValidationClaimOut(BaseModel):
+    jobs: list[ValidationJobOut]
+
+
+class ToplocEvidence(StrictModel):
+    exponent_mismatches: int | None = Field(default=None, ge=0, le=128, description="Of the top-128 values")
+    mantissa_error_mean: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    mantissa_error_median: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    notes: str | None = Field(default=None, max_length=2000)
+
+
+class ValidatorVerdictIn(StrictModel):
+    fencing_token: int = Field(ge=1)
+    outcome: Literal["valid", "invalid", "fraud"]
+    reason: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9_]+$")
+    evidence: ToplocEvidence = Field(default_factory=ToplocEvidence)
+
+
+class ValidatorVerdictOut(BaseModel):
+    job_id: int
+    verdict: VerdictOut

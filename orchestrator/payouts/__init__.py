@@ -1,0 +1,1 @@
+"""Withdrawals of claimable rewards and the payout records admins settle off-chain."""

@@ -1,0 +1,50 @@
+"""Tables for payouts: one row per withdrawal, settled off-chain and then marked paid.
+
+The money moved when the payout was requested (``rewards_claimable -> withdrawn``, the ledger
+transfer named by ``transfer_id``); this row tracks the settlement of that money outside.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from sqlalchemy import BigInteger, CheckConstraint, ForeignKey, Index, Integer, String, UniqueConstraint
+from sqlalchemy.orm import Mapped, mapped_column
+
+from orchestrator.core.db import Base, UTCDateTime, utcnow
+
+ID = BigInteger().with_variant(Integer, "sqlite")
+KEY_ID = String(43)
+TOKEN_ID = String(32)
+
+
+class Payout(Base):
+    __tablename__ = "payouts"
+    __table_args__ = (
+        UniqueConstraint("provider_id", "idempotency_key"),
+        CheckConstraint("amount > 0", name="amount_positive"),
+        CheckConstraint("status IN ('requested', 'paid')", name="status_known"),
+        CheckConstraint(
+            "(status = 'requested' AND paid_at IS NULL AND paid_by IS NULL AND external_reference IS NULL)"
+            " OR (status = 'paid' AND paid_at IS NOT NULL AND paid_by IS NOT NULL"
+            " AND external_reference IS NOT NULL)",
+            name="paid_fields_match_status",
+        ),
+        Index("ix_payouts_provider_id_id", "provider_id", "id"),
+        Index("ix_payouts_status_id", "status", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(ID, primary_key=True, autoincrement=True)
+    provider_id: Mapped[str] = mapped_column(KEY_ID, ForeignKey("providers.id", ondelete="RESTRICT"))
+    amount: Mapped[int] = mapped_column(BigInteger)
+    status: Mapped[str] = mapped_column(String(16), default="requested")
+    idempotency_key: Mapped[str] = mapped_column(
+        String(200), doc="The ledger transfer's idempotency key (withdrawal:<provider>:<client key>)"
+    )
+    transfer_id: Mapped[int] = mapped_column(
+        ID, ForeignKey("ledger_transfers.id", ondelete="RESTRICT"), unique=True
+    )
+    external_reference: Mapped[str | None] = mapped_column(String(200))
+    requested_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    paid_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    paid_by: Mapped[str | None] = mapped_column(TOKEN_ID, doc="Token id of whoever marked it paid")

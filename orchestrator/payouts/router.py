@@ -1,0 +1,205 @@
+"""Withdrawals (provider-signed) and payouts (admin)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query, Response
+from fastapi.responses import StreamingResponse
+
+from api_schemas.common import PROBLEM_RESPONSES, Page
+from api_schemas.ledger import Balances
+from api_schemas.payouts import (
+    AdminPayoutOut,
+    ExportFormat,
+    MarkPaidIn,
+    PayoutOut,
+    PayoutStatus,
+    WithdrawalIn,
+    WithdrawalOut,
+)
+from orchestrator.admin.tokens import AdminOnly
+from orchestrator.core.errors import BadRequest
+from orchestrator.core.pagination import decode_cursor, encode_cursor
+from orchestrator.core.state import Session, State
+from orchestrator.identity.auth import CurrentProvider
+from orchestrator.ledger import service as ledger
+from orchestrator.ledger.router import IdempotencyKey
+from orchestrator.payouts import export, service
+from orchestrator.payouts import repository as repo
+from orchestrator.payouts.models import Payout
+
+router = APIRouter(prefix="/v1", tags=["payouts"], responses=PROBLEM_RESPONSES)
+admin_router = APIRouter(prefix="/v1/admin", tags=["admin: payouts"], responses=PROBLEM_RESPONSES)
+
+PayoutId = Annotated[int, Path(ge=1, le=2**63 - 1, description="Payout id")]
+Cursor = Annotated[str | None, Query(max_length=200, description="next_cursor of the previous page")]
+Limit = Annotated[int, Query(ge=1, le=500, description="Page size")]
+StatusFilter = Annotated[PayoutStatus | None, Query(description="Only payouts in this status")]
+
+
+def _before_id(cursor: str | None) -> int | None:
+    raw = decode_cursor(cursor)
+    if raw is None:
+        return None
+    if not (raw.isascii() and raw.isdigit()):
+        raise BadRequest("the cursor is not one this API issued", code="cursor_invalid")
+    return int(raw)
+
+
+def _fields(p: Payout) -> dict[str, object]:
+    return {
+        "id": p.id,
+        "provider_id": p.provider_id,
+        "amount": p.amount,
+        "status": PayoutStatus(p.status),
+        "transfer_id": p.transfer_id,
+        "requested_at": p.requested_at,
+        "paid_at": p.paid_at,
+        "external_reference": p.external_reference,
+    }
+
+
+def _out(p: Payout) -> PayoutOut:
+    return PayoutOut.model_validate(_fields(p))
+
+
+def _admin_out(p: Payout) -> AdminPayoutOut:
+    return AdminPayoutOut.model_validate({**_fields(p), "paid_by": p.paid_by})
+
+
+async def _page(
+    session: Session,
+    *,
+    provider_id: str | None,
+    status: PayoutStatus | None,
+    cursor: str | None,
+    limit: int,
+) -> tuple[list[Payout], str | None]:
+    rows = await repo.newest_first(
+        session,
+        provider_id=provider_id,
+        status=status.value if status else None,
+        before_id=_before_id(cursor),
+        limit=limit + 1,
+    )
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return rows, encode_cursor(str(rows[-1].id)) if more else None
+
+
+# ------------------------------------------------------------------ providers
+
+
+@router.post(
+    "/providers/me/withdrawals",
+    response_model=WithdrawalOut,
+    status_code=201,
+    summary="Withdraw claimable rewards into a payout (idempotent by Idempotency-Key)",
+    responses={200: {"model": WithdrawalOut, "description": "A retry: the original payout, nothing moved"}},
+)
+async def withdraw(
+    body: WithdrawalIn,
+    idempotency_key: IdempotencyKey,
+    provider: CurrentProvider,
+    session: Session,
+    state: State,
+    response: Response,
+) -> WithdrawalOut:
+    payout, created = await service.request_withdrawal(
+        session, provider.id, body.amount, idempotency_key, now=state.clock.utcnow()
+    )
+    if not created:
+        response.status_code = 200
+    balances = await ledger.provider_balances(session, provider.id)
+    return WithdrawalOut(payout=_out(payout), balances=Balances(provider_id=provider.id, **balances))
+
+
+@router.get(
+    "/providers/me/payouts",
+    response_model=Page[PayoutOut],
+    summary="The signing provider's payouts, newest first",
+)
+async def my_payouts(
+    provider: CurrentProvider,
+    session: Session,
+    status: StatusFilter = None,
+    cursor: Cursor = None,
+    limit: Limit = 100,
+) -> Page[PayoutOut]:
+    rows, next_cursor = await _page(
+        session, provider_id=provider.id, status=status, cursor=cursor, limit=limit
+    )
+    return Page[PayoutOut](items=[_out(p) for p in rows], next_cursor=next_cursor)
+
+
+# ------------------------------------------------------------------ admin
+
+
+@admin_router.get("/payouts", response_model=Page[AdminPayoutOut], summary="Payouts, newest first")
+async def list_payouts(
+    _: AdminOnly,
+    session: Session,
+    status: StatusFilter = None,
+    provider_id: Annotated[
+        str | None, Query(max_length=43, description="Only payouts to this provider")
+    ] = None,
+    cursor: Cursor = None,
+    limit: Limit = 100,
+) -> Page[AdminPayoutOut]:
+    rows, next_cursor = await _page(
+        session, provider_id=provider_id, status=status, cursor=cursor, limit=limit
+    )
+    return Page[AdminPayoutOut](items=[_admin_out(p) for p in rows], next_cursor=next_cursor)
+
+
+@admin_router.get(
+    "/payouts/export",
+    response_class=StreamingResponse,
+    summary="Export payouts for settlement (CSV or JSON Lines, oldest first)",
+    responses={
+        200: {
+            "description": "One record per payout with the columns payout_id, provider_id, amount, "
+            "status, requested_at, paid_at, external_reference (CSV: a header row, empty cells for "
+            "null). Covers the payouts that existed when the export started.",
+            "content": {"text/csv": {}, "application/x-ndjson": {}},
+        }
+    },
+)
+async def export_payouts(
+    _: AdminOnly,
+    session: Session,
+    state: State,
+    export_format: Annotated[
+        ExportFormat, Query(alias="format", description="csv (RFC 4180) or jsonl (one JSON object a line)")
+    ] = ExportFormat.csv,
+    status: StatusFilter = None,
+) -> StreamingResponse:
+    upto_id = await repo.last_id(session)
+    chunks = export.payout_chunks(
+        state.sessionmaker, status=status.value if status else None, upto_id=upto_id
+    )
+    stamp = state.clock.utcnow().strftime("%Y%m%dT%H%M%SZ")
+    filename = f"payouts-{status.value if status else 'all'}-{stamp}.{export_format.value}"
+    return StreamingResponse(
+        export.render(export_format, chunks),
+        media_type=export.MEDIA_TYPES[export_format],
+        headers={
+            "Content-Disposition": f'attachment; filename="{filename}"',
+            "Cache-Control": "no-store",
+        },
+    )
+
+
+@admin_router.post(
+    "/payouts/{payout_id}/mark-paid",
+    response_model=AdminPayoutOut,
+    summary="Mark a payout paid with its external settlement reference (idempotent)",
+)
+async def mark_paid(
+    payout_id: PayoutId, body: MarkPaidIn, principal: AdminOnly, session: Session, state: State
+) -> AdminPayoutOut:
+    payout, _ = await service.mark_paid(
+        session, principal, payout_id, body.external_reference, now=state.clock.utcnow()
+    )
+    return _admin_out(payout)

@@ -1,0 +1,1 @@
+"""Verification: nothing a worker claims is paid until the coordinator has checked it."""

@@ -1,0 +1,167 @@
+"""Tables for verification jobs, verdicts, node trust, reward holds and validator jobs."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    text,
+)
+from sqlalchemy.orm import Mapped, mapped_column
+
+from orchestrator.core.db import Base, UTCDateTime, utcnow
+
+ID = BigInteger().with_variant(Integer, "sqlite")
+KEY_ID = String(43)
+POOL_ID = String(40)
+
+
+class VerificationJob(Base):
+    """One per submission; the pipeline's durable state, so a crash loses no step.
+
+    stages: checks (cheap checks to run) -> quorum (waiting for the task's other replicas)
+    -> validator (waiting for an external validator) -> done.
+    """
+
+    __tablename__ = "verification_jobs"
+    __table_args__ = (
+        CheckConstraint("stage IN ('checks', 'quorum', 'validator', 'done')", name="stage_known"),
+        Index(
+            "ix_verification_jobs_pending",
+            "id",
+            postgresql_where=text("stage = 'checks'"),
+            sqlite_where=text("stage = 'checks'"),
+        ),
+        Index("ix_verification_jobs_task_id", "task_id"),
+    )
+
+    id: Mapped[int] = mapped_column(ID, primary_key=True, autoincrement=True)
+    submission_id: Mapped[int] = mapped_column(
+        ID, ForeignKey("submissions.id", ondelete="RESTRICT"), unique=True
+    )
+    task_id: Mapped[int] = mapped_column(ID, ForeignKey("tasks.id", ondelete="RESTRICT"))
+    pool_id: Mapped[str] = mapped_column(POOL_ID)
+    stage: Mapped[str] = mapped_column(String(16), default="checks")
+    server_reward: Mapped[float | None] = mapped_column(Float)
+    correct_samples: Mapped[int | None] = mapped_column(Integer)
+    canonical: Mapped[str | None] = mapped_column(Text, doc="canonical answers, compared by quorum")
+    findings: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    audited: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class Verdict(Base):
+    """The decision on one submission. Never edited: an appeal adds a reversal."""
+
+    __tablename__ = "verdicts"
+    __table_args__ = (
+        CheckConstraint("outcome IN ('accepted', 'rejected')", name="outcome_known"),
+        CheckConstraint("category IN ('valid', 'invalid', 'fraud', 'inconclusive')", name="category_known"),
+        Index("ix_verdicts_node_id_id", "node_id", "id"),
+        Index("ix_verdicts_provider_id_id", "provider_id", "id"),
+        Index("ix_verdicts_pool_id_id", "pool_id", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(ID, primary_key=True, autoincrement=True)
+    submission_id: Mapped[int] = mapped_column(
+        ID, ForeignKey("submissions.id", ondelete="RESTRICT"), unique=True
+    )
+    task_id: Mapped[int] = mapped_column(ID)
+    pool_id: Mapped[str] = mapped_column(POOL_ID)
+    node_id: Mapped[str] = mapped_column(KEY_ID)
+    provider_id: Mapped[str] = mapped_column(KEY_ID)
+    outcome: Mapped[str] = mapped_column(String(16))
+    category: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(String(64))
+    verifier: Mapped[str] = mapped_column(String(64))
+    details: Mapped[dict[str, Any]] = mapped_column(JSON)
+    server_reward: Mapped[float | None] = mapped_column(Float)
+    paid_samples: Mapped[int] = mapped_column(Integer, default=0)
+    reward_amount: Mapped[int] = mapped_column(BigInteger, default=0)
+    slashed_amount: Mapped[int] = mapped_column(BigInteger, default=0)
+    decided_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    reversed_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    reversal_reason: Mapped[str | None] = mapped_column(Text)
+
+
+class NodeTrust(Base):
+    """A node's track record in a pool: drives audit rates, strikes and ejection."""
+
+    __tablename__ = "node_trust"
+
+    pool_id: Mapped[str] = mapped_column(POOL_ID, primary_key=True)
+    node_id: Mapped[str] = mapped_column(KEY_ID, primary_key=True)
+    provider_id: Mapped[str] = mapped_column(KEY_ID)
+    consecutive_valid: Mapped[int] = mapped_column(Integer, default=0)
+    valid: Mapped[int] = mapped_column(Integer, default=0)
+    invalid: Mapped[int] = mapped_column(Integer, default=0)
+    fraud: Mapped[int] = mapped_column(Integer, default=0)
+    strikes: Mapped[int] = mapped_column(Integer, default=0)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class RewardHold(Base):
+    """A reward in ``rewards_pending`` until ``release_at``; forfeited if the node is slashed first."""
+
+    __tablename__ = "reward_holds"
+    __table_args__ = (
+        CheckConstraint("status IN ('held', 'released', 'forfeited', 'reversed')", name="status_known"),
+        Index(
+            "ix_reward_holds_due",
+            "release_at",
+            postgresql_where=text("status = 'held'"),
+            sqlite_where=text("status = 'held'"),
+        ),
+        Index("ix_reward_holds_node", "pool_id", "node_id", "status"),
+    )
+
+    id: Mapped[int] = mapped_column(ID, primary_key=True, autoincrement=True)
+    verdict_id: Mapped[int] = mapped_column(ID, ForeignKey("verdicts.id", ondelete="RESTRICT"), unique=True)
+    pool_id: Mapped[str] = mapped_column(POOL_ID)
+    node_id: Mapped[str] = mapped_column(KEY_ID)
+    provider_id: Mapped[str] = mapped_column(KEY_ID)
+    amount: Mapped[int] = mapped_column(BigInteger)
+    release_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+    status: Mapped[str] = mapped_column(String(16), default="held")
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class ValidationJob(Base):
+    """An expensive check (e.g. a TOPLOC proof) offered to trusted validators, leased like a task."""
+
+    __tablename__ = "validation_jobs"
+    __table_args__ = (
+        CheckConstraint("status IN ('open', 'leased', 'done')", name="status_known"),
+        Index(
+            "ix_validation_jobs_open",
+            "pool_id",
+            "id",
+            postgresql_where=text("status = 'open'"),
+            sqlite_where=text("status = 'open'"),
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(ID, primary_key=True, autoincrement=True)
+    submission_id: Mapped[int] = mapped_column(
+        ID, ForeignKey("submissions.id", ondelete="RESTRICT"), unique=True
+    )
+    pool_id: Mapped[str] = mapped_column(POOL_ID)
+    status: Mapped[str] = mapped_column(String(16), default="open")
+    fencing_token: Mapped[int] = mapped_column(Integer, default=0)
+    validator_token_id: Mapped[str | None] = mapped_column(String(32))
+    lease_expires_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    decided_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())

@@ -1,0 +1,120 @@
+"""Reward functions the server runs itself (the worker's claimed reward is never trusted).
+
+A reward function takes one completion and the task's hidden verification spec and returns a
+reward in [0, 1], or ``None`` when the spec gives it nothing to check against. It also names
+the completion's canonical answer, which quorum voting compares across replicas.
+
+Built in: ``exact_match`` (the stripped completion, or its last line, equals
+``spec["answer"]``) and ``math`` (final-answer equivalence of LaTeX / boxed answers with the
+``math-verify`` package). Others are plugins: an installed package declares an entry point in
+the group ``orchestrator.rewards`` whose object is a ``RewardFunction``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import unicodedata
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
+from importlib.metadata import entry_points
+from typing import Any, Protocol
+
+ENTRY_POINT_GROUP = "orchestrator.rewards"
+# Completions are cut to their tail before parsing: the final answer is at the end, and a
+# bounded input bounds the parse time (math-verify's own timeouts need the main thread).
+MAX_PARSE_CHARS = 4000
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+_BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
+
+
+class RewardFunction(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    def reward(self, completion: str, spec: Mapping[str, Any]) -> float | None: ...
+
+    def canonical(self, completion: str) -> str: ...
+
+
+def _normalise(text: str) -> str:
+    return " ".join(unicodedata.normalize("NFKC", text).strip().split()).casefold()
+
+
+def _expected(spec: Mapping[str, Any]) -> str | None:
+    for key in ("answer", "expected_answer"):
+        if key in spec and spec[key] is not None:
+            return str(spec[key])
+    return None
+
+
+@dataclass(frozen=True)
+class ExactMatch:
+    name: str = "exact_match"
+
+    def canonical(self, completion: str) -> str:
+        boxed = _BOXED.findall(completion)
+        if boxed:
+            return _normalise(boxed[-1])
+        lines = [line for line in completion.strip().splitlines() if line.strip()]
+        return _normalise(lines[-1]) if lines else ""
+
+    def reward(self, completion: str, spec: Mapping[str, Any]) -> float | None:
+        expected = _expected(spec)
+        if expected is None:
+            return None
+        return 1.0 if self.canonical(completion) == _normalise(expected) else 0.0
+
+
+@dataclass(frozen=True)
+class MathAnswer:
+    """Final-answer equivalence (``\\frac{1}{2}`` == ``0.5``) using math-verify."""
+
+    name: str = "math"
+
+    def canonical(self, completion: str) -> str:
+        from math_verify import parse
+
+        parsed = parse(completion[-MAX_PARSE_CHARS:], parsing_timeout=None)
+        return _normalise(str(parsed[-1])) if parsed else ExactMatch().canonical(completion)
+
+    def reward(self, completion: str, spec: Mapping[str, Any]) -> float | None:
+        from math_verify import parse, verify
+
+        expected = _expected(spec)
+        if expected is None:
+            return None
+        gold = parse(
+            expected if "$" in expected or "\\" in expected else f"${expected}$", parsing_timeout=None
+        )
+        answer = parse(completion[-MAX_PARSE_CHARS:], parsing_timeout=None)
+        if not gold or not answer:
+            return 0.0
+        return 1.0 if verify(gold, answer, timeout_seconds=None) else 0.0
+
+
+BUILT_IN: dict[str, RewardFunction] = {"exact_match": ExactMatch(), "math": MathAnswer()}
+
+
+@cache
+def _plugins() -> dict[str, RewardFunction]:
+    found: dict[str, RewardFunction] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        obj = ep.load()
+        fn = obj() if isinstance(obj, type) else obj
+        found[ep.name] = fn
+    return found
+
+
+def available() -> list[str]:
+    return sorted({*BUILT_IN, *_plugins()})
+
+
+def get(name: str) -> RewardFunction:
+    if name in BUILT_IN:
+        return BUILT_IN[name]
+    plugins = _plugins()
+    if name in plugins:
+        return plugins[name]
+    raise KeyError(f"no reward function {name!r}; available: {', '.join(available())}")

@@ -1,0 +1,212 @@
+"""Verdict queries, appeals, pool statistics and the validator API."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Path, Query
+from sqlalchemy import func, select
+
+from api_schemas.common import PROBLEM_RESPONSES, KeyId, Page
+from api_schemas.verification import (
+    PoolStatsOut,
+    ReverseIn,
+    ValidationClaimIn,
+    ValidationClaimOut,
+    ValidationJobOut,
+    ValidatorVerdictIn,
+    ValidatorVerdictOut,
+    VerdictOut,
+)
+from orchestrator.admin.tokens import AdminOnly, Principal, Role, require_roles
+from orchestrator.audit.service import record
+from orchestrator.core.state import Session, State
+from orchestrator.identity.auth import CurrentProvider
+from orchestrator.pools.models import Pool
+from orchestrator.tasks.access import pool_for
+from orchestrator.tasks.models import Task
+from orchestrator.verification import service, validators
+from orchestrator.verification.models import Verdict
+
+router = APIRouter(prefix="/v1", tags=["verification"], responses=PROBLEM_RESPONSES)
+admin_router = APIRouter(prefix="/v1/admin", tags=["admin: verification"], responses=PROBLEM_RESPONSES)
+validation_router = APIRouter(prefix="/v1/validation", tags=["validators"], responses=PROBLEM_RESPONSES)
+
+Validator = Annotated[Principal, require_roles(Role.validator, Role.admin)]
+Operator = Annotated[Principal, require_roles(Role.admin, Role.operator)]
+Cursor = Annotated[int | None, Query(ge=0, description="Last verdict id of the previous page")]
+Limit = Annotated[int, Query(ge=1, le=500)]
+
+
+def verdict_out(v: Verdict) -> VerdictOut:
+    return VerdictOut(
+        id=v.id,
+        submission_id=v.submission_id,
+        task_id=v.task_id,
+        pool_id=v.pool_id,
+        node_id=v.node_id,
+        provider_id=v.provider_id,
+        outcome=v.outcome,
+        category=v.category,
+        reason=v.reason,
+        verifier=v.verifier,
+        details=v.details,
+        server_reward=v.server_reward,
+        reward_amount=v.reward_amount,
+        slashed_amount=v.slashed_amount,
+        decided_at=v.decided_at,
+        reversed_at=v.reversed_at,
+        reversal_reason=v.reversal_reason,
+    )
+
+
+async def _page(session: Session, where: list[object], cursor: int | None, limit: int) -> Page[VerdictOut]:
+    stmt = select(Verdict).where(*where).order_by(Verdict.id.desc()).limit(limit + 1)  # type: ignore[arg-type]
+    if cursor is not None:
+        stmt = stmt.where(Verdict.id < cursor)
+    rows = list((await session.execute(stmt)).scalars())
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return Page[VerdictOut](
+        items=[verdict_out(v) for v in rows], next_cursor=str(rows[-1].id) if more else None
+    )
+
+
+@router.get(
+    "/providers/me/verdicts",
+    response_model=Page[VerdictOut],
+    summary="The signing provider's verdicts with reasons, newest first",
+)
+async def my_verdicts(
+    provider: CurrentProvider, session: Session, cursor: Cursor = None, limit: Limit = 100
+) -> Page[VerdictOut]:
+    return await _page(session, [Verdict.provider_id == provider.id], cursor, limit)
+
+
+@admin_router.get(
+    "/nodes/{node_id}/verdicts",
+    response_model=Page[VerdictOut],
+    summary="A node's verdict history, newest first",
+)
+async def node_verdicts(
+    node_id: KeyId, _: AdminOnly, session: Session, cursor: Cursor = None, limit: Limit = 100
+) -> Page[VerdictOut]:
+    return await _page(session, [Verdict.node_id == node_id], cursor, limit)
+
+
+@admin_router.get(
+    "/providers/{provider_id}/verdicts",
+    response_model=Page[VerdictOut],
+    summary="A provider's verdict history, newest first",
+)
+async def provider_verdicts(
+    provider_id: KeyId, _: AdminOnly, session: Session, cursor: Cursor = None, limit: Limit = 100
+) -> Page[VerdictOut]:
+    return await _page(session, [Verdict.provider_id == provider_id], cursor, limit)
+
+
+async def _operator_pool(
+    pool_id: Annotated[str, Path(max_length=40)], principal: Operator, session: Session
+) -> Pool:
+    return await pool_for(session, principal, pool_id)
+
+
+@admin_router.get(
+    "/pools/{pool_id}/verdicts", response_model=Page[VerdictOut], summary="A pool's verdicts, newest first"
+)
+async def pool_verdicts(
+    pool: Annotated[Pool, Depends(_operator_pool)],
+    session: Session,
+    cursor: Cursor = None,
+    limit: Limit = 100,
+) -> Page[VerdictOut]:
+    return await _page(session, [Verdict.pool_id == pool.id], cursor, limit)
+
+
+@admin_router.get(
+    "/pools/{pool_id}/stats",
+    response_model=PoolStatsOut,
+    summary="Acceptance and fraud rates, and tasks by status",
+)
+async def pool_stats(pool: Annotated[Pool, Depends(_operator_pool)], session: Session) -> PoolStatsOut:
+    stats = await service.pool_stats(session, pool.id)
+    rows = (
+        await session.execute(
+            select(Task.status, func.count()).where(Task.pool_id == pool.id).group_by(Task.status)
+        )
+    ).all()
+    return PoolStatsOut(pool_id=pool.id, tasks_by_status={status: int(n) for status, n in rows}, **stats)
+
+
+@admin_router.post(
+    "/verdicts/{verdict_id}/reverse",
+    response_model=VerdictOut,
+    summary="Appeal: undo a verdict's money and strike with compensating transfers",
+)
+async def reverse(
+    verdict_id: int, body: ReverseIn, principal: AdminOnly, session: Session, state: State
+) -> VerdictOut:
+    before = await session.get(Verdict, verdict_id)
+    was_reversed = before is not None and before.reversed_at is not None
+    verdict = await service.reverse_verdict(
+        session, verdict_id, reason=body.reason, actor=principal.token_id, now=state.clock.utcnow()
+    )
+    if not was_reversed:
+        await record(
+            session,
+            principal,
+            "verdict.reverse",
+            target_type="verdict",
+            target_id=str(verdict.id),
+            pool_id=verdict.pool_id,
+            before={"outcome": verdict.outcome, "category": verdict.category},
+            after={"reversed": True, "reason": body.reason},
+        )
+    return verdict_out(verdict)
+
+
+@validation_router.post(
+    "/claim",
+    response_model=ValidationClaimOut,
+    summary="Lease validation jobs (validator token, scoped to its pools)",
+)
+async def claim(
+    body: ValidationClaimIn, principal: Validator, session: Session, state: State
+) -> ValidationClaimOut:
+    leased = await validators.claim(session, principal, body.pool_id, body.max_jobs, now=state.clock.utcnow())
+    jobs = []
+    for job, submission, task, seed in leased:
+        assert job.lease_expires_at is not None
+        jobs.append(
+            ValidationJobOut(
+                job_id=job.id,
+                fencing_token=job.fencing_token,
+                lease_expires_at=job.lease_expires_at,
+                pool_id=job.pool_id,
+                submission_id=submission.id,
+                node_id=submission.node_id,
+                task={
+                    "task_id": task.id,
+                    "prompt": task.prompt,
+                    "problem_ref": task.problem_ref,
+                    "sampling": task.sampling,
+                    "verification": task.verification,
+                },
+                policy_step=submission.policy_step,
+                seed=seed,
+                result=validators.result_body(submission),
+            )
+        )
+    return ValidationClaimOut(jobs=jobs)
+
+
+@validation_router.post(
+    "/jobs/{job_id}/verdict",
+    response_model=ValidatorVerdictOut,
+    summary="Post a verdict with evidence (idempotent per job)",
+)
+async def post_verdict(
+    job_id: int, body: ValidatorVerdictIn, principal: Validator, session: Session, state: State
+) -> ValidatorVerdictOut:
+    job, verdict = await validators.post_verdict(session, principal, job_id, body, now=state.clock.utcnow())
+    return ValidatorVerdictOut(job_id=job.id, verdict=verdict_out(verdict))

@@ -1,0 +1,648 @@
+"""The verification pipeline and the money its verdicts move.
+
+Every submission gets a durable ``VerificationJob``. The verifier loop (once per tick across
+processes, jobs taken with SKIP LOCKED) runs the cheap checks and the server's own reward
+function, then either decides at once or waits for more evidence:
+
+* a fraud finding (seed mismatch, forged reward claim, failed canary, out-of-bounds claim)
+  -> rejected as fraud: slash the pool's amount from the membership's locked stake, forfeit the
+  node's rewards still in the hold window, add a strike; eject the node after the pool's strike
+  limit and blacklist the provider after the provider limit;
+* an invalid finding (wrong sample count, token overflow, bad finish reason, missing proof,
+  wrong answer) -> rejected as invalid: no reward, no slash, counted in the trust record;
+* a replicated task, or an audit drawn for this node -> quorum: when every replica has
+  reported, a strict majority of canonical answers decides; the minority is fraud when the
+  server cannot check answers itself, and an undecided vote adds a replica (BOINC semantics,
+  up to a cap) before the task is called inconclusive;
+* a pool that routes audits to trusted validators -> a ``ValidationJob`` (see validators.py);
+* otherwise accepted: ``reward_per_sample`` x correct samples into ``rewards_pending``, released
+  to ``rewards_claimable`` after the pool's hold window.
+
+The audit probability falls as the node's run of valid results grows (1 / (1 + run)) but never
+below the pool's ``audit_rate_floor``; the draw uses the server's random source, which workers
+cannot see.
+
+Every transfer's idempotency key is derived from the submission and the kind of entry, and
+each verdict row is unique per submission, so a verdict delivered twice moves money once.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import structlog
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from orchestrator.core.sql import is_postgres
+from orchestrator.ledger import service as ledger
+from orchestrator.ledger.service import ProviderAccount, SystemAccount, provider_account, system_account
+from orchestrator.pools.models import Pool, PoolMembership
+from orchestrator.tasks.models import Submission, Task, TaskReplica
+from orchestrator.tasks.seeds import derive_seed
+from orchestrator.verification import checks, rewards
+from orchestrator.verification.models import NodeTrust, RewardHold, ValidationJob, Verdict, VerificationJob
+
+log = structlog.get_logger(__name__)
+
+MAX_EXTRA_REPLICAS = 2  # an undecided quorum may add this many replicas before it is inconclusive
+
+
+@dataclass(frozen=True)
+class Decision:
+    outcome: str  # accepted | rejected
+    category: str  # valid | invalid | fraud | inconclusive
+    reason: str
+    verifier: str
+    details: dict[str, Any]
+    paid_samples: int = 0
+
+
+# ------------------------------------------------------------------ entry points
+
+
+async def enqueue(session: AsyncSession, submission: Submission) -> VerificationJob:
+    """Called in the result's transaction: the job exists if and only if the result does."""
+    job = VerificationJob(
+        submission_id=submission.id,
+        task_id=submission.task_id,
+        pool_id=submission.pool_id,
+        stage="checks",
+        audited=False,
+        created_at=submission.received_at,
+        updated_at=submission.received_at,
+    )
+    session.add(job)
+    await session.flush()
+    return job
+
+
+async def process_pending(
+    session: AsyncSession, *, secret: bytes, rng: random.Random, now: dt.datetime, limit: int = 100
+) -> int:
+    """Run the cheap checks of up to ``limit`` waiting jobs; returns how many were processed."""
+    stmt = (
+        select(VerificationJob)
+        .where(VerificationJob.stage == "checks")
+        .order_by(VerificationJob.id)
+        .limit(limit)
+    )
+    if is_postgres(session):
+        stmt = stmt.with_for_update(skip_locked=True)
+    jobs = list((await session.execute(stmt)).scalars())
+    for job in jobs:
+        await _run_checks(session, job, secret=secret, rng=rng, now=now)
+    return len(jobs)
+
+
+# ------------------------------------------------------------------ checks
+
+
+async def _run_checks(
+    session: AsyncSession, job: VerificationJob, *, secret: bytes, rng: random.Random, now: dt.datetime
+) -> None:
+    submission = await session.get(Submission, job.submission_id)
+    task = await session.get(Task, job.task_id)
+    pool = await session.get(Pool, job.pool_id)
+    replica = await session.get(TaskReplica, submission.replica_id) if submission else None
+    assert submission is not None
+    assert task is not None
+    assert pool is not None
+    assert replica is not None
+    result = json.loads(submission.body)
+    fn = rewards.get(pool.reward_function)
+    completions = [s.get("completion") or "" for s in result.get("samples", [])]
+    spec = task.verification or {}
+
+    def score() -> tuple[list[float | None], list[str]]:
+        return [fn.reward(c, spec) for c in completions], [fn.canonical(c) for c in completions]
+
+    per_sample, canonical = await anyio.to_thread.run_sync(score)
+    checkable = bool(per_sample) and all(r is not None for r in per_sample)
+    server_reward = sum(r for r in per_sample if r is not None) / len(per_sample) if checkable else None
+    correct = sum(1 for r in per_sample if r) if checkable else len(per_sample)
+
+    expect = checks.Expectations(
+        seed=derive_seed(secret, task.id, replica.replica_index),
+        n=int(task.sampling.get("n", 1)),
+        max_tokens=int(task.sampling["max_tokens"]),
+        current_step=submission.policy_current_step,
+        max_async_level=pool.max_async_level,
+        require_proof=pool.require_proof,
+    )
+    findings = checks.sanity(result, expect)
+    forged = checks.forged_claim(result.get("claimed_reward"), server_reward)
+    if forged is not None:
+        findings.append(forged)
+    if task.is_canary and checkable and correct < len(per_sample):
+        findings.append(checks.Finding("canary_failed", "fraud", "wrong answer on a canary task"))
+
+    job.server_reward = server_reward
+    job.correct_samples = correct
+    job.canonical = json.dumps(canonical)
+    job.findings = [f.__dict__ for f in findings]
+    job.updated_at = now
+
+    frauds = [f for f in findings if f.category == "fraud"]
+    invalids = [f for f in findings if f.category == "invalid"]
+    details: dict[str, Any] = {
+        "findings": job.findings,
+        "server_reward": server_reward,
+        "per_sample_rewards": per_sample,
+    }
+    if frauds:
+        await decide(
+            session,
+            job,
+            submission,
+            Decision("rejected", "fraud", frauds[0].code, "checks", details),
+            now=now,
+        )
+        return
+    if invalids:
+        await decide(
+            session,
+            job,
+            submission,
+            Decision("rejected", "invalid", invalids[0].code, "checks", details),
+            now=now,
+        )
+        return
+    if task.replication > 1:
+        job.stage = "quorum"
+        await session.flush()
+        await try_quorum(session, task, pool, secret=secret, now=now)
+        return
+    trust = await _trust(session, pool.id, submission.node_id, submission.provider_id)
+    if rng.random() < audit_probability(trust.consecutive_valid, pool.audit_rate_floor):
+        job.audited = True
+        if pool.audit_method == "validator":
+            job.stage = "validator"
+            session.add(
+                ValidationJob(
+                    submission_id=submission.id,
+                    pool_id=pool.id,
+                    status="open",
+                    fencing_token=0,
+                    created_at=now,
+                )
+            )
+            await session.flush()
+            return
+        job.stage = "quorum"
+        task.min_quorum = max(task.min_quorum, 2)
+        await _add_replica(session, task, secret=secret, now=now)
+        return
+    await decide(session, job, submission, by_reward(checkable, correct, details, "reward"), now=now)
+
+
+def audit_probability(consecutive_valid: int, floor: float) -> float:
+    """BOINC-style adaptive replication: 1 for an unknown node, falling as 1/(1+n), floored."""
+    return max(floor, 1.0 / (1 + consecutive_valid))
+
+
+def by_reward(checkable: bool, correct: int, details: dict[str, Any], verifier: str) -> Decision:
+    if checkable and correct == 0:
+        return Decision("rejected", "invalid", "wrong_answer", verifier, details)
+    return Decision("accepted", "valid", "verified", verifier, details, paid_samples=correct)
+
+
+async def _add_replica(session: AsyncSession, task: Task, *, secret: bytes, now: dt.datetime) -> None:
+    index = task.replication
+    session.add(
+        TaskReplica(
+            task_id=task.id,
+            replica_index=index,
+            seed=derive_seed(secret, task.id, index),
+            status="available",
+            leases_issued=0,
+            expirations=0,
+        )
+    )
+    task.replication += 1
+    task.available_replicas += 1
+    if task.status == "submitted":
+        task.status = "open"
+    task.updated_at = now
+    await session.flush()
+
+
+# ------------------------------------------------------------------ quorum
+
+
+async def try_quorum(
+    session: AsyncSession, task: Task, pool: Pool, *, secret: bytes, now: dt.datetime
+) -> None:
+    """Decide the task's waiting results once every replica has reported."""
+    jobs = list(
+        (
+            await session.execute(
+                select(VerificationJob).where(VerificationJob.task_id == task.id).order_by(VerificationJob.id)
+            )
+        ).scalars()
+    )
+    if len(jobs) < task.replication or any(j.stage == "checks" for j in jobs):
+        return  # replicas still out, or results not yet checked
+    waiting = [j for j in jobs if j.stage == "quorum"]
+    if not waiting:
+        return
+    valid = [j for j in jobs if j.stage == "quorum" or _accepted_valid(j)]
+    votes = Counter(j.canonical for j in valid)
+    answer, count = votes.most_common(1)[0] if votes else (None, 0)
+    if count >= 2 and count * 2 > task.min_quorum:
+        for job in waiting:
+            submission = await session.get(Submission, job.submission_id)
+            assert submission is not None
+            details = {
+                "findings": job.findings,
+                "server_reward": job.server_reward,
+                "votes": dict(votes),
+                "quorum": len(valid),
+            }
+            checkable = job.server_reward is not None
+            if job.canonical == answer:
+                decision = by_reward(checkable, job.correct_samples or 0, details, "quorum")
+            elif checkable:
+                # The server checks answers itself: disagreeing is an honest mistake, not fraud.
+                decision = by_reward(checkable, job.correct_samples or 0, details, "quorum")
+            else:
+                decision = Decision("rejected", "fraud", "quorum_minority", "quorum", details)
+            await decide(session, job, submission, decision, now=now)
+        return
+    if task.replication < task.min_quorum + MAX_EXTRA_REPLICAS:
+        await _add_replica(session, task, secret=secret, now=now)
+        return
+    for job in waiting:
+        submission = await session.get(Submission, job.submission_id)
+        assert submission is not None
+        details = {"votes": dict(votes), "quorum": len(valid)}
+        await decide(
+            session,
+            job,
+            submission,
+            Decision("rejected", "inconclusive", "no_quorum", "quorum", details),
+            now=now,
+        )
+
+
+def _accepted_valid(job: VerificationJob) -> bool:
+    return job.stage == "done" and not job.findings and job.canonical is not None
+
+
+# ------------------------------------------------------------------ verdicts and money
+
+
+async def decide(
+    session: AsyncSession,
+    job: VerificationJob,
+    submission: Submission,
+    decision: Decision,
+    *,
+    now: dt.datetime,
+) -> Verdict:
+    """Record the verdict and move its money, once per submission whatever the retries."""
+    existing = (
+        await session.execute(select(Verdict).where(Verdict.submission_id == submission.id))
+    ).scalar_one_or_none()
+    if existing is not None:
+        return existing
+    pool = await session.get(Pool, submission.pool_id)
+    assert pool is not None
+    verdict = Verdict(
+        submission_id=submission.id,
+        task_id=submission.task_id,
+        pool_id=submission.pool_id,
+        node_id=submission.node_id,
+        provider_id=submission.provider_id,
+        outcome=decision.outcome,
+        category=decision.category,
+        reason=decision.reason,
+        verifier=decision.verifier,
+        details=decision.details,
+        server_reward=job.server_reward,
+        paid_samples=decision.paid_samples,
+        reward_amount=0,
+        slashed_amount=0,
+        decided_at=now,
+    )
+    try:
+        async with session.begin_nested():
+            session.add(verdict)
+            await session.flush()
+    except IntegrityError:
+        found = (
+            await session.execute(select(Verdict).where(Verdict.submission_id == submission.id))
+        ).scalar_one_or_none()
+        if found is None:
+            raise
+        return found
+    job.stage = "done"
+    job.updated_at = now
+    submission.status = decision.outcome
+    trust = await _trust(session, pool.id, submission.node_id, submission.provider_id)
+    trust.updated_at = now
+    if decision.category == "valid":
+        trust.valid += 1
+        trust.consecutive_valid += 1
+        await _reward(session, pool, verdict, now=now)
+    elif decision.category == "fraud":
+        trust.fraud += 1
+        trust.consecutive_valid = 0
+        trust.strikes += 1
+        await _punish(session, pool, verdict, trust, now=now)
+    else:
+        trust.invalid += 1
+        trust.consecutive_valid = 0
+    await _maybe_complete(session, submission.task_id)
+    await session.flush()
+    log.info(
+        "verdict",
+        submission_id=submission.id,
+        node_id=submission.node_id,
+        outcome=decision.outcome,
+        category=decision.category,
+        reason=decision.reason,
+    )
+    return verdict
+
+
+async def _trust(session: AsyncSession, pool_id: str, node_id: str, provider_id: str) -> NodeTrust:
+    trust = await session.get(NodeTrust, (pool_id, node_id), with_for_update=True)
+    if trust is None:
+        trust = NodeTrust(
+            pool_id=pool_id,
+            node_id=node_id,
+            provider_id=provider_id,
+            consecutive_valid=0,
+            valid=0,
+            invalid=0,
+            fraud=0,
+            strikes=0,
+            updated_at=dt.datetime.now(dt.UTC),
+        )
+        session.add(trust)
+        await session.flush()
+    return trust
+
+
+async def _reward(session: AsyncSession, pool: Pool, verdict: Verdict, *, now: dt.datetime) -> None:
+    amount = pool.reward_per_sample * verdict.paid_samples
+    if amount <= 0:
+        return
+    await ledger.transfer(
+        session,
+        debit=system_account(SystemAccount.rewards),
+        credit=provider_account(verdict.provider_id, ProviderAccount.rewards_pending),
+        amount=amount,
+        key=f"submission:{verdict.submission_id}:reward",
+        reason="reward",
+        actor="verifier",
+        reference=("verdict", str(verdict.id)),
+    )
+    verdict.reward_amount = amount
+    session.add(
+        RewardHold(
+            verdict_id=verdict.id,
+            pool_id=pool.id,
+            node_id=verdict.node_id,
+            provider_id=verdict.provider_id,
+            amount=amount,
+            release_at=now + dt.timedelta(seconds=pool.reward_hold_s),
+            status="held",
+            created_at=now,
+        )
+    )
+
+
+async def _punish(
+    session: AsyncSession, pool: Pool, verdict: Verdict, trust: NodeTrust, *, now: dt.datetime
+) -> None:
+    from orchestrator.pools import service as pools_service
+
+    reference = ("verdict", str(verdict.id))
+    membership = (
+        await session.execute(
+            select(PoolMembership)
+            .where(PoolMembership.pool_id == pool.id, PoolMembership.node_id == verdict.node_id)
+            .with_for_update()
+        )
+    ).scalar_one_or_none()
+    slashed = 0
+    if membership is not None and pool.fraud_slash_amount > 0 and membership.stake > 0:
+        amount = min(pool.fraud_slash_amount, membership.stake)
+        await ledger.transfer(
+            session,
+            debit=provider_account(verdict.provider_id, ProviderAccount.stake_locked),
+            credit=system_account(SystemAccount.slashed),
+            amount=amount,
+            key=f"submission:{verdict.submission_id}:slash-stake",
+            reason="slash_stake",
+            actor="verifier",
+            reference=reference,
+            memo=f"fraud: {verdict.reason}",
+        )
+        membership.stake -= amount
+        slashed += amount
+    holds = list(
+        (
+            await session.execute(
+                select(RewardHold)
+                .where(
+                    RewardHold.pool_id == pool.id,
+                    RewardHold.node_id == verdict.node_id,
+                    RewardHold.status == "held",
+                )
+                .with_for_update()
+            )
+        ).scalars()
+    )
+    pending = sum(h.amount for h in holds)
+    if pending > 0:
+        await ledger.transfer(
+            session,
+            debit=provider_account(verdict.provider_id, ProviderAccount.rewards_pending),
+            credit=system_account(SystemAccount.slashed),
+            amount=pending,
+            key=f"submission:{verdict.submission_id}:slash-pending",
+            reason="slash_pending_rewards",
+            actor="verifier",
+            reference=reference,
+            memo=f"fraud: {verdict.reason}",
+        )
+        for hold in holds:
+            hold.status = "forfeited"
+        slashed += pending
+    verdict.slashed_amount = slashed
+    if (
+        membership is not None
+        and membership.status in ("active", "pending")
+        and trust.strikes >= pool.strikes_before_ejection
+    ):
+        await pools_service.eject_for_fraud(
+            session, pool, membership, reason=f"{trust.strikes} fraud strikes", now=now
+        )
+    provider_strikes = int(
+        await session.scalar(
+            select(func.coalesce(func.sum(NodeTrust.strikes), 0)).where(
+                NodeTrust.pool_id == pool.id, NodeTrust.provider_id == verdict.provider_id
+            )
+        )
+        or 0
+    )
+    if provider_strikes >= pool.strikes_before_provider_ban:
+        await pools_service.blacklist_for_fraud(
+            session,
+            pool,
+            verdict.provider_id,
+            reason=f"{provider_strikes} fraud strikes across its nodes",
+            now=now,
+        )
+
+
+async def _maybe_complete(session: AsyncSession, task_id: int) -> None:
+    """A task whose every replica has a verdict is completed."""
+    task = await session.get(Task, task_id)
+    if task is None or task.status not in ("open", "submitted"):
+        return
+    decided = int(
+        await session.scalar(select(func.count()).select_from(Verdict).where(Verdict.task_id == task_id)) or 0
+    )
+    if decided >= task.replication and task.submitted_replicas >= task.replication:
+        task.status = "completed"
+
+
+async def release_due_rewards(session: AsyncSession, *, now: dt.datetime, limit: int = 1000) -> int:
+    """Rewards whose hold window has passed become claimable."""
+    stmt = (
+        select(RewardHold)
+        .where(RewardHold.status == "held", RewardHold.release_at <= now)
+        .order_by(RewardHold.release_at, RewardHold.id)
+        .limit(limit)
+    )
+    if is_postgres(session):
+        stmt = stmt.with_for_update(skip_locked=True)
+    due = list((await session.execute(stmt)).scalars())
+    for hold in due:
+        await ledger.transfer(
+            session,
+            debit=provider_account(hold.provider_id, ProviderAccount.rewards_pending),
+            credit=provider_account(hold.provider_id, ProviderAccount.rewards_claimable),
+            amount=hold.amount,
+            key=f"reward-hold:{hold.id}:release",
+            reason="reward_release",
+            actor="system",
+            reference=("verdict", str(hold.verdict_id)),
+        )
+        hold.status = "released"
+    await session.flush()
+    return len(due)
+
+
+async def pool_stats(session: AsyncSession, pool_id: str) -> dict[str, Any]:
+    rows = (
+        await session.execute(
+            select(Verdict.category, func.count())
+            .where(Verdict.pool_id == pool_id, Verdict.reversed_at.is_(None))
+            .group_by(Verdict.category)
+        )
+    ).all()
+    counts = {c: int(n) for c, n in rows}
+    total = sum(counts.values())
+    return {
+        "verdicts": total,
+        "by_category": counts,
+        "acceptance_rate": counts.get("valid", 0) / total if total else None,
+        "fraud_rate": counts.get("fraud", 0) / total if total else None,
+    }
+
+
+# ------------------------------------------------------------------ appeals
+
+
+async def reverse_verdict(
+    session: AsyncSession, verdict_id: int, *, reason: str, actor: str, now: dt.datetime
+) -> Verdict:
+    """Undo a verdict's money with compensating transfers that name the originals (never an
+    edit), and its strike. Idempotent: a reversed verdict stays as it is."""
+    from orchestrator.core.errors import Conflict, NotFound
+    from orchestrator.ledger.models import LedgerTransfer
+
+    verdict = await session.get(Verdict, verdict_id, with_for_update=True)
+    if verdict is None:
+        raise NotFound("no verdict with this id", code="verdict_not_found")
+    if verdict.reversed_at is not None:
+        return verdict
+    originals = list(
+        (
+            await session.execute(
+                select(LedgerTransfer)
+                .where(
+                    LedgerTransfer.reference_type == "verdict",
+                    LedgerTransfer.reference_id == str(verdict.id),
+                    LedgerTransfer.reverses_transfer_id.is_(None),
+                )
+                .order_by(LedgerTransfer.id.desc())
+            )
+        ).scalars()
+    )
+    try:
+        for original in originals:  # newest first: a release is undone before its reward
+            await ledger.reverse(
+                session,
+                original.id,
+                key=f"verdict:{verdict.id}:reverse:{original.id}",
+                actor=actor,
+                memo=f"appeal: {reason}",
+            )
+    except ledger.InsufficientFunds as exc:
+        raise Conflict(
+            "the verdict's money has moved on (e.g. the reward was withdrawn); it cannot be reversed",
+            code="reversal_impossible",
+        ) from exc
+    hold = (
+        await session.execute(select(RewardHold).where(RewardHold.verdict_id == verdict.id))
+    ).scalar_one_or_none()
+    if hold is not None:
+        hold.status = "reversed"
+    if verdict.category == "fraud":
+        await _restore_after_fraud(session, verdict, originals, actor=actor)
+    verdict.reversed_at = now
+    verdict.reversal_reason = reason
+    await session.flush()
+    return verdict
+
+
+async def _restore_after_fraud(
+    session: AsyncSession, verdict: Verdict, originals: list[Any], *, actor: str
+) -> None:
+    trust = await _trust(session, verdict.pool_id, verdict.node_id, verdict.provider_id)
+    trust.strikes = max(0, trust.strikes - 1)
+    trust.fraud = max(0, trust.fraud - 1)
+    stake_back = sum(t.amount for t in originals if t.reason == "slash_stake")
+    if stake_back <= 0:
+        return
+    membership = (
+        await session.execute(
+            select(PoolMembership)
+            .where(PoolMembership.pool_id == verdict.pool_id, PoolMembership.node_id == verdict.node_id)
+            .with_for_update()
+        )
+    ).scalar_one_or_none()
+    if membership is not None and membership.status in ("active", "pending"):
+        membership.stake += stake_back  # locked again for the membership it was slashed from
+    else:  # the membership is over: the restored stake is free
+        await ledger.unlock_stake(
+            session,
+            verdict.provider_id,
+            stake_back,
+            key=f"verdict:{verdict.id}:reverse:unlock",
+            actor=actor,
+            reference=("verdict", str(verdict.id)),
+        )

@@ -1,0 +1,161 @@
+"""External validators: trusted boxes (e.g. running TOPLOC prefill checks) lease validation jobs
+like workers lease tasks, and post verdicts with their evidence.
+
+Only results a pool routes to validators (``audit_method = validator``) appear here. A verdict
+is idempotent per job; a lease past its deadline goes back to the queue, and a verdict carrying
+a stale fencing token is refused. For TOPLOC evidence the server applies the published
+thresholds itself (among the top 128 values: at least 90 exponent matches, mantissa error
+mean < 10 and median < 8), so a ``valid`` that its own numbers contradict is refused.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from api_schemas.verification import ValidatorVerdictIn
+from orchestrator.admin.tokens import Principal, Role
+from orchestrator.core.errors import Conflict, NotFound, UnprocessableEntity
+from orchestrator.core.sql import is_postgres
+from orchestrator.tasks.models import Submission, Task, TaskReplica
+from orchestrator.verification import service
+from orchestrator.verification.models import ValidationJob, Verdict, VerificationJob
+
+LEASE_S = 300
+TOPLOC_MIN_EXPONENT_MATCHES = 90
+TOPLOC_MAX_MANTISSA_MEAN = 10.0
+TOPLOC_MAX_MANTISSA_MEDIAN = 8.0
+
+
+def _pools_in_scope(principal: Principal, pool_id: str | None) -> list[str] | None:
+    """None means every pool (admin)."""
+    if principal.role == Role.admin:
+        return [pool_id] if pool_id else None
+    scope = sorted(principal.pool_ids)
+    if pool_id is not None:
+        return [pool_id] if pool_id in principal.pool_ids else []
+    return scope
+
+
+async def claim(
+    session: AsyncSession, principal: Principal, pool_id: str | None, max_jobs: int, *, now: dt.datetime
+) -> list[tuple[ValidationJob, Submission, Task, int]]:
+    pools = _pools_in_scope(principal, pool_id)
+    if pools == []:
+        return []
+    stmt = (
+        select(ValidationJob).where(ValidationJob.status == "open").order_by(ValidationJob.id).limit(max_jobs)
+    )
+    if pools is not None:
+        stmt = stmt.where(ValidationJob.pool_id.in_(pools))
+    if is_postgres(session):
+        stmt = stmt.with_for_update(skip_locked=True)
+    jobs = list((await session.execute(stmt)).scalars())
+    out = []
+    for job in jobs:
+        job.status = "leased"
+        job.fencing_token += 1
+        job.validator_token_id = principal.token_id
+        job.lease_expires_at = now + dt.timedelta(seconds=LEASE_S)
+        submission = await session.get(Submission, job.submission_id)
+        assert submission is not None
+        task = await session.get(Task, submission.task_id)
+        replica = await session.get(TaskReplica, submission.replica_id)
+        assert task is not None
+        assert replica is not None
+        out.append((job, submission, task, replica.seed))
+    await session.flush()
+    return out
+
+
+def _contradicted(body: ValidatorVerdictIn) -> str | None:
+    e = body.evidence
+    if body.outcome != "valid":
+        return None
+    if e.exponent_mismatches is not None and 128 - e.exponent_mismatches < TOPLOC_MIN_EXPONENT_MATCHES:
+        return f"{128 - e.exponent_mismatches} exponent matches < {TOPLOC_MIN_EXPONENT_MATCHES}"
+    if e.mantissa_error_mean is not None and e.mantissa_error_mean >= TOPLOC_MAX_MANTISSA_MEAN:
+        return f"mantissa error mean {e.mantissa_error_mean} >= {TOPLOC_MAX_MANTISSA_MEAN}"
+    if e.mantissa_error_median is not None and e.mantissa_error_median >= TOPLOC_MAX_MANTISSA_MEDIAN:
+        return f"mantissa error median {e.mantissa_error_median} >= {TOPLOC_MAX_MANTISSA_MEDIAN}"
+    return None
+
+
+async def post_verdict(
+    session: AsyncSession, principal: Principal, job_id: int, body: ValidatorVerdictIn, *, now: dt.datetime
+) -> tuple[ValidationJob, Verdict]:
+    job = (
+        await session.execute(select(ValidationJob).where(ValidationJob.id == job_id).with_for_update())
+    ).scalar_one_or_none()
+    if job is None or (principal.role != Role.admin and job.pool_id not in principal.pool_ids):
+        raise NotFound("no validation job with this id", code="validation_job_not_found")
+    posted = body.model_dump(mode="json")
+    if job.status == "done":
+        verdict = (
+            await session.execute(select(Verdict).where(Verdict.submission_id == job.submission_id))
+        ).scalar_one()
+        if job.result != posted:
+            raise Conflict("a different verdict was already recorded for this job", code="verdict_conflict")
+        return job, verdict
+    if (
+        job.status != "leased"
+        or job.validator_token_id != principal.token_id
+        or job.fencing_token != body.fencing_token
+        or job.lease_expires_at is None
+        or job.lease_expires_at <= now
+    ):
+        raise Conflict("this validation lease expired or belongs to another validator", code="lease_expired")
+    if (why := _contradicted(body)) is not None:
+        raise UnprocessableEntity(
+            f"the evidence contradicts a valid verdict: {why}", code="evidence_contradicts"
+        )
+    vjob = (
+        await session.execute(
+            select(VerificationJob).where(VerificationJob.submission_id == job.submission_id)
+        )
+    ).scalar_one()
+    submission = await session.get(Submission, job.submission_id)
+    assert submission is not None
+    details = {
+        "findings": vjob.findings,
+        "server_reward": vjob.server_reward,
+        "validator": posted,
+        "validator_token_id": principal.token_id,
+    }
+    if body.outcome == "valid":
+        decision = service.by_reward(
+            vjob.server_reward is not None, vjob.correct_samples or 0, details, "validator"
+        )
+    elif body.outcome == "invalid":
+        decision = service.Decision("rejected", "invalid", body.reason, "validator", details)
+    else:
+        decision = service.Decision("rejected", "fraud", body.reason, "validator", details)
+    verdict = await service.decide(session, vjob, submission, decision, now=now)
+    job.status = "done"
+    job.result = posted
+    job.decided_at = now
+    await session.flush()
+    return job, verdict
+
+
+async def expire_leases(session: AsyncSession, *, now: dt.datetime) -> int:
+    stmt = select(ValidationJob).where(
+        ValidationJob.status == "leased", ValidationJob.lease_expires_at <= now
+    )
+    if is_postgres(session):
+        stmt = stmt.with_for_update(skip_locked=True)
+    jobs = list((await session.execute(stmt)).scalars())
+    for job in jobs:
+        job.status = "open"
+        job.validator_token_id = None
+        job.lease_expires_at = None
+    await session.flush()
+    return len(jobs)
+
+
+def result_body(submission: Submission) -> dict[str, object]:
+    parsed: dict[str, object] = json.loads(submission.body)
+    return parsed

@@ -1,0 +1,513 @@
+"""Withdrawals of claimable rewards, payouts marked paid by an admin, and the settlement export."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import datetime as dt
+import io
+import json
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import func, select
+
+from orchestrator.audit.models import AuditEntry
+from orchestrator.ledger import service as ledger
+from orchestrator.ledger.models import LedgerAccount, LedgerTransfer
+from orchestrator.ledger.service import ProviderAccount, SystemAccount, provider_account, system_account
+from orchestrator.payouts import export
+from orchestrator.payouts import service as payouts
+from orchestrator.payouts.models import Payout
+from tests.conftest import Contributor, make_token, new_contributor, problem
+
+EXPORT_COLUMNS = [
+    "payout_id",
+    "provider_id",
+    "amount",
+    "status",
+    "requested_at",
+    "paid_at",
+    "external_reference",
+]
+
+
+async def give_claimable(app_state: Any, provider_id: str, amount: int, key: str = "fund") -> None:
+    async with app_state.sessionmaker() as session, session.begin():
+        await ledger.transfer(
+            session,
+            debit=system_account(SystemAccount.rewards),
+            credit=provider_account(provider_id, ProviderAccount.rewards_claimable),
+            amount=amount,
+            key=f"{key}:{provider_id}",
+            reason="test",
+            actor="test",
+        )
+
+
+async def withdraw(client: httpx.AsyncClient, who: Contributor, amount: Any, key: str) -> httpx.Response:
+    return await client.post(
+        "/v1/providers/me/withdrawals",
+        json={"amount": amount},
+        headers={"Idempotency-Key": key},
+        auth=who.provider_auth,
+    )
+
+
+async def balances(app_state: Any, provider_id: str) -> dict[str, int]:
+    async with app_state.sessionmaker() as session:
+        return await ledger.provider_balances(session, provider_id)
+
+
+async def count(app_state: Any, model: Any, *where: Any) -> int:
+    async with app_state.sessionmaker() as session:
+        return int(await session.scalar(select(func.count()).select_from(model).where(*where)) or 0)
+
+
+async def ledger_sum(app_state: Any) -> int:
+    async with app_state.sessionmaker() as session:
+        return int(await session.scalar(select(func.coalesce(func.sum(LedgerAccount.balance), 0))))
+
+
+async def mark_paid(
+    client: httpx.AsyncClient, headers: dict[str, str], payout_id: int, reference: str
+) -> httpx.Response:
+    return await client.post(
+        f"/v1/admin/payouts/{payout_id}/mark-paid", json={"external_reference": reference}, headers=headers
+    )
+
+
+def claimable_and_withdrawn(b: dict[str, int]) -> tuple[int, int]:
+    return b["rewards_claimable"], b["withdrawn"]
+
+
+# ------------------------------------------------------------------ withdrawals
+
+
+async def test_a_withdrawal_moves_claimable_to_withdrawn_and_requests_a_payout(
+    client: httpx.AsyncClient, app_state: Any, contributor: Contributor
+) -> None:
+    pid = contributor.provider_id
+    await give_claimable(app_state, pid, 1000)
+
+    r = await withdraw(client, contributor, 300, "withdraw-0001")
+    assert r.status_code == 201, r.text
+    body = r.json()
+    payout = body["payout"]
+    assert payout["provider_id"] == pid and payout["amount"] == 300
+    assert payout["status"] == "requested"
+    assert payout["paid_at"] is None and payout["external_reference"] is None
+    assert claimable_and_withdrawn(body["balances"]) == (700, 300)
+    assert claimable_and_withdrawn(await balances(app_state, pid)) == (700, 300)
+
+    mine = (await client.get("/v1/providers/me/payouts", auth=contributor.provider_auth)).json()
+    assert mine == {"items": [payout], "next_cursor": None}
+    async with app_state.sessionmaker() as session:
+        t = await session.get(LedgerTransfer, payout["transfer_id"])
+    assert t is not None and (t.amount, t.reason) == (300, "withdrawal")
+    assert await ledger_sum(app_state) == 0
+
+
+async def test_a_retried_idempotency_key_returns_the_same_payout_and_moves_money_once(
+    client: httpx.AsyncClient, app_state: Any, contributor: Contributor
+) -> None:
+    pid = contributor.provider_id
+    await give_claimable(app_state, pid, 300)
+    first = await withdraw(client, contributor, 300, "withdraw-0002")
+    assert first.status_code == 201
+    # The whole balance is gone, yet the retry is answered with the original, not refused.
+    again = await withdraw(client, contributor, 300, "withdraw-0002")
+    assert again.status_code == 200, again.text
+    assert again.json()["payout"] == first.json()["payout"]
+    assert claimable_and_withdrawn(again.json()["balances"]) == (0, 300)
+    assert await count(app_state, Payout) == 1
+    assert await count(app_state, LedgerTransfer, LedgerTransfer.reason == "withdrawal") == 1
+
+
+async def test_a_key_reused_with_another_amount_is_refused(
+    client: httpx.AsyncClient, app_state: Any, contributor: Contributor
+) -> None:
+    pid = contributor.provider_id
+    await give_claimable(app_state, pid, 1000)
+    assert (await withdraw(client, contributor, 100, "withdraw-0003")).status_code == 201
+    problem(await withdraw(client, contributor, 200, "withdraw-0003"), 409, "idempotency_key_reused")
+    assert claimable_and_withdrawn(await balances(app_state, pid)) == (900, 100)
+    assert await count(app_state, Payout) == 1
+
+
+async def test_withdrawing_more_than_claimable_is_refused_and_changes_nothing(
+    client: httpx.AsyncClient, app_state: Any, contributor: Contributor
+) -> None:
+    pid = contributor.provider_id
+    problem(await withdraw(client, contributor, 1, "withdraw-0004"), 409, "insufficient_funds")
+    await give_claimable(app_state, pid, 100)
+    body = problem(await withdraw(client, contributor, 101, "withdraw-0005"), 409, "insufficient_funds")
+    assert body["account"] == "rewards_claimable"
+    assert claimable_and_withdrawn(await balances(app_state, pid)) == (100, 0)
+    assert await count(app_state, Payout) == 0
+    assert await count(app_state, LedgerTransfer, LedgerTransfer.reason == "withdrawal") == 0
+    # A refused request does not burn its key.
+    assert (await withdraw(client, contributor, 100, "withdraw-0005")).status_code == 201
+    assert claimable_and_withdrawn(await balances(app_state, pid)) == (0, 100)
+
+
+async def test_a_withdrawal_needs_a_signed_provider_a_key_and_a_whole_positive_amount(
+    client: httpx.AsyncClient, app_state: Any, contributor: Contributor
+) -> None:
+    await give_claimable(app_state, contributor.provider_id, 1000)
+    r = await client.post("/v1/providers/me/withdrawals", json={"amount": 10}, auth=contributor.provider_auth)
+    problem(r, 422, "validation_failed")
+    for bad_key in ("short", "has space in it", "x" * 101):
+        problem(await withdraw(client, contributor, 10, bad_key), 422, "validation_failed")
+    for bad in (0, -5, 10**16, 1.5, "10", None):
+        problem(await withdraw(client, contributor, bad, "withdraw-0006"), 422, "validation_failed")
+    r = await client.post(
+        "/v1/providers/me/withdrawals",
+        json={"amount": 10, "to": "elsewhere"},
+        headers={"Idempotency-Key": "withdraw-0006"},
+        auth=contributor.provider_auth,
+    )
+    problem(r, 422, "validation_failed")
+    problem(
+        await client.post(
+            "/v1/providers/me/withdrawals", json={"amount": 10}, headers={"Idempotency-Key": "withdraw-0006"}
+        ),
+        401,
+        "signature_missing",
+    )
+    r = await client.post(
+        "/v1/providers/me/withdrawals",
+        json={"amount": 10},
+        headers={"Idempotency-Key": "withdraw-0006"},
+        auth=contributor.node_auth,
+    )
+    problem(r, 401, "unknown_key")
+    assert claimable_and_withdrawn(await balances(app_state, contributor.provider_id)) == (1000, 0)
+
+
+async def test_twenty_concurrent_withdrawals_with_one_key_make_one_payout(
+    client: httpx.AsyncClient, app_state: Any, contributor: Contributor
+) -> None:
+    pid = contributor.provider_id
+    await give_claimable(app_state, pid, 1000)
+    responses = await asyncio.wait_for(
+        asyncio.gather(*(withdraw(client, contributor, 100, "withdraw-same") for _ in range(20))), timeout=60
+    )
+    assert sorted(r.status_code for r in responses) == [200] * 19 + [201], [r.text for r in responses]
+    assert len({r.json()["payout"]["id"] for r in responses}) == 1
+    assert await count(app_state, Payout) == 1
+    assert await count(app_state, LedgerTransfer, LedgerTransfer.reason == "withdrawal") == 1
+    assert claimable_and_withdrawn(await balances(app_state, pid)) == (900, 100)
+    assert await ledger_sum(app_state) == 0
+
+
+async def test_twenty_concurrent_withdrawals_of_10_against_100_claimable_never_overdraw(
+    client: httpx.AsyncClient, app_state: Any, contributor: Contributor
+) -> None:
+    pid = contributor.provider_id
+    await give_claimable(app_state, pid, 100)
+    responses = await asyncio.wait_for(
+        asyncio.gather(*(withdraw(client, contributor, 10, f"withdraw-{i:04}") for i in range(20))),
+        timeout=60,
+    )
+    ok = [r for r in responses if r.status_code == 201]
+    refused = [r for r in responses if r.status_code != 201]
+    assert len(ok) == 10
+    for r in refused:
+        problem(r, 409, "insufficient_funds")
+    # Each success saw its own step down from 100: the withdrawals went one at a time.
+    assert sorted(r.json()["balances"]["rewards_claimable"] for r in ok) == list(range(0, 100, 10))
+    assert claimable_and_withdrawn(await balances(app_state, pid)) == (0, 100)
+    assert await count(app_state, Payout) == 10
+    assert (
+        await count(
+            app_state, LedgerAccount, LedgerAccount.allow_negative.is_(False), LedgerAccount.balance < 0
+        )
+        == 0
+    )
+    assert await ledger_sum(app_state) == 0
+
+
+async def test_a_withdrawal_transfer_without_its_payout_gets_exactly_one_under_concurrent_retries(
+    app_state: Any, contributor: Contributor, clock: Any
+) -> None:
+    """The payout row is idempotent on its own too (unique transfer): racing retries make one."""
+    pid = contributor.provider_id
+    await give_claimable(app_state, pid, 100)
+    async with app_state.sessionmaker() as session, session.begin():
+        await ledger.transfer(
+            session,
+            debit=provider_account(pid, ProviderAccount.rewards_claimable),
+            credit=provider_account(pid, ProviderAccount.withdrawn),
+            amount=40,
+            key=payouts.ledger_key(pid, "withdraw-orphan"),
+            reason="withdrawal",
+            actor="test",
+        )
+
+    async def attempt() -> tuple[int, bool]:
+        async with app_state.sessionmaker() as session, session.begin():
+            payout, created = await payouts.request_withdrawal(
+                session, pid, 40, "withdraw-orphan", now=clock.utcnow()
+            )
+            return payout.id, created
+
+    results = await asyncio.wait_for(asyncio.gather(*(attempt() for _ in range(10))), timeout=60)
+    assert len({payout_id for payout_id, _ in results}) == 1
+    assert sorted(created for _, created in results) == [False] * 9 + [True]
+    assert await count(app_state, Payout) == 1
+    assert claimable_and_withdrawn(await balances(app_state, pid)) == (60, 40)
+
+
+# ------------------------------------------------------------------ payouts
+
+
+async def test_an_admin_marks_a_payout_paid_once(
+    client: httpx.AsyncClient, app_state: Any, contributor: Contributor, admin_headers: dict[str, str]
+) -> None:
+    await give_claimable(app_state, contributor.provider_id, 500)
+    payout_id = (await withdraw(client, contributor, 500, "withdraw-0007")).json()["payout"]["id"]
+    requested = (await client.get("/v1/admin/payouts?status=requested", headers=admin_headers)).json()
+    assert [p["id"] for p in requested["items"]] == [payout_id]
+
+    paid = await mark_paid(client, admin_headers, payout_id, "wire-2026-0001")
+    assert paid.status_code == 200, paid.text
+    first = paid.json()
+    assert first["status"] == "paid" and first["external_reference"] == "wire-2026-0001"
+    assert first["paid_at"] is not None and first["paid_by"].startswith("tok_")
+
+    again = await mark_paid(client, admin_headers, payout_id, "wire-2026-0001")
+    assert again.status_code == 200 and again.json() == first
+    body = problem(
+        await mark_paid(client, admin_headers, payout_id, "wire-2026-0002"), 409, "payout_already_paid"
+    )
+    assert body["external_reference"] == "wire-2026-0001"
+
+    assert (await client.get("/v1/admin/payouts?status=requested", headers=admin_headers)).json()[
+        "items"
+    ] == []
+    mine = (await client.get("/v1/providers/me/payouts", auth=contributor.provider_auth)).json()["items"]
+    assert [(p["status"], p["external_reference"]) for p in mine] == [("paid", "wire-2026-0001")]
+    assert "paid_by" not in mine[0]
+    # Marking paid moves no money: it was withdrawn when requested.
+    assert claimable_and_withdrawn(await balances(app_state, contributor.provider_id)) == (0, 500)
+    async with app_state.sessionmaker() as session:
+        entries = list(
+            (
+                await session.execute(select(AuditEntry).where(AuditEntry.action == "payout.mark_paid"))
+            ).scalars()
+        )
+    assert len(entries) == 1
+    assert (entries[0].actor, entries[0].target_id) == (first["paid_by"], str(payout_id))
+    assert entries[0].after is not None and entries[0].after["external_reference"] == "wire-2026-0001"
+
+
+async def test_two_admins_marking_one_payout_with_different_references_settle_it_once(
+    client: httpx.AsyncClient, app_state: Any, contributor: Contributor, admin_headers: dict[str, str]
+) -> None:
+    await give_claimable(app_state, contributor.provider_id, 10)
+    payout_id = (await withdraw(client, contributor, 10, "withdraw-0010")).json()["payout"]["id"]
+    other_admin = {"Authorization": f"Bearer {await make_token(app_state, 'admin', 'second')}"}
+    a, b = await asyncio.wait_for(
+        asyncio.gather(
+            mark_paid(client, admin_headers, payout_id, "wire-A"),
+            mark_paid(client, other_admin, payout_id, "wire-B"),
+        ),
+        timeout=60,
+    )
+    assert sorted([a.status_code, b.status_code]) == [200, 409]
+    winner, loser = (a, b) if a.status_code == 200 else (b, a)
+    problem(loser, 409, "payout_already_paid")
+    listed = (await client.get("/v1/admin/payouts", headers=admin_headers)).json()["items"]
+    assert listed == [winner.json()]
+    assert await count(app_state, AuditEntry, AuditEntry.action == "payout.mark_paid") == 1
+
+
+async def test_mark_paid_refuses_unknown_payouts_and_bad_references(
+    client: httpx.AsyncClient, app_state: Any, contributor: Contributor, admin_headers: dict[str, str]
+) -> None:
+    problem(await mark_paid(client, admin_headers, 999999, "wire-1"), 404, "payout_not_found")
+    await give_claimable(app_state, contributor.provider_id, 10)
+    payout_id = (await withdraw(client, contributor, 10, "withdraw-0008")).json()["payout"]["id"]
+    for bad in ("", "x" * 201, "line\nbreak"):
+        problem(await mark_paid(client, admin_headers, payout_id, bad), 422, "validation_failed")
+    r = await client.post(f"/v1/admin/payouts/{payout_id}/mark-paid", json={}, headers=admin_headers)
+    problem(r, 422, "validation_failed")
+    listed = (await client.get("/v1/admin/payouts", headers=admin_headers)).json()["items"]
+    assert [p["status"] for p in listed] == ["requested"]
+
+
+async def test_payout_administration_is_for_admins_only(
+    client: httpx.AsyncClient, app_state: Any, contributor: Contributor, operator_headers: dict[str, str]
+) -> None:
+    await give_claimable(app_state, contributor.provider_id, 10)
+    payout_id = (await withdraw(client, contributor, 10, "withdraw-0009")).json()["payout"]["id"]
+    validator = {"Authorization": f"Bearer {await make_token(app_state, 'validator')}"}
+    trainer = {"Authorization": f"Bearer {await make_token(app_state, 'trainer')}"}
+    for headers in (operator_headers, validator, trainer):
+        problem(await client.get("/v1/admin/payouts", headers=headers), 403, "role_forbidden")
+        problem(await client.get("/v1/admin/payouts/export", headers=headers), 403, "role_forbidden")
+        problem(await mark_paid(client, headers, payout_id, "wire-1"), 403, "role_forbidden")
+    problem(await client.get("/v1/admin/payouts"), 401, "token_missing")
+    problem(await client.get("/v1/admin/payouts/export?format=jsonl"), 401, "token_missing")
+    mine = (await client.get("/v1/providers/me/payouts", auth=contributor.provider_auth)).json()["items"]
+    assert [p["status"] for p in mine] == ["requested"]
+
+
+async def test_a_provider_sees_only_its_own_payouts_newest_first(
+    client: httpx.AsyncClient, app_state: Any, contributor: Contributor, admin_headers: dict[str, str]
+) -> None:
+    other = new_contributor()
+    await other.register(client)
+    await give_claimable(app_state, contributor.provider_id, 1000)
+    await give_claimable(app_state, other.provider_id, 1000)
+    mine = [
+        (await withdraw(client, contributor, 10 + i, f"withdraw-{i:04}")).json()["payout"] for i in range(5)
+    ]
+    # The same client key from another provider is another withdrawal.
+    theirs = (await withdraw(client, other, 7, "withdraw-0000")).json()["payout"]
+    assert theirs["id"] not in {p["id"] for p in mine}
+
+    seen: list[dict[str, Any]] = []
+    cursor = None
+    while True:
+        params: dict[str, Any] = {"limit": 2, **({"cursor": cursor} if cursor else {})}
+        page = (
+            await client.get("/v1/providers/me/payouts", params=params, auth=contributor.provider_auth)
+        ).json()
+        seen += page["items"]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == list(reversed(mine))
+    theirs_listed = (await client.get("/v1/providers/me/payouts", auth=other.provider_auth)).json()["items"]
+    assert theirs_listed == [theirs]
+    problem(
+        await client.get("/v1/providers/me/payouts?cursor=bogus", auth=contributor.provider_auth),
+        400,
+        "cursor_invalid",
+    )
+
+    everyone = (await client.get("/v1/admin/payouts", headers=admin_headers)).json()["items"]
+    assert [p["id"] for p in everyone] == [theirs["id"], *(p["id"] for p in reversed(mine))]
+    filtered = await client.get(
+        "/v1/admin/payouts", params={"provider_id": other.provider_id}, headers=admin_headers
+    )
+    assert [p["id"] for p in filtered.json()["items"]] == [theirs["id"]]
+
+
+# ------------------------------------------------------------------ export
+
+
+async def _settlement_fixture(
+    client: httpx.AsyncClient, app_state: Any, admin_headers: dict[str, str], contributor: Contributor
+) -> list[dict[str, Any]]:
+    """Five payouts from two providers, two of them paid; returns the admin view, oldest first."""
+    other = new_contributor()
+    await other.register(client)
+    await give_claimable(app_state, contributor.provider_id, 1000)
+    await give_claimable(app_state, other.provider_id, 1000)
+    for i, who in enumerate((contributor, other, contributor, other, contributor)):
+        assert (await withdraw(client, who, 100 + i, f"withdraw-{i:04}")).status_code == 201
+    listed = (await client.get("/v1/admin/payouts", headers=admin_headers)).json()["items"]
+    oldest_first = list(reversed(listed))
+    for p, ref in ((oldest_first[1], 'bank "A", batch 7'), (oldest_first[3], "0xabc=1+2")):
+        assert (await mark_paid(client, admin_headers, p["id"], ref)).status_code == 200
+    return list(reversed((await client.get("/v1/admin/payouts", headers=admin_headers)).json()["items"]))
+
+
+def _expected(p: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "payout_id": p["id"],
+        "provider_id": p["provider_id"],
+        "amount": p["amount"],
+        "status": p["status"],
+        "requested_at": dt.datetime.fromisoformat(p["requested_at"]),
+        "paid_at": dt.datetime.fromisoformat(p["paid_at"]) if p["paid_at"] else None,
+        "external_reference": p["external_reference"],
+    }
+
+
+def _parsed(record: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **record,
+        "payout_id": int(record["payout_id"]),
+        "amount": int(record["amount"]),
+        "requested_at": dt.datetime.fromisoformat(record["requested_at"]),
+        "paid_at": dt.datetime.fromisoformat(record["paid_at"]) if record["paid_at"] else None,
+        "external_reference": record["external_reference"] or None,
+    }
+
+
+@pytest.mark.parametrize("chunk_size", [2, 500])
+async def test_the_csv_export_parses_back_to_the_payouts(
+    client: httpx.AsyncClient,
+    app_state: Any,
+    admin_headers: dict[str, str],
+    contributor: Contributor,
+    monkeypatch: pytest.MonkeyPatch,
+    chunk_size: int,
+) -> None:
+    monkeypatch.setattr(export, "CHUNK_SIZE", chunk_size)
+    payouts = await _settlement_fixture(client, app_state, admin_headers, contributor)
+
+    r = await client.get("/v1/admin/payouts/export?format=csv", headers=admin_headers)
+    assert r.status_code == 200
+    assert r.headers["content-type"] == "text/csv; charset=utf-8"
+    assert r.headers["content-disposition"].startswith('attachment; filename="payouts-all-')
+    assert r.headers["content-disposition"].endswith('.csv"')
+    reader = csv.DictReader(io.StringIO(r.text, newline=""))
+    assert reader.fieldnames == EXPORT_COLUMNS
+    assert [_parsed(row) for row in reader] == [_expected(p) for p in payouts]
+
+    paid = await client.get("/v1/admin/payouts/export", params={"status": "paid"}, headers=admin_headers)
+    assert 'filename="payouts-paid-' in paid.headers["content-disposition"]
+    rows = [_parsed(row) for row in csv.DictReader(io.StringIO(paid.text, newline=""))]
+    assert rows == [_expected(p) for p in payouts if p["status"] == "paid"]
+    assert [row["external_reference"] for row in rows] == ['bank "A", batch 7', "0xabc=1+2"]
+
+
+@pytest.mark.parametrize("chunk_size", [2, 500])
+async def test_the_jsonl_export_parses_back_to_the_payouts(
+    client: httpx.AsyncClient,
+    app_state: Any,
+    admin_headers: dict[str, str],
+    contributor: Contributor,
+    monkeypatch: pytest.MonkeyPatch,
+    chunk_size: int,
+) -> None:
+    monkeypatch.setattr(export, "CHUNK_SIZE", chunk_size)
+    payouts = await _settlement_fixture(client, app_state, admin_headers, contributor)
+
+    r = await client.get("/v1/admin/payouts/export?format=jsonl&status=requested", headers=admin_headers)
+    assert r.status_code == 200
+    assert r.headers["content-type"] == "application/x-ndjson"
+    assert r.headers["content-disposition"].startswith('attachment; filename="payouts-requested-')
+    assert r.headers["content-disposition"].endswith('.jsonl"')
+    assert r.text.endswith("\n")
+    records = [json.loads(line) for line in r.text.splitlines()]
+    assert all(list(record) == EXPORT_COLUMNS for record in records)
+    assert [_parsed(record) for record in records] == [
+        _expected(p) for p in payouts if p["status"] == "requested"
+    ]
+    assert all(isinstance(record["amount"], int) and record["paid_at"] is None for record in records)
+
+
+async def test_an_empty_export_is_a_header_or_nothing(
+    client: httpx.AsyncClient, admin_headers: dict[str, str]
+) -> None:
+    r = await client.get("/v1/admin/payouts/export?format=csv", headers=admin_headers)
+    assert r.status_code == 200 and r.text == ",".join(EXPORT_COLUMNS) + "\r\n"
+    r = await client.get("/v1/admin/payouts/export?format=jsonl", headers=admin_headers)
+    assert r.status_code == 200 and r.text == ""
+    problem(
+        await client.get("/v1/admin/payouts/export?format=xlsx", headers=admin_headers),
+        422,
+        "validation_failed",
+    )
+    problem(
+        await client.get("/v1/admin/payouts/export?status=lost", headers=admin_headers),
+        422,
+        "validation_failed",
+    )

@@ -1,0 +1,127 @@
+"""External validators: scoped, leased validation jobs and idempotent verdicts with evidence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestrator.admin.tokens import Role, create_token
+from orchestrator.core.clock import FakeClock
+from orchestrator.verification.jobs import verify_once
+from tests.conftest import problem
+from tests.tasks_helpers import pool_setup, task
+from tests.verification_helpers import FixedDraw, submit, verdicts, verify_all
+
+
+async def validator_headers(app_state: Any, pool_ids: list[str]) -> dict[str, str]:
+    async with app_state.sessionmaker() as session, session.begin():
+        token, _ = await create_token(session, role=Role.validator, name="toploc", pool_ids=pool_ids)
+    return {"Authorization": f"Bearer {token}"}
+
+
+GOOD = {"exponent_mismatches": 4, "mantissa_error_mean": 2.5, "mantissa_error_median": 1.0}
+
+
+async def test_validators_lease_jobs_and_post_idempotent_verdicts(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    app_state.rng = FixedDraw(0.0)  # audit everything
+    async with pool_setup(app, app_state, workers=2, audit_method="validator", audit_rate_floor=1.0) as s:
+        for w in s.workers:
+            await s.enqueue([task()], key=f"v-{w.node_id[:8]}")
+            lease = (await w.claim(s.pool_id)).json()["leases"][0]
+            await submit(w, lease, ["4"], proof="AAEC")
+        await verify_all(app_state)
+        assert await verdicts(s.admin, s.headers, s.pool_id) == []
+
+        mine = await validator_headers(app_state, [s.pool_id])
+        stranger = await validator_headers(app_state, ["pool_0000000000000000"])
+        assert (
+            await s.admin.post("/v1/validation/claim", json={"max_jobs": 5}, headers=stranger)
+        ).json() == {"jobs": []}
+        problem(await s.admin.post("/v1/validation/claim", json={}, headers=s.headers), 403, "role_forbidden")
+
+        jobs = (await s.admin.post("/v1/validation/claim", json={"max_jobs": 5}, headers=mine)).json()["jobs"]
+        assert len(jobs) == 2
+        job = jobs[0]
+        assert job["result"]["proof"] == "AAEC" and job["task"]["verification"] == {"expected_answer": "4"}
+        assert (await s.admin.post("/v1/validation/claim", json={}, headers=mine)).json() == {"jobs": []}
+
+        body = {
+            "fencing_token": job["fencing_token"],
+            "outcome": "valid",
+            "reason": "toploc_ok",
+            "evidence": GOOD,
+        }
+        first = await s.admin.post(f"/v1/validation/jobs/{job['job_id']}/verdict", json=body, headers=mine)
+        assert first.status_code == 200, first.text
+        assert (
+            first.json()["verdict"]["category"] == "valid"
+            and first.json()["verdict"]["verifier"] == "validator"
+        )
+        again = await s.admin.post(f"/v1/validation/jobs/{job['job_id']}/verdict", json=body, headers=mine)
+        assert again.json() == first.json()
+        changed = {**body, "outcome": "fraud", "reason": "toploc_mismatch"}
+        problem(
+            await s.admin.post(f"/v1/validation/jobs/{job['job_id']}/verdict", json=changed, headers=mine),
+            409,
+            "verdict_conflict",
+        )
+        problem(
+            await s.admin.post(f"/v1/validation/jobs/{job['job_id']}/verdict", json=body, headers=stranger),
+            404,
+            "validation_job_not_found",
+        )
+
+        # The second job: evidence that contradicts "valid" is refused; a fraud verdict slashes.
+        other = jobs[1]
+        bad = {
+            "fencing_token": other["fencing_token"],
+            "outcome": "valid",
+            "reason": "toploc_ok",
+            "evidence": {"exponent_mismatches": 60, "mantissa_error_mean": 2.0, "mantissa_error_median": 1.0},
+        }
+        problem(
+            await s.admin.post(f"/v1/validation/jobs/{other['job_id']}/verdict", json=bad, headers=mine),
+            422,
+            "evidence_contradicts",
+        )
+        fraud = {**bad, "outcome": "fraud", "reason": "toploc_mismatch"}
+        r = await s.admin.post(f"/v1/validation/jobs/{other['job_id']}/verdict", json=fraud, headers=mine)
+        assert (
+            r.json()["verdict"]["category"] == "fraud" and r.json()["verdict"]["reason"] == "toploc_mismatch"
+        )
+        assert len(await verdicts(s.admin, s.headers, s.pool_id)) == 2
+
+
+async def test_an_expired_validator_lease_returns_to_the_queue(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    app_state.rng = FixedDraw(0.0)
+    async with pool_setup(app, app_state, workers=1, audit_method="validator", audit_rate_floor=1.0) as s:
+        w = s.workers[0]
+        await s.enqueue([task()])
+        await submit(w, (await w.claim(s.pool_id)).json()["leases"][0], ["4"])
+        await verify_all(app_state)
+        v = await validator_headers(app_state, [s.pool_id])
+        job = (await s.admin.post("/v1/validation/claim", json={}, headers=v)).json()["jobs"][0]
+        clock.advance(301)
+        report = await verify_once(app_state)
+        assert report.validator_leases_expired == 1
+        again = (await s.admin.post("/v1/validation/claim", json={}, headers=v)).json()["jobs"][0]
+        assert again["job_id"] == job["job_id"] and again["fencing_token"] == job["fencing_token"] + 1
+        stale = {"fencing_token": job["fencing_token"], "outcome": "valid", "reason": "ok", "evidence": GOOD}
+        problem(
+            await s.admin.post(f"/v1/validation/jobs/{job['job_id']}/verdict", json=stale, headers=v),
+            409,
+            "lease_expired",
+        )
+
+
+async def test_only_pools_that_route_to_validators_make_validator_jobs(app: Any, app_state: Any) -> None:
+    app_state.rng = FixedDraw(0.0)
+    async with pool_setup(app, app_state, workers=2, audit_rate_floor=1.0) as s:  # audit_method: replicate
+        await s.enqueue([task()])
+        await submit(s.workers[0], (await s.workers[0].claim(s.pool_id)).json()["leases"][0], ["4"])
+        await verify_all(app_state)
+        v = await validator_headers(app_state, [s.pool_id])
+        assert (await s.admin.post("/v1/validation/claim", json={}, headers=v)).json() == {"jobs": []}

@@ -1,0 +1,413 @@
+"""The verification pipeline: checks, server rewards, verdicts and the money they move."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from orchestrator.core.clock import FakeClock
+from orchestrator.ledger.models import LedgerTransfer
+from orchestrator.tasks.models import Submission
+from orchestrator.verification import service
+from orchestrator.verification.jobs import release_once
+from orchestrator.verification.models import Verdict, VerificationJob
+from tests.tasks_helpers import pool_setup, task
+from tests.verification_helpers import (
+    FixedDraw,
+    balances,
+    books_balance,
+    submit,
+    verdicts,
+    verify_all,
+)
+
+ECON = {
+    "min_stake_per_node": 1000,
+    "reward_per_sample": 7,
+    "reward_hold_s": 3600,
+    "fraud_slash_amount": 200,
+    "strikes_before_ejection": 3,
+    "strikes_before_provider_ban": 5,
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_audits(app_state: Any) -> None:
+    app_state.rng = FixedDraw(1.0)
+
+
+async def one_lease(s: Any, worker: Any, **task_args: Any) -> dict[str, Any]:
+    await s.enqueue([task(**task_args)], key=f"k{random.random()}")
+    leases = (await worker.claim(s.pool_id)).json()["leases"]
+    assert leases, "expected a lease"
+    return dict(leases[0])
+
+
+async def test_a_correct_result_earns_pending_then_claimable_reward(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        lease = await one_lease(s, w, n=2)
+        await submit(w, lease, ["4", "4"], claimed_reward=1.0)
+        assert await verify_all(app_state) == 1
+        [v] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (v["outcome"], v["category"], v["reason"], v["verifier"]) == (
+            "accepted",
+            "valid",
+            "verified",
+            "reward",
+        )
+        assert v["server_reward"] == 1.0 and v["reward_amount"] == 14
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"], b["stake_locked"]) == (14, 0, 1000)
+        clock.advance(1800)
+        assert await release_once(app_state) == 0
+        clock.advance(1831)
+        assert await release_once(app_state) == 1
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (0, 14)
+        await books_balance(app_state)
+
+
+async def test_an_honest_wrong_answer_is_invalid_without_slash(app: Any, app_state: Any, client: Any) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        await submit(w, await one_lease(s, w), ["5"], claimed_reward=0.0)
+        await verify_all(app_state)
+        [v] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (v["outcome"], v["category"], v["reason"]) == ("rejected", "invalid", "wrong_answer")
+        assert v["reward_amount"] == 0 and v["slashed_amount"] == 0
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["stake_locked"]) == (0, 1000)
+
+
+async def test_a_forged_reward_claim_is_fraud_and_slashed_with_evidence(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        # First an honest, paid result, still in its hold window ...
+        await submit(w, await one_lease(s, w), ["4"])
+        await verify_all(app_state)
+        assert (await balances(client, w))["rewards_pending"] == 7
+        # ... then a wrong answer claimed as correct.
+        await submit(w, await one_lease(s, w), ["5"], claimed_reward=1.0)
+        await verify_all(app_state)
+        v = (await verdicts(s.admin, s.headers, s.pool_id))[-1]
+        assert (v["outcome"], v["category"], v["reason"]) == ("rejected", "fraud", "reward_forged")
+        assert v["slashed_amount"] == 200 + 7
+        assert any(f["code"] == "reward_forged" for f in v["details"]["findings"])
+        b = await balances(client, w)
+        assert (b["stake_locked"], b["rewards_pending"], b["rewards_claimable"]) == (800, 0, 0)
+        async with app_state.sessionmaker() as session:
+            slashes = list(
+                (
+                    await session.execute(
+                        select(LedgerTransfer).where(
+                            LedgerTransfer.reference_type == "verdict",
+                            LedgerTransfer.reference_id == str(v["id"]),
+                        )
+                    )
+                ).scalars()
+            )
+        assert sorted(t.reason for t in slashes) == ["slash_pending_rewards", "slash_stake"]
+        await books_balance(app_state)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "answers", "reason", "category"),
+    [
+        ({"seed": 12345}, ["4"], "seed_mismatch", "fraud"),
+        ({"claimed_reward": 3.0}, ["4"], "claim_out_of_bounds", "fraud"),
+        ({}, ["4", "4"], "sample_count", "invalid"),
+        (
+            {
+                "samples": [
+                    {
+                        "completion": "4",
+                        "finish_reason": "stop",
+                        "prompt_tokens": 1,
+                        "completion_tokens": 9999,
+                    }
+                ]
+            },
+            ["4"],
+            "token_overflow",
+            "invalid",
+        ),
+        (
+            {
+                "samples": [
+                    {"completion": "4", "finish_reason": "abort", "prompt_tokens": 1, "completion_tokens": 3}
+                ]
+            },
+            ["4"],
+            "finish_reason",
+            "invalid",
+        ),
+    ],
+)
+async def test_sanity_checks(
+    app: Any,
+    app_state: Any,
+    client: Any,
+    overrides: dict[str, Any],
+    answers: list[str],
+    reason: str,
+    category: str,
+) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        await submit(w, await one_lease(s, w), answers, **overrides)
+        await verify_all(app_state)
+        [v] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (v["outcome"], v["category"], v["reason"]) == ("rejected", category, reason)
+        assert v["reward_amount"] == 0
+        assert (await balances(client, w))["stake_locked"] == (800 if category == "fraud" else 1000)
+
+
+async def test_a_pool_that_requires_proofs_rejects_results_without_one(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1, require_proof=True) as s:
+        w = s.workers[0]
+        await submit(w, await one_lease(s, w), ["4"])
+        await submit(w, await one_lease(s, w), ["4"], proof="AAEC")
+        await verify_all(app_state)
+        first, second = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (first["category"], first["reason"]) == ("invalid", "proof_missing")
+        assert second["category"] == "valid"
+
+
+async def test_math_answers_are_checked_for_equivalence(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1, reward_function="math") as s:
+        w = s.workers[0]
+        lease = await one_lease(s, w, prompt="What is 1/2?", verification={"answer": "\\frac{1}{2}"})
+        await submit(w, lease, ["The answer is $\\boxed{0.5}$"], claimed_reward=1.0)
+        lease = await one_lease(s, w, prompt="What is 1/3?", verification={"answer": "\\frac{1}{3}"})
+        await submit(w, lease, ["The answer is $\\boxed{0.5}$"], claimed_reward=0.0)
+        await verify_all(app_state)
+        right, wrong = await verdicts(s.admin, s.headers, s.pool_id)
+        assert right["category"] == "valid" and right["server_reward"] == 1.0
+        assert (wrong["category"], wrong["reason"]) == ("invalid", "wrong_answer")
+
+
+async def test_unknown_reward_functions_are_refused(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state) as s:
+        r = await s.admin.patch(
+            f"/v1/admin/pools/{s.pool_id}", json={"policy": {"reward_function": "vibes"}}, headers=s.headers
+        )
+        assert r.status_code == 422 and "vibes" in r.text
+
+
+async def test_a_wrong_canary_answer_is_fraud(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        lease = await one_lease(s, w, canary=True)
+        assert "canary" not in str(lease)
+        await submit(w, lease, ["5"])
+        await verify_all(app_state)
+        [v] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (v["category"], v["reason"]) == ("fraud", "canary_failed")
+
+
+async def _quorum(s: Any, answers: list[str], verification: dict[str, Any] | None) -> list[dict[str, Any]]:
+    tasks = [
+        {
+            "prompt": "Name the capital of France.",
+            "sampling": {"max_tokens": 64},
+            **({"verification": verification} if verification else {}),
+        }
+    ]
+    await s.enqueue(tasks, key=f"q{random.random()}")
+    for worker, answer in zip(s.workers[: len(answers)], answers, strict=True):
+        lease = (await worker.claim(s.pool_id)).json()["leases"][0]
+        await submit(worker, lease, [answer])
+    return [lease]
+
+
+async def test_quorum_of_three_that_agrees_accepts_all(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=3, replication_factor=3) as s:
+        await _quorum(s, ["Paris", "Paris", "Paris"], None)
+        await verify_all(app_state)
+        vs = await verdicts(s.admin, s.headers, s.pool_id)
+        assert [(v["category"], v["verifier"]) for v in vs] == [("valid", "quorum")] * 3
+
+
+async def test_quorum_minority_is_fraud_when_the_server_cannot_check(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=3, replication_factor=3, economics=ECON, stake=1000) as s:
+        await _quorum(s, ["Paris", "Lyon", "Paris"], None)
+        await verify_all(app_state)
+        vs = {v["node_id"]: v for v in await verdicts(s.admin, s.headers, s.pool_id)}
+        liar = s.workers[1].node_id
+        assert (vs[liar]["category"], vs[liar]["reason"]) == ("fraud", "quorum_minority")
+        assert all(v["category"] == "valid" for n, v in vs.items() if n != liar)
+
+
+async def test_an_inconclusive_quorum_adds_a_replica(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=4, replication_factor=3) as s:
+        await _quorum(s, ["Paris", "Lyon", "Nice"], None)
+        await verify_all(app_state)
+        assert await verdicts(s.admin, s.headers, s.pool_id) == []
+        listing = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)).json()["items"]
+        detail = (
+            await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{listing[0]['id']}", headers=s.headers)
+        ).json()
+        assert detail["replication"] == 4 and detail["status"] == "open"
+        lease = (await s.workers[3].claim(s.pool_id)).json()["leases"][0]
+        assert lease["replica_index"] == 3
+        await submit(s.workers[3], lease, ["Paris"])
+        await verify_all(app_state)
+        vs = {v["node_id"]: v for v in await verdicts(s.admin, s.headers, s.pool_id)}
+        assert vs[s.workers[0].node_id]["category"] == "valid"
+        assert vs[s.workers[3].node_id]["category"] == "valid"
+        assert vs[s.workers[1].node_id]["category"] == "fraud"
+
+
+async def test_audits_fall_with_trust_but_never_below_the_floor() -> None:
+    assert service.audit_probability(0, 0.05) == 1.0
+    assert service.audit_probability(1, 0.05) == 0.5
+    assert service.audit_probability(9, 0.05) == pytest.approx(0.1)
+    assert service.audit_probability(10_000, 0.05) == 0.05
+    rng = random.Random(20251130)
+    draws = 20_000
+    audited = sum(rng.random() < service.audit_probability(500, 0.05) for _ in range(draws))
+    assert 0.045 < audited / draws < 0.055
+
+
+async def test_an_audited_result_gets_a_second_replica(app: Any, app_state: Any) -> None:
+    app_state.rng = FixedDraw(0.0)
+    async with pool_setup(app, app_state, workers=2) as s:
+        lease = await one_lease(s, s.workers[0])
+        await submit(s.workers[0], lease, ["4"])
+        await verify_all(app_state)
+        assert await verdicts(s.admin, s.headers, s.pool_id) == []
+        second = (await s.workers[1].claim(s.pool_id)).json()["leases"][0]
+        assert second["task"]["task_id"] == lease["task"]["task_id"] and second["replica_index"] == 1
+        await submit(s.workers[1], second, ["4"])
+        await verify_all(app_state)
+        vs = await verdicts(s.admin, s.headers, s.pool_id)
+        assert [v["category"] for v in vs] == ["valid", "valid"]
+
+
+async def test_fraud_strikes_eject_the_node_and_then_ban_the_provider(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    econ = {**ECON, "strikes_before_ejection": 2, "strikes_before_provider_ban": 2, "fraud_slash_amount": 100}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        w = s.workers[0]
+        for _ in range(2):
+            await submit(w, await one_lease(s, w), ["4"], seed=1)
+            await verify_all(app_state)
+        me = (await w.client.get("/v1/nodes/me", auth=w.contributor.node_auth)).json()
+        assert [m["status"] for m in me["memberships"] if m["pool_id"] == s.pool_id] == ["ejected"]
+        r = await w.client.post(f"/v1/pools/{s.pool_id}/join", json={}, auth=w.contributor.node_auth)
+        assert r.status_code == 403
+        # The provider reached its limit too: a sibling node of the same provider cannot join.
+        from tests.conftest import new_contributor
+        from tests.tasks_helpers import client_for
+
+        sibling = new_contributor(w.contributor.provider_key)
+        async with client_for(app) as c:
+            await sibling.register(c)
+            r = await c.post(f"/v1/pools/{s.pool_id}/join", json={}, auth=sibling.node_auth)
+        assert r.status_code == 403
+        assert "provider_blacklisted" in [reason["code"] for reason in r.json()["reasons"]]
+        b = await balances(client, w)
+        assert b["stake_locked"] == 0 and b["stake_unbonding"] == 800
+    await books_balance(app_state)
+
+
+async def test_an_appeal_reverses_a_fraud_verdict_with_compensating_transfers(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        await submit(w, await one_lease(s, w), ["4"], seed=99)
+        await verify_all(app_state)
+        [v] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (await balances(client, w))["stake_locked"] == 800
+        r = await s.admin.post(
+            f"/v1/admin/verdicts/{v['id']}/reverse",
+            json={"reason": "seed bug on our side"},
+            headers=s.admin_headers,
+        )
+        assert r.status_code == 200 and r.json()["reversed_at"] is not None
+        again = await s.admin.post(
+            f"/v1/admin/verdicts/{v['id']}/reverse", json={"reason": "twice"}, headers=s.admin_headers
+        )
+        assert again.json()["reversal_reason"] == "seed bug on our side"
+        assert (await balances(client, w))["stake_locked"] == 1000
+        async with app_state.sessionmaker() as session:
+            rows = list((await session.execute(select(LedgerTransfer).order_by(LedgerTransfer.id))).scalars())
+        slash = next(t for t in rows if t.reason == "slash_stake")
+        reversal = next(t for t in rows if t.reverses_transfer_id == slash.id)
+        assert reversal.amount == slash.amount
+        assert (
+            await s.admin.post(
+                f"/v1/admin/verdicts/{v['id']}/reverse", json={"reason": "x"}, headers=s.headers
+            )
+        ).status_code == 403
+        await books_balance(app_state)
+
+
+async def test_the_same_verdict_delivered_32_times_at_once_credits_once(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        await submit(w, await one_lease(s, w), ["4"])
+        async with app_state.sessionmaker() as session:
+            job_id = (await session.execute(select(VerificationJob.id))).scalar_one()
+            submission_id = (await session.execute(select(Submission.id))).scalar_one()
+
+        async def deliver() -> int:
+            async with app_state.sessionmaker() as session, session.begin():
+                job = await session.get(VerificationJob, job_id)
+                submission = await session.get(Submission, submission_id)
+                decision = service.Decision("accepted", "valid", "verified", "test", {}, paid_samples=1)
+                return (await service.decide(session, job, submission, decision, now=clock.utcnow())).id
+
+        ids = await asyncio.gather(*(deliver() for _ in range(32)))
+        assert len(set(ids)) == 1
+        assert (await balances(client, w))["rewards_pending"] == 7
+        async with app_state.sessionmaker() as session:
+            assert len(list((await session.execute(select(Verdict))).scalars())) == 1
+        await books_balance(app_state)
+
+
+async def test_verification_is_resumable_and_runs_each_job_once(app: Any, app_state: Any) -> None:
+    """Jobs are rows: results received before a crash are verified by the next process."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        for _ in range(3):
+            await submit(w, await one_lease(s, w), ["4"])
+        from orchestrator.verification.jobs import verify_once
+
+        reports = await asyncio.gather(verify_once(app_state), verify_once(app_state))
+        assert sum(r.ran for r in reports) == 1 and sum(r.processed for r in reports) == 3
+        assert len(await verdicts(s.admin, s.headers, s.pool_id)) == 3
+
+
+async def test_pool_stats_and_histories(app: Any, app_state: Any, client: Any) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        await submit(w, await one_lease(s, w), ["4"])
+        await submit(w, await one_lease(s, w), ["5"], claimed_reward=0.0)
+        await submit(w, await one_lease(s, w), ["4"], seed=3)
+        await verify_all(app_state)
+        stats = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/stats", headers=s.headers)).json()
+        assert stats["verdicts"] == 3
+        assert stats["by_category"] == {"valid": 1, "invalid": 1, "fraud": 1}
+        assert stats["acceptance_rate"] == pytest.approx(1 / 3) and stats["fraud_rate"] == pytest.approx(
+            1 / 3
+        )
+        mine = (await client.get("/v1/providers/me/verdicts", auth=w.contributor.provider_auth)).json()[
+            "items"
+        ]
+        assert [v["reason"] for v in mine] == ["seed_mismatch", "wrong_answer", "verified"]
+        node = (await s.admin.get(f"/v1/admin/nodes/{w.node_id}/verdicts", headers=s.admin_headers)).json()
+        assert len(node["items"]) == 3

@@ -1,0 +1,89 @@
+"""Helpers for the verification tests: controlled audit draws, result bodies, balances."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from sqlalchemy import func, select
+
+from orchestrator.ledger.models import LedgerAccount
+from orchestrator.verification.jobs import drain
+
+
+class FixedDraw(random.Random):
+    """An audit random source that always draws ``value`` (1.0: never audit; 0.0: always)."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__(0)
+        self.value = value
+
+    def random(self) -> float:
+        return self.value
+
+
+def answer_body(lease: dict[str, Any], answers: list[str], **overrides: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "fencing_token": lease["fencing_token"],
+        "policy_step": lease["policy"]["step"],
+        "seed": lease["seed"],
+        "samples": [
+            {
+                "completion": f"Let me think.\n{a}",
+                "finish_reason": "stop",
+                "prompt_tokens": 10,
+                "completion_tokens": 5,
+            }
+            for a in answers
+        ],
+    }
+    body.update(overrides)
+    return body
+
+
+async def submit(worker: Any, lease: dict[str, Any], answers: list[str], **overrides: Any) -> Any:
+    r = await worker.client.post(
+        f"/v1/assignments/{lease['assignment_id']}/result",
+        json=answer_body(lease, answers, **overrides),
+        auth=worker.contributor.node_auth,
+    )
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+async def verify_all(app_state: Any) -> int:
+    return await drain(app_state)
+
+
+async def balances(client: Any, worker: Any) -> dict[str, int]:
+    """Through the admin view, which needs no signature (the tests move the server's clock)."""
+    from orchestrator.core.state import AppState
+
+    state: AppState = client._transport.app.state.orch
+    from tests.conftest import make_token
+
+    token = await make_token(state, "admin", name="balance-reader")
+    r = await client.get(
+        f"/v1/admin/providers/{worker.contributor.provider_id}/balance",
+        headers={"Authorization": f"Bearer {token}"},
+    )
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+async def books_balance(app_state: Any) -> None:
+    async with app_state.sessionmaker() as session:
+        total = await session.scalar(select(func.coalesce(func.sum(LedgerAccount.balance), 0)))
+        negative = await session.scalar(
+            select(func.count())
+            .select_from(LedgerAccount)
+            .where(LedgerAccount.allow_negative.is_(False), LedgerAccount.balance < 0)
+        )
+    assert total == 0
+    assert negative == 0
+
+
+async def verdicts(admin: Any, headers: dict[str, str], pool_id: str) -> list[dict[str, Any]]:
+    r = await admin.get(f"/v1/admin/pools/{pool_id}/verdicts", headers=headers)
+    assert r.status_code == 200, r.text
+    return list(reversed(r.json()["items"]))
