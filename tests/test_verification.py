@@ -411,3 +411,23 @@ async def test_pool_stats_and_histories(app: Any, app_state: Any, client: Any) -
         assert [v["reason"] for v in mine] == ["seed_mismatch", "wrong_answer", "verified"]
         node = (await s.admin.get(f"/v1/admin/nodes/{w.node_id}/verdicts", headers=s.admin_headers)).json()
         assert len(node["items"]) == 3
+
+
+async def test_results_waiting_for_a_quorum_that_can_never_meet_are_inconclusive(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    from orchestrator.tasks.jobs import reap_once
+
+    async with pool_setup(app, app_state, workers=2, replication_factor=2, max_attempts=1,
+                          lease_duration_s=60) as s:
+        await s.enqueue([task()])
+        first = (await s.workers[0].claim(s.pool_id)).json()["leases"][0]
+        assert (await s.workers[1].claim(s.pool_id)).json()["leases"]  # then never answers
+        await submit(s.workers[0], first, ["4"])
+        await verify_all(app_state)
+        assert await verdicts(s.admin, s.headers, s.pool_id) == []
+        clock.advance(61)
+        await reap_once(app_state)
+        [v] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (v["outcome"], v["category"], v["reason"]) == ("rejected", "inconclusive", "task_abandoned")
+        assert v["reward_amount"] == 0 and v["slashed_amount"] == 0

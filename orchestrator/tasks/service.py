@@ -231,6 +231,7 @@ async def cancel_task(session: AsyncSession, task: Task, reason: str) -> Task:
     task.failure_reason = reason
     task.updated_at = now
     await session.flush()
+    await verification.settle_abandoned(session, task.id, now=now)
     return task
 
 

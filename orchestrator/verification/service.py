@@ -97,9 +97,17 @@ async def process_pending(
     if is_postgres(session):
         stmt = stmt.with_for_update(skip_locked=True)
     jobs = list((await session.execute(stmt)).scalars())
+    done = 0
     for job in jobs:
-        await _run_checks(session, job, secret=secret, rng=rng, now=now)
-    return len(jobs)
+        # One result that cannot be processed must not hold up the others: each job in its own
+        # savepoint; a failure is logged and the job is tried again on a later tick.
+        try:
+            async with session.begin_nested():
+                await _run_checks(session, job, secret=secret, rng=rng, now=now)
+            done += 1
+        except Exception:
+            log.exception("verification_failed", job_id=job.id, submission_id=job.submission_id)
+    return done
 
 
 # ------------------------------------------------------------------ checks
@@ -157,23 +165,13 @@ async def _run_checks(
         "server_reward": server_reward,
         "per_sample_rewards": per_sample,
     }
-    if frauds:
+    if frauds or invalids:
+        category, finding = ("fraud", frauds[0]) if frauds else ("invalid", invalids[0])
         await decide(
-            session,
-            job,
-            submission,
-            Decision("rejected", "fraud", frauds[0].code, "checks", details),
-            now=now,
+            session, job, submission, Decision("rejected", category, finding.code, "checks", details), now=now
         )
-        return
-    if invalids:
-        await decide(
-            session,
-            job,
-            submission,
-            Decision("rejected", "invalid", invalids[0].code, "checks", details),
-            now=now,
-        )
+        if task.replication > 1:  # siblings waiting for a quorum now know this result does not count
+            await try_quorum(session, task, pool, secret=secret, now=now)
         return
     if task.replication > 1:
         job.stage = "quorum"
@@ -290,6 +288,32 @@ async def try_quorum(
             Decision("rejected", "inconclusive", "no_quorum", "quorum", details),
             now=now,
         )
+
+
+async def settle_abandoned(session: AsyncSession, task_id: int, *, now: dt.datetime) -> int:
+    """A task that was cancelled or failed while results waited for their quorum: those results
+    can never be compared, so they are decided as inconclusive (no reward, no slash)."""
+    waiting = list(
+        (
+            await session.execute(
+                select(VerificationJob).where(
+                    VerificationJob.task_id == task_id, VerificationJob.stage.in_(("quorum",))
+                )
+            )
+        ).scalars()
+    )
+    for job in waiting:
+        submission = await session.get(Submission, job.submission_id)
+        assert submission is not None
+        decision = Decision(
+            "rejected",
+            "inconclusive",
+            "task_abandoned",
+            "quorum",
+            {"findings": job.findings, "server_reward": job.server_reward},
+        )
+        await decide(session, job, submission, decision, now=now)
+    return len(waiting)
 
 
 def _accepted_valid(job: VerificationJob) -> bool:
@@ -435,7 +459,9 @@ async def _punish(
         )
     ).scalar_one_or_none()
     slashed = 0
-    if membership is not None and pool.fraud_slash_amount > 0 and membership.stake > 0:
+    live = membership is not None and membership.status in ("active", "pending")
+    if membership is not None and live and pool.fraud_slash_amount > 0 and membership.stake > 0:
+        # Only a live membership still has its stake locked; an ended one has unbonded it.
         amount = min(pool.fraud_slash_amount, membership.stake)
         await ledger.transfer(
             session,
