@@ -8,6 +8,7 @@ from orchestrator.identity import models as identity_models
 from orchestrator.ledger import models as ledger_models
 from orchestrator.payouts import models as payouts_models
 from orchestrator.pools import models as pools_models
+from orchestrator.restem import models as restem_models
 from orchestrator.tasks import models as tasks_models
 from orchestrator.verification import models as verification_models
 
@@ -19,6 +20,7 @@ __all__ = [
     "ledger_models",
     "payouts_models",
     "pools_models",
+    "restem_models",
     "tasks_models",
     "ticks",
     "verification_models",

@@ -21,6 +21,7 @@ from orchestrator.core.logging import configure_logging
 from orchestrator.core.loops import run_periodically
 from orchestrator.core.middleware import BodyLimitMiddleware, RequestContextMiddleware
 from orchestrator.core.state import AppState
+from orchestrator.feed.router import router as feed_router
 from orchestrator.identity.router import router as identity_router
 from orchestrator.ledger import jobs as ledger_jobs
 from orchestrator.ledger.router import router as ledger_router
@@ -30,6 +31,8 @@ from orchestrator.payouts.router import admin_router as payouts_admin_router
 from orchestrator.payouts.router import router as payouts_router
 from orchestrator.pools.router import admin_router as pools_admin_router
 from orchestrator.pools.router import router as pools_router
+from orchestrator.restem import jobs as restem_jobs
+from orchestrator.restem.router import admin_router as restem_admin_router
 from orchestrator.settings import Settings, get_settings
 from orchestrator.tasks import jobs as task_jobs
 from orchestrator.tasks.router import admin_router as tasks_admin_router
@@ -52,8 +55,10 @@ carry an RFC 9530 Content-Digest with any body (scheme `HttpMessageSignature`).
 Every error is RFC 9457 `application/problem+json` with a stable `code`.
 """
 
-# Result submissions (proofs) and task batches (10,000 prompts) get the larger body limit.
-LARGE_BODY_PATHS = r"/v1/assignments/[^/]+/result|/v1/admin/pools/[^/]+/tasks"
+# Result submissions (proofs), task batches and ReST^EM problem sets get the larger body limit.
+LARGE_BODY_PATHS = (
+    r"/v1/assignments/[^/]+/result|/v1/admin/pools/[^/]+/tasks|/v1/admin/pools/[^/]+/restem/iterations"
+)
 
 
 def create_app(
@@ -83,6 +88,7 @@ def create_app(
                 ("lease-reaper", task_jobs.INTERVAL_S, task_jobs.reap_once),
                 ("verifier", verification_jobs.VERIFY_INTERVAL_S, verification_jobs.verify_once),
                 ("reward-release", verification_jobs.RELEASE_INTERVAL_S, verification_jobs.release_once),
+                ("restem-barrier", restem_jobs.INTERVAL_S, restem_jobs.advance_once),
             ]
             tasks += [
                 asyncio.create_task(run_periodically(state, name, interval, tick, stop), name=name)
@@ -135,4 +141,6 @@ def create_app(
     app.include_router(verification_router)
     app.include_router(verification_admin_router)
     app.include_router(validation_router)
+    app.include_router(feed_router)
+    app.include_router(restem_admin_router)
     return app

@@ -35,6 +35,11 @@ SAMPLE_BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/v1/admin/providers/{provider_id}/deposits"): {"amount": 1},
     ("POST", "/v1/admin/verdicts/{verdict_id}/reverse"): {"reason": "mine now"},
     ("POST", "/v1/admin/payouts/{payout_id}/mark-paid"): {"external_reference": "mine now"},
+    ("POST", "/v1/admin/pools/{pool_id}/restem/iterations"): {
+        "name": "intruder",
+        "policy_step": 1,
+        "problems": [{"problem_id": "q", "prompt": "p", "verification": {"answer": "4"}}],
+    },
     ("POST", "/v1/admin/pools/{pool_id}/policies"): {
         "step": 99,
         "uri": "s3://x",
@@ -149,6 +154,17 @@ async def test_no_admin_route_serves_or_changes_another_owners_pool(
     assert r.status_code == 201, r.text
     task_id = str(r.json()["first_task_id"])
     verdict_id, payout_id = await _verdict_and_payout(client, app_state, owner, pool["id"], node)
+    r = await client.post(
+        f"/v1/admin/pools/{pool['id']}/restem/iterations",
+        headers=owner,
+        json={
+            "name": "owned",
+            "policy_step": 1,
+            "problems": [{"problem_id": "q", "prompt": "p", "verification": {"answer": "4"}}],
+        },
+    )
+    assert r.status_code == 201, r.text
+    iteration_id = str(r.json()["id"])
     params = {
         "pool_id": pool["id"],
         "node_id": node.node_id,
@@ -156,6 +172,7 @@ async def test_no_admin_route_serves_or_changes_another_owners_pool(
         "task_id": task_id,
         "verdict_id": verdict_id,
         "payout_id": payout_id,
+        "iteration_id": iteration_id,
     }
     secrets = [pool["id"], owner_token_id, node.node_id, node.provider_id]
     before = await _owner_view(client, owner, pool["id"], node)

@@ -279,9 +279,13 @@ async def test_audits_fall_with_trust_but_never_below_the_floor() -> None:
 
 
 async def test_an_audited_result_gets_a_second_replica(app: Any, app_state: Any) -> None:
+    """Where the server cannot check the answer, an audit asks a second node for it."""
     app_state.rng = FixedDraw(0.0)
     async with pool_setup(app, app_state, workers=2) as s:
-        lease = await one_lease(s, s.workers[0])
+        await s.enqueue(
+            [{"prompt": "Name the capital of France.", "sampling": {"max_tokens": 64}}], key="audit"
+        )
+        lease = (await s.workers[0].claim(s.pool_id)).json()["leases"][0]
         await submit(s.workers[0], lease, ["4"])
         await verify_all(app_state)
         assert await verdicts(s.admin, s.headers, s.pool_id) == []
@@ -291,6 +295,23 @@ async def test_an_audited_result_gets_a_second_replica(app: Any, app_state: Any)
         await verify_all(app_state)
         vs = await verdicts(s.admin, s.headers, s.pool_id)
         assert [v["category"] for v in vs] == ["valid", "valid"]
+
+
+async def test_checkable_answers_are_judged_one_by_one_without_audit_replicas(
+    app: Any, app_state: Any
+) -> None:
+    """Replicas sample with different seeds: where the server checks answers itself, a replica
+    is neither needed to judge them nor a reason to reject a disagreement."""
+    app_state.rng = FixedDraw(0.0)  # an audit would be drawn every time
+    async with pool_setup(app, app_state, workers=2, replication_factor=2) as s:
+        await s.enqueue([task(n=2)], key="checkable")
+        leases = [(await w.claim(s.pool_id)).json()["leases"][0] for w in s.workers]
+        await submit(s.workers[0], leases[0], ["4", "4"])
+        await submit(s.workers[1], leases[1], ["4", "5"])
+        await verify_all(app_state)
+        vs = await verdicts(s.admin, s.headers, s.pool_id)
+        assert [v["category"] for v in vs] == ["valid", "valid"]
+        assert [v["server_reward"] for v in vs] == [1.0, 0.5]
 
 
 async def test_fraud_strikes_eject_the_node_and_then_ban_the_provider(
@@ -418,9 +439,10 @@ async def test_results_waiting_for_a_quorum_that_can_never_meet_are_inconclusive
 ) -> None:
     from orchestrator.tasks.jobs import reap_once
 
-    async with pool_setup(app, app_state, workers=2, replication_factor=2, max_attempts=1,
-                          lease_duration_s=60) as s:
-        await s.enqueue([task()])
+    async with pool_setup(
+        app, app_state, workers=2, replication_factor=2, max_attempts=1, lease_duration_s=60
+    ) as s:
+        await s.enqueue([{"prompt": "Name a colour.", "sampling": {"max_tokens": 8}}])
         first = (await s.workers[0].claim(s.pool_id)).json()["leases"][0]
         assert (await s.workers[1].claim(s.pool_id)).json()["leases"]  # then never answers
         await submit(s.workers[0], first, ["4"])

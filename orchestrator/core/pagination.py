@@ -20,3 +20,13 @@ def decode_cursor(cursor: str | None) -> str | None:
     if not raw.startswith(b"k1:"):
         raise BadRequest("the cursor is not one this API issued", code="cursor_invalid")
     return raw[3:].decode("utf-8", errors="strict")
+
+
+def decode_int_cursor(cursor: str | None) -> int | None:
+    """An opaque cursor that wraps an integer key (ids)."""
+    raw = decode_cursor(cursor)
+    if raw is None:
+        return None
+    if not (raw.isascii() and raw.isdigit()):
+        raise BadRequest("the cursor is not one this API issued", code="cursor_invalid")
+    return int(raw)

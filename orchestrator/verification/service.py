@@ -173,13 +173,18 @@ async def _run_checks(
         if task.replication > 1:  # siblings waiting for a quorum now know this result does not count
             await try_quorum(session, task, pool, secret=secret, now=now)
         return
-    if task.replication > 1:
+    # A vote between replicas is only needed where the server cannot check answers itself:
+    # replicas sample with different seeds, so checkable answers are judged one by one.
+    if task.replication > 1 and not checkable:
         job.stage = "quorum"
         await session.flush()
         await try_quorum(session, task, pool, secret=secret, now=now)
         return
     trust = await _trust(session, pool.id, submission.node_id, submission.provider_id)
-    if rng.random() < audit_probability(trust.consecutive_valid, pool.audit_rate_floor):
+    audit_by_replica = pool.audit_method == "replicate" and not checkable
+    if (pool.audit_method == "validator" or audit_by_replica) and rng.random() < audit_probability(
+        trust.consecutive_valid, pool.audit_rate_floor
+    ):
         job.audited = True
         if pool.audit_method == "validator":
             job.stage = "validator"

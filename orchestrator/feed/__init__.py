@@ -1,0 +1,1 @@
+"""The trainer feed: accepted rollouts in acceptance order, and their JSONL export."""

@@ -1,0 +1,78 @@
+"""GET /v1/pools/{pool_id}/rollouts and its streaming export (trainer tokens)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Path, Query
+from fastapi.responses import StreamingResponse
+
+from api_schemas.common import PROBLEM_RESPONSES
+from api_schemas.feed import RolloutPage
+from orchestrator.admin.tokens import Principal, Role, require_roles
+from orchestrator.core.state import Session, State
+from orchestrator.feed import service
+from orchestrator.pools.models import Pool
+from orchestrator.tasks.access import pool_for
+
+router = APIRouter(prefix="/v1", tags=["trainer feed"], responses=PROBLEM_RESPONSES)
+
+PoolId = Annotated[str, Path(min_length=1, max_length=40)]
+Reader = Annotated[Principal, require_roles(Role.admin, Role.operator, Role.trainer)]
+After = Annotated[
+    str | None,
+    Query(
+        max_length=200, description="A cursor from a previous page or line; omit to start at the beginning"
+    ),
+]
+
+
+async def _reader_pool(pool_id: PoolId, principal: Reader, session: Session) -> Pool:
+    """admin: any pool; operator: its own; trainer: the pools its token is scoped to; else 404."""
+    return await pool_for(session, principal, pool_id)
+
+
+ReaderPool = Annotated[Pool, Depends(_reader_pool)]
+
+
+@router.get(
+    "/pools/{pool_id}/rollouts",
+    response_model=RolloutPage,
+    summary="Accepted rollouts in acceptance order, after a cursor",
+    description="Only accepted, unreversed verdicts; rewards are the server's. A verdict reversed "
+    "after it was served is absent when the same range is read again. Poll with `next_cursor`.",
+    responses={503: {"description": "feed_busy: verdicts are being written; see Retry-After"}},
+)
+async def rollouts(
+    pool: ReaderPool,
+    session: Session,
+    after: After = None,
+    limit: Annotated[int, Query(ge=1, le=500, description="Rollouts per page")] = 100,
+) -> RolloutPage:
+    return await service.page(session, pool.id, after=after, limit=limit)
+
+
+@router.get(
+    "/pools/{pool_id}/rollouts/export",
+    response_class=StreamingResponse,
+    summary="The same feed as JSON Lines, streamed",
+    responses={
+        200: {
+            "description": "One rollout per line, exactly as the paged feed's items (each with its "
+            "own `cursor`), covering the accepted rollouts that existed when the export started.",
+            "content": {"application/x-ndjson": {}},
+        },
+        503: {"description": "feed_busy: verdicts are being written; see Retry-After"},
+    },
+)
+async def export(pool: ReaderPool, session: Session, state: State, after: After = None) -> StreamingResponse:
+    after_id = service.decode(after)
+    upto_id = await service.export_bound(session, pool.id)
+    return StreamingResponse(
+        service.export_lines(state.sessionmaker, pool.id, after_id=after_id, upto_id=upto_id),
+        media_type="application/x-ndjson",
+        headers={
+            "Content-Disposition": f'attachment; filename="rollouts-{pool.id}.jsonl"',
+            "Cache-Control": "no-store",
+        },
+    )

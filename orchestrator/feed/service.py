@@ -1,0 +1,224 @@
+"""The trainer feed: accepted, unreversed verdicts of a pool in verdict id order.
+
+One item is one accepted result (a task replica's group of samples, kept together because
+GRPO-style trainers normalise rewards within a group), with the server's reward per sample.
+Rejected, still unverified and reversed verdicts never appear; a verdict reversed after it
+was served is simply absent when the same range is read again.
+
+**Order without holes.** The cursor is the last verdict id served, so a verdict that commits
+*after* a reader passed its id would be skipped for ever. On SQLite every transaction takes
+the write lock up front, so ids commit in order. On PostgreSQL two verdict transactions (the
+verifier's tick and a validator's post) can commit out of id order, so a read first takes
+``LOCK TABLE verdicts IN SHARE MODE``: it waits for every transaction that has written a
+verdict to finish and keeps new ones out until the read's transaction ends. What the read
+sees is then a prefix of the final id order, and a later verdict always gets a larger id than
+anything served. The wait is bounded (``lock_timeout``); past it the read answers 503
+``feed_busy`` with ``Retry-After``. The export takes the lock once, to fix its upper bound,
+and then reads below it in short unlocked transactions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import anyio
+import orjson
+from sqlalchemy import Row, func, select, text
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from api_schemas.feed import FeedTask, Rollout, RolloutPage, RolloutSample
+from api_schemas.tasks import Sampling
+from orchestrator.core.errors import BadRequest, ServiceUnavailable
+from orchestrator.core.pagination import decode_cursor, encode_cursor
+from orchestrator.core.sql import is_postgres
+from orchestrator.tasks.models import Submission, Task
+from orchestrator.verification.models import Verdict
+
+CURSOR_PREFIX = "rollouts:"
+EXPORT_CHUNK = 200
+LOCK_TIMEOUT_MS = 5000
+RETRY_AFTER_S = 2
+LOCK_NOT_AVAILABLE = "55P03"
+
+
+# ------------------------------------------------------------------ cursors
+
+
+def encode(verdict_id: int) -> str:
+    return encode_cursor(f"{CURSOR_PREFIX}{verdict_id}")
+
+
+def decode(cursor: str | None) -> int:
+    """The verdict id a cursor stands for (0: the beginning of the feed)."""
+    raw = decode_cursor(cursor)
+    if raw is None:
+        return 0
+    number = raw.removeprefix(CURSOR_PREFIX)
+    if not raw.startswith(CURSOR_PREFIX) or not (number.isascii() and number.isdigit()):
+        raise BadRequest("the cursor is not one this feed issued", code="cursor_invalid")
+    return int(number)
+
+
+# ------------------------------------------------------------------ rewards
+
+
+def sample_rewards(details: dict[str, Any] | None, server_reward: float | None, n: int) -> list[float | None]:
+    """Per-sample rewards from the verdict's details; the verdict's mean where they are missing
+    (a quorum decision keeps only the mean)."""
+    per_sample = (details or {}).get("per_sample_rewards")
+    if isinstance(per_sample, list) and len(per_sample) == n:
+        return [
+            float(r) if isinstance(r, int | float) and math.isfinite(r) else server_reward for r in per_sample
+        ]
+    return [server_reward] * n
+
+
+# ------------------------------------------------------------------ reads
+
+
+async def stabilise(session: AsyncSession) -> None:
+    """On PostgreSQL, wait until no transaction is still writing verdicts (see the module doc)."""
+    if not is_postgres(session):
+        return
+    try:
+        await session.execute(text(f"SET LOCAL lock_timeout = {LOCK_TIMEOUT_MS}"))
+        await session.execute(text("LOCK TABLE verdicts IN SHARE MODE"))
+    except DBAPIError as exc:
+        code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
+        if code != LOCK_NOT_AVAILABLE:
+            raise
+        raise ServiceUnavailable(
+            "verification is writing verdicts; retry shortly",
+            code="feed_busy",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        ) from exc
+
+
+def _accepted(pool_id: str) -> Any:
+    return (
+        Verdict.pool_id == pool_id,
+        Verdict.outcome == "accepted",
+        Verdict.reversed_at.is_(None),
+    )
+
+
+async def _rows(
+    session: AsyncSession, pool_id: str, *, after_id: int, upto_id: int | None, limit: int
+) -> Sequence[Row[Any]]:
+    stmt = (
+        select(
+            Verdict.id,
+            Verdict.submission_id,
+            Verdict.node_id,
+            Verdict.server_reward,
+            Verdict.details,
+            Verdict.decided_at,
+            Submission.policy_step,
+            Submission.body,
+            Task.id.label("task_id"),
+            Task.prompt,
+            Task.problem_ref,
+            Task.sampling,
+            Task.metadata_,
+            Task.is_canary,
+        )
+        .join(Submission, Submission.id == Verdict.submission_id)
+        .join(Task, Task.id == Verdict.task_id)
+        .where(*_accepted(pool_id), Verdict.id > after_id)
+        .order_by(Verdict.id)
+        .limit(limit)
+    )
+    if upto_id is not None:
+        stmt = stmt.where(Verdict.id <= upto_id)
+    return (await session.execute(stmt)).all()
+
+
+def rollout(row: Row[Any]) -> Rollout:
+    body = orjson.loads(row.body)
+    samples = body.get("samples") or []
+    rewards = sample_rewards(row.details, row.server_reward, len(samples))
+    return Rollout(
+        cursor=encode(row.id),
+        verdict_id=row.id,
+        submission_id=row.submission_id,
+        node_id=row.node_id,
+        policy_step=row.policy_step,
+        seed=body.get("seed"),
+        reward=row.server_reward,
+        accepted_at=row.decided_at,
+        task=FeedTask(
+            task_id=row.task_id,
+            prompt=row.prompt,
+            problem_ref=row.problem_ref,
+            sampling=Sampling(**row.sampling),
+            metadata=row.metadata_,
+            canary=row.is_canary,
+        ),
+        samples=[
+            RolloutSample(
+                index=i,
+                completion=s.get("completion"),
+                token_ids=s.get("token_ids"),
+                finish_reason=s.get("finish_reason", ""),
+                prompt_tokens=s.get("prompt_tokens", 0),
+                completion_tokens=s.get("completion_tokens", 0),
+                logprob_summary=s.get("logprob_summary"),
+                reward=reward,
+            )
+            for i, (s, reward) in enumerate(zip(samples, rewards, strict=True))
+        ],
+    )
+
+
+def _rollouts(rows: Sequence[Row[Any]]) -> list[Rollout]:
+    return [rollout(r) for r in rows]
+
+
+async def page(session: AsyncSession, pool_id: str, *, after: str | None, limit: int) -> RolloutPage:
+    after_id = decode(after)
+    await stabilise(session)
+    rows = await _rows(session, pool_id, after_id=after_id, upto_id=None, limit=limit + 1)
+    more = len(rows) > limit
+    rows = rows[:limit]
+    # Parsing signed bodies is CPU work: off the event loop.
+    items = await anyio.to_thread.run_sync(_rollouts, rows)
+    if items:
+        next_cursor: str | None = items[-1].cursor
+    else:
+        next_cursor = after if after is not None else None
+    return RolloutPage(items=items, next_cursor=next_cursor, has_more=more)
+
+
+async def export_bound(session: AsyncSession, pool_id: str) -> int:
+    """The newest accepted verdict id now; the export stops there, so it always ends."""
+    await stabilise(session)
+    upto = await session.scalar(select(func.max(Verdict.id)).where(*_accepted(pool_id)))
+    return int(upto or 0)
+
+
+def _lines(rows: Sequence[Row[Any]]) -> bytes:
+    return b"".join(orjson.dumps(rollout(r).model_dump(mode="json")) + b"\n" for r in rows)
+
+
+async def export_lines(
+    sessionmaker: async_sessionmaker[AsyncSession],
+    pool_id: str,
+    *,
+    after_id: int,
+    upto_id: int,
+    chunk_size: int | None = None,
+) -> AsyncIterator[bytes]:
+    """The feed as JSON Lines, a chunk at a time, each chunk read in its own short transaction
+    (no connection or lock is held while the client reads; SQLite transactions are write locks)."""
+    chunk_size = chunk_size or EXPORT_CHUNK
+    while after_id < upto_id:
+        async with sessionmaker() as session, session.begin():
+            rows = await _rows(session, pool_id, after_id=after_id, upto_id=upto_id, limit=chunk_size)
+        if rows:
+            yield await anyio.to_thread.run_sync(_lines, rows)
+        if len(rows) < chunk_size:
+            return
+        after_id = rows[-1].id

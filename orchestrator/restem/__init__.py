@@ -1,0 +1,1 @@
+"""ReST^EM iterations: sample N per problem under one policy, verify, keep at most K correct."""

@@ -1,0 +1,306 @@
+"""The trainer feed: accepted rollouts in acceptance order, a stable cursor, scoping, the export."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from orchestrator.admin.tokens import Role, create_token
+from orchestrator.core.pagination import encode_cursor
+from orchestrator.feed import service as feed_service
+from orchestrator.tasks.models import Submission
+from orchestrator.verification import service as verification
+from orchestrator.verification.models import VerificationJob
+from tests.conftest import make_token, postgres_only, problem
+from tests.tasks_helpers import PoolSetup, Worker, pool_setup, task
+from tests.verification_helpers import FixedDraw, submit, verify_all
+
+
+@pytest.fixture(autouse=True)
+def _no_audits(app_state: Any) -> None:
+    app_state.rng = FixedDraw(1.0)
+
+
+_batches = itertools.count()
+
+
+def arithmetic(n: int = 1) -> dict[str, Any]:
+    return task(prompt="What is 2+2?", n=n, verification={"answer": "4"}, metadata={"source": "arith"})
+
+
+async def leases(s: PoolSetup, worker: Worker, count: int, n: int = 1) -> list[dict[str, Any]]:
+    r = await s.enqueue([arithmetic(n) for _ in range(count)], key=f"batch-{next(_batches)}")
+    assert r.status_code == 201, r.text
+    got: list[dict[str, Any]] = []
+    while len(got) < count:
+        r = await worker.claim(s.pool_id, max_tasks=count - len(got))
+        assert r.status_code == 200, r.text
+        assert r.json()["leases"], r.json()
+        got += r.json()["leases"]
+    return got
+
+
+async def trainer_headers(app_state: Any, pool_ids: list[str]) -> dict[str, str]:
+    async with app_state.sessionmaker() as session, session.begin():
+        token, _ = await create_token(session, role=Role.trainer, name="trainer", pool_ids=pool_ids)
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def feed(s: PoolSetup, headers: dict[str, str] | None = None, **params: Any) -> dict[str, Any]:
+    r = await s.admin.get(f"/v1/pools/{s.pool_id}/rollouts", params=params, headers=headers or s.headers)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+async def whole_feed(s: PoolSetup, limit: int, after: str | None = None) -> tuple[list[dict[str, Any]], str]:
+    items: list[dict[str, Any]] = []
+    cursor = after
+    while True:
+        params: dict[str, Any] = {"limit": limit}
+        if cursor is not None:
+            params["after"] = cursor
+        page = await feed(s, **params)
+        items += page["items"]
+        cursor = page["next_cursor"]
+        if not page["has_more"]:
+            assert cursor is not None
+            return items, cursor
+
+
+async def test_only_accepted_rollouts_appear_in_acceptance_order_with_server_rewards(
+    app: Any, app_state: Any
+) -> None:
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=10) as s:
+        w = s.workers[0]
+        first, second, wrong, fraud, late = await leases(s, w, 5, n=2)
+        # Submitted (and so verified) out of lease order: the feed follows verdicts, not tasks.
+        b = await submit(w, second, ["4", "5"])
+        a = await submit(w, first, ["4", "4"])
+        await submit(w, wrong, ["5", "6"])  # an honest wrong answer: rejected
+        await submit(w, fraud, ["4", "4"], seed=12345)  # a seed the worker chose: fraud
+        await verify_all(app_state)
+        await submit(w, late, ["4", "4"])  # not verified yet
+
+        page = await feed(s)
+        assert [i["submission_id"] for i in page["items"]] == [b["submission_id"], a["submission_id"]]
+        assert page["has_more"] is False
+        item = page["items"][0]
+        assert item["node_id"] == w.node_id and item["policy_step"] == 1
+        assert item["seed"] == second["seed"]
+        assert item["reward"] == 0.5
+        assert [x["reward"] for x in item["samples"]] == [1.0, 0.0]
+        assert [x["completion"] for x in item["samples"]] == ["Let me think.\n4", "Let me think.\n5"]
+        assert item["task"]["task_id"] == second["task"]["task_id"]
+        assert item["task"]["prompt"] == "What is 2+2?"
+        assert item["task"]["metadata"] == {"source": "arith"}
+        assert item["task"]["sampling"]["n"] == 2 and item["task"]["canary"] is False
+        assert "verification" not in item["task"]  # the answer key stays on the server
+        assert [x["reward"] for x in page["items"][1]["samples"]] == [1.0, 1.0]
+
+        # The late result appears once verified, after the others.
+        await verify_all(app_state)
+        page = await feed(s, after=page["next_cursor"])
+        assert [i["task"]["task_id"] for i in page["items"]] == [late["task"]["task_id"]]
+
+
+async def test_pages_concatenate_and_a_cursor_keeps_working_after_new_verdicts(
+    app: Any, app_state: Any
+) -> None:
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=10) as s:
+        w = s.workers[0]
+        for lease in await leases(s, w, 4):
+            await submit(w, lease, ["4"])
+        for lease in await leases(s, w, 3):
+            await submit(w, lease, ["4"])
+        await verify_all(app_state)
+
+        everything, _ = await whole_feed(s, limit=100)
+        assert len(everything) == 7
+        ids = [i["verdict_id"] for i in everything]
+        assert ids == sorted(ids)
+        paged, end = await whole_feed(s, limit=2)
+        assert paged == everything
+        middle = everything[2]["cursor"]
+
+        # The end of the feed: polling returns nothing new, and the cursor is kept.
+        page = await feed(s, after=end)
+        assert page["items"] == [] and page["next_cursor"] == end and page["has_more"] is False
+
+        for lease in await leases(s, w, 2):
+            await submit(w, lease, ["4"])
+        await verify_all(app_state)
+        newer, _ = await whole_feed(s, limit=1, after=end)
+        assert len(newer) == 2 and min(i["verdict_id"] for i in newer) > max(ids)
+        # An older cursor still resumes exactly where it was issued.
+        resumed, _ = await whole_feed(s, limit=3, after=middle)
+        assert resumed == everything[3:] + newer
+
+
+async def test_a_reversed_verdict_is_absent_on_a_re_read(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=10) as s:
+        w = s.workers[0]
+        for lease in await leases(s, w, 3):
+            await submit(w, lease, ["4"])
+        await verify_all(app_state)
+        before = (await feed(s))["items"]
+        r = await s.admin.post(
+            f"/v1/admin/verdicts/{before[1]['verdict_id']}/reverse",
+            json={"reason": "appeal upheld"},
+            headers=s.admin_headers,
+        )
+        assert r.status_code == 200, r.text
+        after = (await feed(s))["items"]
+        assert [i["verdict_id"] for i in after] == [before[0]["verdict_id"], before[2]["verdict_id"]]
+        # A cursor issued at the reversed verdict still works.
+        page = await feed(s, after=before[1]["cursor"])
+        assert [i["verdict_id"] for i in page["items"]] == [before[2]["verdict_id"]]
+
+
+async def test_the_feed_is_scoped_to_the_pool(app: Any, app_state: Any) -> None:
+    async with (
+        pool_setup(app, app_state, workers=1, max_leases_per_node=10) as s,
+        pool_setup(app, app_state) as other,
+    ):
+        w = s.workers[0]
+        [lease] = await leases(s, w, 1)
+        await submit(w, lease, ["4"])
+        await verify_all(app_state)
+        path = f"/v1/pools/{s.pool_id}/rollouts"
+        for suffix in ("", "/export"):
+            # another operator, and a trainer scoped to another pool: as if the pool did not exist
+            problem(await s.admin.get(path + suffix, headers=other.headers), 404, "pool_not_found")
+            elsewhere = await trainer_headers(app_state, [other.pool_id])
+            problem(await s.admin.get(path + suffix, headers=elsewhere), 404, "pool_not_found")
+            validator = {"Authorization": f"Bearer {await make_token(app_state, 'validator')}"}
+            problem(await s.admin.get(path + suffix, headers=validator), 403, "role_forbidden")
+            problem(await s.admin.get(path + suffix), 401, "token_missing")
+        problem(await s.admin.get("/v1/pools/nope/rollouts", headers=s.admin_headers), 404, "pool_not_found")
+        # The pool's trainer, its operator and an admin read the same feed.
+        trainer = await trainer_headers(app_state, [s.pool_id])
+        seen = [(await feed(s, headers=h))["items"] for h in (trainer, s.headers, s.admin_headers)]
+        assert len(seen[0]) == 1 and seen[0] == seen[1] == seen[2]
+        # Another pool's feed does not show this pool's rollouts.
+        assert (await feed(other))["items"] == []
+
+
+async def test_a_cursor_the_feed_did_not_issue_is_refused(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state) as s:
+        for bad in ("garbage!", encode_cursor("17"), encode_cursor("rollouts:x")):
+            r = await s.admin.get(f"/v1/pools/{s.pool_id}/rollouts", params={"after": bad}, headers=s.headers)
+            problem(r, 400, "cursor_invalid")
+
+
+async def test_the_export_streams_exactly_the_paged_feed(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(feed_service, "EXPORT_CHUNK", 2)  # several chunks, several transactions
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=10) as s:
+        w = s.workers[0]
+        answers = [["4", "4"], ["5", "5"], ["4", "5"], ["4", "4"], ["4", "4"]]
+        for lease, a in zip(await leases(s, w, 5, n=2), answers, strict=True):
+            await submit(w, lease, a)
+        await verify_all(app_state)
+        paged, _ = await whole_feed(s, limit=2)
+        assert len(paged) == 4  # the all-wrong result is rejected
+
+        r = await s.admin.get(f"/v1/pools/{s.pool_id}/rollouts/export", headers=s.headers)
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"].startswith("application/x-ndjson")
+        lines = [json.loads(line) for line in r.text.splitlines()]
+        assert lines == paged
+
+        r = await s.admin.get(
+            f"/v1/pools/{s.pool_id}/rollouts/export", params={"after": paged[0]["cursor"]}, headers=s.headers
+        )
+        assert [json.loads(line) for line in r.text.splitlines()] == paged[1:]
+
+        empty = await s.admin.get(
+            f"/v1/pools/{s.pool_id}/rollouts/export", params={"after": paged[-1]["cursor"]}, headers=s.headers
+        )
+        assert empty.status_code == 200 and empty.text == ""
+
+
+async def test_results_signed_with_an_older_policy_carry_their_own_step(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=10) as s:
+        w = s.workers[0]
+        [old] = await leases(s, w, 1)
+        assert (await s.publish(2)).status_code == 201
+        [new] = await leases(s, w, 1)
+        await submit(w, old, ["4"])
+        await submit(w, new, ["4"])
+        await verify_all(app_state)
+        assert [i["policy_step"] for i in (await feed(s))["items"]] == [1, 2]
+
+
+async def accept_in_transaction(
+    app_state: Any, submission_id: int, decided: asyncio.Event, release: asyncio.Event | None
+) -> None:
+    """Accept a result in a transaction of its own, held open until ``release`` is set."""
+    async with app_state.sessionmaker() as session, session.begin():
+        job = (
+            await session.execute(
+                select(VerificationJob).where(VerificationJob.submission_id == submission_id)
+            )
+        ).scalar_one()
+        submission = await session.get(Submission, submission_id)
+        assert submission is not None
+        decision = verification.Decision(
+            "accepted", "valid", "verified", "test", {"per_sample_rewards": [1.0]}, paid_samples=1
+        )
+        await verification.decide(session, job, submission, decision, now=app_state.clock.utcnow())
+        decided.set()
+        if release is not None:
+            await release.wait()
+
+
+@postgres_only
+async def test_a_verdict_committed_out_of_id_order_is_not_skipped(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=2) as s:
+        early, late = s.workers
+        [a] = await leases(s, early, 1)
+        [b] = await leases(s, late, 1)
+        sub_a = (await submit(early, a, ["4"]))["submission_id"]
+        sub_b = (await submit(late, b, ["4"]))["submission_id"]
+
+        # A's verdict gets the lower id but commits last; B's commits first.
+        a_decided, release = asyncio.Event(), asyncio.Event()
+        slow = asyncio.create_task(accept_in_transaction(app_state, sub_a, a_decided, release))
+        await asyncio.wait_for(a_decided.wait(), 10)
+        await accept_in_transaction(app_state, sub_b, asyncio.Event(), None)
+
+        read = asyncio.create_task(feed(s))
+        try:
+            await asyncio.sleep(0.5)
+            assert not read.done(), "the feed must wait for the verdict still being written"
+        finally:
+            release.set()
+            await slow
+        page = await asyncio.wait_for(read, 10)
+        assert [i["submission_id"] for i in page["items"]] == [sub_a, sub_b]
+
+
+@postgres_only
+async def test_a_feed_read_that_waits_too_long_is_told_to_retry(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(feed_service, "LOCK_TIMEOUT_MS", 200)
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        [lease] = await leases(s, w, 1)
+        sub = (await submit(w, lease, ["4"]))["submission_id"]
+        decided, release = asyncio.Event(), asyncio.Event()
+        slow = asyncio.create_task(accept_in_transaction(app_state, sub, decided, release))
+        await asyncio.wait_for(decided.wait(), 10)
+        try:
+            r = await s.admin.get(f"/v1/pools/{s.pool_id}/rollouts", headers=s.headers)
+            problem(r, 503, "feed_busy")
+            assert r.headers["retry-after"] == "2"
+        finally:
+            release.set()
+            await slow
+        assert [i["submission_id"] for i in (await feed(s))["items"]] == [sub]

@@ -1,0 +1,366 @@
+"""ReST^EM iterations: tasks under one policy, the barrier, completion and expiry, the dataset."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+from typing import Any
+
+import pytest
+
+from orchestrator.admin.tokens import Role, create_token
+from orchestrator.core.clock import FakeClock
+from orchestrator.restem import service as restem_service
+from orchestrator.restem.jobs import advance_once
+from tests.conftest import problem
+from tests.tasks_helpers import PoolSetup, Worker, pool_setup
+from tests.verification_helpers import FixedDraw, submit, verify_all
+
+QUESTIONS = {"p1": ("What is 2+2?", "4"), "p2": ("What is 3+3?", "6"), "p3": ("What is 5+5?", "10")}
+
+
+@pytest.fixture(autouse=True)
+def _no_audits(app_state: Any) -> None:
+    app_state.rng = FixedDraw(1.0)
+
+
+def iteration_body(
+    name: str = "it-1", problems: tuple[str, ...] = ("p1", "p2"), **extra: Any
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "problems": [
+            {"problem_id": pid, "prompt": QUESTIONS[pid][0], "verification": {"answer": QUESTIONS[pid][1]}}
+            for pid in problems
+        ],
+        "samples_per_problem": 4,
+        "keep_correct": 2,
+        "policy_step": 1,
+        **extra,
+    }
+
+
+def base(s: PoolSetup) -> str:
+    return f"/v1/admin/pools/{s.pool_id}/restem/iterations"
+
+
+async def create(s: PoolSetup, status: int = 201, headers: dict[str, str] | None = None, **body: Any) -> Any:
+    r = await s.admin.post(base(s), json=iteration_body(**body), headers=headers or s.headers)
+    assert r.status_code == status, r.text
+    return r.json()
+
+
+async def get(s: PoolSetup, iteration_id: int) -> dict[str, Any]:
+    r = await s.admin.get(f"{base(s)}/{iteration_id}", headers=s.headers)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+async def report(s: PoolSetup, iteration_id: int) -> dict[str, Any]:
+    r = await s.admin.get(f"{base(s)}/{iteration_id}/report", headers=s.headers)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+async def dataset(s: PoolSetup, iteration_id: int) -> str:
+    r = await s.admin.get(f"{base(s)}/{iteration_id}/dataset", headers=s.headers)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("application/x-ndjson")
+    return r.text
+
+
+async def claim_all(worker: Worker, pool_id: str, count: int) -> dict[str, dict[str, Any]]:
+    """Leases by problem id."""
+    r = await worker.claim(pool_id, max_tasks=count)
+    assert r.status_code == 200, r.text
+    leases = r.json()["leases"]
+    assert len(leases) == count, r.json()
+    return {lease["task"]["metadata"]["restem"]["problem_id"]: lease for lease in leases}
+
+
+async def test_an_iteration_enqueues_one_task_of_n_samples_per_problem(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        it = await create(s, problems=("p1", "p2", "p3"))
+        assert it["status"] == "running" and it["policy_step"] == 1
+        assert (it["samples_per_problem"], it["keep_correct"]) == (4, 2)
+        assert it["sampling"] == {"temperature": 0.7, "top_p": 1.0, "top_k": 40, "max_tokens": 1024}
+        assert it["progress"] == {
+            "problems": 3,
+            "problems_done": 0,
+            "samples_requested": 12,
+            "results_received": 0,
+            "results_verified": 0,
+        }
+        r = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)
+        tasks = r.json()["items"]
+        assert [t["prompt"] for t in tasks] == [QUESTIONS[p][0] for p in ("p1", "p2", "p3")]
+        assert all(t["batch_id"] == it["batch_id"] and t["replication"] == 1 for t in tasks)
+        assert {
+            (t["sampling"]["n"], t["sampling"]["temperature"], t["sampling"]["top_k"]) for t in tasks
+        } == {(4, 0.7, 40)}
+        assert tasks[1]["verification"] == {"answer": "6"}
+        assert tasks[1]["metadata"] == {"restem": {"iteration_id": it["id"], "problem_id": "p2"}}
+
+        # What a worker gets: the iteration's sampling, no answer.
+        lease = (await claim_all(s.workers[0], s.pool_id, 3))["p3"]
+        assert lease["task"]["sampling"]["n"] == 4 and lease["task"]["sampling"]["temperature"] == 0.7
+        assert "verification" not in lease["task"]
+
+
+async def test_sampling_parameters_can_be_chosen(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        sampling = {"temperature": 1.0, "top_k": -1, "top_p": 0.95, "max_tokens": 2048}
+        it = await create(s, samples_per_problem=64, sampling=sampling)
+        assert it["sampling"] == sampling and it["progress"]["samples_requested"] == 128
+        lease = next(iter((await claim_all(s.workers[0], s.pool_id, 2)).values()))
+        assert lease["task"]["sampling"] == {**sampling, "n": 64}
+
+
+async def test_a_running_iteration_blocks_the_next_one(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state) as s:
+        first = await create(s)
+        body = problem(
+            await s.admin.post(base(s), json=iteration_body(name="it-2"), headers=s.headers),
+            409,
+            "iteration_running",
+        )
+        assert body["iteration_id"] == first["id"]
+        # The same request again is a no-op that returns the iteration; another body under its name is not.
+        again = await create(s, status=200)
+        assert again["id"] == first["id"]
+        r = await s.admin.post(base(s), json=iteration_body(keep_correct=5), headers=s.headers)
+        problem(r, 409, "iteration_name_taken")
+        r = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)
+        assert len(r.json()["items"]) == 2  # nothing enqueued twice
+        # Publishing a new policy is not blocked by the barrier.
+        assert (await s.publish(2)).status_code == 201
+
+
+async def test_an_iteration_needs_the_current_policy(app: Any, app_state: Any, clock: FakeClock) -> None:
+    async with pool_setup(app, app_state) as s:
+        assert (await s.publish(2)).status_code == 201
+        body = problem(
+            await s.admin.post(base(s), json=iteration_body(), headers=s.headers), 409, "policy_not_current"
+        )
+        assert body["current_step"] == 2
+        past = (clock.utcnow() - dt.timedelta(seconds=1)).isoformat()
+        r = await s.admin.post(
+            base(s), json=iteration_body(policy_step=2, deadline_at=past), headers=s.headers
+        )
+        problem(r, 422, "deadline_passed")
+        r = await s.admin.post(
+            base(s), json=iteration_body(problems=("p1", "p1"), policy_step=2), headers=s.headers
+        )
+        problem(r, 422, "validation_failed")
+    async with pool_setup(app, app_state, step=None) as s:
+        problem(await s.admin.post(base(s), json=iteration_body(), headers=s.headers), 404, "no_policy")
+
+
+async def test_the_iteration_completes_when_every_problem_is_verified(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        it = await create(s)
+        w = s.workers[0]
+        leases = await claim_all(w, s.pool_id, 2)
+        await submit(w, leases["p1"], ["4", "4", "1", "2"])
+        running = await get(s, it["id"])
+        assert running["status"] == "running" and running["finished_at"] is None
+        assert running["progress"]["results_received"] == 1
+        problem(
+            await s.admin.get(f"{base(s)}/{it['id']}/dataset", headers=s.headers), 409, "iteration_running"
+        )
+
+        await submit(w, leases["p2"], ["1", "2", "3", "5"])  # all wrong: rejected, but verified
+        assert (await get(s, it["id"]))["status"] == "running"  # results in, verdicts not yet
+        await verify_all(app_state)
+        done = await get(s, it["id"])
+        assert done["status"] == "complete" and done["finished_at"] is not None
+        assert done["progress"]["problems_done"] == 2 and done["progress"]["results_verified"] == 2
+        # The barrier is lifted.
+        second = await create(s, name="it-2")
+        assert second["status"] == "running"
+        r = await s.admin.get(base(s), headers=s.headers)
+        assert [(i["id"], i["status"]) for i in r.json()["items"]] == [
+            (second["id"], "running"),
+            (it["id"], "complete"),
+        ]
+
+
+async def test_an_iteration_expires_at_its_deadline_and_stops_its_tasks(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        deadline = clock.utcnow() + dt.timedelta(seconds=60)
+        it = await create(s, problems=("p1", "p2", "p3"), deadline_at=deadline.isoformat())
+        w = s.workers[0]
+        leases = await claim_all(w, s.pool_id, 2)  # p3 is never claimed
+        await submit(w, leases["p1"], ["4", "4", "4", "1"])
+        await verify_all(app_state)
+        await submit(w, leases["p2"], ["6", "6", "6", "6"])  # verified only after the deadline
+
+        clock.advance(59)
+        assert (await get(s, it["id"]))["status"] == "running"
+        clock.advance(2)
+        await verify_all(app_state)
+        expired = await get(s, it["id"])
+        assert expired["status"] == "expired"
+        assert expired["finished_at"].replace("Z", "+00:00") == deadline.isoformat()
+        r = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)
+        assert [t["status"] for t in r.json()["items"]] == ["completed", "completed", "cancelled"]
+        assert (await w.claim(s.pool_id)).json()["reason"] == "no_tasks"
+
+        rep = await report(s, it["id"])
+        by_id = {p["problem_id"]: p for p in rep["problems"]}
+        assert (by_id["p1"]["verified_samples"], by_id["p1"]["correct_samples"]) == (4, 3)
+        assert (by_id["p2"]["verified_samples"], by_id["p2"]["discarded_samples"]) == (0, 4)
+        assert (by_id["p3"]["verified_samples"], by_id["p3"]["task_status"]) == (0, "cancelled")
+        lines = [json.loads(x) for x in (await dataset(s, it["id"])).splitlines()]
+        assert [x["problem_id"] for x in lines] == ["p1", "p1"]  # nothing decided after the deadline
+        assert (await create(s, name="it-2"))["status"] == "running"
+
+
+async def test_the_barrier_loop_expires_iterations_without_a_read(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        deadline = clock.utcnow() + dt.timedelta(seconds=30)
+        it = await create(s, deadline_at=deadline.isoformat())
+        clock.advance(10)
+        assert (await advance_once(app_state)).expired == 0
+        clock.advance(30)
+        report_ = await advance_once(app_state)
+        assert report_.ran and report_.expired == 1
+        assert (await s.workers[0].claim(s.pool_id)).json()["reason"] == "no_tasks"
+        assert (await get(s, it["id"]))["status"] == "expired"
+
+
+def ranked(iteration_id: int, submission_id: int, indices: list[int]) -> list[int]:
+    key = {i: hashlib.sha256(f"{iteration_id}:{submission_id}:{i}".encode()).hexdigest() for i in indices}
+    return sorted(indices, key=key.__getitem__)
+
+
+async def test_the_dataset_keeps_at_most_k_correct_per_problem_the_same_way_every_time(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(restem_service, "DATASET_CHUNK", 2)  # problems read in two transactions
+    async with pool_setup(app, app_state, workers=1) as s:
+        it = await create(s, problems=("p1", "p2", "p3"))
+        w = s.workers[0]
+        leases = await claim_all(w, s.pool_id, 3)
+        p1 = await submit(w, leases["p1"], ["4", "4", "1", "4"])
+        p2 = await submit(w, leases["p2"], ["1", "2", "6", "3"])
+        await submit(w, leases["p3"], ["1", "2", "3", "4"])
+        await verify_all(app_state)
+
+        text = await dataset(s, it["id"])
+        assert text == await dataset(s, it["id"])  # deterministic
+        lines = [json.loads(x) for x in text.splitlines()]
+        assert [(x["problem_id"], x["submission_id"], x["sample_index"]) for x in lines] == [
+            *[("p1", p1["submission_id"], i) for i in ranked(it["id"], p1["submission_id"], [0, 1, 3])[:2]],
+            ("p2", p2["submission_id"], 2),
+        ]
+        first = lines[0]
+        assert first["completion"] == "Let me think.\n4" and first["reward"] == 1.0
+        assert first["prompt"] == "What is 2+2?" and first["policy_step"] == 1
+        assert first["iteration_id"] == it["id"] and first["node_id"] == w.node_id
+
+        rep = await report(s, it["id"])
+        rates = {
+            p["problem_id"]: (p["verified_samples"], p["correct_samples"], p["solve_rate"], p["kept_samples"])
+            for p in rep["problems"]
+        }
+        assert rates == {"p1": (4, 3, 0.75, 2), "p2": (4, 1, 0.25, 1), "p3": (4, 0, 0.0, 0)}
+        t = rep["totals"]
+        assert (t["problems"], t["problems_done"], t["problems_solved"]) == (3, 3, 2)
+        assert (t["verified_samples"], t["correct_samples"], t["dataset_size"]) == (12, 4, 3)
+        assert t["solve_rate"] == pytest.approx(4 / 12)
+        assert t["mean_problem_solve_rate"] == pytest.approx((0.75 + 0.25 + 0.0) / 3)
+
+
+async def test_samples_from_another_policy_step_are_excluded_and_counted(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=2) as s:
+        it = await create(s)
+        on_policy = (await claim_all(s.workers[0], s.pool_id, 1))["p1"]
+        assert (await s.publish(2)).status_code == 201  # not blocked by the running iteration
+        off_policy = (await claim_all(s.workers[1], s.pool_id, 1))["p2"]
+        assert off_policy["policy"]["step"] == 2
+        await submit(s.workers[0], on_policy, ["4", "4", "4", "4"])
+        await submit(s.workers[1], off_policy, ["6", "6", "6", "6"])
+        await verify_all(app_state)
+
+        assert (await get(s, it["id"]))["status"] == "complete"
+        rep = await report(s, it["id"])
+        p1, p2 = rep["problems"]
+        assert (p1["verified_samples"], p1["correct_samples"], p1["off_policy_samples"]) == (4, 4, 0)
+        assert (p2["verified_samples"], p2["off_policy_samples"], p2["solve_rate"]) == (0, 4, None)
+        assert rep["totals"]["off_policy_samples"] == 4
+        lines = [json.loads(x) for x in (await dataset(s, it["id"])).splitlines()]
+        assert {x["problem_id"] for x in lines} == {"p1"} and len(lines) == 2
+
+
+async def test_a_validator_verdict_without_per_sample_rewards_still_picks_the_right_samples(
+    app: Any, app_state: Any
+) -> None:
+    from orchestrator.admin.tokens import Role, create_token
+
+    app_state.rng = FixedDraw(0.0)  # audit every result: a validator decides it
+    async with pool_setup(app, app_state, workers=1, audit_method="validator", audit_rate_floor=1.0) as s:
+        it = await create(s, problems=("p1",), samples_per_problem=3, keep_correct=10)
+        first = (await claim_all(s.workers[0], s.pool_id, 1))["p1"]
+        await submit(s.workers[0], first, ["5", "4", "6"])
+        await verify_all(app_state)
+        async with app_state.sessionmaker() as session, session.begin():
+            token, _ = await create_token(session, role=Role.validator, name="v", pool_ids=[s.pool_id])
+        headers = {"Authorization": f"Bearer {token}"}
+        [job] = (await s.admin.post("/v1/validation/claim", json={}, headers=headers)).json()["jobs"]
+        body = {"fencing_token": job["fencing_token"], "outcome": "valid", "reason": "toploc_ok"}
+        r = await s.admin.post(f"/v1/validation/jobs/{job['job_id']}/verdict", json=body, headers=headers)
+        assert r.status_code == 200, r.text
+
+        assert (await get(s, it["id"]))["status"] == "complete"
+        lines = [json.loads(x) for x in (await dataset(s, it["id"])).splitlines()]
+        assert [(x["node_id"], x["sample_index"]) for x in lines] == [(s.workers[0].node_id, 1)]
+        [p1] = (await report(s, it["id"]))["problems"]
+        assert (p1["verified_samples"], p1["correct_samples"]) == (3, 1)
+
+
+async def test_a_reversed_verdict_drops_out_of_the_dataset(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        it = await create(s, problems=("p1",), keep_correct=10)
+        w = s.workers[0]
+        lease = (await claim_all(w, s.pool_id, 1))["p1"]
+        await submit(w, lease, ["4", "4", "4", "4"])
+        await verify_all(app_state)
+        assert len((await dataset(s, it["id"])).splitlines()) == 4
+        verdicts = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/verdicts", headers=s.headers)
+        [v] = verdicts.json()["items"]
+        r = await s.admin.post(
+            f"/v1/admin/verdicts/{v['id']}/reverse", json={"reason": "appeal"}, headers=s.admin_headers
+        )
+        assert r.status_code == 200, r.text
+        assert await dataset(s, it["id"]) == ""
+        [p1] = (await report(s, it["id"]))["problems"]
+        assert (p1["verified_samples"], p1["discarded_samples"]) == (0, 4)
+
+
+async def test_iterations_are_scoped_to_the_pool(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state) as s, pool_setup(app, app_state) as other:
+        it = await create(s)
+        async with app_state.sessionmaker() as session, session.begin():
+            elsewhere, _ = await create_token(session, role=Role.trainer, name="t", pool_ids=[other.pool_id])
+            here, _ = await create_token(session, role=Role.trainer, name="t", pool_ids=[s.pool_id])
+        for headers in (other.headers, {"Authorization": f"Bearer {elsewhere}"}):
+            for path in ("", f"/{it['id']}", f"/{it['id']}/report", f"/{it['id']}/dataset"):
+                problem(await s.admin.get(base(s) + path, headers=headers), 404, "pool_not_found")
+            r = await s.admin.post(base(s), json=iteration_body(name="x"), headers=headers)
+            problem(r, 404, "pool_not_found")
+        # An iteration id from another pool is not found through this one.
+        problem(
+            await other.admin.get(f"{base(other)}/{it['id']}", headers=other.headers),
+            404,
+            "iteration_not_found",
+        )
+        # The pool's trainer runs iterations too.
+        trainer = {"Authorization": f"Bearer {here}"}
+        r = await s.admin.get(f"{base(s)}/{it['id']}", headers=trainer)
+        assert r.status_code == 200 and r.json()["id"] == it["id"]
