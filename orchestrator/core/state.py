@@ -29,8 +29,13 @@ class AppState:
     instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
 
 
-def get_state(request: Request) -> AppState:
+def app_state(request: Request) -> AppState:
     return cast(AppState, request.app.state.orch)
+
+
+async def get_state(request: Request) -> AppState:
+    """The dependency (async: FastAPI runs a plain ``def`` dependency in a worker thread)."""
+    return app_state(request)
 
 
 State = Annotated[AppState, Depends(get_state)]
@@ -38,7 +43,7 @@ State = Annotated[AppState, Depends(get_state)]
 
 async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
     """The request's one transaction: committed after the handler, rolled back on error."""
-    state = get_state(request)
+    state = app_state(request)
     async with state.sessionmaker() as session, session.begin():
         yield session
 
