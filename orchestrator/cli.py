@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -14,8 +17,10 @@ from orchestrator.settings import Settings, get_settings
 app = typer.Typer(help="Coordinator for permissionless compute pools.", no_args_is_help=True)
 admin_app = typer.Typer(help="Operator tokens and other admin tasks.", no_args_is_help=True)
 keys_app = typer.Typer(help="Ed25519 key files for providers and nodes.", no_args_is_help=True)
+worker_app = typer.Typer(help="Contribute compute: run a worker node.", no_args_is_help=True)
 app.add_typer(admin_app, name="admin")
 app.add_typer(keys_app, name="keys")
+app.add_typer(worker_app, name="worker")
 console = Console(stderr=True)
 
 
@@ -124,6 +129,274 @@ def keys_generate(
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(1) from exc
     typer.echo(key_id_of(key))
+
+
+# ---------------------------------------------------------------- worker
+
+
+def _backend_options(pairs: list[str]) -> dict[str, str]:
+    options: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise typer.BadParameter(f"{pair!r} is not key=value", param_hint="--backend-opt")
+        options[name.strip()] = value
+    return options
+
+
+def _worker_specs(specs_json: str | None, overrides: dict[str, Any]) -> Any:
+    """The node's specs: --specs JSON, or this machine (CPU-only) with the flags given."""
+    from pydantic import ValidationError
+
+    from api_schemas.identity import NodeSpecs
+    from orchestrator.worker.runner import local_specs
+
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if specs_json is not None:
+        if given:
+            raise typer.BadParameter("give either --specs or the single spec flags", param_hint="--specs")
+        try:
+            raw = json.loads(specs_json)
+        except ValueError as exc:
+            raise typer.BadParameter(f"not JSON: {exc}", param_hint="--specs") from exc
+    else:
+        raw = {**local_specs().model_dump(), **given}
+        if "gpu_model" in given and "gpu_count" not in given:
+            raw["gpu_count"] = 1
+    try:
+        return NodeSpecs.model_validate(raw)
+    except ValidationError as exc:
+        message = "; ".join(
+            f"{'.'.join(str(part) for part in e['loc']) or 'specs'}: {e['msg']}" for e in exc.errors()
+        )
+        raise typer.BadParameter(message, param_hint="--specs / --gpu-*") from exc
+
+
+def _stats_table(stats: Any) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"worker {stats.node_id[:12]} ({stats.state})", title_justify="left", min_width=34)
+    earnings = "-" if stats.earnings is None else str(stats.earnings)
+    cells = {
+        "in flight": stats.in_flight,
+        "done": stats.tasks_done,
+        "submitted": stats.submitted,
+        "accepted": stats.accepted,
+        "rejected": stats.rejected,
+        "released": stats.released,
+        "errors": stats.errors,
+        "earnings": earnings,
+    }
+    table.add_column("")
+    table.add_column("", justify="right")
+    table.show_header = False
+    for name, value in cells.items():
+        table.add_row(name, str(value))
+    if stats.idle_reason:
+        table.caption = f"no work: {stats.idle_reason}"
+    return table
+
+
+class _ConsoleLogger:
+    """structlog output through the rich console, so log lines print above the live table."""
+
+    def __init__(self, out: Console) -> None:
+        self.out = out
+
+    def msg(self, message: str) -> None:
+        from rich.text import Text
+
+        self.out.print(Text.from_ansi(message), soft_wrap=True)
+
+    debug = info = warning = warn = error = critical = exception = fatal = log = msg
+
+
+async def _run_worker_live(config: Any, live: Any) -> Any:
+    import signal
+
+    from orchestrator.worker.runner import run_worker
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    signals = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            console.print(f"[yellow]{signal.Signals(signum).name}: stopping (again to quit now)[/yellow]")
+            stop.set()
+        elif main is not None:
+            main.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        return await run_worker(config, stop=stop, progress=lambda s: live.update(_stats_table(s)))
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+ServerOpt = Annotated[str, typer.Option(help="The orchestrator's base URL")]
+NodeKeyOpt = Annotated[Path, typer.Option("--node-key", help="The node's key file")]
+SpecsOpt = Annotated[
+    str | None, typer.Option("--specs", help='Node specs as JSON: {"gpu_model", "gpu_count", ...}')
+]
+GpuModelOpt = Annotated[str | None, typer.Option(help="GPU model as the driver reports it")]
+GpuCountOpt = Annotated[int | None, typer.Option(min=0, help="Number of GPUs")]
+GpuMemoryOpt = Annotated[int | None, typer.Option(min=0, help="Memory per GPU, MiB")]
+CpuCoresOpt = Annotated[int | None, typer.Option(min=1, help="CPU cores (default: this machine's)")]
+RamOpt = Annotated[int | None, typer.Option(min=256, help="RAM in MiB (default: this machine's)")]
+DEFAULT_SERVER = "http://127.0.0.1:8000"
+
+
+@contextmanager
+def _worker_errors() -> Iterator[None]:
+    """Refusals and failures as one readable line (plus a join's reasons) and exit 1."""
+    import httpx
+
+    from orchestrator.worker.errors import OrchestratorAPIError, WorkerError
+
+    try:
+        yield
+    except OrchestratorAPIError as exc:
+        console.print(f"[red]the server refused: {exc.status} {exc.code}: {exc.detail}[/red]")
+        for reason in exc.body.get("reasons") or []:
+            console.print(f"[red]  - {reason.get('code')}: {reason.get('detail')}[/red]")
+        raise typer.Exit(1) from exc
+    except (WorkerError, ValueError, KeyError, OSError, httpx.HTTPError) as exc:
+        console.print(f"[red]worker failed: {type(exc).__name__}: {exc}[/red]")
+        raise typer.Exit(1) from exc
+
+
+async def _register_node(server: str, provider_key: Any, node_key: Any, specs: Any) -> Any:
+    from orchestrator import __version__
+    from orchestrator.worker.client import WorkerClient
+
+    async with WorkerClient(server, node_key, provider_key) as client:
+        return await client.register(specs, __version__)
+
+
+@worker_app.command("register")
+def worker_register(
+    provider_key: Annotated[Path, typer.Option("--provider-key", help="The provider's key file")],
+    node_key: NodeKeyOpt,
+    server: ServerOpt = DEFAULT_SERVER,
+    specs: SpecsOpt = None,
+    gpu_model: GpuModelOpt = None,
+    gpu_count: GpuCountOpt = None,
+    gpu_memory_mb: GpuMemoryOpt = None,
+    cpu_cores: CpuCoresOpt = None,
+    ram_mb: RamOpt = None,
+) -> None:
+    """Register the provider and the node (idempotent) and print their ids, e.g. so that an
+    operator can deposit the provider's stake before the node joins a pool."""
+    overrides = {"gpu_model": gpu_model, "gpu_count": gpu_count, "gpu_memory_mb": gpu_memory_mb}
+    node_specs = _worker_specs(specs, {**overrides, "cpu_cores": cpu_cores, "ram_mb": ram_mb})
+    from orchestrator.core.keys import read_key_file
+
+    with _worker_errors():
+        keys = read_key_file(provider_key), read_key_file(node_key)
+        node = asyncio.run(_register_node(server, *keys, node_specs))
+    typer.echo(json.dumps({"provider_id": node.provider_id, "node_id": node.id, "status": node.status}))
+
+
+@worker_app.command("run")
+def worker_run(
+    pool: Annotated[str, typer.Option("--pool", help="The pool to work for")],
+    node_key: NodeKeyOpt,
+    provider_key: Annotated[
+        Path | None,
+        typer.Option(
+            "--provider-key",
+            help="The provider's key file: registers provider and node and shows verdicts and "
+            "earnings. Without it the node must already be registered.",
+        ),
+    ] = None,
+    server: ServerOpt = DEFAULT_SERVER,
+    backend: Annotated[
+        str, typer.Option(help="Rollout backend: arithmetic, openai or a plugin")
+    ] = "arithmetic",
+    backend_opt: Annotated[
+        list[str] | None, typer.Option("--backend-opt", help="Backend option key=value (repeatable)")
+    ] = None,
+    concurrency: Annotated[int, typer.Option(min=1, max=1024, help="Leases held at once")] = 1,
+    max_tasks: Annotated[int | None, typer.Option(min=1, help="Stop after this many leases")] = None,
+    specs: SpecsOpt = None,
+    gpu_model: GpuModelOpt = None,
+    gpu_count: GpuCountOpt = None,
+    gpu_memory_mb: GpuMemoryOpt = None,
+    cpu_cores: CpuCoresOpt = None,
+    ram_mb: RamOpt = None,
+    invite_code: Annotated[str | None, typer.Option(help="Invite code, for invite-only pools")] = None,
+    grace_s: Annotated[
+        float, typer.Option(min=0, help="On stop, seconds held leases get to finish before release")
+    ] = 30.0,
+    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR")] = "INFO",
+) -> None:
+    """Run a worker: register, join the pool, then claim, generate and submit until stopped.
+
+    SIGINT or SIGTERM stops it cleanly: no new claims, held leases finish within --grace-s or
+    are released. A second signal quits at once. The final stats are printed as JSON.
+    """
+    import dataclasses
+
+    import structlog
+    from rich.live import Live
+
+    from orchestrator.core.logging import configure_logging
+    from orchestrator.worker.backends import available
+    from orchestrator.worker.runner import WorkerConfig, WorkerStats
+
+    if backend not in available():
+        names = ", ".join(available())
+        raise typer.BadParameter(f"unknown backend; available: {names}", param_hint="--backend")
+    overrides = {"gpu_model": gpu_model, "gpu_count": gpu_count, "gpu_memory_mb": gpu_memory_mb}
+    node_specs = _worker_specs(specs, {**overrides, "cpu_cores": cpu_cores, "ram_mb": ram_mb})
+    config = WorkerConfig(
+        server=server,
+        pool_id=pool,
+        node_key_path=node_key,
+        provider_key_path=provider_key,
+        backend=backend,
+        backend_options=_backend_options(list(backend_opt or [])),
+        concurrency=concurrency,
+        max_tasks=max_tasks,
+        specs=node_specs,
+        invite_code=invite_code,
+        grace_s=grace_s,
+    )
+    configure_logging(log_level, json=False)
+    structlog.configure(logger_factory=lambda *_: _ConsoleLogger(console))
+    try:
+        with (
+            _worker_errors(),
+            Live(_stats_table(WorkerStats()), console=console, refresh_per_second=4) as live,
+        ):
+            stats = asyncio.run(_run_worker_live(config, live))
+    except asyncio.CancelledError as exc:
+        console.print("[red]stopped at once; held leases expire on the server[/red]")
+        raise typer.Exit(130) from exc
+    typer.echo(json.dumps(dataclasses.asdict(stats)))
+
+
+@app.command("demo")
+def demo_cmd(
+    duration: Annotated[float, typer.Option(help="Seconds to run at most")] = 45.0,
+    honest: Annotated[int, typer.Option(help="Honest workers")] = 6,
+    dishonest: Annotated[int, typer.Option(help="Dishonest workers, one of each kind in turn")] = 7,
+    seed: Annotated[int, typer.Option(help="Seed of the problems and the workers' choices")] = 7,
+    tasks: Annotated[int, typer.Option(help="Arithmetic problems to enqueue")] = 150,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Also write the summary here as JSON")
+    ] = None,
+) -> None:
+    """Run a coordinator in-process with honest workers and cheaters, and show what is caught."""
+    from orchestrator.demo.cli import demo
+
+    demo(duration=duration, honest=honest, dishonest=dishonest, seed=seed, tasks=tasks, json_path=json_path)
 
 
 if __name__ == "__main__":

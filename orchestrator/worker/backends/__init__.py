@@ -1,0 +1,17 @@
+"""Rollout backends: the ``Backend`` protocol, the built-ins and the plugin registry."""
+
+from orchestrator.worker.backends.arithmetic import ArithmeticBackend
+from orchestrator.worker.backends.base import Backend, BackendError, BackendFactory
+from orchestrator.worker.backends.openai_compat import OpenAIBackend
+from orchestrator.worker.backends.registry import ENTRY_POINT_GROUP, available, create_backend
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "ArithmeticBackend",
+    "Backend",
+    "BackendError",
+    "BackendFactory",
+    "OpenAIBackend",
+    "available",
+    "create_backend",
+]

@@ -1,0 +1,179 @@
+"""``openai``: any OpenAI-compatible completions endpoint (vLLM, llama.cpp server, ...).
+
+One request per lease: ``POST {base_url}/v1/completions`` with the task's prompt and
+sampling parameters, ``n`` choices and the lease's seed (``top_k`` only when the task sets
+one; vLLM accepts it as an extra parameter). Choices become samples in index order.
+
+Options (``--backend-opt key=value``):
+
+* ``base_url`` (required): the server, e.g. ``http://127.0.0.1:8000`` (a trailing ``/v1`` is
+  fine);
+* ``model`` (required): the served model name;
+* ``api_key_env``: the name of an environment variable that holds the API key (sent as a
+  bearer token; the key itself is never an option, never logged);
+* ``timeout_s`` (default 600) and ``connect_timeout_s`` (default 10);
+* ``logprobs``: ask for this many top logprobs per token and send a summary (sum, mean,
+  min, count of the sampled tokens' logprobs) with each sample.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from api_schemas.tasks import LeasedTask, PolicyRef, Sample
+from orchestrator.worker.backends.base import option_float, option_int
+from orchestrator.worker.errors import BackendError
+
+OPTIONS = frozenset({"base_url", "model", "api_key_env", "timeout_s", "connect_timeout_s", "logprobs"})
+
+
+def completions_url(base_url: str) -> str:
+    base = base_url.rstrip("/")
+    return f"{base}/completions" if base.endswith("/v1") else f"{base}/v1/completions"
+
+
+class OpenAIBackend:
+    name = "openai"
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        logprobs: int | None = None,
+    ) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError("base_url must be an http:// or https:// URL")
+        self.url = completions_url(base_url)
+        self.model = model
+        self.logprobs = logprobs
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s), headers=headers
+        )
+
+    def __repr__(self) -> str:  # never shows the key
+        return f"OpenAIBackend(url={self.url!r}, model={self.model!r})"
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, str]) -> OpenAIBackend:
+        unknown = set(options) - OPTIONS
+        if unknown:
+            raise ValueError(f"unknown openai backend options: {', '.join(sorted(unknown))}")
+        for required in ("base_url", "model"):
+            if not options.get(required):
+                raise ValueError(f"the openai backend needs --backend-opt {required}=...")
+        api_key = None
+        env_name = options.get("api_key_env")
+        if env_name:
+            api_key = os.environ.get(env_name)
+            if not api_key:
+                raise ValueError(f"api_key_env names {env_name}, which is not set")
+        return cls(
+            options["base_url"],
+            options["model"],
+            api_key=api_key,
+            timeout_s=option_float(options, "timeout_s", 600.0),
+            connect_timeout_s=option_float(options, "connect_timeout_s", 10.0),
+            logprobs=option_int(options, "logprobs", None),
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    def request_body(self, task: LeasedTask, seed: int) -> dict[str, Any]:
+        if task.prompt is None:
+            raise BackendError(
+                f"task {task.task_id} has only a problem_ref; the openai backend needs a prompt"
+            )
+        s = task.sampling
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": task.prompt,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "max_tokens": s.max_tokens,
+            "n": s.n,
+            "seed": seed,
+        }
+        if s.top_k >= 0:
+            body["top_k"] = s.top_k
+        if self.logprobs is not None:
+            body["logprobs"] = self.logprobs
+        return body
+
+    async def generate(self, task: LeasedTask, seed: int, policy: PolicyRef) -> list[Sample]:
+        body = self.request_body(task, seed)
+        try:
+            response = await self._http.post(self.url, json=body)
+        except httpx.HTTPError as exc:
+            raise BackendError(f"completions request to {self.url} failed: {type(exc).__name__}") from exc
+        if response.is_error:
+            raise BackendError(
+                f"completions endpoint answered {response.status_code}: {response.text[:200]!r}"
+            )
+        try:
+            payload = response.json()
+        except ValueError as exc:
+            raise BackendError("completions endpoint answered something that is not JSON") from exc
+        return samples_from(payload, task)
+
+
+def samples_from(payload: Any, task: LeasedTask) -> list[Sample]:
+    """Map an OpenAI completions response to ``task.sampling.n`` samples."""
+    n = task.sampling.n
+    choices = payload.get("choices") if isinstance(payload, dict) else None
+    if not isinstance(choices, list) or len(choices) != n:
+        got = len(choices) if isinstance(choices, list) else "no"
+        raise BackendError(f"completions endpoint returned {got} choices, {n} were asked for")
+    choices = sorted(choices, key=lambda c: int(c.get("index", 0)))
+    usage = payload.get("usage") or {}
+    total_completion = usage.get("completion_tokens")
+    shares = _split(int(total_completion), n) if isinstance(total_completion, int) else None
+    samples = []
+    for i, choice in enumerate(choices):
+        text = str(choice.get("text") or "")
+        logprobs = choice.get("logprobs") or {}
+        own = choice.get("usage") or {}
+        if isinstance(own.get("completion_tokens"), int):
+            completion_tokens = int(own["completion_tokens"])
+        elif isinstance(logprobs.get("tokens"), list):
+            completion_tokens = len(logprobs["tokens"])
+        elif shares is not None:
+            completion_tokens = shares[i]
+        else:
+            completion_tokens = min(len(text.split()), task.sampling.max_tokens)
+        prompt_tokens = own.get("prompt_tokens", usage.get("prompt_tokens"))
+        samples.append(
+            Sample(
+                completion=text,
+                finish_reason=str(choice.get("finish_reason") or "unknown"),
+                prompt_tokens=int(prompt_tokens) if isinstance(prompt_tokens, int) else 0,
+                completion_tokens=completion_tokens,
+                logprob_summary=_summary(logprobs.get("token_logprobs")),
+            )
+        )
+    return samples
+
+
+def _split(total: int, parts: int) -> list[int]:
+    base, extra = divmod(max(total, 0), parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def _summary(values: Any) -> dict[str, float] | None:
+    if not isinstance(values, list):
+        return None
+    finite = [float(v) for v in values if isinstance(v, int | float) and math.isfinite(v)]
+    if not finite:
+        return None
+    total = math.fsum(finite)
+    return {"sum": total, "mean": total / len(finite), "min": min(finite), "count": float(len(finite))}

@@ -1,0 +1,331 @@
+"""The contributor SDK: a signed, retrying async client for the worker wire protocol.
+
+Every request is signed with RFC 9421 (``SignatureAuth``): node calls with the node key,
+provider calls (registration, balance, verdicts) with the provider key. A retry is a new
+request with a new ``created`` time and a new nonce, never a replay of the old headers (the
+server refuses a replayed nonce). Bodies are serialised once per call, so every attempt of a
+result submission carries the same bytes and gets the same answer.
+
+Retries (tenacity; exponential backoff with full jitter, ``Retry-After`` honoured):
+
+* idempotent calls (GET, registration, join, leave, heartbeat, result submission, release)
+  retry on transport errors, 429 and 5xx;
+* a claim is not idempotent (a claim whose answer was lost has leased tasks that the worker
+  never saw), so it retries only when the request cannot have reached the server (connect
+  errors and connection-pool timeouts) or was refused before any work (429, 503).
+
+Errors the server answers are raised as ``OrchestratorAPIError`` with the problem's ``code``.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import random
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import anyio
+import httpx
+import structlog
+from nacl.signing import SigningKey
+from pydantic import BaseModel
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
+
+from api_schemas.identity import HeartbeatIn, HeartbeatOut, NodeOut, NodeRegister, NodeSpecs
+from api_schemas.ledger import Balances
+from api_schemas.pools import JoinIn, MembershipOut
+from api_schemas.tasks import ClaimIn, ClaimOut, Lease, ResultIn, ResultOut
+from orchestrator import __version__
+from orchestrator.core.keys import attest_node, key_id_of
+from orchestrator.core.signing import SignatureAuth
+from orchestrator.worker.errors import OrchestratorAPIError, ProviderKeyRequired
+
+__all__ = ["OrchestratorAPIError", "ProviderKeyRequired", "WorkerClient"]
+
+log = structlog.get_logger(__name__)
+M = TypeVar("M", bound=BaseModel)
+
+RETRY_STATUSES_IDEMPOTENT = frozenset({429, 500, 502, 503, 504})
+# A 429 or 503 is refused before the request does anything; a 500/502/504 may come after a
+# claim was committed, so a claim is not retried on those.
+RETRY_STATUSES_UNSENT = frozenset({429, 503})
+UNSENT_ERRORS: tuple[type[httpx.TransportError], ...] = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.PoolTimeout,
+)
+
+
+class Retry(enum.Enum):
+    """Which failures a call may be retried after."""
+
+    IDEMPOTENT = "idempotent"
+    UNSENT_ONLY = "unsent_only"
+
+
+def _retryable(exc: BaseException, policy: Retry) -> bool:
+    if isinstance(exc, OrchestratorAPIError):
+        statuses = RETRY_STATUSES_IDEMPOTENT if policy is Retry.IDEMPOTENT else RETRY_STATUSES_UNSENT
+        return exc.status in statuses or (policy is Retry.IDEMPOTENT and exc.status >= 500)
+    if isinstance(exc, httpx.TransportError):
+        return policy is Retry.IDEMPOTENT or isinstance(exc, UNSENT_ERRORS)
+    return False
+
+
+class WorkerClient:
+    """A node's (and optionally its provider's) signed client for one orchestrator server.
+
+    ``transport`` runs the client against anything httpx can talk to, for example an
+    in-process app: ``httpx.ASGITransport(app=app)`` with ``base_url="http://testserver"``.
+    """
+
+    #: First backoff step and the largest backoff, in seconds (full jitter: a uniform draw
+    #: from 0 to ``min(backoff_max_s, backoff_base_s * 2**attempt)``).
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 30.0
+    #: A server's ``Retry-After`` is honoured up to this many seconds.
+    retry_after_cap_s: float = 300.0
+
+    def __init__(
+        self,
+        base_url: str,
+        node_key: SigningKey,
+        provider_key: SigningKey | None = None,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        timeout_s: float = 30.0,
+        max_retries: int = 5,
+    ) -> None:
+        if max_retries < 0:
+            raise ValueError("max_retries must be >= 0")
+        self._node_key = node_key
+        self._provider_key = provider_key
+        self._node_auth = SignatureAuth(node_key)
+        self._provider_auth = SignatureAuth(provider_key) if provider_key is not None else None
+        self._provider_id = key_id_of(provider_key) if provider_key is not None else None
+        self._node_id = key_id_of(node_key)
+        self.max_retries = max_retries
+        self._sleep: Callable[[float], Awaitable[None]] = anyio.sleep
+        self._http = httpx.AsyncClient(
+            base_url=base_url,
+            transport=transport,
+            timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
+            headers={"User-Agent": f"orchestrator-worker/{__version__}", "Accept": "application/json"},
+            follow_redirects=False,
+        )
+
+    # ------------------------------------------------------------------ identity
+
+    @property
+    def node_id(self) -> str:
+        """The node's key id (its Ed25519 public key, unpadded base64url)."""
+        return self._node_id
+
+    @property
+    def provider_id(self) -> str | None:
+        """The provider's key id: from the provider key, or learned from ``register``."""
+        return self._provider_id
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> WorkerClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ contributor calls
+
+    async def register(
+        self,
+        specs: NodeSpecs | dict[str, Any],
+        version: str,
+        *,
+        display_name: str | None = None,
+        provider_id: str | None = None,
+        attestation: str | None = None,
+    ) -> NodeOut:
+        """Register the provider (when this client has its key) and then the node.
+
+        Both registrations are idempotent: a known node gets its specs and version updated.
+        Without the provider key, pass the ``provider_id`` and the ``attestation`` the
+        provider made for this node (``orchestrator.core.keys.attest_node``).
+        """
+        node_specs = specs if isinstance(specs, NodeSpecs) else NodeSpecs.model_validate(specs)
+        if self._provider_key is not None:
+            provider_body = {"display_name": display_name} if display_name is not None else {}
+            await self._call("POST", "/v1/providers", provider_body, provider=True)
+            provider_id = key_id_of(self._provider_key)
+            attestation = attest_node(self._provider_key, self._node_id)
+        elif provider_id is None or attestation is None:
+            raise ProviderKeyRequired(
+                "registering a node needs the provider key, or its provider_id and attestation"
+            )
+        body = NodeRegister(
+            provider_id=provider_id, attestation=attestation, specs=node_specs, version=version
+        )
+        node = await self._call_model(NodeOut, "POST", "/v1/nodes", body.model_dump(mode="json"))
+        self._provider_id = node.provider_id
+        return node
+
+    async def me(self) -> NodeOut:
+        """The node's own record: status and pool memberships."""
+        return await self._call_model(NodeOut, "GET", "/v1/nodes/me")
+
+    async def join(self, pool_id: str, invite_code: str | None = None) -> MembershipOut:
+        """Join a pool (or ask to: the membership may come back ``pending``); idempotent."""
+        body = JoinIn(invite_code=invite_code).model_dump(mode="json", exclude_none=True)
+        return await self._call_model(MembershipOut, "POST", f"/v1/pools/{_seg(pool_id)}/join", body)
+
+    async def leave(self, pool_id: str) -> None:
+        """Leave a pool, or withdraw a pending join (idempotent). The membership's stake goes
+        to unbonding."""
+        await self._call("POST", f"/v1/pools/{_seg(pool_id)}/leave")
+
+    async def heartbeat(
+        self, leases: list[str] | None = None, metrics: dict[str, float] | None = None
+    ) -> HeartbeatOut:
+        """Report liveness and the leases being worked on; the answer says when to beat next
+        and which leases to drop."""
+        body = HeartbeatIn(metrics=metrics or {}, leases=leases or [])
+        return await self._call_model(
+            HeartbeatOut, "POST", "/v1/nodes/me/heartbeat", body.model_dump(mode="json")
+        )
+
+    async def claim(self, pool_id: str, max_tasks: int = 1) -> ClaimOut:
+        """Lease up to ``max_tasks`` replicas. With no work the list is empty and ``reason``
+        and ``retry_after_s`` say why and when to ask again.
+
+        Not retried after a request may have reached the server (see the module docstring):
+        a read timeout is raised to the caller, whose leases then expire on the server.
+        """
+        body = ClaimIn(pool_id=pool_id, max_tasks=max_tasks).model_dump(mode="json")
+        response = await self._call("POST", "/v1/assignments/claim", body, retry=Retry.UNSENT_ONLY)
+        out = ClaimOut.model_validate_json(response.content)
+        if out.retry_after_s is None and not out.leases:
+            header = response.headers.get("retry-after")
+            if header is not None and header.isdigit():
+                out.retry_after_s = int(header)
+        return out
+
+    async def submit(self, lease: Lease, result: ResultIn) -> ResultOut:
+        """Submit the result for a lease. Idempotent: every attempt sends the same bytes, and
+        the server answers a repeat with the first answer."""
+        return await self._call_model(
+            ResultOut,
+            "POST",
+            f"/v1/assignments/{_seg(lease.assignment_id)}/result",
+            result.model_dump(mode="json", exclude_none=True),
+        )
+
+    async def release(self, assignment_id: str) -> None:
+        """Give a lease back so its replica is reissued at once (idempotent)."""
+        await self._call("POST", f"/v1/assignments/{_seg(assignment_id)}/release")
+
+    async def balance(self) -> Balances:
+        """The provider's stake and reward balances (signed by the provider key)."""
+        return await self._call_model(Balances, "GET", "/v1/providers/me/balance", provider=True)
+
+    async def verdicts(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The provider's newest ``limit`` verdicts (all its nodes), newest first, following
+        the server's pages (signed by the provider key)."""
+        items: list[dict[str, Any]] = []
+        cursor: str | None = None
+        while len(items) < limit:
+            params: dict[str, Any] = {"limit": min(500, limit - len(items))}
+            if cursor is not None:
+                params["cursor"] = cursor
+            response = await self._call("GET", "/v1/providers/me/verdicts", provider=True, params=params)
+            page = response.json()
+            items.extend(page["items"])
+            cursor = page.get("next_cursor")
+            if not cursor or not page["items"]:
+                break
+        return items[:limit]
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _call_model(
+        self,
+        model: type[M],
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        provider: bool = False,
+    ) -> M:
+        response = await self._call(method, path, body, provider=provider)
+        return model.model_validate_json(response.content)
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        provider: bool = False,
+        retry: Retry = Retry.IDEMPOTENT,
+        params: dict[str, Any] | None = None,
+    ) -> httpx.Response:
+        if provider:
+            if self._provider_auth is None:
+                raise ProviderKeyRequired(f"{method} {path} must be signed by the provider key")
+            auth = self._provider_auth
+        else:
+            auth = self._node_auth
+        # Serialised once: every attempt sends (and signs a digest of) the same bytes.
+        content = (
+            json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode() if body is not None else None
+        )
+        headers = {"Content-Type": "application/json"} if content is not None else {}
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.max_retries + 1),
+            wait=self._wait,
+            retry=retry_if_exception(lambda exc: _retryable(exc, retry)),
+            sleep=self._sleep,
+            before_sleep=lambda state: _log_retry(method, path, state),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                # A new request per attempt: SignatureAuth signs it with a fresh nonce.
+                request = self._http.build_request(
+                    method, path, content=content, headers=headers, params=params
+                )
+                response = await self._http.send(request, auth=auth)
+                if response.is_error:
+                    raise OrchestratorAPIError.from_response(response)
+                return response
+        raise AssertionError("unreachable: tenacity either returns or reraises")  # pragma: no cover
+
+    def _wait(self, state: RetryCallState) -> float:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        if isinstance(exc, OrchestratorAPIError) and exc.retry_after is not None:
+            return min(exc.retry_after, self.retry_after_cap_s)
+        ceiling = min(self.backoff_max_s, self.backoff_base_s * 2 ** (state.attempt_number - 1))
+        return random.uniform(0, ceiling)  # noqa: S311 - jitter, not a secret
+
+
+def _seg(value: str) -> str:
+    """One path segment, escaped (ids come from the server, but never trust a path)."""
+    return quote(value, safe="")
+
+
+def _log_retry(method: str, path: str, state: RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome is not None else None
+    reason = f"{exc.status} {exc.code}" if isinstance(exc, OrchestratorAPIError) else type(exc).__name__
+    wait = state.next_action.sleep if state.next_action is not None else None
+    log.warning(
+        "request_retry", method=method, path=path, attempt=state.attempt_number, reason=reason, wait_s=wait
+    )

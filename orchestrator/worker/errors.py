@@ -1,0 +1,91 @@
+"""Errors the worker SDK raises.
+
+::
+
+    WorkerError
+    ├── OrchestratorAPIError        the server answered with an error (RFC 9457 problem)
+    ├── ProviderKeyRequired         a provider-signed call on a client without the provider key
+    └── BackendError                a rollout backend could not produce samples
+
+Transport failures that outlast the retries are raised as the ``httpx.TransportError``
+they are (``httpx.ConnectError``, ``httpx.ReadTimeout`` ...).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import email.utils
+from typing import Any
+
+import httpx
+
+
+class WorkerError(Exception):
+    """Base class of the worker SDK's own errors."""
+
+
+class OrchestratorAPIError(WorkerError):
+    """An error answer from the server, parsed from its ``application/problem+json`` body.
+
+    ``code`` is the stable machine code (``lease_expired``, ``not_a_member``, ...); for an
+    answer that is not a problem document (a proxy's HTML page, say) it is ``http_<status>``.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        detail: str,
+        body: dict[str, Any] | None = None,
+        *,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(f"{status} {code}: {detail}")
+        self.status = status
+        self.code = code
+        self.detail = detail
+        self.body: dict[str, Any] = body or {}
+        self.retry_after = retry_after
+
+    @classmethod
+    def from_response(cls, response: httpx.Response) -> OrchestratorAPIError:
+        body: dict[str, Any] = {}
+        try:
+            parsed = response.json()
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            body = parsed
+        code = body.get("code")
+        detail = body.get("detail") or body.get("title")
+        return cls(
+            response.status_code,
+            code if isinstance(code, str) and code else f"http_{response.status_code}",
+            detail if isinstance(detail, str) and detail else response.reason_phrase or "error",
+            body,
+            retry_after=parse_retry_after(response.headers.get("retry-after")),
+        )
+
+
+class ProviderKeyRequired(WorkerError):
+    """The call must be signed by the provider key, and this client was not given one."""
+
+
+class BackendError(WorkerError):
+    """A backend failed to generate samples for a lease (the lease should be given back)."""
+
+
+def parse_retry_after(value: str | None, *, now: dt.datetime | None = None) -> float | None:
+    """``Retry-After`` as seconds to wait: delta-seconds or an HTTP date (RFC 9110 10.2.3)."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.UTC)
+    return max(0.0, (when - (now or dt.datetime.now(dt.UTC))).total_seconds())

@@ -1,0 +1,460 @@
+"""The worker loop: register, join, heartbeat, claim, generate, submit, stop cleanly.
+
+``run_worker`` runs until ``stop`` is set (or ``max_tasks`` leases have been worked): it
+registers the provider and node (idempotently), joins the pool, heartbeats in the background
+every ``next_heartbeat_in_s`` with the ids of the leases it holds (abandoning those the
+server names in ``drop_leases``), and keeps up to ``concurrency`` leases in flight, each run
+by the backend and submitted. A claim with no work waits for the server's ``Retry-After``.
+
+On stop it claims nothing more, gives the leases it holds ``grace_s`` seconds to finish and
+releases the rest, so their replicas are reissued at once, then returns its ``WorkerStats``.
+Signal handling belongs to the caller (the CLI installs SIGINT/SIGTERM handlers that set
+``stop``). It never leaves the pool on stop: leaving would start unbonding the stake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import structlog
+from nacl.signing import SigningKey
+
+from api_schemas.identity import NodeSpecs
+from api_schemas.tasks import Lease, ResultIn
+from orchestrator import __version__
+from orchestrator.core.keys import read_key_file
+from orchestrator.worker.backends import Backend, BackendError, create_backend
+from orchestrator.worker.client import WorkerClient
+from orchestrator.worker.errors import OrchestratorAPIError
+
+log = structlog.get_logger(__name__)
+
+# Refusals that waiting will not fix: bad signatures or clock, a banned node, no such pool.
+FATAL_STATUSES = frozenset({401, 403, 404})
+RETRYABLE_CODES = frozenset({"nonce_replayed"})
+# A submission refused because the server already took the lease back.
+LEASE_GONE_CODES = frozenset({"lease_expired", "task_cancelled"})
+
+
+def local_specs() -> NodeSpecs:
+    """This machine as a CPU-only node: its cores and RAM."""
+    cores = max(1, min(1024, os.cpu_count() or 1))
+    try:
+        ram_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+    except (AttributeError, ValueError, OSError):
+        ram_mb = 1024
+    ram_mb = max(256, min(16_777_216, ram_mb))
+    return NodeSpecs(gpu_model=None, gpu_count=0, gpu_memory_mb=0, cpu_cores=cores, ram_mb=ram_mb)
+
+
+@dataclass
+class WorkerConfig:
+    """What one worker process runs. Give the keys, or the paths of their key files."""
+
+    server: str
+    pool_id: str
+    node_key: SigningKey | None = None
+    provider_key: SigningKey | None = None
+    node_key_path: Path | None = None
+    provider_key_path: Path | None = None
+    backend: str = "arithmetic"
+    backend_options: dict[str, str] = field(default_factory=dict)
+    #: Leases held (and run) at once.
+    concurrency: int = 1
+    #: Stop after working this many leases; None runs until stopped.
+    max_tasks: int | None = None
+    #: The node's hardware; None registers this machine as a CPU-only node.
+    specs: NodeSpecs | dict[str, Any] | None = None
+    version: str = __version__
+    invite_code: str | None = None
+    #: Seconds the leases held at a stop get to finish before they are released.
+    grace_s: float = 30.0
+    #: How often balance and verdicts are polled for the stats (needs the provider key).
+    stats_interval_s: float = 5.0
+    #: Wait after a no-work claim whose answer gives no Retry-After.
+    idle_wait_s: float = 5.0
+    #: Cap of the backoff after failed claims.
+    max_error_backoff_s: float = 30.0
+    timeout_s: float = 30.0
+    max_retries: int = 5
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.concurrency <= 1024:
+            raise ValueError("concurrency must be between 1 and 1024")
+        if self.max_tasks is not None and self.max_tasks < 1:
+            raise ValueError("max_tasks must be at least 1 (or None)")
+        if self.node_key is None and self.node_key_path is None:
+            raise ValueError("give the node key or the path of its key file")
+
+    async def load_keys(self) -> tuple[SigningKey, SigningKey | None]:
+        node = self.node_key
+        if node is None:
+            assert self.node_key_path is not None
+            node = await anyio.to_thread.run_sync(read_key_file, self.node_key_path)
+        provider = self.provider_key
+        if provider is None and self.provider_key_path is not None:
+            provider = await anyio.to_thread.run_sync(read_key_file, self.provider_key_path)
+        return node, provider
+
+
+@dataclass
+class WorkerStats:
+    node_id: str = ""
+    #: starting | running | stopping | stopped
+    state: str = "starting"
+    #: Leases received.
+    claimed: int = 0
+    #: Leases worked through to a submission attempt.
+    tasks_done: int = 0
+    #: Results the server recorded.
+    submitted: int = 0
+    #: Verdicts on this node's results (needs the provider key).
+    accepted: int = 0
+    rejected: int = 0
+    #: Leases given back (backend failures, stop).
+    released: int = 0
+    #: Leases the server took back (drop_leases, lease_expired, task_cancelled).
+    dropped: int = 0
+    errors: int = 0
+    #: The provider's rewards earned (pending + claimable + withdrawn), from its balance.
+    earnings: int | None = None
+    in_flight: int = 0
+    #: Why the last claim got no work (no_tasks, not_a_member, ...).
+    idle_reason: str | None = None
+
+
+ProgressCallback = Callable[[WorkerStats], None]
+
+
+async def run_worker(
+    config: WorkerConfig,
+    *,
+    stop: asyncio.Event,
+    transport: httpx.AsyncBaseTransport | None = None,
+    progress: ProgressCallback | None = None,
+) -> WorkerStats:
+    """Run one worker until ``stop`` is set or ``config.max_tasks`` leases are worked.
+
+    Raises ``OrchestratorAPIError`` for refusals that waiting will not fix (a refused join,
+    an unknown pool, a banned node, a bad signature), after giving back the leases it holds.
+    """
+    node_key, provider_key = await config.load_keys()
+    backend = create_backend(config.backend, config.backend_options)
+    try:
+        async with WorkerClient(
+            config.server,
+            node_key,
+            provider_key,
+            transport=transport,
+            timeout_s=config.timeout_s,
+            max_retries=config.max_retries,
+        ) as client:
+            worker = _Worker(
+                config, client, backend, stop, progress, has_provider_key=provider_key is not None
+            )
+            with structlog.contextvars.bound_contextvars(node_id=client.node_id, pool_id=config.pool_id):
+                return await worker.run()
+    finally:
+        close = getattr(backend, "aclose", None)
+        if close is not None:
+            await close()
+
+
+class _Worker:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        client: WorkerClient,
+        backend: Backend,
+        stop: asyncio.Event,
+        progress: ProgressCallback | None,
+        *,
+        has_provider_key: bool,
+    ) -> None:
+        self.has_provider_key = has_provider_key
+        self.config = config
+        self.client = client
+        self.backend = backend
+        self.stop = stop
+        self.progress = progress
+        self.stats = WorkerStats(node_id=client.node_id)
+        self.running: dict[str, asyncio.Task[None]] = {}
+        #: Leases whose samples are made and whose result is being submitted: never cancelled.
+        self.submitting: set[str] = set()
+        #: Set once the held leases are settled: the background loops end.
+        self.closing = asyncio.Event()
+        self.dropped: set[str] = set()
+        self.submissions: set[int] = set()
+        self.outcomes: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ top level
+
+    async def run(self) -> WorkerStats:
+        self._emit()
+        interval = await self._start()
+        background = [
+            asyncio.create_task(self._heartbeat_loop(interval), name="worker-heartbeat"),
+            asyncio.create_task(self._stats_loop(), name="worker-stats"),
+        ]
+        try:
+            await self._claim_loop()
+        finally:
+            self._set_state("stopping")
+            try:
+                await self._finish_leases()
+            finally:
+                # Not cancelled: a request in flight finishes (cancelling it would, with an
+                # in-process transport, cancel the server's own handler mid-transaction).
+                self.closing.set()
+                await asyncio.gather(*background, return_exceptions=True)
+        await self._refresh()
+        self._set_state("stopped")
+        log.info("worker_stopped", **_summary(self.stats))
+        return dataclasses.replace(self.stats)
+
+    async def _start(self) -> float:
+        """Register, join and beat once (a node is claimable once it is healthy)."""
+        c = self.config
+        if self.has_provider_key:
+            specs = c.specs if c.specs is not None else local_specs()
+            node = await self.client.register(specs, c.version)
+        else:
+            node = await self.client.me()  # registered by its provider beforehand
+        membership = await self.client.join(c.pool_id, c.invite_code)
+        log.info(
+            "worker_joined",
+            node_status=node.status,
+            membership=membership.status.value,
+            backend=self.backend.name,
+            concurrency=c.concurrency,
+        )
+        if membership.status.value == "pending":
+            log.warning("membership_pending", detail="the pool's operator must approve this node")
+        beat = await self.client.heartbeat(metrics={"in_flight": 0.0})
+        self._set_state("running")
+        return beat.next_heartbeat_in_s
+
+    # ------------------------------------------------------------------ claiming
+
+    async def _claim_loop(self) -> None:
+        c = self.config
+        failures = 0
+        while not self.stop.is_set():
+            if c.max_tasks is not None and self.stats.claimed >= c.max_tasks:
+                return
+            free = c.concurrency - len(self.running)
+            if free <= 0:
+                await self._wait_for_slot()
+                continue
+            want = free if c.max_tasks is None else min(free, c.max_tasks - self.stats.claimed)
+            try:
+                claim = await self.client.claim(c.pool_id, max_tasks=want)
+            except OrchestratorAPIError as exc:
+                if exc.status in FATAL_STATUSES and exc.code not in RETRYABLE_CODES:
+                    log.error("claim_refused", status=exc.status, code=exc.code, detail=exc.detail)
+                    raise
+                failures += 1
+                self._error("claim_failed", status=exc.status, code=exc.code)
+                await self._pause(exc.retry_after or self._backoff(failures))
+                continue
+            except httpx.HTTPError as exc:
+                failures += 1
+                self._error("claim_failed", error=type(exc).__name__)
+                await self._pause(self._backoff(failures))
+                continue
+            failures = 0
+            if not claim.leases:
+                if self.stats.idle_reason != claim.reason:
+                    log.info("no_work", reason=claim.reason, retry_after_s=claim.retry_after_s)
+                self.stats.idle_reason = claim.reason
+                self._emit()
+                await self._pause(float(claim.retry_after_s or c.idle_wait_s))
+                continue
+            self.stats.idle_reason = None
+            self.stats.claimed += len(claim.leases)
+            if self.stop.is_set():  # stopped while the claim was in flight: give them back
+                await asyncio.gather(*(self._release(lease.assignment_id) for lease in claim.leases))
+                return
+            for lease in claim.leases:
+                task = asyncio.create_task(self._work(lease), name=f"lease-{lease.assignment_id}")
+                self.running[lease.assignment_id] = task
+                task.add_done_callback(functools.partial(self._forget, lease.assignment_id))
+            self._emit()
+
+    def _backoff(self, failures: int) -> float:
+        ceiling = min(self.config.max_error_backoff_s, 0.5 * 2**failures)
+        return random.uniform(ceiling / 2, ceiling)  # noqa: S311 - jitter
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, but wake at once when stop is set."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.stop.wait(), timeout=max(0.0, seconds))
+
+    async def _wait_for_slot(self) -> None:
+        stopper = asyncio.create_task(self.stop.wait())
+        try:
+            await asyncio.wait([stopper, *self.running.values()], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stopper
+
+    # ------------------------------------------------------------------ one lease
+
+    async def _work(self, lease: Lease) -> None:
+        aid = lease.assignment_id
+        try:
+            samples = await self.backend.generate(lease.task, lease.seed, lease.policy)
+            if len(samples) != lease.task.sampling.n:
+                raise BackendError(
+                    f"backend {self.backend.name} made {len(samples)} samples, {lease.task.sampling.n} asked"
+                )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # A backend failure is not the task's fault: give the lease back for another node.
+            self._error("backend_failed", assignment_id=aid, error=str(exc)[:300])
+            await self._release(aid)
+            return
+        result = ResultIn(
+            fencing_token=lease.fencing_token, policy_step=lease.policy.step, seed=lease.seed, samples=samples
+        )
+        self.submitting.add(aid)
+        try:
+            out = await self.client.submit(lease, result)
+        except OrchestratorAPIError as exc:
+            self.stats.tasks_done += 1
+            if exc.code in LEASE_GONE_CODES:
+                self.stats.dropped += 1
+                log.info("lease_gone", assignment_id=aid, code=exc.code)
+                self._emit()
+            else:
+                self._error("submit_refused", assignment_id=aid, status=exc.status, code=exc.code)
+            return
+        except httpx.HTTPError as exc:
+            self.stats.tasks_done += 1
+            self._error("submit_failed", assignment_id=aid, error=type(exc).__name__)
+            return
+        self.stats.tasks_done += 1
+        self.stats.submitted += 1
+        self.submissions.add(out.submission_id)
+        log.debug("result_submitted", assignment_id=aid, submission_id=out.submission_id)
+        self._emit()
+
+    async def _release(self, assignment_id: str) -> None:
+        try:
+            await self.client.release(assignment_id)
+        except (OrchestratorAPIError, httpx.HTTPError) as exc:
+            self._error("release_failed", assignment_id=assignment_id, error=str(exc)[:200])
+            return
+        self.stats.released += 1
+        self._emit()
+
+    def _forget(self, assignment_id: str, _task: asyncio.Task[None]) -> None:
+        self.running.pop(assignment_id, None)
+        self.submitting.discard(assignment_id)
+        self._emit()
+
+    async def _finish_leases(self) -> None:
+        """Let the held leases finish (all of them when the task quota was reached, within
+        the grace period when stopped), then release what is left."""
+        while self.running and not self.stop.is_set():
+            await self._wait_for_slot()
+        if not self.running:
+            return
+        held = dict(self.running)
+        log.info("finishing_leases", leases=len(held), grace_s=self.config.grace_s)
+        await asyncio.wait(held.values(), timeout=self.config.grace_s)
+        # Still generating: stop and give back. Already submitting: let the submission end.
+        late = {aid: t for aid, t in held.items() if not t.done() and aid not in self.submitting}
+        for task in late.values():
+            task.cancel()
+        await asyncio.gather(*held.values(), return_exceptions=True)
+        unfinished = [aid for aid in late if aid not in self.dropped]
+        await asyncio.gather(*(self._release(aid) for aid in unfinished))
+
+    # ------------------------------------------------------------------ background
+
+    async def _closing_within(self, seconds: float) -> bool:
+        """Wait up to ``seconds``; True once the worker is closing."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.closing.wait(), timeout=seconds)
+        return self.closing.is_set()
+
+    async def _heartbeat_loop(self, interval: float) -> None:
+        while not await self._closing_within(interval):
+            try:
+                metrics = {"in_flight": float(len(self.running)), "tasks_done": float(self.stats.tasks_done)}
+                beat = await self.client.heartbeat(leases=list(self.running), metrics=metrics)
+            except (OrchestratorAPIError, httpx.HTTPError) as exc:
+                self._error("heartbeat_failed", error=str(exc)[:200])
+                interval = min(interval, 5.0)
+                continue
+            interval = beat.next_heartbeat_in_s
+            for aid in beat.drop_leases:
+                task = self.running.get(aid)
+                # A lease being submitted is left alone: the server will refuse the result.
+                if task is not None and aid not in self.submitting:
+                    log.info("lease_dropped", assignment_id=aid)
+                    self.dropped.add(aid)
+                    self.stats.dropped += 1
+                    task.cancel()
+
+    async def _stats_loop(self) -> None:
+        while not await self._closing_within(self.config.stats_interval_s):
+            await self._refresh()
+
+    async def _refresh(self) -> None:
+        """Verdicts and earnings from the server (provider-signed; skipped without the key)."""
+        if not self.has_provider_key:
+            return
+        try:
+            if self.submissions.difference(self.outcomes):
+                pending = len(self.submissions) - len(self.outcomes)
+                for v in await self.client.verdicts(limit=min(5000, 100 + 2 * pending)):
+                    if v.get("node_id") == self.client.node_id and v.get("submission_id") in self.submissions:
+                        self.outcomes[int(v["submission_id"])] = str(v["outcome"])
+                outcomes = list(self.outcomes.values())
+                self.stats.accepted = outcomes.count("accepted")
+                self.stats.rejected = outcomes.count("rejected")
+            balance = await self.client.balance()
+            self.stats.earnings = balance.rewards_pending + balance.rewards_claimable + balance.withdrawn
+        except (OrchestratorAPIError, httpx.HTTPError) as exc:
+            log.warning("stats_refresh_failed", error=str(exc)[:200])
+            return
+        self._emit()
+
+    # ------------------------------------------------------------------ reporting
+
+    def _error(self, event: str, **fields: Any) -> None:
+        self.stats.errors += 1
+        log.warning(event, **fields)
+        self._emit()
+
+    def _set_state(self, state: str) -> None:
+        self.stats.state = state
+        self._emit()
+
+    def _emit(self) -> None:
+        self.stats.in_flight = len(self.running)
+        if self.progress is None:
+            return
+        try:
+            self.progress(dataclasses.replace(self.stats))
+        except Exception:
+            log.exception("progress_callback_failed")
+
+
+def _summary(stats: WorkerStats) -> dict[str, Any]:
+    return {k: v for k, v in dataclasses.asdict(stats).items() if k not in {"node_id", "state"}}

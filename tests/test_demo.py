@@ -1,0 +1,38 @@
+"""End to end: the demo swarm against the real coordinator, on this run's database and hot store."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.demo.behaviours import KINDS
+from orchestrator.demo.swarm import DemoConfig, run_demo
+from tests.conftest import REDIS_URL
+
+
+@pytest.mark.timeout(180)
+async def test_the_demo_catches_every_cheater_and_pays_only_honest_work(database_url: str) -> None:
+    config = DemoConfig(
+        duration_s=60,
+        honest=4,
+        dishonest=len(KINDS),
+        seed=11,
+        tasks=60,
+        database_url=database_url,
+        redis_url=REDIS_URL,
+    )
+    summary = await run_demo(config)
+    kinds = summary["kinds"]
+    assert set(kinds) == {"honest", *KINDS}
+    for kind in KINDS:
+        assert kinds[kind]["caught"] is True, (kind, kinds[kind])
+    assert summary["honest_nodes_slashed"] == 0
+    assert summary["fraudulent_submissions_paid"] == 0
+    assert summary["ledger_sum"] == 0 and summary["negative_balances"] == 0
+    assert kinds["honest"]["accepted"] > 0 and kinds["honest"]["rewards"] > 0
+    assert kinds["forger"]["ejected"] == 1 and kinds["forger"]["slashed"] > 0
+    assert kinds["copier"]["slashed"] > 0
+    assert kinds["lazy"]["rewards"] == 0 and kinds["lazy"]["slashed"] == 0  # soft: not paid, not slashed
+    assert summary["tasks"].get("completed", 0) == summary["tasks"]["total"]
+    feed = summary["trainer_feed"]
+    assert feed["rollouts"] == summary["accepted"] > 0
+    assert feed["only_accepted"] and feed["all_accepted_present"] and feed["in_order"]

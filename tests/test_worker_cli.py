@@ -1,0 +1,210 @@
+"""``orchestrator worker run``: argument checks, and a short run against a real server process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+from orchestrator.worker.problems import arithmetic_tasks
+from tests.conftest import REDIS_URL, ROOT, _drop_prefix
+
+runner = CliRunner()
+WORKER_ARGS = ["worker", "run", "--backend", "arithmetic", "--backend-opt", "error_rate=0"]
+WORKER_ARGS += ["--concurrency", "2", "--cpu-cores", "4", "--ram-mb", "8192"]
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "orchestrator.cli", *args]
+
+
+def test_bad_worker_arguments_are_refused_before_anything_runs(tmp_path: Path) -> None:
+    key = tmp_path / "node.key"
+    assert runner.invoke(app, ["keys", "generate", str(key)]).exit_code == 0
+    base = ["worker", "run", "--pool", "pool_x", "--node-key", str(key), "--server", "http://127.0.0.1:9"]
+    cases = [
+        (["--backend", "quantum"], "unknown backend"),
+        (["--backend-opt", "error_rate"], "is not key=value"),
+        (["--specs", '{"gpu_count": 1}'], "cpu_cores: Field required"),
+        (["--specs", '{"gpu_count": 1, "gpu_memory_mb": 1, "cpu_cores": 1, "ram_mb": 512}'], "gpu_model"),
+        (["--specs", "{}", "--cpu-cores", "4"], "either --specs"),
+        (["--gpu-count", "2"], "gpu_model"),
+    ]
+    for extra, message in cases:
+        result = runner.invoke(app, [*base, *extra])
+        assert result.exit_code == 2, (extra, result.output)
+        assert message in " ".join(result.output.split()), (extra, result.output)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def server(database_url: str, redis_prefix: str, tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """``orchestrator serve`` on a free port, on the test database and hot store."""
+    env = {
+        **os.environ,
+        "ORCH_DB__URL": database_url,
+        "ORCH_REDIS__PREFIX": redis_prefix,
+        "ORCH_SERVER__MIGRATE_ON_START": "false",
+        "ORCH_LOG_LEVEL": "WARNING",
+    }
+    env.pop("ORCH_REDIS__URL", None)
+    if REDIS_URL:
+        env["ORCH_REDIS__URL"] = REDIS_URL
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    with (tmp_path / "server.log").open("wb") as log:
+        proc = subprocess.Popen(
+            cli("serve", "--host", "127.0.0.1", "--port", str(port)),
+            env=env,
+            cwd=ROOT,
+            stdout=log,
+            stderr=log,
+        )
+        try:
+
+            def up() -> bool:
+                assert proc.poll() is None, (tmp_path / "server.log").read_text()
+                try:
+                    return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            _wait(up, 15, "the server")
+            yield url, env
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    if REDIS_URL:
+        asyncio.run(_drop_prefix(REDIS_URL, redis_prefix))
+
+
+def _pool(http: httpx.Client, headers: dict[str, str], economics: dict[str, Any], tasks: int) -> str:
+    r = http.post(
+        "/v1/admin/pools",
+        headers=headers,
+        json={"name": "cli-test", "economics": economics, "policy": {"max_leases_per_node": 4}},
+    )
+    assert r.status_code == 201, r.text
+    pool_id = str(r.json()["id"])
+    assert http.post(f"/v1/admin/pools/{pool_id}/activate", headers=headers).status_code == 200
+    policy = {"step": 1, "uri": "s3://ckpt/1", "sha256": "b" * 64, "size": 10}
+    assert http.post(f"/v1/admin/pools/{pool_id}/policies", headers=headers, json=policy).status_code == 201
+    if tasks:
+        batch = {"batch_key": "cli", "tasks": arithmetic_tasks(tasks, seed=3)}
+        r = http.post(f"/v1/admin/pools/{pool_id}/tasks", headers=headers, json=batch)
+        assert r.status_code == 201, r.text
+    return pool_id
+
+
+@pytest.mark.timeout(60)
+def test_worker_run_submits_results_and_exits_cleanly_on_sigint(
+    server: tuple[str, dict[str, str]], tmp_path: Path
+) -> None:
+    url, env = server
+    made = subprocess.run(
+        cli("admin", "create-token", "--role", "admin", "--name", "cli-test"),
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    headers = {"Authorization": f"Bearer {made.stdout.strip().splitlines()[-1]}"}
+    keys = {}
+    for name in ("provider", "node"):
+        keys[name] = tmp_path / f"{name}.key"
+        done = subprocess.run(
+            cli("keys", "generate", str(keys[name])), capture_output=True, text=True, check=True
+        )
+        assert len(done.stdout.strip()) == 43
+
+    key_args = ["--provider-key", str(keys["provider"]), "--node-key", str(keys["node"])]
+    with httpx.Client(base_url=url, timeout=10) as http:
+        pool_id = _pool(http, headers, {"reward_per_sample": 5}, tasks=6)
+
+        def worker(pool: str, *extra: str) -> subprocess.Popen[str]:
+            return subprocess.Popen(
+                cli(*WORKER_ARGS, "--server", url, "--pool", pool, *key_args, *extra),
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+
+        proc = worker(pool_id)
+        try:
+
+            def all_submitted() -> bool:
+                assert proc.poll() is None, proc.communicate()
+                r = http.get(f"/v1/admin/pools/{pool_id}/tasks", params={"status": "open"}, headers=headers)
+                return r.json()["items"] == []
+
+            _wait(all_submitted, 20, "the worker's results")
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=20)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        assert proc.returncode == 0, err
+        stats = json.loads(out.strip().splitlines()[-1])
+        assert stats["submitted"] == 6 and stats["state"] == "stopped" and stats["errors"] == 0
+        assert "SIGINT: stopping" in err
+        r = http.get(f"/v1/admin/pools/{pool_id}/verdicts", headers=headers)
+        node_id = stats["node_id"]
+        assert all(v["node_id"] == node_id for v in r.json()["items"])
+
+        # A join the pool refuses ends the run with exit 1 and the server's reasons ...
+        staked = _pool(http, headers, {"min_stake_per_node": 100}, tasks=1)
+        refused = worker(staked)
+        out, err = refused.communicate(timeout=20)
+        assert refused.returncode == 1
+        assert "403 stake_insufficient" in err and out == ""
+
+        # ... until the operator deposits the provider's stake (its id from `worker register`).
+        registered = runner.invoke(app, ["worker", "register", "--server", url, *key_args])
+        assert registered.exit_code == 0, registered.output
+        ids = json.loads(registered.stdout.strip().splitlines()[-1])
+        assert ids["node_id"] == node_id
+        deposit = http.post(
+            f"/v1/admin/providers/{ids['provider_id']}/deposits",
+            json={"amount": 100},
+            headers={**headers, "Idempotency-Key": "cli-stake"},
+        )
+        assert deposit.status_code == 201, deposit.text
+        once = worker(staked, "--max-tasks", "1")
+        out, err = once.communicate(timeout=20)  # ends by itself after one task
+        assert once.returncode == 0, err
+        assert json.loads(out.strip().splitlines()[-1])["submitted"] == 1

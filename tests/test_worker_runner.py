@@ -1,0 +1,207 @@
+"""``run_worker`` end to end against the in-process app: it works leases, earns, stops cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from api_schemas.tasks import LeasedTask, PolicyRef, Sample
+from orchestrator.core.keys import generate_key
+from orchestrator.verification.jobs import drain
+from orchestrator.worker.backends import ArithmeticBackend, registry
+from orchestrator.worker.problems import arithmetic_tasks
+from orchestrator.worker.runner import WorkerConfig, WorkerStats, run_worker
+from tests.tasks_helpers import pool_setup
+from tests.verification_helpers import FixedDraw
+from tests.worker_helpers import BASE_URL, ECON, SPECS, FaultyTransport, app_transport
+
+
+@pytest.fixture(autouse=True)
+def _no_audits(app_state: Any) -> None:
+    app_state.rng = FixedDraw(1.0)
+
+
+@dataclass
+class Run:
+    """A worker running in the background, with every progress report it made."""
+
+    task: asyncio.Task[WorkerStats]
+    stop: asyncio.Event
+    reports: list[WorkerStats] = field(default_factory=list)
+
+    @property
+    def latest(self) -> WorkerStats:
+        return self.reports[-1] if self.reports else WorkerStats()
+
+    async def until(self, condition: Callable[[WorkerStats], bool], within: float = 20.0) -> WorkerStats:
+        deadline = time.monotonic() + within
+        while not condition(self.latest):
+            if self.task.done():
+                self.task.result()  # raise what killed it
+                raise AssertionError(f"worker ended early: {self.latest}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting; last report {self.latest}")
+            await asyncio.sleep(0.01)
+        return self.latest
+
+    async def finish(self, within: float = 20.0) -> WorkerStats:
+        self.stop.set()
+        return await asyncio.wait_for(self.task, within)
+
+
+def start(app: Any, pool_id: str, transport: Any = None, **overrides: Any) -> Run:
+    config = WorkerConfig(
+        server=BASE_URL,
+        pool_id=pool_id,
+        node_key=generate_key(),
+        provider_key=generate_key(),
+        specs=SPECS,
+        stats_interval_s=0.05,
+        **overrides,
+    )
+    stop = asyncio.Event()
+    reports: list[WorkerStats] = []
+    task = asyncio.create_task(
+        run_worker(config, stop=stop, transport=transport or app_transport(app), progress=reports.append)
+    )
+    return Run(task, stop, reports)
+
+
+class GatedBackend(ArithmeticBackend):
+    """The arithmetic policy, but each generation waits until the gate opens."""
+
+    name = "gated"
+
+    def __init__(self, gate: asyncio.Event) -> None:
+        super().__init__()
+        self.gate = gate
+        self.started = 0
+
+    async def generate(self, task: LeasedTask, seed: int, policy: PolicyRef) -> list[Sample]:
+        self.started += 1
+        await self.gate.wait()
+        return await super().generate(task, seed, policy)
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """Registers the ``gated`` backend; the returned event opens its gate."""
+    event = asyncio.Event()
+
+    def factory(options: Mapping[str, str]) -> GatedBackend:
+        return GatedBackend(event)
+
+    monkeypatch.setitem(registry.BUILT_IN, "gated", factory)
+    return event
+
+
+async def test_a_worker_completes_tasks_and_earns_once_verified(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, economics=ECON) as s:
+        await s.enqueue(arithmetic_tasks(6, seed=21, n=2))
+        run = start(app, s.pool_id, concurrency=3)
+        await run.until(lambda st: st.submitted == 6)
+        assert await drain(app_state) == 6
+        await run.until(lambda st: st.accepted == 6 and st.earnings == 6 * 2 * 7)
+        stats = await run.finish()
+        assert (stats.state, stats.claimed, stats.tasks_done, stats.submitted) == ("stopped", 6, 6, 6)
+        assert (stats.accepted, stats.rejected, stats.errors, stats.released) == (6, 0, 0, 0)
+        assert stats.earnings == 84 and stats.in_flight == 0
+        assert max(r.in_flight for r in run.reports) > 1  # it really ran leases concurrently
+        tasks = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)).json()
+        assert {t["status"] for t in tasks["items"]} == {"completed"}
+
+
+async def test_wrong_answers_are_rejected_and_earn_nothing(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, economics=ECON) as s:
+        await s.enqueue(arithmetic_tasks(3, seed=4))
+        run = start(app, s.pool_id, backend_options={"error_rate": "1"}, concurrency=2)
+        await run.until(lambda st: st.submitted == 3)
+        await drain(app_state)
+        await run.until(lambda st: st.rejected == 3)
+        stats = await run.finish()
+        assert (stats.accepted, stats.rejected, stats.earnings) == (0, 3, 0)
+
+
+async def test_max_tasks_ends_the_run_by_itself(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state) as s:
+        await s.enqueue(arithmetic_tasks(5, seed=8))
+        run = start(app, s.pool_id, concurrency=2, max_tasks=2)
+        stats = await asyncio.wait_for(run.task, 20)
+        assert not run.stop.is_set()
+        assert (stats.claimed, stats.tasks_done, stats.submitted, stats.state) == (2, 2, 2, "stopped")
+        open_tasks = await s.admin.get(
+            f"/v1/admin/pools/{s.pool_id}/tasks", params={"status": "open"}, headers=s.headers
+        )
+        assert len(open_tasks.json()["items"]) == 3
+
+
+async def test_stop_releases_the_leases_it_cannot_finish_in_the_grace_period(
+    app: Any, app_state: Any, gate: asyncio.Event
+) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        await s.enqueue(arithmetic_tasks(2, seed=2))
+        run = start(app, s.pool_id, backend="gated", concurrency=2, grace_s=0.2)
+        await run.until(lambda st: st.in_flight == 2)
+        started = time.monotonic()
+        stats = await run.finish()
+        assert time.monotonic() - started < 3
+        assert (stats.released, stats.submitted, stats.in_flight, stats.state) == (2, 0, 0, "stopped")
+        # Given back at once: another node leases both replicas right away.
+        other = s.workers[0]
+        assert len((await other.claim(s.pool_id, max_tasks=2)).json()["leases"]) == 2
+
+
+async def test_stop_lets_running_leases_finish_within_the_grace_period(
+    app: Any, app_state: Any, gate: asyncio.Event
+) -> None:
+    async with pool_setup(app, app_state) as s:
+        await s.enqueue(arithmetic_tasks(3, seed=2))
+        run = start(app, s.pool_id, backend="gated", concurrency=1, grace_s=10)
+        await run.until(lambda st: st.in_flight == 1)
+        run.stop.set()
+        await run.until(lambda st: st.state == "stopping")
+        gate.set()
+        stats = await run.finish()
+        assert (stats.claimed, stats.submitted, stats.released) == (1, 1, 0)  # no new claims after stop
+
+
+async def test_leases_the_server_drops_are_abandoned(app: Any, app_state: Any, gate: asyncio.Event) -> None:
+    app_state.settings.heartbeat.interval_s = 0.05  # beat fast, so the drop is heard at once
+    async with pool_setup(app, app_state) as s:
+        await s.enqueue(arithmetic_tasks(1, seed=2))
+        run = start(app, s.pool_id, backend="gated", concurrency=1)
+        await run.until(lambda st: st.in_flight == 1)
+        [t] = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)).json()["items"]
+        r = await s.admin.post(f"/v1/admin/pools/{s.pool_id}/tasks/{t['id']}/cancel", headers=s.headers)
+        assert r.status_code == 200
+        await run.until(lambda st: st.dropped == 1 and st.in_flight == 0)
+        gate.set()
+        stats = await run.finish()
+        assert (stats.submitted, stats.released, stats.tasks_done) == (0, 0, 0)
+
+
+async def test_no_work_waits_for_retry_after_and_stop_ends_the_wait(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state) as s:
+        wire = FaultyTransport(app_transport(app))
+        run = start(app, s.pool_id, transport=wire)
+        await run.until(lambda st: st.idle_reason == "no_tasks")
+        await asyncio.sleep(1.0)  # the server asked for 5 s: no second claim meanwhile
+        assert len(wire.to("/v1/assignments/claim")) == 1
+        started = time.monotonic()
+        stats = await run.finish()
+        assert time.monotonic() - started < 2 and stats.claimed == 0 and stats.state == "stopped"
+
+
+async def test_a_refused_join_ends_the_run_with_the_problem(app: Any, app_state: Any) -> None:
+    from orchestrator.worker.errors import OrchestratorAPIError
+
+    async with pool_setup(app, app_state, economics={"min_stake_per_node": 100}) as s:
+        run = start(app, s.pool_id)
+        with pytest.raises(OrchestratorAPIError) as exc:
+            await asyncio.wait_for(run.task, 10)
+        assert exc.value.code == "stake_insufficient"

@@ -1,0 +1,223 @@
+"""The worker SDK against the real in-process app: signed calls, typed errors, retries."""
+
+from __future__ import annotations
+
+import datetime as dt
+import email.utils
+import time
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import func, select
+
+from api_schemas.tasks import ResultIn
+from orchestrator.tasks.models import Submission
+from orchestrator.verification.jobs import drain
+from orchestrator.worker.backends import ArithmeticBackend
+from orchestrator.worker.errors import OrchestratorAPIError, ProviderKeyRequired, parse_retry_after
+from orchestrator.worker.problems import arithmetic_tasks
+from tests.tasks_helpers import pool_setup
+from tests.verification_helpers import FixedDraw
+from tests.worker_helpers import ECON, SPECS, faulty_client, new_client
+
+
+@pytest.fixture(autouse=True)
+def _no_audits(app_state: Any) -> None:
+    app_state.rng = FixedDraw(1.0)
+
+
+async def test_register_join_claim_submit_round_trip_earns(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, economics=ECON) as s, new_client(app) as client:
+        node = await client.register(SPECS, "1.2.3")
+        assert node.id == client.node_id and node.provider_id == client.provider_id
+        assert node.status == "waiting" and node.specs.gpu_model == "NVIDIA L4"
+        again = await client.register({**SPECS, "ram_mb": 65536}, "1.2.4")  # idempotent, updates
+        assert again.id == node.id and again.version == "1.2.4" and again.specs.ram_mb == 65536
+
+        membership = await client.join(s.pool_id)
+        assert membership.status.value == "active" and membership.node_id == client.node_id
+        assert (await client.join(s.pool_id)).episode == membership.episode  # joining twice is fine
+        beat = await client.heartbeat(metrics={"gpu_util": 0.5})
+        assert beat.status == "healthy" and beat.next_heartbeat_in_s == 10
+
+        assert (await s.enqueue(arithmetic_tasks(1, seed=3, n=2))).status_code == 201
+        claim = await client.claim(s.pool_id, max_tasks=4)
+        assert claim.reason is None and len(claim.leases) == 1
+        lease = claim.leases[0]
+        assert (await client.heartbeat(leases=[lease.assignment_id])).drop_leases == []
+
+        samples = await ArithmeticBackend().generate(lease.task, lease.seed, lease.policy)
+        result = ResultIn(
+            fencing_token=lease.fencing_token, policy_step=lease.policy.step, seed=lease.seed, samples=samples
+        )
+        out = await client.submit(lease, result)
+        assert out.status == "pending" and out.assignment_id == lease.assignment_id
+        assert (await client.submit(lease, result)).submission_id == out.submission_id
+
+        assert await drain(app_state) == 1
+        [verdict] = await client.verdicts()
+        assert verdict["submission_id"] == out.submission_id and verdict["outcome"] == "accepted"
+        balance = await client.balance()
+        assert balance.provider_id == client.provider_id and balance.rewards_pending == 2 * 7
+
+        claim = await client.claim(s.pool_id)
+        assert claim.leases == [] and claim.reason == "no_tasks" and (claim.retry_after_s or 0) > 0
+        await client.leave(s.pool_id)
+        assert (await client.claim(s.pool_id)).reason == "not_a_member"
+        assert (await client.me()).memberships[0].status == "left"
+
+
+async def test_release_gives_the_lease_back(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state) as s, new_client(app) as a, new_client(app) as b:
+        for c in (a, b):
+            await c.register(SPECS, "1")
+            await c.join(s.pool_id)
+            await c.heartbeat()
+        await s.enqueue(arithmetic_tasks(1, seed=1))
+        [lease] = (await a.claim(s.pool_id)).leases
+        assert (await b.claim(s.pool_id)).reason == "no_tasks"
+        await a.release(lease.assignment_id)
+        await a.release(lease.assignment_id)  # idempotent
+        [again] = (await b.claim(s.pool_id)).leases
+        assert again.task.task_id == lease.task.task_id and again.fencing_token > lease.fencing_token
+
+
+async def test_errors_are_typed_with_the_problem_code(app: Any, app_state: Any) -> None:
+    econ = {"min_stake_per_node": 500}
+    async with pool_setup(app, app_state, economics=econ) as s, new_client(app) as client:
+        with pytest.raises(OrchestratorAPIError) as unknown:
+            await client.me()
+        assert (unknown.value.status, unknown.value.code) == (401, "unknown_key")
+
+        await client.register(SPECS, "1")
+        with pytest.raises(OrchestratorAPIError) as refused:
+            await client.join(s.pool_id)
+        err = refused.value
+        assert (err.status, err.code) == (403, "stake_insufficient")
+        assert err.body["reasons"][0]["required"] == 500 and "stake" in err.detail
+
+        with pytest.raises(OrchestratorAPIError) as missing:
+            await client.claim("pool_doesnotexist00")
+        assert (missing.value.status, missing.value.code) == (404, "pool_not_found")
+
+        with pytest.raises(OrchestratorAPIError) as gone:
+            await client.release("asg_doesnotexist")
+        assert (gone.value.status, gone.value.code) == (404, "assignment_not_found")
+
+
+async def test_provider_calls_need_the_provider_key(app: Any, app_state: Any) -> None:
+    async with new_client(app) as provider_side, new_client(app, provider=False) as node_only:
+        await provider_side.register(SPECS, "1")
+        with pytest.raises(ProviderKeyRequired):
+            await node_only.balance()
+        with pytest.raises(ProviderKeyRequired):
+            await node_only.register(SPECS, "1")
+        # A provider that keeps its key offline hands the node an attestation instead.
+        from orchestrator.core.keys import attest_node
+
+        assert provider_side._provider_key is not None
+        node = await node_only.register(
+            SPECS,
+            "1",
+            provider_id=provider_side.provider_id,
+            attestation=attest_node(provider_side._provider_key, node_only.node_id),
+        )
+        assert node.provider_id == provider_side.provider_id == node_only.provider_id
+
+
+async def test_a_retry_is_a_freshly_signed_request_not_a_replay(app: Any, app_state: Any) -> None:
+    client, wire = faulty_client(app)
+    async with client:
+        await client.register(SPECS, "1")
+        # The app handles the first beat (and remembers its nonce); its answer is lost.
+        wire.fail("/v1/nodes/me/heartbeat", "forward+502", "503")
+        beat = await client.heartbeat()
+        assert beat.status == "healthy"
+        attempts = wire.to("/v1/nodes/me/heartbeat")
+        assert [a.status for a in attempts] == [200, 503, 200]
+        assert len({a.nonce for a in attempts}) == 3
+
+
+async def test_retry_after_is_honoured(app: Any, app_state: Any) -> None:
+    client, wire = faulty_client(app)
+    async with client:
+        await client.register(SPECS, "1")
+        wire.fail("/v1/nodes/me", "429:1")
+        started = time.monotonic()
+        assert (await client.me()).id == client.node_id
+        waited = time.monotonic() - started
+        assert 1.0 <= waited < 5.0
+        assert [a.status for a in wire.to("/v1/nodes/me")] == [429, 200]
+
+
+def test_retry_after_dates_are_understood() -> None:
+    now = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
+    later = email.utils.format_datetime(now + dt.timedelta(seconds=42), usegmt=True)
+    assert parse_retry_after(later, now=now) == 42.0
+    assert parse_retry_after("7") == 7.0
+    assert parse_retry_after("soon") is None
+
+
+async def test_retries_give_up_with_the_last_error(app: Any, app_state: Any) -> None:
+    client, wire = faulty_client(app, max_retries=2)
+    async with client:
+        await client.register(SPECS, "1")
+        wire.fail("/v1/nodes/me", "503", "503", "503", "503")
+        with pytest.raises(OrchestratorAPIError) as exc:
+            await client.me()
+        assert (exc.value.status, exc.value.code) == (503, "not_ready")
+        assert len(wire.to("/v1/nodes/me")) == 3  # one try and two retries
+
+
+async def test_a_lost_result_answer_is_retried_and_recorded_once(app: Any, app_state: Any) -> None:
+    client, wire = faulty_client(app)
+    async with pool_setup(app, app_state) as s, client:
+        await client.register(SPECS, "1")
+        await client.join(s.pool_id)
+        await client.heartbeat()
+        await s.enqueue(arithmetic_tasks(1, seed=5))
+        [lease] = (await client.claim(s.pool_id)).leases
+        samples = await ArithmeticBackend().generate(lease.task, lease.seed, lease.policy)
+        result = ResultIn(
+            fencing_token=lease.fencing_token, policy_step=lease.policy.step, seed=lease.seed, samples=samples
+        )
+        path = f"/v1/assignments/{lease.assignment_id}/result"
+        wire.fail(path, "forward+timeout", "forward+502")
+        out = await client.submit(lease, result)
+        attempts = wire.to(path)
+        assert [a.status for a in attempts] == [201, 200, 200]
+        assert len({a.body for a in attempts}) == 1 and len({a.nonce for a in attempts}) == 3
+        async with app_state.sessionmaker() as session:
+            assert await session.scalar(select(func.count()).select_from(Submission)) == 1
+            assert await session.scalar(select(Submission.id)) == out.submission_id
+
+
+async def test_a_claim_is_not_retried_once_it_may_have_reached_the_server(app: Any, app_state: Any) -> None:
+    client, wire = faulty_client(app)
+    async with pool_setup(app, app_state) as s, client:
+        await client.register(SPECS, "1")
+        await client.join(s.pool_id)
+        await client.heartbeat()
+        await s.enqueue(arithmetic_tasks(2, seed=9))
+        wire.fail("/v1/assignments/claim", "forward+timeout")
+        with pytest.raises(httpx.ReadTimeout):
+            await client.claim(s.pool_id)
+        assert [a.status for a in wire.to("/v1/assignments/claim")] == [200]  # sent once
+        # The lost claim leased a task: only one is left.
+        assert len((await client.claim(s.pool_id, max_tasks=2)).leases) == 1
+
+
+async def test_a_claim_is_retried_when_it_never_did_anything(app: Any, app_state: Any) -> None:
+    client, wire = faulty_client(app)
+    async with pool_setup(app, app_state) as s, client:
+        await client.register(SPECS, "1")
+        await client.join(s.pool_id)
+        await client.heartbeat()
+        await s.enqueue(arithmetic_tasks(1, seed=9))
+        wire.fail("/v1/assignments/claim", "connect", "503", "forward+502")
+        # A connection error and a 503 are retried; a 502 after the app handled it is not.
+        with pytest.raises(OrchestratorAPIError) as exc:
+            await client.claim(s.pool_id)
+        assert exc.value.status == 502 and exc.value.code == "http_502"
+        assert [a.status for a in wire.to("/v1/assignments/claim")] == [None, 503, 200]
