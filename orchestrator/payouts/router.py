@@ -19,8 +19,7 @@ from api_schemas.payouts import (
     WithdrawalOut,
 )
 from orchestrator.admin.tokens import AdminOnly
-from orchestrator.core.errors import BadRequest
-from orchestrator.core.pagination import decode_cursor, encode_cursor
+from orchestrator.core.pagination import decode_int_cursor, encode_cursor
 from orchestrator.core.state import Session, State
 from orchestrator.identity.auth import CurrentProvider
 from orchestrator.ledger import service as ledger
@@ -36,15 +35,6 @@ PayoutId = Annotated[int, Path(ge=1, le=2**63 - 1, description="Payout id")]
 Cursor = Annotated[str | None, Query(max_length=200, description="next_cursor of the previous page")]
 Limit = Annotated[int, Query(ge=1, le=500, description="Page size")]
 StatusFilter = Annotated[PayoutStatus | None, Query(description="Only payouts in this status")]
-
-
-def _before_id(cursor: str | None) -> int | None:
-    raw = decode_cursor(cursor)
-    if raw is None:
-        return None
-    if not (raw.isascii() and raw.isdigit()):
-        raise BadRequest("the cursor is not one this API issued", code="cursor_invalid")
-    return int(raw)
 
 
 def _fields(p: Payout) -> dict[str, object]:
@@ -80,7 +70,7 @@ async def _page(
         session,
         provider_id=provider_id,
         status=status.value if status else None,
-        before_id=_before_id(cursor),
+        before_id=decode_int_cursor(cursor),
         limit=limit + 1,
     )
     more = len(rows) > limit

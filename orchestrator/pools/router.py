@@ -25,8 +25,7 @@ from api_schemas.pools import (
     RejectIn,
 )
 from orchestrator.admin.tokens import Principal, Role, require_roles
-from orchestrator.core.errors import BadRequest
-from orchestrator.core.pagination import decode_cursor, encode_cursor
+from orchestrator.core.pagination import decode_cursor, decode_int_cursor, encode_cursor
 from orchestrator.core.state import Session, State
 from orchestrator.identity.auth import CurrentNode
 from orchestrator.pools import service
@@ -67,15 +66,6 @@ async def administered_pool(pool_id: PoolId, principal: OperatorOrAdmin, session
 
 
 ScopedPoolId = Annotated[str, Depends(administered_pool)]
-
-
-def _int_cursor(cursor: str | None) -> int | None:
-    raw = decode_cursor(cursor)
-    if raw is None:
-        return None
-    if not (raw.isascii() and raw.isdigit()):
-        raise BadRequest("the cursor is not one this API issued", code="cursor_invalid")
-    return int(raw)
 
 
 # ------------------------------------------------------------------ public and node routes
@@ -250,7 +240,7 @@ async def list_members(
         principal,
         pool_id,
         status=status.value if status else None,
-        after=_int_cursor(cursor),
+        after=decode_int_cursor(cursor),
         limit=limit + 1,
     )
     more = len(members) > limit

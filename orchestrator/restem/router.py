@@ -11,8 +11,7 @@ from api_schemas.common import PROBLEM_RESPONSES, Page
 from api_schemas.restem import IterationIn, IterationOut, IterationReport, IterationStatus
 from orchestrator.admin.tokens import Principal, Role, require_roles
 from orchestrator.audit.service import record
-from orchestrator.core.errors import BadRequest
-from orchestrator.core.pagination import decode_cursor, encode_cursor
+from orchestrator.core.pagination import decode_int_cursor, encode_cursor
 from orchestrator.core.state import Session, State
 from orchestrator.pools.models import Pool
 from orchestrator.restem import service
@@ -99,15 +98,6 @@ async def create_iteration(
     return await _out(session, iteration)
 
 
-def _before_id(cursor: str | None) -> int | None:
-    raw = decode_cursor(cursor)
-    if raw is None:
-        return None
-    if not (raw.isascii() and raw.isdigit()):
-        raise BadRequest("the cursor is not one this API issued", code="cursor_invalid")
-    return int(raw)
-
-
 @admin_router.get(
     "/pools/{pool_id}/restem/iterations",
     response_model=Page[IterationOut],
@@ -121,7 +111,7 @@ async def list_iterations(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> Page[IterationOut]:
     rows = await service.newest_first(
-        session, pool.id, before_id=_before_id(cursor), limit=limit + 1, now=state.clock.utcnow()
+        session, pool.id, before_id=decode_int_cursor(cursor), limit=limit + 1, now=state.clock.utcnow()
     )
     more = len(rows) > limit
     rows = rows[:limit]
