@@ -20,165 +20,28 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
-import statistics
-import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 import httpx
 
-from orchestrator.core.keys import attest_node, generate_key, key_id_of
+from benchmarks.common import (
+    DEFAULT_DB,
+    DEFAULT_REDIS,
+    Stats,
+    create_token,
+    free_port,
+    reset_database,
+    setup_pool,
+    start_server,
+    stop_server,
+    wait_ready,
+)
 from orchestrator.core.signing import SignatureAuth
 
-DEFAULT_DB = "postgresql://postgres@127.0.0.1:5432/orch_bench"
-DEFAULT_REDIS = "redis://127.0.0.1:6379/15"
-
-
-@dataclass
-class Stats:
-    latencies: list[float] = field(default_factory=list)
-    done: int = 0
-    errors: int = 0
-
-    def line(self, name: str, seconds: float) -> dict[str, Any]:
-        lat = sorted(self.latencies) or [0.0]
-        return {
-            "path": name,
-            "claims_per_s": round(self.done / seconds, 1),
-            "p50_ms": round(statistics.median(lat) * 1000, 2),
-            "p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000, 2),
-            "claims": self.done,
-            "errors": self.errors,
-        }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def reset_database(dsn: str) -> None:
-    admin_dsn = dsn.rsplit("/", 1)[0] + "/postgres"
-    name = dsn.rsplit("/", 1)[1]
-    conn = await asyncpg.connect(admin_dsn)
-    try:
-        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await conn.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await conn.close()
-
-
-def start_server(dsn: str, redis_url: str, port: int, workers: int, log: Any) -> subprocess.Popen[bytes]:
-    env = {
-        **os.environ,
-        "ORCH_DB__URL": dsn.replace("postgresql://", "postgresql+asyncpg://"),
-        "ORCH_REDIS__URL": redis_url,
-        "ORCH_LOG_LEVEL": "WARNING",
-        "ORCH_HEARTBEAT__INTERVAL_S": "120",
-        "ORCH_LIMITS__REGISTRATION_PER_IP": "100000",
-        "ORCH_DB__POOL_SIZE": "40",
-    }
-    return subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "serve", "--port", str(port), "--workers", str(workers)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-
-async def wait_ready(base: str, within_s: float = 60) -> None:
-    deadline = time.monotonic() + within_s
-    async with httpx.AsyncClient(base_url=base) as c:
-        while time.monotonic() < deadline:
-            try:
-                if (await c.get("/readyz")).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            await asyncio.sleep(0.3)
-    raise RuntimeError("server did not become ready")
-
-
-async def create_token(dsn: str) -> str:
-    from orchestrator.admin.tokens import Role
-    from orchestrator.admin.tokens import create_token as make
-    from orchestrator.core.db import make_engine, make_sessionmaker
-    from orchestrator.settings import DatabaseSettings
-
-    engine = make_engine(DatabaseSettings(url=dsn.replace("postgresql://", "postgresql+asyncpg://")))
-    try:
-        async with make_sessionmaker(engine)() as session, session.begin():
-            token, _ = await make(session, role=Role.admin, name="bench")
-            return token
-    finally:
-        await engine.dispose()
-
-
-async def setup_pool(base: str, token: str, pollers: int, tasks: int) -> tuple[str, list[Any]]:
-    headers = {"Authorization": f"Bearer {token}"}
-    async with httpx.AsyncClient(base_url=base, timeout=120) as c:
-        r = await c.post(
-            "/v1/admin/pools",
-            headers=headers,
-            json={
-                "name": "bench",
-                "policy": {"replication_factor": 1, "max_leases_per_node": 4, "lease_duration_s": 3600},
-            },
-        )
-        r.raise_for_status()
-        pool_id = r.json()["id"]
-        (await c.post(f"/v1/admin/pools/{pool_id}/activate", headers=headers)).raise_for_status()
-        (
-            await c.post(
-                f"/v1/admin/pools/{pool_id}/policies",
-                headers=headers,
-                json={"step": 1, "uri": "s3://bench", "sha256": "a" * 64, "size": 1},
-            )
-        ).raise_for_status()
-        for start in range(0, tasks, 10_000):
-            n = min(10_000, tasks - start)
-            batch = [{"problem_ref": f"p/{start + i}", "sampling": {"max_tokens": 16}} for i in range(n)]
-            (
-                await c.post(
-                    f"/v1/admin/pools/{pool_id}/tasks",
-                    headers=headers,
-                    json={"batch_key": f"b{start}", "tasks": batch},
-                )
-            ).raise_for_status()
-        nodes = []
-        for _ in range(pollers):
-            provider, node = generate_key(), generate_key()
-            (await c.post("/v1/providers", json={}, auth=SignatureAuth(provider))).raise_for_status()
-            (
-                await c.post(
-                    "/v1/nodes",
-                    auth=SignatureAuth(node),
-                    json={
-                        "provider_id": key_id_of(provider),
-                        "attestation": attest_node(provider, key_id_of(node)),
-                        "specs": {
-                            "gpu_model": "H100",
-                            "gpu_count": 1,
-                            "gpu_memory_mb": 80000,
-                            "cpu_cores": 8,
-                            "ram_mb": 65536,
-                        },
-                        "version": "bench",
-                    },
-                )
-            ).raise_for_status()
-            (await c.post(f"/v1/pools/{pool_id}/join", json={}, auth=SignatureAuth(node))).raise_for_status()
-            (await c.post("/v1/nodes/me/heartbeat", json={}, auth=SignatureAuth(node))).raise_for_status()
-            nodes.append(node)
-    return pool_id, nodes
+__all__ = ["DEFAULT_DB", "DEFAULT_REDIS", "Stats", "api_phase", "main", "raw_phase"]
 
 
 async def api_phase(base: str, pool_id: str, nodes: list[Any], seconds: float) -> Stats:
@@ -291,8 +154,7 @@ async def main() -> None:
         pool_id, nodes = await setup_pool(base, token, args.pollers, args.tasks)
         api = await api_phase(base, pool_id, nodes, args.seconds)
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
+        stop_server(server)
     raw = await raw_phase(args.database, args.pollers, args.raw_jobs, args.seconds)
 
     rows = [
