@@ -762,6 +762,23 @@ async def blacklist_provider(
     _writable(pool)
     if await identity_repo.get_provider(session, provider_id) is None:
         raise NotFound("no provider with this id", code="provider_not_found")
+    removed, created = await _blacklist(session, principal, pool, provider_id, reason, now=now)
+    entry = await repo.get_blacklisting(session, pool.id, provider_id)
+    assert entry is not None
+    return entry, removed, created
+
+
+async def _blacklist(
+    session: AsyncSession,
+    principal: Principal,
+    pool: Pool,
+    provider_id: str,
+    reason: str,
+    *,
+    now: dt.datetime,
+) -> tuple[list[str], bool]:
+    """Record the blacklisting (once) and end the provider's live memberships in the pool;
+    returns the nodes removed and whether the entry is new."""
     created = await repo.insert_blacklisting(
         session,
         pool_id=pool.id,
@@ -770,32 +787,31 @@ async def blacklist_provider(
         created_by=principal.token_id,
         now=now,
     )
-    entry = await repo.get_blacklisting(session, pool.id, provider_id)
-    assert entry is not None
     removed: list[str] = []
-    if created:
-        for m in await repo.live_members(session, pool.id, provider_id=provider_id):
-            await _end_membership(
-                session,
-                pool,
-                m,
-                to_status=MembershipStatus.left.value,
-                reason=f"provider blacklisted: {reason}",
-                actor=principal.token_id,
-                now=now,
-            )
-            removed.append(m.node_id)
-        await record(
+    if not created:
+        return removed, False
+    for m in await repo.live_members(session, pool.id, provider_id=provider_id):
+        await _end_membership(
             session,
-            principal,
-            "pool.blacklist_provider",
-            target_type="provider",
-            target_id=provider_id,
-            pool_id=pool.id,
-            before={"blacklisted": False},
-            after={"blacklisted": True, "reason": reason, "removed_nodes": removed},
+            pool,
+            m,
+            to_status=MembershipStatus.left.value,
+            reason=f"provider blacklisted: {reason}",
+            actor=principal.token_id,
+            now=now,
         )
-    return entry, removed, created
+        removed.append(m.node_id)
+    await record(
+        session,
+        principal,
+        "pool.blacklist_provider",
+        target_type="provider",
+        target_id=provider_id,
+        pool_id=pool.id,
+        before={"blacklisted": False},
+        after={"blacklisted": True, "reason": reason, "removed_nodes": removed},
+    )
+    return removed, True
 
 
 # ------------------------------------------------------------------ sanctions by the verifier
@@ -826,31 +842,5 @@ async def blacklist_for_fraud(
     session: AsyncSession, pool: Pool, provider_id: str, *, reason: str, now: dt.datetime
 ) -> bool:
     """The verifier's provider ban after the pool's provider strike limit; True if new."""
-    created = await repo.insert_blacklisting(
-        session, pool_id=pool.id, provider_id=provider_id, reason=reason, created_by=SYSTEM.token_id, now=now
-    )
-    if not created:
-        return False
-    removed = []
-    for m in await repo.live_members(session, pool.id, provider_id=provider_id):
-        await _end_membership(
-            session,
-            pool,
-            m,
-            to_status=MembershipStatus.left.value,
-            reason=f"provider blacklisted: {reason}",
-            actor=SYSTEM.token_id,
-            now=now,
-        )
-        removed.append(m.node_id)
-    await record(
-        session,
-        SYSTEM,
-        "pool.blacklist_provider",
-        target_type="provider",
-        target_id=provider_id,
-        pool_id=pool.id,
-        before={"blacklisted": False},
-        after={"blacklisted": True, "reason": reason, "removed_nodes": removed},
-    )
-    return True
+    _, created = await _blacklist(session, SYSTEM, pool, provider_id, reason, now=now)
+    return created
