@@ -21,6 +21,7 @@ import asyncio
 import json
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from benchmarks.common import (
     DEFAULT_REDIS,
     Stats,
     create_token,
+    drop_redis_prefix,
     free_port,
     reset_database,
     setup_pool,
@@ -147,7 +149,8 @@ async def main() -> None:
     base = f"http://127.0.0.1:{port}"
     log_path = Path(args.server_log)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    server = start_server(args.database, args.redis, port, args.workers, log_path.open("wb"))  # noqa: ASYNC230
+    prefix = f"bench:{uuid.uuid4().hex[:8]}:"
+    server = start_server(args.database, args.redis, port, args.workers, log_path.open("wb"), prefix=prefix)  # noqa: ASYNC230
     try:
         await wait_ready(base)
         token = await create_token(args.database)
@@ -155,6 +158,7 @@ async def main() -> None:
         api = await api_phase(base, pool_id, nodes, args.seconds)
     finally:
         stop_server(server)
+        await drop_redis_prefix(args.redis, prefix)
     raw = await raw_phase(args.database, args.pollers, args.raw_jobs, args.seconds)
 
     rows = [

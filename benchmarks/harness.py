@@ -267,11 +267,13 @@ class Bench:
         result: dict[str, Any] = await loop.run_in_executor(self.executor, loadgen.run, spec)
         return result
 
-    async def phase(self, name: str, spec: dict[str, Any], *, keep: bool = True) -> dict[str, Any]:
+    async def phase(
+        self, name: str, spec: dict[str, Any], *, keep: bool = True, quiet_wait: bool = True
+    ) -> dict[str, Any]:
         """Run one load-generator phase, with CPU accounting and (if asked) a py-spy profile."""
         spec = {"port": self.port, "warmup_s": self.args.warmup, **spec}
         assert self.meter is not None
-        if self.args.quiet_wait:
+        if self.args.quiet_wait and quiet_wait:
             await wait_until_quiet(self.meter, self.args.quiet_wait)
         profiler = None
         if name in self.args.profile and self.server is not None:
@@ -550,6 +552,9 @@ class Bench:
             return dict(row)
 
         try:
+            if self.args.quiet_wait:
+                assert self.meter is not None
+                await wait_until_quiet(self.meter, self.args.quiet_wait)
             before = await counts()
             t0 = time.monotonic()
             out = await self.phase(
@@ -563,6 +568,7 @@ class Bench:
                     "duration_s": self.args.e2e_duration,
                 },
                 keep=False,
+                quiet_wait=False,
             )
             window = time.monotonic() - t0
             after = await counts()

@@ -68,7 +68,9 @@ def summarise(path: Path, top: int = 15) -> dict[str, Any]:
 
     ``self_pct``: leaf frames (where the CPU was spent). ``inclusive_pct``: frames anywhere in the
     stack, leaving out the wrappers present in nearly every sample (the event loop, uvicorn,
-    the middleware chain), which say nothing about where a request's time goes."""
+    the middleware chain), which say nothing about where a request's time goes. SQLAlchemy's
+    async bridge runs statements in greenlets, whose stacks py-spy shows without the request
+    frames above them: ORM work appears under ``Session.execute`` / ``Session.flush`` roots."""
     self_counts: collections.Counter[str] = collections.Counter()
     incl_counts: collections.Counter[str] = collections.Counter()
     total = 0
@@ -85,16 +87,39 @@ def summarise(path: Path, top: int = 15) -> dict[str, Any]:
         for frame in set(frames):
             incl_counts[frame] += count
 
-    def share(counter: collections.Counter[str], limit: float = 101.0) -> list[tuple[str, float]]:
+    def share(counter: collections.Counter[str]) -> list[tuple[str, float]]:
         if not total:
             return []
-        ranked = [(name, round(100 * n / total, 1)) for name, n in counter.most_common()]
-        return [(name, pct) for name, pct in ranked if pct < limit][:top]
+        return [(name, round(100 * n / total, 1)) for name, n in counter.most_common(top)]
 
-    # A wrapper is in (almost) every request's stack; 'solve_dependencies' and below are not.
-    wrappers = max((n for name, n in incl_counts.items() if "get_request_handler" in name), default=0)
-    limit = 100 * wrappers / total if total and wrappers else 90.0
-    return {"samples": total, "self_pct": share(self_counts), "inclusive_pct": share(incl_counts, limit)}
+    wrapper_paths = ("uvicorn/", "starlette/", "asyncio/", "typer/", "<frozen runpy>", "orchestrator/cli.py")
+    wrapper_names = (
+        "FastAPI.__call__",
+        "APIRoute",
+        "APIRouter",
+        "_IncludedRouter",
+        "request_response",
+        "get_request_handler",
+        "Middleware.__call__",
+        "AsyncExitStack",
+        "wrap_app_handling",
+    )
+
+    def is_wrapper(name: str) -> bool:
+        # Present in (almost) every sample; says nothing about where a request's time goes.
+        return any(p in name for p in wrapper_paths) or any(
+            name.startswith(n) or n in name for n in wrapper_names
+        )
+
+    def share_inclusive() -> list[tuple[str, float]]:
+        if not total:
+            return []
+        ranked = [
+            (name, round(100 * n / total, 1)) for name, n in incl_counts.most_common() if not is_wrapper(name)
+        ]
+        return ranked[:top]
+
+    return {"samples": total, "self_pct": share(self_counts), "inclusive_pct": share_inclusive()}
 
 
 def render(name: str, summary: dict[str, Any]) -> str:
