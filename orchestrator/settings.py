@@ -21,8 +21,25 @@ class DatabaseSettings(BaseModel):
         default="sqlite+aiosqlite:///./orchestrator.db",
         description="SQLAlchemy async URL: sqlite+aiosqlite:///path or postgresql+asyncpg://user@host/db",
     )
-    pool_size: int = Field(default=10, ge=1, le=200)
-    max_overflow: int = Field(default=20, ge=0, le=500)
+    pool_size: int = Field(
+        default=20, ge=1, le=200, description="Connections kept open per process (PostgreSQL)."
+    )
+    max_overflow: int = Field(
+        default=5,
+        ge=0,
+        le=500,
+        description="Extra connections opened past pool_size under bursts, closed again when returned.",
+    )
+    pool_recycle_s: int = Field(
+        default=1800, ge=0, description="Replace a pooled connection older than this (0: never)."
+    )
+    pool_pre_ping: bool = Field(
+        default=False,
+        description=(
+            "Test each connection on checkout (three extra round trips per request). Only worth it "
+            "behind a proxy that silently drops idle connections."
+        ),
+    )
     echo: bool = False
 
     @property

@@ -13,6 +13,7 @@ from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from orchestrator.core.clock import Clock
+from orchestrator.core.db import autocommit
 from orchestrator.core.hotstore import HotStore
 from orchestrator.settings import Settings
 
@@ -27,6 +28,11 @@ class AppState:
     # The audit draws' random source: unpredictable to workers (tests pass a seeded Random).
     rng: random.Random = field(default_factory=random.SystemRandom)
     instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    # Single reads outside a transaction (autocommit on PostgreSQL; the same pool as ``engine``).
+    reader: AsyncEngine = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.reader = autocommit(self.engine)
 
 
 def app_state(request: Request) -> AppState:

@@ -7,11 +7,13 @@ so a handler can only ever act as the identity that signed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated
 
 import structlog
 from fastapi import Depends, Request, Security
 from fastapi.security import APIKeyHeader
+from sqlalchemy import bindparam, select
 
 from orchestrator.core.errors import Forbidden, Unauthorized
 from orchestrator.core.signing import SignedRequest, target_uri, verify_request
@@ -64,16 +66,50 @@ async def signed_request(
 Signed = Annotated[SignedRequest, Depends(signed_request)]
 
 
+def unknown_node() -> Unauthorized:
+    return Unauthorized(
+        "no node is registered with this key", code="unknown_key", title="Request signature refused"
+    )
+
+
+def banned_node() -> Forbidden:
+    return Forbidden("this node is banned", code="node_banned")
+
+
 async def current_node(signed: Signed, session: Session) -> Node:
     node = await repo.get_node(session, signed.keyid)
     if node is None:
-        raise Unauthorized(
-            "no node is registered with this key", code="unknown_key", title="Request signature refused"
-        )
+        raise unknown_node()
     if node.status == NodeStatus.banned:
-        raise Forbidden("this node is banned", code="node_banned")
+        raise banned_node()
     structlog.contextvars.bind_contextvars(node_id=node.id)
     return node
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRef:
+    """The signer's identity and status, read without opening a transaction."""
+
+    id: str
+    provider_id: str
+    ip_address: str | None
+    status: str
+
+
+_NODE_REF = select(Node.provider_id, Node.ip_address, Node.status).where(Node.id == bindparam("node_id"))
+
+
+async def signed_node(signed: Signed, state: State) -> NodeRef:
+    """The signing node from one primary-key read outside any transaction (on PostgreSQL an
+    autocommit SELECT: no BEGIN/COMMIT round trips), for paths that mostly touch the hot store."""
+    async with state.reader.connect() as conn:
+        row = (await conn.execute(_NODE_REF, {"node_id": signed.keyid})).first()
+    if row is None:
+        raise unknown_node()
+    if row.status == NodeStatus.banned:
+        raise banned_node()
+    structlog.contextvars.bind_contextvars(node_id=signed.keyid)
+    return NodeRef(signed.keyid, row.provider_id, row.ip_address, row.status)
 
 
 async def current_provider(signed: Signed, session: Session) -> Provider:
@@ -87,6 +123,7 @@ async def current_provider(signed: Signed, session: Session) -> Provider:
 
 
 CurrentNode = Annotated[Node, Depends(current_node)]
+SignedNode = Annotated[NodeRef, Depends(signed_node)]
 CurrentProvider = Annotated[Provider, Depends(current_provider)]
 
 

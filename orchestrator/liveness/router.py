@@ -6,8 +6,8 @@ from fastapi import APIRouter
 
 from api_schemas.common import PROBLEM_RESPONSES
 from api_schemas.identity import HeartbeatIn, HeartbeatOut
-from orchestrator.core.state import Session, State
-from orchestrator.identity.auth import CurrentNode
+from orchestrator.core.state import State
+from orchestrator.identity.auth import SignedNode
 from orchestrator.liveness import service
 
 router = APIRouter(prefix="/v1", tags=["contributors"], responses=PROBLEM_RESPONSES)
@@ -18,5 +18,5 @@ router = APIRouter(prefix="/v1", tags=["contributors"], responses=PROBLEM_RESPON
     response_model=HeartbeatOut,
     summary="Report liveness (hot store only; no SQL write unless the status changes)",
 )
-async def heartbeat(body: HeartbeatIn, node: CurrentNode, session: Session, state: State) -> HeartbeatOut:
-    return await service.heartbeat(session, state, node, body)
+async def heartbeat(body: HeartbeatIn, node: SignedNode, state: State) -> HeartbeatOut:
+    return await service.heartbeat(state, node, body)

@@ -21,7 +21,8 @@ from orchestrator.core.hotstore import HEALTHY, UNHEALTHY
 from orchestrator.core.state import AppState
 from orchestrator.core.ticks import claim_tick
 from orchestrator.identity import repository as repo
-from orchestrator.identity.models import Node, NodeStatus
+from orchestrator.identity.auth import NodeRef
+from orchestrator.identity.models import NodeStatus
 from orchestrator.tasks.service import extend_leases
 
 log = structlog.get_logger(__name__)
@@ -31,27 +32,37 @@ SWEEP_BATCH = 5000
 REVIVABLE = (NodeStatus.waiting.value, NodeStatus.unhealthy.value, NodeStatus.dead.value)
 
 
-async def heartbeat(session: AsyncSession, state: AppState, node: Node, body: HeartbeatIn) -> HeartbeatOut:
+async def heartbeat(state: AppState, node: NodeRef, body: HeartbeatIn) -> HeartbeatOut:
+    """A steady heartbeat of a healthy node with no leases touches only the hot store; a
+    transaction is opened only to revive the node or to extend leases."""
     hb = state.settings.heartbeat
     now = state.clock.now()
     fields = {name: repr(value) for name, value in body.metrics.items()}
     await state.hot_store.record_beat(node.id, now, fields, ttl_s=math.ceil(hb.dead_after_s * 2))
     metrics.HEARTBEATS.inc()
     status = node.status
-    if status in REVIVABLE:
-        moved = await repo.transition(
-            session,
-            [node.id],
-            from_statuses=[status],
-            to_status=NodeStatus.healthy.value,
-            reason="heartbeat received",
-            actor="node",
-        )
-        if moved:
-            status = NodeStatus.healthy.value
-            log.info("node_status_changed", node_id=node.id, to="healthy")
-    drop = await extend_leases(session, node.id, body.leases, now=state.clock.utcnow()) if body.leases else []
+    drop: list[str] = []
+    if status in REVIVABLE or body.leases:
+        async with state.sessionmaker() as session, session.begin():
+            if status in REVIVABLE and await _revive(session, node.id, status):
+                status = NodeStatus.healthy.value
+            if body.leases:
+                drop = await extend_leases(session, node.id, body.leases, now=state.clock.utcnow())
     return HeartbeatOut(status=status, next_heartbeat_in_s=hb.interval_s, drop_leases=drop)
+
+
+async def _revive(session: AsyncSession, node_id: str, status: str) -> bool:
+    moved = await repo.transition(
+        session,
+        [node_id],
+        from_statuses=[status],
+        to_status=NodeStatus.healthy.value,
+        reason="heartbeat received",
+        actor="node",
+    )
+    if moved:
+        log.info("node_status_changed", node_id=node_id, to="healthy")
+    return bool(moved)
 
 
 @dataclass(frozen=True)

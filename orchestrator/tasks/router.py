@@ -98,9 +98,10 @@ def task_out(t: Task) -> TaskOut:
     summary="Lease up to max_tasks replicas; an empty list says why and when to retry",
 )
 async def claim(
-    body: ClaimIn, node: CurrentNode, session: Session, state: State, response: Response
+    body: ClaimIn, signed: Signed, session: Session, state: State, response: Response
 ) -> ClaimOut:
-    out = await service.claim(session, node, body.pool_id, body.max_tasks, now=state.clock.utcnow())
+    # The signer is loaded (401 unknown_key, 403 node_banned) with the claim's own first read.
+    out = await service.claim(session, signed.keyid, body.pool_id, body.max_tasks, now=state.clock.utcnow())
     if out.retry_after_s is not None:
         response.headers["Retry-After"] = str(out.retry_after_s)
     return out
@@ -116,13 +117,13 @@ async def claim(
 async def submit_result(
     assignment_id: Annotated[str, Path(max_length=40)],
     body: ResultIn,
-    node: CurrentNode,
     signed: Signed,
     session: Session,
     state: State,
     response: Response,
 ) -> ResultOut:
-    result = await service.submit_result(session, node, assignment_id, body, signed, now=state.clock.utcnow())
+    # The signer is checked (401 unknown_key, 403 node_banned) with the result's own first read.
+    result = await service.submit_result(session, signed, assignment_id, body, now=state.clock.utcnow())
     if not result.created:
         response.status_code = 200
     return result.out

@@ -14,12 +14,13 @@ import datetime as dt
 import hashlib
 import secrets
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import structlog
-from sqlalchemy import and_, exists, func, insert, or_, select, update
+from sqlalchemy import JSON, TextualSelect, and_, bindparam, case, func, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from api_schemas.tasks import (
     ClaimOut,
@@ -32,11 +33,13 @@ from api_schemas.tasks import (
     Sampling,
     TaskBatchIn,
 )
+from orchestrator.core.db import UTCDateTime
 from orchestrator.core.errors import Conflict, NotFound
 from orchestrator.core.signing import SignedRequest
 from orchestrator.core.sql import is_postgres
-from orchestrator.identity.models import Node, NodeStatus
-from orchestrator.pools.models import Pool, PoolMembership
+from orchestrator.identity.auth import banned_node, unknown_node
+from orchestrator.identity.models import NodeStatus
+from orchestrator.pools.models import Pool
 from orchestrator.tasks.models import (
     Assignment,
     PolicyVersion,
@@ -47,6 +50,7 @@ from orchestrator.tasks.models import (
 )
 from orchestrator.tasks.seeds import derive_seed
 from orchestrator.verification import service as verification
+from orchestrator.verification.models import VerificationJob
 
 log = structlog.get_logger(__name__)
 
@@ -242,138 +246,174 @@ def _no_work(reason: str, detail: str) -> ClaimOut:
     return ClaimOut(leases=[], reason=reason, detail=detail, retry_after_s=RETRY_AFTER_S[reason])
 
 
-async def claim(
-    session: AsyncSession, node: Node, pool_id: str, max_tasks: int, *, now: dt.datetime
-) -> ClaimOut:
-    pool = await session.get(Pool, pool_id)
-    if pool is None:
-        raise NotFound("no pool with this id", code="pool_not_found")
-    if pool.status == "paused":
-        return _no_work("pool_paused", "the pool is paused")
-    if pool.status != "active":
-        return _no_work("pool_not_active", f"the pool is {pool.status}")
-    member = await session.scalar(
-        select(PoolMembership.status).where(
-            PoolMembership.pool_id == pool_id, PoolMembership.node_id == node.id
-        )
-    )
-    if member != "active":
-        return _no_work("not_a_member", "this node is not an active member of the pool")
-    if node.status != NodeStatus.healthy:
-        return _no_work("node_unhealthy", f"the node is {node.status}; send a heartbeat first")
-    policy = await current_policy(session, pool_id)
-    if policy is None:
-        return _no_work("no_policy", "no policy version has been published for this pool yet")
-    held = int(
-        await session.scalar(
-            select(func.count())
-            .select_from(Assignment)
-            .where(
-                Assignment.node_id == node.id, Assignment.pool_id == pool_id, Assignment.status == "active"
-            )
-        )
-        or 0
-    )
-    room = min(max_tasks, pool.max_leases_per_node - held)
-    if room <= 0:
-        return _no_work("lease_cap_reached", f"the node already holds {held} leases in this pool")
+@dataclass(frozen=True)
+class ClaimContext:
+    """Everything a claim decides on, read in one statement."""
 
-    busy = exists().where(
-        Assignment.task_id == Task.id,
-        or_(
-            Assignment.node_id == node.id,
-            and_(
-                Assignment.status.in_(("active", "submitted")),
-                or_(Assignment.provider_id == node.provider_id, Assignment.ip_address == node.ip_address),
-            ),
-        ),
+    node_provider_id: str
+    node_ip: str | None
+    node_status: str
+    pool_status: str | None
+    max_leases_per_node: int
+    lease_duration_s: int
+    member_status: str | None
+    policy_step: int | None
+    policy_uri: str | None
+    policy_sha256: str | None
+    held: int
+
+
+# One read for the node (the signer), the pool, the membership, the current policy and the
+# node's live leases there. Scalar subqueries keep it to one row on both dialects.
+_CLAIM_CONTEXT = text(
+    """
+    SELECT n.provider_id, n.ip_address, n.status AS node_status,
+           p.status AS pool_status, p.max_leases_per_node, p.lease_duration_s,
+           (SELECT m.status FROM pool_memberships m
+             WHERE m.pool_id = :pool_id AND m.node_id = n.id) AS member_status,
+           pv.step, pv.uri, pv.sha256,
+           (SELECT count(*) FROM assignments a
+             WHERE a.pool_id = :pool_id AND a.node_id = n.id AND a.status = 'active') AS held
+      FROM nodes n
+      LEFT JOIN pools p ON p.id = :pool_id
+      LEFT JOIN policy_versions pv ON pv.pool_id = p.id
+       AND pv.step = (SELECT max(step) FROM policy_versions WHERE pool_id = :pool_id)
+     WHERE n.id = :node_id
+    """
+)
+
+# The pick: open tasks of the pool this node may take (no replica of the task with this node
+# ever, none live or submitted with its provider or IP), best rank first, locked with SKIP
+# LOCKED on PostgreSQL, joined to each task's lowest available replica and its payload.
+_PICK = """
+    WITH picked AS (
+      SELECT t.id FROM tasks t
+       WHERE t.pool_id = :pool_id AND t.status = 'open' AND t.available_replicas > 0
+         AND NOT EXISTS (
+           SELECT 1 FROM assignments a
+            WHERE a.task_id = t.id
+              AND (a.node_id = :node_id
+                   OR (a.status IN ('active', 'submitted')
+                       AND (a.provider_id = :provider_id OR {ip_match}))))
+       ORDER BY t.claim_rank, t.id
+       LIMIT :room {lock}
     )
-    pick = (
-        select(Task.id)
-        .where(Task.pool_id == pool_id, Task.status == "open", Task.available_replicas > 0, ~busy)
-        .order_by(Task.claim_rank, Task.id)
-        .limit(room)
-    )
-    if is_postgres(session):
-        pick = pick.with_for_update(of=Task, skip_locked=True)
-    task_ids = list((await session.execute(pick)).scalars())
-    if not task_ids:
+    SELECT r.id AS replica_id, r.task_id, r.replica_index, r.seed, r.leases_issued,
+           t.prompt, t.problem_ref, t.sampling, t.metadata, t.claim_rank
+      FROM picked
+      JOIN tasks t ON t.id = picked.id
+      JOIN task_replicas r ON r.task_id = t.id AND r.status = 'available'
+       AND r.replica_index = (SELECT min(r2.replica_index) FROM task_replicas r2
+                               WHERE r2.task_id = t.id AND r2.status = 'available')
+     ORDER BY t.claim_rank, t.id
+"""
+_PICK_COLUMNS = {"sampling": JSON(), "metadata": JSON()}
+
+
+@lru_cache(maxsize=4)
+def _pick_statement(postgres: bool, ip_known: bool) -> TextualSelect:
+    # A node with no recorded IP counts as sharing the "unknown" IP with every other such node.
+    ip_match = "a.ip_address = :ip_address" if ip_known else "a.ip_address IS NULL"
+    lock = "FOR UPDATE OF t SKIP LOCKED" if postgres else ""
+    return text(_PICK.format(ip_match=ip_match, lock=lock)).columns(**_PICK_COLUMNS)
+
+
+_LEASE_REPLICA = (
+    update(TaskReplica.__table__)  # type: ignore[arg-type]
+    .where(TaskReplica.__table__.c.id == bindparam("b_id"))
+    .values(status="leased", leases_issued=bindparam("b_token"), current_assignment_id=bindparam("b_asg"))
+)
+
+
+async def claim(
+    session: AsyncSession, signed_keyid: str, pool_id: str, max_tasks: int, *, now: dt.datetime
+) -> ClaimOut:
+    """Lease up to ``max_tasks`` replicas: one read, one locked pick, three batch writes."""
+    conn = await session.connection()
+    row = (await conn.execute(_CLAIM_CONTEXT, {"pool_id": pool_id, "node_id": signed_keyid})).first()
+    if row is None:
+        raise unknown_node()
+    ctx = ClaimContext(*row)
+    if ctx.node_status == NodeStatus.banned:
+        raise banned_node()
+    if ctx.pool_status is None:
+        raise NotFound("no pool with this id", code="pool_not_found")
+    if ctx.pool_status == "paused":
+        return _no_work("pool_paused", "the pool is paused")
+    if ctx.pool_status != "active":
+        return _no_work("pool_not_active", f"the pool is {ctx.pool_status}")
+    if ctx.member_status != "active":
+        return _no_work("not_a_member", "this node is not an active member of the pool")
+    if ctx.node_status != NodeStatus.healthy:
+        return _no_work("node_unhealthy", f"the node is {ctx.node_status}; send a heartbeat first")
+    if ctx.policy_step is None or ctx.policy_uri is None or ctx.policy_sha256 is None:
+        return _no_work("no_policy", "no policy version has been published for this pool yet")
+    room = min(max_tasks, ctx.max_leases_per_node - int(ctx.held))
+    if room <= 0:
+        return _no_work("lease_cap_reached", f"the node already holds {ctx.held} leases in this pool")
+
+    pick = _pick_statement(is_postgres(session), ctx.node_ip is not None)
+    params = {
+        "pool_id": pool_id,
+        "node_id": signed_keyid,
+        "provider_id": ctx.node_provider_id,
+        "ip_address": ctx.node_ip,
+        "room": room,
+    }
+    if ctx.node_ip is None:
+        del params["ip_address"]
+    picked = (await conn.execute(pick, params)).all()
+    if not picked:
         return _no_work("no_tasks", "no task this node may take is waiting")
 
-    replica_rows = (
-        await session.execute(
-            select(
-                TaskReplica.id,
-                TaskReplica.task_id,
-                TaskReplica.replica_index,
-                TaskReplica.seed,
-                TaskReplica.leases_issued,
-            )
-            .where(TaskReplica.task_id.in_(task_ids), TaskReplica.status == "available")
-            .order_by(TaskReplica.task_id, TaskReplica.replica_index)
-        )
-    ).all()
-    first: dict[int, Any] = {}
-    for row in replica_rows:
-        first.setdefault(row.task_id, row)
-    tasks = {t.id: t for t in (await session.execute(select(Task).where(Task.id.in_(first)))).scalars()}
-
-    expires = now + dt.timedelta(seconds=pool.lease_duration_s)
+    expires = now + dt.timedelta(seconds=ctx.lease_duration_s)
+    policy = PolicyRef(step=ctx.policy_step, uri=ctx.policy_uri, sha256=ctx.policy_sha256)
     assignments, replica_updates, leases = [], [], []
-    for task_id in task_ids:
-        replica = first.get(task_id)
-        if replica is None:
-            continue
+    for r in picked:
         assignment_id = "asg_" + secrets.token_urlsafe(18)
-        token = replica.leases_issued + 1
+        token = r.leases_issued + 1
         assignments.append(
             {
                 "id": assignment_id,
-                "replica_id": replica.id,
-                "task_id": task_id,
+                "replica_id": r.replica_id,
+                "task_id": r.task_id,
                 "pool_id": pool_id,
-                "node_id": node.id,
-                "provider_id": node.provider_id,
-                "ip_address": node.ip_address,
+                "node_id": signed_keyid,
+                "provider_id": ctx.node_provider_id,
+                "ip_address": ctx.node_ip,
                 "fencing_token": token,
-                "policy_step": policy.step,
+                "policy_step": ctx.policy_step,
                 "status": "active",
                 "lease_expires_at": expires,
                 "created_at": now,
+                "ended_at": None,
             }
         )
-        replica_updates.append(
-            {
-                "id": replica.id,
-                "status": "leased",
-                "leases_issued": token,
-                "current_assignment_id": assignment_id,
-            }
-        )
-        task = tasks[task_id]
+        replica_updates.append({"b_id": r.replica_id, "b_token": token, "b_asg": assignment_id})
         leases.append(
             Lease(
                 assignment_id=assignment_id,
                 fencing_token=token,
-                seed=replica.seed,
-                replica_index=replica.replica_index,
-                policy=PolicyRef(step=policy.step, uri=policy.uri, sha256=policy.sha256),
+                seed=r.seed,
+                replica_index=r.replica_index,
+                policy=policy,
                 lease_expires_at=expires,
                 task=LeasedTask(
-                    task_id=task_id,
-                    prompt=task.prompt,
-                    problem_ref=task.problem_ref,
-                    sampling=Sampling(**task.sampling),
-                    metadata=task.metadata_,
+                    task_id=r.task_id,
+                    prompt=r.prompt,
+                    problem_ref=r.problem_ref,
+                    sampling=Sampling(**r.sampling),
+                    metadata=r.metadata,
                 ),
             )
         )
-    await session.execute(insert(Assignment), assignments)
-    await session.execute(update(TaskReplica), replica_updates)
-    await session.execute(
-        update(Task)
-        .where(Task.id.in_([a["task_id"] for a in assignments]))
-        .values(available_replicas=Task.available_replicas - 1, updated_at=now)
+    await conn.execute(insert(Assignment.__table__), assignments)  # type: ignore[arg-type]
+    await conn.execute(_LEASE_REPLICA, replica_updates)
+    tasks = Task.__table__.c
+    await conn.execute(
+        update(Task.__table__)  # type: ignore[arg-type]
+        .where(tasks.id.in_([a["task_id"] for a in assignments]))
+        .values(available_replicas=tasks.available_replicas - 1, updated_at=now)
     )
     return ClaimOut(leases=leases)
 
@@ -550,105 +590,197 @@ class SubmitResult:
     created: bool
 
 
+@dataclass(frozen=True)
+class ResultContext:
+    """The lease, its replica, any earlier submission, the pool's policy window and the
+    signer, read (and on PostgreSQL locked) in one statement."""
+
+    node_id: str
+    status: str
+    lease_expires_at: dt.datetime
+    fencing_token: int
+    replica_id: int
+    task_id: int
+    pool_id: str
+    replica_assignment_id: str | None
+    signer_provider_id: str | None
+    signer_status: str | None
+    previous_id: int | None
+    previous_sha256: str | None
+    previous_response: dict[str, Any] | None
+    max_async_level: int
+    current_step: int | None
+
+
+_RESULT_CONTEXT = """
+    SELECT a.node_id, a.status, a.lease_expires_at, a.fencing_token, a.replica_id, a.task_id,
+           a.pool_id, r.current_assignment_id,
+           (SELECT n.provider_id FROM nodes n WHERE n.id = :node_id) AS signer_provider_id,
+           (SELECT n.status FROM nodes n WHERE n.id = :node_id) AS signer_status,
+           s.id, s.body_sha256, s.response, p.max_async_level,
+           (SELECT max(step) FROM policy_versions WHERE pool_id = a.pool_id) AS current_step
+      FROM assignments a
+      JOIN task_replicas r ON r.id = a.replica_id
+      JOIN pools p ON p.id = a.pool_id
+      LEFT JOIN submissions s ON s.assignment_id = a.id
+     WHERE a.id = :assignment_id
+     {lock}
+"""
+
+
+@lru_cache(maxsize=2)
+def _result_context(postgres: bool) -> TextualSelect:
+    lock = "FOR UPDATE OF a, r" if postgres else ""
+    return text(_RESULT_CONTEXT.format(lock=lock)).columns(lease_expires_at=UTCDateTime(), response=JSON())
+
+
+_NODE_STATUS = text("SELECT status FROM nodes WHERE id = :node_id")
+
+
+async def _refuse_signer(conn: AsyncConnection, node_id: str) -> None:
+    """The signer must be a registered node that is not banned (401 / 403 otherwise)."""
+    status = (await conn.execute(_NODE_STATUS, {"node_id": node_id})).scalar_one_or_none()
+    if status is None:
+        raise unknown_node()
+    if status == NodeStatus.banned:
+        raise banned_node()
+
+
 async def submit_result(
     session: AsyncSession,
-    node: Node,
+    signed: SignedRequest,
     assignment_id: str,
     body: ResultIn,
-    signed: SignedRequest,
     *,
     now: dt.datetime,
 ) -> SubmitResult:
-    assignment = await _own_assignment(session, node.id, assignment_id)
+    """Record a signed result: one locked read, then five writes (the submission with its
+    evidence, its verification job, the lease, the replica and the task)."""
+    conn = await session.connection()
+    node_id = signed.keyid
+    row = (
+        await conn.execute(
+            _result_context(is_postgres(session)), {"assignment_id": assignment_id, "node_id": node_id}
+        )
+    ).first()
+    if row is None:
+        await _refuse_signer(conn, node_id)
+        raise NotFound("no assignment with this id for this node", code="assignment_not_found")
+    ctx = ResultContext(*row)
+    if ctx.signer_status is None:
+        raise unknown_node()
+    if ctx.signer_status == NodeStatus.banned:
+        raise banned_node()
+    if ctx.node_id != node_id:
+        raise NotFound("no assignment with this id for this node", code="assignment_not_found")
     digest = hashlib.sha256(signed.body).hexdigest()
-    previous = (
-        await session.execute(select(Submission).where(Submission.assignment_id == assignment_id))
-    ).scalar_one_or_none()
-    if previous is not None:
-        if previous.body_sha256 != digest:
+    if ctx.previous_id is not None:
+        if ctx.previous_sha256 != digest:
             raise Conflict(
                 "a different result was already recorded for this assignment",
                 code="result_conflict",
-                extra={"submission_id": previous.id},
+                extra={"submission_id": ctx.previous_id},
             )
-        return SubmitResult(ResultOut.model_validate(previous.response), created=False)
-    if assignment.status == "cancelled":
+        replay = ResultOut.model_validate({**(ctx.previous_response or {}), "submission_id": ctx.previous_id})
+        return SubmitResult(replay, created=False)
+    if ctx.status == "cancelled":
         raise Conflict("the task was cancelled", code="task_cancelled")
-    replica = await session.get(TaskReplica, assignment.replica_id, with_for_update=True)
-    assert replica is not None
     if (
-        assignment.status != "active"
-        or assignment.lease_expires_at <= now
-        or body.fencing_token != assignment.fencing_token
-        or replica.current_assignment_id != assignment.id
+        ctx.status != "active"
+        or ctx.lease_expires_at <= now
+        or body.fencing_token != ctx.fencing_token
+        or ctx.replica_assignment_id != assignment_id
     ):
         raise Conflict(
             "this lease has expired or was reissued; the result is not recorded", code="lease_expired"
         )
-    pool = await session.get(Pool, assignment.pool_id)
-    policy = await current_policy(session, assignment.pool_id)
-    assert pool is not None
-    assert policy is not None
-    if body.policy_step > policy.step:
+    current = ctx.current_step
+    assert current is not None  # a lease is only ever issued under a published policy
+    if body.policy_step > current:
         raise Conflict(
-            f"policy step {body.policy_step} was never published (current {policy.step})",
+            f"policy step {body.policy_step} was never published (current {current})",
             code="policy_unknown",
         )
-    if body.policy_step < policy.step - pool.max_async_level:
+    if body.policy_step < current - ctx.max_async_level:
         raise Conflict(
-            f"policy step {body.policy_step} is more than {pool.max_async_level} steps behind "
-            f"the current {policy.step}",
+            f"policy step {body.policy_step} is more than {ctx.max_async_level} steps behind "
+            f"the current {current}",
             code="policy_stale",
-            extra={"current_step": policy.step, "max_async_level": pool.max_async_level},
+            extra={"current_step": current, "max_async_level": ctx.max_async_level},
         )
-    submission = Submission(
-        assignment_id=assignment.id,
-        task_id=assignment.task_id,
-        replica_id=replica.id,
-        pool_id=assignment.pool_id,
-        node_id=node.id,
-        provider_id=node.provider_id,
-        policy_step=body.policy_step,
-        policy_current_step=policy.step,
-        seed_echoed=body.seed,
-        claimed_reward=body.claimed_reward,
-        sample_count=len(body.samples),
-        status="pending",
-        body_sha256=digest,
-        body=signed.body,
-        method=signed.method,
-        target_uri=signed.target_uri,
-        signature_input=signed.signature_input,
-        signature=signed.signature,
-        content_digest=signed.content_digest,
-        response={},
-        received_at=now,
-    )
-    session.add(submission)
-    await session.flush()
-    out = ResultOut(
-        submission_id=submission.id,
-        assignment_id=assignment.id,
-        task_id=assignment.task_id,
-        status="pending",
-        received_at=now,
-    )
-    submission.response = out.model_dump(mode="json")
-    await verification.enqueue(session, submission)
-    assignment.status = "submitted"
-    assignment.ended_at = now
-    replica.status = "submitted"
-    await session.execute(
-        update(Task)
-        .where(Task.id == assignment.task_id)
-        .values(submitted_replicas=Task.submitted_replicas + 1, updated_at=now)
-    )
-    await session.execute(
-        update(Task)
-        .where(
-            Task.id == assignment.task_id, Task.status == "open", Task.submitted_replicas >= Task.replication
+    # What the node is told; kept for replays (the submission id is the row's own id).
+    told = {"assignment_id": assignment_id, "task_id": ctx.task_id, "status": "pending", "received_at": now}
+    submission_id = (
+        await conn.execute(
+            insert(Submission.__table__).returning(Submission.__table__.c.id),  # type: ignore[arg-type]
+            {
+                "assignment_id": assignment_id,
+                "task_id": ctx.task_id,
+                "replica_id": ctx.replica_id,
+                "pool_id": ctx.pool_id,
+                "node_id": node_id,
+                "provider_id": ctx.signer_provider_id,
+                "policy_step": body.policy_step,
+                "policy_current_step": current,
+                "seed_echoed": body.seed,
+                "claimed_reward": body.claimed_reward,
+                "sample_count": len(body.samples),
+                "status": "pending",
+                "body_sha256": digest,
+                "body": signed.body,
+                "method": signed.method,
+                "target_uri": signed.target_uri,
+                "signature_input": signed.signature_input,
+                "signature": signed.signature,
+                "content_digest": signed.content_digest,
+                "response": {**told, "received_at": now.isoformat()},
+                "received_at": now,
+            },
         )
+    ).scalar_one()
+    # The verification job exists if and only if the result does (same transaction).
+    await conn.execute(
+        insert(VerificationJob.__table__),  # type: ignore[arg-type]
+        {
+            "submission_id": submission_id,
+            "task_id": ctx.task_id,
+            "pool_id": ctx.pool_id,
+            "stage": "checks",
+            "audited": False,
+            "created_at": now,
+            "updated_at": now,
+        },
+    )
+    assignments, replicas, tasks = (
+        Assignment.__table__.c,
+        TaskReplica.__table__.c,
+        Task.__table__.c,
+    )
+    await conn.execute(
+        update(Assignment.__table__)  # type: ignore[arg-type]
+        .where(assignments.id == assignment_id)
+        .values(status="submitted", ended_at=now)
+    )
+    await conn.execute(
+        update(TaskReplica.__table__)  # type: ignore[arg-type]
+        .where(replicas.id == ctx.replica_id)
         .values(status="submitted")
     )
-    await session.flush()
+    await conn.execute(
+        update(Task.__table__)  # type: ignore[arg-type]
+        .where(tasks.id == ctx.task_id)
+        .values(
+            submitted_replicas=tasks.submitted_replicas + 1,
+            updated_at=now,
+            # The right-hand sides see the row as it was: the last replica in closes the task.
+            status=case(
+                (
+                    and_(tasks.status == "open", tasks.submitted_replicas + 1 >= tasks.replication),
+                    "submitted",
+                ),
+                else_=tasks.status,
+            ),
+        )
+    )
+    out = ResultOut(submission_id=submission_id, **told)
     return SubmitResult(out, created=True)

@@ -1,0 +1,128 @@
+"""The hot paths stay small: a claim and a result run a fixed handful of SQL statements whatever
+the batch size, a steady heartbeat writes no SQL, and the signer checks (401/403) hold on them."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from sqlalchemy import event
+
+from tests.conftest import new_contributor, problem
+from tests.tasks_helpers import pool_setup, result_body, task
+
+
+@asynccontextmanager
+async def sql_log(app_state: Any) -> AsyncIterator[list[str]]:
+    """The SQL statements the server sends while the block runs (transaction control excluded)."""
+    statements: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        verb = statement.lstrip().split(None, 1)[0].upper()
+        if verb not in ("BEGIN", "COMMIT", "ROLLBACK", "SAVEPOINT", "RELEASE"):
+            statements.append(statement)
+
+    engine = app_state.engine.sync_engine
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        yield statements
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+
+
+def writes(statements: list[str]) -> list[str]:
+    return [s for s in statements if s.lstrip().split(None, 1)[0].upper() in ("INSERT", "UPDATE", "DELETE")]
+
+
+async def test_a_claim_runs_the_same_five_statements_for_one_task_or_ten(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=2, max_leases_per_node=20) as s:
+        await s.enqueue([task(f"q{i}") for i in range(30)])
+        one, ten = s.workers
+        async with sql_log(app_state) as single:
+            r = await one.claim(s.pool_id, max_tasks=1)
+        assert len(r.json()["leases"]) == 1
+        async with sql_log(app_state) as batch:
+            r = await ten.claim(s.pool_id, max_tasks=10)
+        assert len(r.json()["leases"]) == 10
+        # One read of node, pool, membership, policy and held leases; one locked pick with the
+        # replicas and payloads; INSERT assignments; UPDATE replicas; UPDATE tasks.
+        assert len(single) == len(batch) == 5, batch
+        assert len(writes(batch)) == 3
+
+
+async def test_a_result_runs_one_read_and_five_writes(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        await s.enqueue([task()])
+        w = s.workers[0]
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        async with sql_log(app_state) as statements:
+            r = await w.submit(lease)
+        assert r.status_code == 201, r.text
+        assert len(statements) == 6, statements
+        assert len(writes(statements)) == 5
+        # The replay is one read and writes nothing.
+        async with sql_log(app_state) as replay:
+            again = await w.submit(lease)
+        assert again.status_code == 200 and again.json() == r.json()
+        assert len(replay) == 1 and not writes(replay)
+
+
+async def test_a_steady_heartbeat_reads_one_row_and_writes_no_sql(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]  # registered and already beating: healthy
+        async with sql_log(app_state) as statements:
+            r = await w.beat()
+        assert r.status_code == 200 and r.json()["status"] == "healthy"
+        assert len(statements) == 1 and not writes(statements)
+
+
+async def test_claims_and_results_check_the_signer(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=2) as s:
+        await s.enqueue([task(), task("other")])
+        honest, banned = s.workers
+        lease = (await banned.claim(s.pool_id)).json()["leases"][0]
+        r = await s.admin.post(
+            f"/v1/admin/nodes/{banned.node_id}/ban", json={"reason": "test"}, headers=s.admin_headers
+        )
+        assert r.status_code == 200
+        problem(await banned.claim(s.pool_id), 403, "node_banned")
+        problem(await banned.submit(lease), 403, "node_banned")
+        problem(await banned.beat(), 403, "node_banned")
+
+        # Someone else's lease: not found for this node, and nothing recorded.
+        problem(await honest.submit(lease), 404, "assignment_not_found")
+        # A key no node is registered with: 401 before anything else, even for a missing lease.
+        stranger = new_contributor()
+        problem(
+            await honest.client.post(
+                "/v1/assignments/claim", json={"pool_id": s.pool_id, "max_tasks": 1}, auth=stranger.node_auth
+            ),
+            401,
+            "unknown_key",
+        )
+        problem(
+            await honest.client.post(
+                f"/v1/assignments/{lease['assignment_id']}/result",
+                json=result_body(lease),
+                auth=stranger.node_auth,
+            ),
+            401,
+            "unknown_key",
+        )
+        problem(
+            await honest.client.post(
+                "/v1/assignments/asg_missing/result", json=result_body(lease), auth=stranger.node_auth
+            ),
+            401,
+            "unknown_key",
+        )
+        problem(
+            await honest.client.post(
+                "/v1/assignments/claim",
+                json={"pool_id": "pool_missing", "max_tasks": 1},
+                auth=honest.contributor.node_auth,
+            ),
+            404,
+            "pool_not_found",
+        )
