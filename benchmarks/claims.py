@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
-import httpx
+import orjson
 
 from benchmarks.common import (
     DEFAULT_DB,
@@ -41,36 +41,47 @@ from benchmarks.common import (
     stop_server,
     wait_ready,
 )
-from orchestrator.core.signing import SignatureAuth
+from benchmarks.loadgen import Conn, FastSigner, self_check
 
 __all__ = ["DEFAULT_DB", "DEFAULT_REDIS", "Stats", "api_phase", "main", "raw_phase"]
 
 
 async def api_phase(base: str, pool_id: str, nodes: list[Any], seconds: float) -> Stats:
+    """Each poller: claim one task, submit its signed result, repeat, on its own keep-alive
+    connection. Requests are signed with the load generator's ``FastSigner`` (checked against
+    the reference signer first), so the client's own cost stays small next to the server's."""
+    host = base.removeprefix("http://")
+    self_check(host)
+    address, port = host.rsplit(":", 1)
     stats = Stats()
     stop = time.monotonic() + seconds
-    limits = httpx.Limits(max_connections=len(nodes) + 4, max_keepalive_connections=len(nodes) + 4)
+    claim_body = orjson.dumps({"pool_id": pool_id, "max_tasks": 1})
 
-    async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as c:
-
-        async def poller(key: Any) -> None:
-            auth = SignatureAuth(key)
+    async def poller(key: Any) -> None:
+        signer = FastSigner(bytes(key), host)
+        conn = Conn(address, int(port))
+        try:
             while time.monotonic() < stop:
                 try:
-                    await cycle(auth)
-                except httpx.TransportError:
+                    await cycle(signer, conn)
+                except (OSError, asyncio.IncompleteReadError):
                     stats.errors += 1
+                    await conn.close()
+        finally:
+            await conn.close()
 
-        async def cycle(auth: SignatureAuth) -> None:
-            t0 = time.perf_counter()
-            r = await c.post("/v1/assignments/claim", json={"pool_id": pool_id, "max_tasks": 1}, auth=auth)
-            stats.latencies.append(time.perf_counter() - t0)
-            if r.status_code != 200 or not r.json()["leases"]:
-                stats.errors += 1
-                await asyncio.sleep(0.05)
-                return
-            lease = r.json()["leases"][0]
-            body = {
+    async def cycle(signer: FastSigner, conn: Conn) -> None:
+        t0 = time.perf_counter()
+        status, raw = await conn.request(signer.request("/v1/assignments/claim", claim_body))
+        stats.latencies.append(time.perf_counter() - t0)
+        leases = orjson.loads(raw).get("leases") if status == 200 else None
+        if not leases:
+            stats.errors += 1
+            await asyncio.sleep(0.05)
+            return
+        lease = leases[0]
+        body = orjson.dumps(
+            {
                 "fencing_token": lease["fencing_token"],
                 "policy_step": lease["policy"]["step"],
                 "seed": lease["seed"],
@@ -78,13 +89,15 @@ async def api_phase(base: str, pool_id: str, nodes: list[Any], seconds: float) -
                     {"completion": "42", "finish_reason": "stop", "prompt_tokens": 5, "completion_tokens": 1}
                 ],
             }
-            s = await c.post(f"/v1/assignments/{lease['assignment_id']}/result", json=body, auth=auth)
-            if s.status_code == 201:
-                stats.done += 1
-            else:
-                stats.errors += 1
+        )
+        path = f"/v1/assignments/{lease['assignment_id']}/result"
+        status, _ = await conn.request(signer.request(path, body))
+        if status == 201:
+            stats.done += 1
+        else:
+            stats.errors += 1
 
-        await asyncio.gather(*(poller(k) for k in nodes))
+    await asyncio.gather(*(poller(k) for k in nodes))
     return stats
 
 
@@ -142,7 +155,15 @@ async def main() -> None:
     parser.add_argument("--redis", default=os.environ.get("ORCH_BENCH_REDIS_URL", DEFAULT_REDIS))
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--server-log", default="benchmarks/out/server.log", help="the server's output")
+    parser.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="ORCH_X=value",
+        help="extra server setting, repeatable (e.g. ORCH_SERVER__BACKGROUND_LOOPS=false)",
+    )
     args = parser.parse_args()
+    extra_env = dict(item.split("=", 1) for item in args.server_env)
 
     await reset_database(args.database)
     port = free_port()
@@ -150,7 +171,15 @@ async def main() -> None:
     log_path = Path(args.server_log)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     prefix = f"bench:{uuid.uuid4().hex[:8]}:"
-    server = start_server(args.database, args.redis, port, args.workers, log_path.open("wb"), prefix=prefix)  # noqa: ASYNC230
+    server = start_server(
+        args.database,
+        args.redis,
+        port,
+        args.workers,
+        log_path.open("wb"),  # noqa: ASYNC230
+        prefix=prefix,
+        extra_env=extra_env,
+    )
     try:
         await wait_ready(base)
         token = await create_token(args.database)
