@@ -9,7 +9,15 @@ one savepoint. So:
   retry races the original (the key's unique index decides; the loser reads the winner's row);
 * the same key with a different debit, credit or amount is refused (``idempotency_key_reused``);
 * an account that must not go negative never does: the debit is a conditional UPDATE under row
-  locks taken in id order (no deadlocks), and a CHECK constraint backs it up in the database.
+  locks taken in id order, and a CHECK constraint backs it up in the database.
+
+Lock order: one transfer locks its two accounts in id order within one statement, but a
+transaction that makes several transfers must not take its accounts transfer by transfer (two
+such transactions would lock the same accounts in different orders across statements and
+deadlock). It calls ``lock_accounts`` first, with every account it may touch: missing accounts
+are created in key order, then all are locked in id order in one statement; the transfers that
+follow find their locks already held. Locks on pools and memberships come before the accounts,
+locks on reward holds, tasks and the rest after them (docs/architecture.md, "Lock order").
 
 Account kinds for a provider: stake_free, stake_locked, stake_unbonding, rewards_pending,
 rewards_claimable, withdrawn. System accounts (allowed to go negative, they face the outside
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sqlalchemy import or_, select, update
@@ -108,6 +117,51 @@ async def account_id(session: AsyncSession, ref: AccountRef) -> int:
     return int((await session.execute(stmt)).scalar_one())
 
 
+async def lock_accounts(
+    session: AsyncSession, refs: Iterable[AccountRef] = (), *, ids: Iterable[int] = ()
+) -> dict[AccountRef, int]:
+    """Lock the accounts ``refs`` and ``ids`` name (FOR NO KEY UPDATE) until the transaction
+    ends, all in one statement in id order: the global order. Missing accounts are created
+    first, in key order, before any account is locked. Returns the ids of ``refs``.
+
+    Call it before the first transfer of a transaction that makes several, with every account
+    those transfers may touch."""
+    wanted_refs = set(refs)
+    found = await _existing_ids(session, wanted_refs)
+    for ref in sorted(wanted_refs - found.keys(), key=str):
+        found[ref] = await account_id(session, ref)
+    wanted = sorted({*found.values(), *ids})
+    if wanted:
+        await session.execute(
+            select(LedgerAccount.id)
+            .where(LedgerAccount.id.in_(wanted))
+            .order_by(LedgerAccount.id)
+            .with_for_update(key_share=True)
+        )
+    return found
+
+
+async def _existing_ids(session: AsyncSession, refs: set[AccountRef]) -> dict[AccountRef, int]:
+    """The ids of those of ``refs`` that exist, in one read (no lock)."""
+    if not refs:
+        return {}
+    columns = (LedgerAccount.owner_type, LedgerAccount.owner_id, LedgerAccount.kind, LedgerAccount.id)
+    rows = await session.execute(
+        select(*columns).where(
+            LedgerAccount.owner_type.in_({r.owner_type for r in refs}),  # the unique index's order
+            LedgerAccount.owner_id.in_({r.owner_id for r in refs}),
+        )
+    )
+    found = {AccountRef(t, o, k): int(i) for t, o, k, i in rows.all()}
+    return {ref: found[ref] for ref in refs if ref in found}
+
+
+def stake_accounts(provider_id: str) -> list[AccountRef]:
+    """The accounts a membership's stake moves between (lock, unlock, unbond, slash)."""
+    kinds = (ProviderAccount.stake_free, ProviderAccount.stake_locked, ProviderAccount.stake_unbonding)
+    return [provider_account(provider_id, kind) for kind in kinds]
+
+
 async def _existing(session: AsyncSession, key: str) -> LedgerTransfer | None:
     return (
         await session.execute(select(LedgerTransfer).where(LedgerTransfer.idempotency_key == key))
@@ -145,8 +199,8 @@ async def transfer(
         raise ValueError(f"amount must be in 1..{MAX_AMOUNT}")
     if debit == credit:
         raise ValueError("debit and credit must be different accounts")
-    debit_id = await account_id(session, debit)
-    credit_id = await account_id(session, credit)
+    ids = {ref: await account_id(session, ref) for ref in sorted((debit, credit), key=str)}
+    debit_id, credit_id = ids[debit], ids[credit]
     existing = await _existing(session, key)
     if existing is not None:
         return TransferResult(_same(existing, debit_id, credit_id, amount), created=False)
@@ -366,6 +420,14 @@ async def release_due_unbondings(session: AsyncSession, now: dt.datetime, *, lim
         .with_for_update(skip_locked=True)
     )
     due = list((await session.execute(stmt)).scalars())
+    await lock_accounts(
+        session,
+        [
+            provider_account(u.provider_id, kind)
+            for u in due
+            for kind in (ProviderAccount.stake_unbonding, ProviderAccount.stake_free)
+        ],
+    )
     for unbonding in due:
         result = await transfer(
             session,

@@ -23,7 +23,9 @@ retry never moves money twice.
 
 Concurrency: every membership change first locks the pool row (``SELECT ... FOR UPDATE`` on
 PostgreSQL; SQLite has one writer), so the cap counts a join reads cannot change before it
-commits, and locks are always taken in the order pool -> membership -> ledger accounts.
+commits, and locks are always taken in the order pool -> membership -> ledger accounts. A
+change that ends several memberships locks all their stake accounts up front
+(``ledger.lock_accounts``) before the first transfer.
 
 Scoping: an operator administers the pools its token created, an admin every pool; a pool
 the caller may not administer is reported exactly like a missing one (404 ``pool_not_found``).
@@ -316,17 +318,15 @@ async def change_status(
     before = pool.status
     ended: list[str] = []
     if target == PoolStatus.completed.value:
-        for m in await repo.live_members(session, pool.id):
-            await _end_membership(
-                session,
-                pool,
-                m,
-                to_status=MembershipStatus.left.value,
-                reason="pool completed",
-                actor=principal.token_id,
-                now=now,
-            )
-            ended.append(m.node_id)
+        ended = await _end_memberships(
+            session,
+            pool,
+            await repo.live_members(session, pool.id),
+            to_status=MembershipStatus.left.value,
+            reason="pool completed",
+            actor=principal.token_id,
+            now=now,
+        )
     pool.status = target
     pool.status_changed_at = now
     pool.updated_at = now
@@ -409,6 +409,26 @@ async def _end_membership(
             session, m.provider_id, m.stake, key=_key(m, "unlock"), actor=actor, reference=reference
         )
     await release_member_leases(session, pool.id, m.node_id, now=now)
+
+
+async def _end_memberships(
+    session: AsyncSession,
+    pool: Pool,
+    members: list[PoolMembership],
+    *,
+    to_status: str,
+    reason: str | None,
+    actor: str,
+    now: dt.datetime,
+) -> list[str]:
+    """End several (locked) memberships of ``pool`` in one transaction: their providers' stake
+    accounts are locked up front, in the ledger's global order. Returns the nodes."""
+    await ledger.lock_accounts(
+        session, [ref for p in sorted({m.provider_id for m in members}) for ref in ledger.stake_accounts(p)]
+    )
+    for m in members:
+        await _end_membership(session, pool, m, to_status=to_status, reason=reason, actor=actor, now=now)
+    return [m.node_id for m in members]
 
 
 # ------------------------------------------------------------------ memberships: joining
@@ -787,20 +807,17 @@ async def _blacklist(
         created_by=principal.token_id,
         now=now,
     )
-    removed: list[str] = []
     if not created:
-        return removed, False
-    for m in await repo.live_members(session, pool.id, provider_id=provider_id):
-        await _end_membership(
-            session,
-            pool,
-            m,
-            to_status=MembershipStatus.left.value,
-            reason=f"provider blacklisted: {reason}",
-            actor=principal.token_id,
-            now=now,
-        )
-        removed.append(m.node_id)
+        return [], False
+    removed = await _end_memberships(
+        session,
+        pool,
+        await repo.live_members(session, pool.id, provider_id=provider_id),
+        to_status=MembershipStatus.left.value,
+        reason=f"provider blacklisted: {reason}",
+        actor=principal.token_id,
+        now=now,
+    )
     await record(
         session,
         principal,

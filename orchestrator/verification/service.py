@@ -97,6 +97,7 @@ async def process_pending(
     if is_postgres(session):
         stmt = stmt.with_for_update(skip_locked=True)
     jobs = list((await session.execute(stmt)).scalars())
+    await lock_for_verdicts(session, await _submissions(session, jobs))
     done = 0
     for job in jobs:
         # One result that cannot be processed must not hold up the others: each job in its own
@@ -108,6 +109,47 @@ async def process_pending(
         except Exception:
             log.exception("verification_failed", job_id=job.id, submission_id=job.submission_id)
     return done
+
+
+async def _submissions(session: AsyncSession, jobs: list[VerificationJob]) -> list[Submission]:
+    if not jobs:
+        return []
+    stmt = select(Submission).where(Submission.id.in_([j.submission_id for j in jobs]))
+    return list((await session.execute(stmt)).scalars())
+
+
+async def lock_for_verdicts(session: AsyncSession, submissions: list[Submission]) -> None:
+    """Take up front, in the global lock order, what verdicts on ``submissions`` may lock: the
+    memberships of the providers concerned in those pools (by provider, then id, as pools lock
+    them), then every ledger account the verdicts may move money between (rewards, slashes,
+    ejections and blacklistings end memberships). The providers concerned are those of every
+    result for the same tasks, since a quorum decides them together. A transaction deciding
+    several verdicts calls this once, before the first."""
+    if not submissions:
+        return
+    task_ids = {s.task_id for s in submissions}
+    providers = set(
+        (
+            await session.execute(
+                select(Submission.provider_id).where(Submission.task_id.in_(task_ids)).distinct()
+            )
+        ).scalars()
+    ) | {s.provider_id for s in submissions}
+    await session.execute(
+        select(PoolMembership)
+        .where(
+            PoolMembership.pool_id.in_({s.pool_id for s in submissions}),
+            PoolMembership.provider_id.in_(providers),
+        )
+        .order_by(PoolMembership.provider_id, PoolMembership.id)
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    )
+    refs = [system_account(SystemAccount.rewards), system_account(SystemAccount.slashed)]
+    for provider_id in providers:
+        refs += [provider_account(provider_id, ProviderAccount.rewards_pending)]
+        refs += ledger.stake_accounts(provider_id)
+    await ledger.lock_accounts(session, refs)
 
 
 # ------------------------------------------------------------------ checks
@@ -456,13 +498,7 @@ async def _punish(
     from orchestrator.pools import service as pools_service
 
     reference = ("verdict", str(verdict.id))
-    membership = (
-        await session.execute(
-            select(PoolMembership)
-            .where(PoolMembership.pool_id == pool.id, PoolMembership.node_id == verdict.node_id)
-            .with_for_update()
-        )
-    ).scalar_one_or_none()
+    membership = await _membership(session, pool.id, verdict.node_id)
     slashed = 0
     live = membership is not None and membership.status in ("active", "pending")
     if membership is not None and live and pool.fraud_slash_amount > 0 and membership.stake > 0:
@@ -550,16 +586,34 @@ async def _maybe_complete(session: AsyncSession, task_id: int) -> None:
 
 
 async def release_due_rewards(session: AsyncSession, *, now: dt.datetime, limit: int = 1000) -> int:
-    """Rewards whose hold window has passed become claimable."""
-    stmt = (
-        select(RewardHold)
-        .where(RewardHold.status == "held", RewardHold.release_at <= now)
-        .order_by(RewardHold.release_at, RewardHold.id)
-        .limit(limit)
+    """Rewards whose hold window has passed become claimable.
+
+    Lock order as everywhere (accounts, then holds): the due holds are read without a lock,
+    their providers' accounts locked up front, and only then the holds, which a fraud verdict
+    may have forfeited meanwhile (it holds the same accounts while it does)."""
+    candidates = (
+        await session.execute(
+            select(RewardHold.id, RewardHold.provider_id)
+            .where(RewardHold.status == "held", RewardHold.release_at <= now)
+            .order_by(RewardHold.release_at, RewardHold.id)
+            .limit(limit)
+        )
+    ).all()
+    if not candidates:
+        return 0
+    kinds = (ProviderAccount.rewards_pending, ProviderAccount.rewards_claimable)
+    await ledger.lock_accounts(session, [provider_account(p, k) for _, p in candidates for k in kinds])
+    due = list(
+        (
+            await session.execute(
+                select(RewardHold)
+                .where(RewardHold.id.in_([i for i, _ in candidates]), RewardHold.status == "held")
+                .order_by(RewardHold.release_at, RewardHold.id)
+                .with_for_update()
+                .execution_options(populate_existing=True)
+            )
+        ).scalars()
     )
-    if is_postgres(session):
-        stmt = stmt.with_for_update(skip_locked=True)
-    due = list((await session.execute(stmt)).scalars())
     for hold in due:
         await ledger.transfer(
             session,
@@ -623,6 +677,13 @@ async def reverse_verdict(
             )
         ).scalars()
     )
+    fraud = verdict.category == "fraud"
+    membership = await _membership(session, verdict.pool_id, verdict.node_id) if fraud else None
+    await ledger.lock_accounts(
+        session,
+        ledger.stake_accounts(verdict.provider_id) if fraud else [],
+        ids=[i for t in originals for i in (t.debit_account_id, t.credit_account_id)],
+    )
     try:
         for original in originals:  # newest first: a release is undone before its reward
             await ledger.reverse(
@@ -642,16 +703,31 @@ async def reverse_verdict(
     ).scalar_one_or_none()
     if hold is not None:
         hold.status = "reversed"
-    if verdict.category == "fraud":
-        await _restore_after_fraud(session, verdict, originals, actor=actor)
+    if fraud:
+        await _restore_after_fraud(session, verdict, originals, membership, actor=actor)
     verdict.reversed_at = now
     verdict.reversal_reason = reason
     await session.flush()
     return verdict
 
 
+async def _membership(session: AsyncSession, pool_id: str, node_id: str) -> PoolMembership | None:
+    return (
+        await session.execute(
+            select(PoolMembership)
+            .where(PoolMembership.pool_id == pool_id, PoolMembership.node_id == node_id)
+            .with_for_update()
+        )
+    ).scalar_one_or_none()
+
+
 async def _restore_after_fraud(
-    session: AsyncSession, verdict: Verdict, originals: list[Any], *, actor: str
+    session: AsyncSession,
+    verdict: Verdict,
+    originals: list[Any],
+    membership: PoolMembership | None,
+    *,
+    actor: str,
 ) -> None:
     trust = await _trust(session, verdict.pool_id, verdict.node_id, verdict.provider_id)
     trust.strikes = max(0, trust.strikes - 1)
@@ -659,13 +735,6 @@ async def _restore_after_fraud(
     stake_back = sum(t.amount for t in originals if t.reason == "slash_stake")
     if stake_back <= 0:
         return
-    membership = (
-        await session.execute(
-            select(PoolMembership)
-            .where(PoolMembership.pool_id == verdict.pool_id, PoolMembership.node_id == verdict.node_id)
-            .with_for_update()
-        )
-    ).scalar_one_or_none()
     if membership is not None and membership.status in ("active", "pending"):
         membership.stake += stake_back  # locked again for the membership it was slashed from
     else:  # the membership is over: the restored stake is free

@@ -119,6 +119,7 @@ async def post_verdict(
     ).scalar_one()
     submission = await session.get(Submission, job.submission_id)
     assert submission is not None
+    await service.lock_for_verdicts(session, [submission])  # a fraud verdict makes several transfers
     details = {
         "findings": vjob.findings,
         "server_reward": vjob.server_reward,
