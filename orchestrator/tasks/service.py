@@ -18,7 +18,18 @@ from functools import lru_cache
 from typing import Any
 
 import structlog
-from sqlalchemy import JSON, TextualSelect, and_, bindparam, case, func, insert, select, text, update
+from sqlalchemy import (
+    JSON,
+    TextualSelect,
+    and_,
+    bindparam,
+    case,
+    func,
+    insert,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
@@ -263,6 +274,12 @@ class ClaimContext:
     held: int
 
 
+# On PostgreSQL a claim first locks the signer's node row (FOR NO KEY UPDATE: foreign-key checks
+# elsewhere are not blocked), so one node's concurrent claims queue up and its lease cap holds
+# exactly. It is a statement of its own: the context read after it then takes a fresh snapshot
+# that sees the leases the previous claim committed. (SQLite's single writer does the same.)
+_LOCK_SIGNER = text("SELECT 1 FROM nodes WHERE id = :node_id FOR NO KEY UPDATE")
+
 # One read for the node (the signer), the pool, the membership, the current policy and the
 # node's live leases there. Scalar subqueries keep it to one row on both dialects.
 _CLAIM_CONTEXT = text(
@@ -281,6 +298,7 @@ _CLAIM_CONTEXT = text(
      WHERE n.id = :node_id
     """
 )
+
 
 # The pick: open tasks of the pool this node may take (no replica of the task with this node
 # ever, none live or submitted with its provider or IP), best rank first, locked with SKIP
@@ -328,9 +346,14 @@ _LEASE_REPLICA = (
 async def claim(
     session: AsyncSession, signed_keyid: str, pool_id: str, max_tasks: int, *, now: dt.datetime
 ) -> ClaimOut:
-    """Lease up to ``max_tasks`` replicas: one read, one locked pick, three batch writes."""
+    """Lease up to ``max_tasks`` replicas: one read (after locking the signer's row on
+    PostgreSQL), one locked pick, three batch writes, whatever ``max_tasks`` is."""
     conn = await session.connection()
-    row = (await conn.execute(_CLAIM_CONTEXT, {"pool_id": pool_id, "node_id": signed_keyid})).first()
+    postgres = is_postgres(session)
+    if postgres:
+        await conn.execute(_LOCK_SIGNER, {"node_id": signed_keyid})
+    keys = {"pool_id": pool_id, "node_id": signed_keyid}
+    row = (await conn.execute(_CLAIM_CONTEXT, keys)).first()
     if row is None:
         raise unknown_node()
     ctx = ClaimContext(*row)
@@ -352,7 +375,7 @@ async def claim(
     if room <= 0:
         return _no_work("lease_cap_reached", f"the node already holds {ctx.held} leases in this pool")
 
-    pick = _pick_statement(is_postgres(session), ctx.node_ip is not None)
+    pick = _pick_statement(postgres, ctx.node_ip is not None)
     params = {
         "pool_id": pool_id,
         "node_id": signed_keyid,
