@@ -101,6 +101,21 @@ class HeartbeatSettings(BaseModel):
         return self.interval_s * self.dead_after_missed
 
 
+class VerifierSettings(BaseModel):
+    batch_size: int = Field(
+        default=20,
+        ge=1,
+        le=1000,
+        description="Results verified per transaction; each batch's verdicts are visible when it commits.",
+    )
+    tick_budget_s: float = Field(
+        default=0.8,
+        gt=0,
+        le=3600,
+        description="How long one verifier tick (every second) keeps taking batches while results wait.",
+    )
+
+
 class ServerSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
@@ -129,6 +144,7 @@ class Settings(BaseSettings):
     signature: SignatureSettings = SignatureSettings()
     limits: LimitSettings = LimitSettings()
     heartbeat: HeartbeatSettings = HeartbeatSettings()
+    verifier: VerifierSettings = VerifierSettings()
     server: ServerSettings = ServerSettings()
 
     @model_validator(mode="after")

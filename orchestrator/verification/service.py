@@ -1,8 +1,8 @@
 """The verification pipeline and the money its verdicts move.
 
-Every submission gets a durable ``VerificationJob``. The verifier loop (once per tick across
-processes, jobs taken with SKIP LOCKED) runs the cheap checks and the server's own reward
-function, then either decides at once or waits for more evidence:
+Every submission gets a durable ``VerificationJob``. The verifier loop (in every process, in
+small batches each committed on its own, jobs taken with SKIP LOCKED) runs the cheap checks and
+the server's own reward function, then either decides at once or waits for more evidence:
 
 * a fraud finding (seed mismatch, forged reward claim, failed canary, out-of-bounds claim)
   -> rejected as fraud: slash the pool's amount from the membership's locked stake, forfeit the
@@ -84,31 +84,139 @@ async def enqueue(session: AsyncSession, submission: Submission) -> Verification
     return job
 
 
+@dataclass(frozen=True)
+class Batch:
+    picked: int  # jobs taken
+    processed: int  # of them, checked without an error
+    last_id: int  # the highest job id taken: the next batch starts after it
+
+
+@dataclass(frozen=True)
+class Scored:
+    """What the server's reward function made of one result, computed before any lock."""
+
+    result: dict[str, Any]
+    per_sample: list[float | None]
+    canonical: list[str]
+
+
 async def process_pending(
-    session: AsyncSession, *, secret: bytes, rng: random.Random, now: dt.datetime, limit: int = 100
-) -> int:
-    """Run the cheap checks of up to ``limit`` waiting jobs; returns how many were processed."""
+    session: AsyncSession,
+    *,
+    secret: bytes,
+    rng: random.Random,
+    now: dt.datetime,
+    limit: int = 20,
+    after_id: int = 0,
+) -> Batch:
+    """Run the cheap checks of up to ``limit`` waiting jobs with ids above ``after_id``, in the
+    caller's transaction (one small batch: its verdicts are visible when it commits).
+
+    The jobs are taken with SKIP LOCKED, so several verifiers share a backlog without waiting
+    for or double-processing each other; the reward functions run before any other lock is
+    taken; then the batch's locks are taken up front (``lock_for_verdicts``, and its replicated
+    tasks, so that two verifiers never both leave a quorum for the other to decide)."""
     stmt = (
         select(VerificationJob)
-        .where(VerificationJob.stage == "checks")
+        .where(VerificationJob.stage == "checks", VerificationJob.id > after_id)
         .order_by(VerificationJob.id)
         .limit(limit)
     )
     if is_postgres(session):
         stmt = stmt.with_for_update(skip_locked=True)
     jobs = list((await session.execute(stmt)).scalars())
-    await lock_for_verdicts(session, await _submissions(session, jobs))
+    if not jobs:
+        return Batch(0, 0, after_id)
+    submissions = await _load(session, jobs)
+    scored = await _score_all(session, jobs)
+    await lock_for_verdicts(session, submissions)
+    await _lock_replicated_tasks(session, {j.task_id for j in jobs})
     done = 0
     for job in jobs:
-        # One result that cannot be processed must not hold up the others: each job in its own
-        # savepoint; a failure is logged and the job is tried again on a later tick.
-        try:
-            async with session.begin_nested():
-                await _run_checks(session, job, secret=secret, rng=rng, now=now)
+        if job.id in scored and await _checks_in_savepoint(session, job, scored[job.id], secret, rng, now):
             done += 1
+    return Batch(len(jobs), done, jobs[-1].id)
+
+
+async def _checks_in_savepoint(
+    session: AsyncSession,
+    job: VerificationJob,
+    scored: Scored,
+    secret: bytes,
+    rng: random.Random,
+    now: dt.datetime,
+) -> bool:
+    """One result that cannot be processed must not hold up the others: each job in its own
+    savepoint; a failure is logged and the job is tried again on a later tick."""
+    job_id, submission_id = job.id, job.submission_id  # a rolled-back savepoint expires them
+    try:
+        async with session.begin_nested():
+            await _run_checks(session, job, scored, secret=secret, rng=rng, now=now)
+    except Exception:
+        log.exception("verification_failed", job_id=job_id, submission_id=submission_id)
+        return False
+    return True
+
+
+async def _load(session: AsyncSession, jobs: list[VerificationJob]) -> list[Submission]:
+    """The batch's submissions, tasks, replicas and pools in four reads (into the session)."""
+    submissions = await _submissions(session, jobs)
+    for model, ids in (
+        (Task, {j.task_id for j in jobs}),
+        (Pool, {j.pool_id for j in jobs}),
+        (TaskReplica, {s.replica_id for s in submissions}),
+    ):
+        await session.execute(select(model).where(model.id.in_(ids)))
+    return submissions
+
+
+async def _score_all(session: AsyncSession, jobs: list[VerificationJob]) -> dict[int, Scored]:
+    """Each job's result through its pool's reward function (in a worker thread). A job whose
+    result cannot be scored is logged and left for a later tick."""
+    scored: dict[int, Scored] = {}
+    for job in jobs:
+        try:
+            scored[job.id] = await _score(session, job)
         except Exception:
             log.exception("verification_failed", job_id=job.id, submission_id=job.submission_id)
-    return done
+    return scored
+
+
+async def _score(session: AsyncSession, job: VerificationJob) -> Scored:
+    submission = await session.get(Submission, job.submission_id)
+    task = await session.get(Task, job.task_id)
+    pool = await session.get(Pool, job.pool_id)
+    assert submission is not None
+    assert task is not None
+    assert pool is not None
+    result = json.loads(submission.body)
+    fn = rewards.get(pool.reward_function)
+    completions = [s.get("completion") or "" for s in result.get("samples", [])]
+    spec = task.verification or {}
+
+    def score() -> tuple[list[float | None], list[str]]:
+        return [fn.reward(c, spec) for c in completions], [fn.canonical(c) for c in completions]
+
+    per_sample, canonical = await anyio.to_thread.run_sync(score)
+    return Scored(result, per_sample, canonical)
+
+
+async def _lock_replicated_tasks(session: AsyncSession, task_ids: set[int]) -> None:
+    """Lock (and re-read) the batch's tasks that have several replicas, after the accounts.
+
+    Two verifiers each checking one replica of a task must not each see the other's result
+    still waiting for its checks and both leave the quorum undecided: with the task locked the
+    second waits for the first to commit and decides on the task and results it committed.
+    (The system accounts in ``lock_for_verdicts`` serialise verifier batches as well; this
+    does not depend on it, and refreshes the task rows read before the lock.)"""
+    stmt = (
+        select(Task)
+        .where(Task.id.in_(task_ids), Task.replication > 1)
+        .order_by(Task.id)
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    )
+    await session.execute(stmt)
 
 
 async def _submissions(session: AsyncSession, jobs: list[VerificationJob]) -> list[Submission]:
@@ -156,7 +264,13 @@ async def lock_for_verdicts(session: AsyncSession, submissions: list[Submission]
 
 
 async def _run_checks(
-    session: AsyncSession, job: VerificationJob, *, secret: bytes, rng: random.Random, now: dt.datetime
+    session: AsyncSession,
+    job: VerificationJob,
+    scored: Scored,
+    *,
+    secret: bytes,
+    rng: random.Random,
+    now: dt.datetime,
 ) -> None:
     submission = await session.get(Submission, job.submission_id)
     task = await session.get(Task, job.task_id)
@@ -166,15 +280,7 @@ async def _run_checks(
     assert task is not None
     assert pool is not None
     assert replica is not None
-    result = json.loads(submission.body)
-    fn = rewards.get(pool.reward_function)
-    completions = [s.get("completion") or "" for s in result.get("samples", [])]
-    spec = task.verification or {}
-
-    def score() -> tuple[list[float | None], list[str]]:
-        return [fn.reward(c, spec) for c in completions], [fn.canonical(c) for c in completions]
-
-    per_sample, canonical = await anyio.to_thread.run_sync(score)
+    result, per_sample, canonical = scored.result, scored.per_sample, scored.canonical
     checkable = bool(per_sample) and all(r is not None for r in per_sample)
     server_reward = sum(r for r in per_sample if r is not None) / len(per_sample) if checkable else None
     correct = sum(1 for r in per_sample if r) if checkable else len(per_sample)

@@ -1,0 +1,171 @@
+"""The verifier works in small batches, each committed on its own, and shares its backlog
+between processes (SKIP LOCKED) without deciding or paying anything twice."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import Counter
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+
+from orchestrator.ledger.models import LedgerTransfer
+from orchestrator.settings import VerifierSettings
+from orchestrator.verification import service
+from orchestrator.verification.jobs import verify_batches, verify_once
+from orchestrator.verification.models import Verdict, VerificationJob
+from tests.conftest import postgres_only
+from tests.tasks_helpers import pool_setup, task
+from tests.verification_helpers import FixedDraw, balances, books_balance, submit
+
+ECON = {
+    "min_stake_per_node": 1000,
+    "reward_per_sample": 7,
+    "reward_hold_s": 3600,
+    "fraud_slash_amount": 10,
+    "strikes_before_ejection": 100,
+    "strikes_before_provider_ban": 100,
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_audits(app_state: Any) -> None:
+    app_state.rng = FixedDraw(1.0)
+
+
+def batches_of(app_state: Any, size: int) -> None:
+    app_state.settings.verifier = VerifierSettings(batch_size=size, tick_budget_s=60)
+
+
+async def results(s: Any, per_worker: int, answers: list[str] | None = None) -> None:
+    """``per_worker`` results from every worker, interleaved (job ids alternate between them)."""
+    await s.enqueue([task() for _ in range(per_worker * len(s.workers))], key="backlog")
+    for i in range(per_worker):
+        for w in s.workers:
+            lease = (await w.claim(s.pool_id)).json()["leases"][0]
+            answer = (answers or ["4"])[i % len(answers or ["4"])]
+            await submit(w, lease, [answer], **({"seed": 1} if answer == "fraud" else {}))
+
+
+async def decided(app_state: Any) -> tuple[int, Counter[str]]:
+    async with app_state.sessionmaker() as session:
+        verdicts = int(await session.scalar(select(func.count()).select_from(Verdict)) or 0)
+        stages = Counter((await session.execute(select(VerificationJob.stage))).scalars())
+    return verdicts, stages
+
+
+async def test_verdicts_are_committed_batch_by_batch(app: Any, app_state: Any, monkeypatch: Any) -> None:
+    """With batches of 2, the first batch's verdicts are committed even though the second batch
+    fails; the failed batch's jobs wait for the next tick, which decides them."""
+    batches_of(app_state, 2)
+    real_lock = service.lock_for_verdicts
+    calls = 0
+
+    async def failing_second_batch(session: Any, submissions: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("the database went away")
+        await real_lock(session, submissions)
+
+    monkeypatch.setattr(service, "lock_for_verdicts", failing_second_batch)
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=8) as s:
+        await results(s, 5)
+        with pytest.raises(RuntimeError, match="went away"):
+            await verify_once(app_state)
+        assert await decided(app_state) == (2, Counter(done=2, checks=3))
+
+        monkeypatch.setattr(service, "lock_for_verdicts", real_lock)
+        report = await verify_once(app_state)
+        assert report.processed == 3
+        assert await decided(app_state) == (5, Counter(done=5))
+
+
+async def test_a_tick_stops_taking_batches_when_its_budget_is_spent(app: Any, app_state: Any) -> None:
+    batches_of(app_state, 2)
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=8) as s:
+        await results(s, 5)
+        assert await verify_batches(app_state, budget_s=0) == 2  # one batch, then out of time
+        assert await verify_batches(app_state, budget_s=math.inf) == 3
+        assert await decided(app_state) == (5, Counter(done=5))
+
+
+async def test_a_job_that_fails_does_not_hold_up_its_batch(
+    app: Any, app_state: Any, monkeypatch: Any
+) -> None:
+    batches_of(app_state, 10)
+    real_decide = service.decide
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=8) as s:
+        await results(s, 3)
+        async with app_state.sessionmaker() as session:
+            poisoned = (await session.execute(select(VerificationJob.submission_id).limit(1))).scalar_one()
+
+        async def decide(session: Any, job: Any, submission: Any, *args: Any, **kwargs: Any) -> Any:
+            if submission.id == poisoned:
+                raise ValueError("a bad result")
+            return await real_decide(session, job, submission, *args, **kwargs)
+
+        monkeypatch.setattr(service, "decide", decide)
+        assert await verify_batches(app_state, budget_s=math.inf) == 2
+        assert await decided(app_state) == (2, Counter(done=2, checks=1))
+        monkeypatch.setattr(service, "decide", real_decide)
+        assert await verify_batches(app_state, budget_s=math.inf) == 1
+
+
+@postgres_only
+async def test_two_verifiers_share_a_backlog_and_decide_and_pay_each_result_once(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    """Two verifier loops over one backlog of 60 results (correct, wrong and fraudulent, from
+    four providers): every job is decided once, rewards and slashes are paid once."""
+    batches_of(app_state, 4)
+    async with pool_setup(app, app_state, workers=4, economics=ECON, stake=1000, max_leases_per_node=16) as s:
+        await results(s, 15, answers=["4", "4", "5", "fraud", "4"])
+        counts = await asyncio.gather(*(verify_batches(app_state, budget_s=math.inf) for _ in range(2)))
+        assert sum(counts) == 60 and min(counts) > 0, counts  # both took part
+
+        async with app_state.sessionmaker() as session:
+            rows = (await session.execute(select(Verdict.submission_id, Verdict.category))).all()
+            reasons = Counter(
+                r
+                for (r,) in (await session.execute(select(LedgerTransfer.reason))).all()
+                if r != "stake_lock"
+            )
+        assert len(rows) == 60 and len({sid for sid, _ in rows}) == 60
+        categories = Counter(c for _, c in rows)
+        assert categories == Counter(valid=36, invalid=12, fraud=12)
+        assert reasons == Counter(deposit=4, reward=36, slash_stake=12, slash_pending_rewards=12)
+        assert await decided(app_state) == (60, Counter(done=60))
+        for w in s.workers:
+            b = await balances(client, w)
+            assert b["stake_locked"] == 1000 - 3 * 10
+    await books_balance(app_state)
+
+
+@postgres_only
+async def test_two_verifiers_never_leave_a_quorum_undecided(app: Any, app_state: Any) -> None:
+    """Replicated tasks whose answers the server cannot check wait for a quorum. With batches of
+    one job, the two replicas of a task are checked by the two verifiers at the same time; each
+    must not leave the decision to the other."""
+    batches_of(app_state, 1)
+    async with pool_setup(app, app_state, workers=2, replication_factor=2, max_leases_per_node=16) as s:
+        tasks = [{"prompt": f"Name colour {i}.", "sampling": {"max_tokens": 8}} for i in range(12)]
+        await s.enqueue(tasks, key="quorum")
+        for _ in tasks:
+            for w in s.workers:
+                await submit(w, (await w.claim(s.pool_id)).json()["leases"][0], ["blue"])
+        counts = await asyncio.gather(*(verify_batches(app_state, budget_s=math.inf) for _ in range(2)))
+        assert sum(counts) == 24, counts
+        verdicts, stages = await decided(app_state)
+        assert stages == Counter(done=24) and verdicts == 24
+
+
+def test_verifier_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from orchestrator.settings import Settings
+
+    assert (Settings().verifier.batch_size, Settings().verifier.tick_budget_s) == (20, 0.8)
+    monkeypatch.setenv("ORCH_VERIFIER__BATCH_SIZE", "50")
+    monkeypatch.setenv("ORCH_VERIFIER__TICK_BUDGET_S", "2.5")
+    assert (Settings().verifier.batch_size, Settings().verifier.tick_budget_s) == (50, 2.5)
