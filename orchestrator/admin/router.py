@@ -52,7 +52,10 @@ async def get_node(node_id: KeyId, _: AdminOnly, session: Session, state: State)
 @router.post(
     "/nodes/{node_id}/ban",
     response_model=NodeDetailOut,
-    summary="Ban a node: every contributor endpoint then answers 403 node_banned",
+    summary=(
+        "Ban a node: it is ejected from every pool it is a member of (leases released, stake "
+        "unbonding) and every contributor endpoint then answers 403 node_banned"
+    ),
 )
 async def ban_node(
     node_id: KeyId, body: BanIn, principal: AdminOnly, session: Session, state: State
@@ -64,7 +67,7 @@ async def ban_node(
 @router.post(
     "/nodes/{node_id}/unban",
     response_model=NodeDetailOut,
-    summary="Lift a ban; the node becomes healthy again on its next heartbeat",
+    summary="Lift a ban; the node becomes healthy again on its next heartbeat (its ejections stay)",
 )
 async def unban_node(node_id: KeyId, principal: AdminOnly, session: Session, state: State) -> NodeDetailOut:
     node = await service.unban(session, node_id, principal=principal)

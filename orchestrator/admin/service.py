@@ -1,4 +1,6 @@
-"""Admin rules for nodes: bans and unbans, recorded in the status history and the audit log."""
+"""Admin rules for nodes: bans and unbans, recorded in the status history and the audit log.
+
+A ban also ejects the node from its pools (``pools.service.eject_node``)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from orchestrator.core.errors import NotFound
 from orchestrator.core.state import AppState
 from orchestrator.identity import repository as repo
 from orchestrator.identity.models import NODE_STATUSES, Node, NodeStatus
+from orchestrator.pools import service as pools_service
 
 
 async def node_or_404(session: AsyncSession, node_id: str, *, for_update: bool = False) -> Node:
@@ -22,7 +25,9 @@ async def node_or_404(session: AsyncSession, node_id: str, *, for_update: bool =
 async def ban(
     session: AsyncSession, state: AppState, node_id: str, reason: str, *, principal: Principal
 ) -> Node:
-    """Idempotent: banning a banned node changes nothing."""
+    """Ban the node and eject it from every pool it is a live member of, as an operator
+    ejection would (its leases released, its stake unbonding), all in this transaction; an
+    unban does not undo the ejections. Idempotent: banning a banned node changes nothing."""
     node = await node_or_404(session, node_id, for_update=True)
     before = {"status": node.status}
     not_banned = [s for s in NODE_STATUSES if s != NodeStatus.banned]
@@ -37,6 +42,9 @@ async def ban(
     if moved:
         node.ban_reason = reason
         await session.flush()
+        ejected = await pools_service.eject_node(
+            session, principal, node_id, f"node banned: {reason}", now=state.clock.utcnow()
+        )
         await record(
             session,
             principal,
@@ -44,7 +52,7 @@ async def ban(
             target_type="node",
             target_id=node_id,
             before=before,
-            after={"status": NodeStatus.banned.value, "reason": reason},
+            after={"status": NodeStatus.banned.value, "reason": reason, "ejected_from": ejected},
         )
         await state.hot_store.forget_node(node_id)
     await session.refresh(node)

@@ -101,6 +101,32 @@ async def live_members(
     return list((await session.execute(stmt)).scalars())
 
 
+async def live_pool_ids_of_node(session: AsyncSession, node_id: str) -> list[str]:
+    """The pools ``node_id`` is a live member of, by id (read without a lock)."""
+    rows = await session.execute(
+        select(PoolMembership.pool_id)
+        .where(PoolMembership.node_id == node_id, PoolMembership.status.in_(LIVE))
+        .order_by(PoolMembership.pool_id)
+    )
+    return list(rows.scalars())
+
+
+async def memberships_for_update(
+    session: AsyncSession, node_id: str, pool_ids: Sequence[str]
+) -> dict[str, PoolMembership]:
+    """``node_id``'s memberships of ``pool_ids``, locked (by id) and re-read, by pool."""
+    if not pool_ids:
+        return {}
+    stmt = (
+        select(PoolMembership)
+        .where(PoolMembership.node_id == node_id, PoolMembership.pool_id.in_(pool_ids))
+        .order_by(PoolMembership.id)
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    )
+    return {m.pool_id: m for m in (await session.execute(stmt)).scalars()}
+
+
 async def memberships_of_node(session: AsyncSession, node_id: str) -> list[tuple[str, str]]:
     rows = await session.execute(
         select(PoolMembership.pool_id, PoolMembership.status)

@@ -16,6 +16,8 @@ membership. Memberships (one row per pool and node)::
     pending --leave / blacklist / complete--> left                       (stake back at once)
     any     --eject--> ejected           (unbonds if active, back at once if pending; no rejoin)
 
+An admin ban of a node ejects it from every pool it is a live member of (``eject_node``).
+
 Money: a join locks ``min_stake_per_node`` from the provider's free stake; the amount is kept
 on the membership, so later changes to the pool's minimum never unlock more or less than was
 locked. Every ledger call carries a key derived from the membership id and its episode, so a
@@ -411,6 +413,13 @@ async def _end_membership(
     await release_member_leases(session, pool.id, m.node_id, now=now)
 
 
+async def _lock_stake(session: AsyncSession, members: list[PoolMembership]) -> None:
+    """Before ending several memberships: their providers' stake accounts, locked up front in
+    the ledger's global order."""
+    providers = sorted({m.provider_id for m in members})
+    await ledger.lock_accounts(session, [ref for p in providers for ref in ledger.stake_accounts(p)])
+
+
 async def _end_memberships(
     session: AsyncSession,
     pool: Pool,
@@ -421,11 +430,8 @@ async def _end_memberships(
     actor: str,
     now: dt.datetime,
 ) -> list[str]:
-    """End several (locked) memberships of ``pool`` in one transaction: their providers' stake
-    accounts are locked up front, in the ledger's global order. Returns the nodes."""
-    await ledger.lock_accounts(
-        session, [ref for p in sorted({m.provider_id for m in members}) for ref in ledger.stake_accounts(p)]
-    )
+    """End several (locked) memberships of ``pool`` in one transaction. Returns the nodes."""
+    await _lock_stake(session, members)
     for m in members:
         await _end_membership(session, pool, m, to_status=to_status, reason=reason, actor=actor, now=now)
     return [m.node_id for m in members]
@@ -719,8 +725,22 @@ async def eject(
     """Any membership -> ejected (the node can never rejoin this pool). An active member's
     stake unbonds and its leases are released; a pending one's stake comes back at once."""
     pool, m = await _member_for(session, principal, pool_id, node_id)
+    await _eject(session, principal, pool, m, reason, now=now)
+    return m
+
+
+async def _eject(
+    session: AsyncSession,
+    principal: Principal,
+    pool: Pool,
+    m: PoolMembership,
+    reason: str,
+    *,
+    now: dt.datetime,
+) -> None:
+    """Eject a locked membership (nothing if it already is), audited as ``membership.eject``."""
     if m.status == MembershipStatus.ejected.value:
-        return m
+        return
     before = m.status
     await _end_membership(
         session,
@@ -732,7 +752,26 @@ async def eject(
         now=now,
     )
     await _audit_member(session, principal, "membership.eject", m, before, reason)
-    return m
+
+
+async def eject_node(
+    session: AsyncSession, principal: Principal, node_id: str, reason: str, *, now: dt.datetime
+) -> list[str]:
+    """Eject ``node_id`` from every pool it is a live (active or pending) member of, as an
+    operator ejection does each (leases released, stake unbonding or back at once, audited).
+    Lock order as everywhere: the pools (by id), their memberships, the stake accounts, then
+    the ejections. Returns the pools, by id."""
+    pools = [
+        pool
+        for pool_id in await repo.live_pool_ids_of_node(session, node_id)
+        if (pool := await repo.get_pool(session, pool_id, for_update=True)) is not None
+    ]
+    members = await repo.memberships_for_update(session, node_id, [p.id for p in pools])
+    live = [(pool, m) for pool in pools if (m := members.get(pool.id)) is not None and m.status in LIVE]
+    await _lock_stake(session, [m for _, m in live])
+    for pool, m in live:
+        await _eject(session, principal, pool, m, reason, now=now)
+    return [pool.id for pool, _ in live]
 
 
 # ------------------------------------------------------------------ invites and blacklists
@@ -840,19 +879,7 @@ async def eject_for_fraud(
     session: AsyncSession, pool: Pool, m: PoolMembership, *, reason: str, now: dt.datetime
 ) -> None:
     """The verifier's ejection after the pool's strike limit (audited as actor ``system``)."""
-    if m.status == MembershipStatus.ejected.value:
-        return
-    before = m.status
-    await _end_membership(
-        session,
-        pool,
-        m,
-        to_status=MembershipStatus.ejected.value,
-        reason=reason,
-        actor=SYSTEM.token_id,
-        now=now,
-    )
-    await _audit_member(session, SYSTEM, "membership.eject", m, before, reason)
+    await _eject(session, SYSTEM, pool, m, reason, now=now)
 
 
 async def blacklist_for_fraud(

@@ -1,0 +1,123 @@
+"""An admin ban ejects the node from its pools, as an operator ejection does, in one transaction."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+
+from orchestrator.core.clock import FakeClock
+from orchestrator.ledger.models import LedgerTransfer, StakeUnbonding
+from orchestrator.pools import service as pools_service
+from orchestrator.tasks.models import Assignment
+from tests.conftest import problem
+from tests.pools_helpers import active_pool, join
+from tests.tasks_helpers import pool_setup, task
+from tests.verification_helpers import balances, books_balance
+
+ECON = {"min_stake_per_node": 1000, "unbonding_period_s": 86_400}
+
+
+async def statuses(s: Any, pool_id: str) -> dict[str, str]:
+    r = await s.admin.get(f"/v1/admin/pools/{pool_id}/members", headers=s.admin_headers)
+    assert r.status_code == 200, r.text
+    return {m["node_id"]: m["status"] for m in r.json()["items"]}
+
+
+async def audit(s: Any, action: str) -> list[dict[str, Any]]:
+    r = await s.admin.get("/v1/admin/audit", params={"limit": 200}, headers=s.admin_headers)
+    assert r.status_code == 200, r.text
+    return [e for e in r.json()["items"] if e["action"] == action]
+
+
+async def transfers(app_state: Any) -> int:
+    async with app_state.sessionmaker() as session:
+        return int(await session.scalar(select(func.count()).select_from(LedgerTransfer)) or 0)
+
+
+async def test_a_ban_ejects_the_node_from_its_pools_releases_its_leases_and_unbonds_its_stake(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1500) as s:
+        banned = s.workers[0]
+        bystander = await s.add_worker(stake=1000)
+        # A second pool that admits by approval: the node's membership there is pending.
+        other = await active_pool(
+            s.admin, s.headers, admission="approval", economics={"min_stake_per_node": 500}
+        )
+        assert (await join(banned.client, banned.contributor, other["id"])).json()["status"] == "pending"
+        await s.enqueue([task()], key="one")
+        lease = (await banned.claim(s.pool_id)).json()["leases"][0]
+        assert (await balances(client, banned))["stake_locked"] == 1500
+
+        r = await s.admin.post(
+            f"/v1/admin/nodes/{banned.node_id}/ban", json={"reason": "sybil farm"}, headers=s.admin_headers
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["status"] == "banned"
+
+        # Memberships ended as ejections; the bystander is untouched.
+        assert await statuses(s, s.pool_id) == {banned.node_id: "ejected", bystander.node_id: "active"}
+        assert await statuses(s, other["id"]) == {banned.node_id: "ejected"}
+        # The lease is released and its task reissued at once.
+        async with app_state.sessionmaker() as session:
+            assignment = await session.get(Assignment, lease["assignment_id"])
+            assert assignment is not None and assignment.status == "released"
+            [unbonding] = list((await session.execute(select(StakeUnbonding))).scalars())
+        again = (await bystander.claim(s.pool_id)).json()["leases"]
+        assert [x["task"]["task_id"] for x in again] == [lease["task"]["task_id"]]
+        # Active stake unbonds over the pool's period; the pending join's stake is back at once.
+        b = await balances(client, banned)
+        assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (0, 1000, 500)
+        assert (unbonding.amount, unbonding.provider_id) == (1000, banned.contributor.provider_id)
+        assert unbonding.release_at == clock.utcnow() + dt.timedelta(seconds=86_400)
+        # Audited as the ejections they are, by the admin who banned, and on the ban itself.
+        [ban_entry] = await audit(s, "node.ban")
+        assert ban_entry["after"]["ejected_from"] == sorted([s.pool_id, other["id"]])
+        ejections = {e["pool_id"]: e for e in await audit(s, "membership.eject")}
+        assert set(ejections) == {s.pool_id, other["id"]}
+        for pool_id, before in ((s.pool_id, "active"), (other["id"], "pending")):
+            e = ejections[pool_id]
+            assert (e["actor"], e["target_id"]) == (ban_entry["actor"], banned.node_id)
+            assert e["before"] == {"status": before}
+            assert (e["after"]["status"], e["after"]["reason"]) == ("ejected", "node banned: sybil farm")
+
+        # Banning again changes nothing; an unban does not bring the memberships back.
+        moved = await transfers(app_state)
+        r = await s.admin.post(
+            f"/v1/admin/nodes/{banned.node_id}/ban", json={"reason": "twice"}, headers=s.admin_headers
+        )
+        assert r.status_code == 200 and await transfers(app_state) == moved
+        assert len(await audit(s, "membership.eject")) == 2
+        r = await s.admin.post(f"/v1/admin/nodes/{banned.node_id}/unban", headers=s.admin_headers)
+        assert r.status_code == 200 and r.json()["status"] == "waiting"
+        assert await statuses(s, s.pool_id) == {banned.node_id: "ejected", bystander.node_id: "active"}
+        assert await statuses(s, other["id"]) == {banned.node_id: "ejected"}
+        refused = await banned.client.post(
+            f"/v1/pools/{s.pool_id}/join", json={}, auth=banned.contributor.node_auth
+        )
+        problem(refused, 403, "node_ejected")
+    await books_balance(app_state)
+
+
+async def test_a_ban_and_its_ejections_commit_together(
+    app: Any, app_state: Any, client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If ending a membership fails, the ban does not happen either."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+
+        async def broken(*args: Any, **kwargs: Any) -> int:
+            raise RuntimeError("lease release failed")
+
+        monkeypatch.setattr(pools_service, "release_member_leases", broken)
+        with pytest.raises(RuntimeError):
+            await s.admin.post(
+                f"/v1/admin/nodes/{w.node_id}/ban", json={"reason": "x"}, headers=s.admin_headers
+            )
+        r = await s.admin.get(f"/v1/admin/nodes/{w.node_id}", headers=s.admin_headers)
+        assert r.json()["status"] != "banned"
+        assert await statuses(s, s.pool_id) == {w.node_id: "active"}
+        assert (await balances(client, w))["stake_locked"] == 1000
