@@ -42,6 +42,7 @@ import os
 import platform
 import random
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -63,6 +64,7 @@ from benchmarks.common import (
     free_port,
     register_nodes,
     reset_database,
+    server_env,
     start_server,
     stop_server,
     wait_ready,
@@ -341,9 +343,22 @@ class Bench:
             "ORCH_DB__POOL_SIZE": str(max(5, args.db_pool // args.workers)),
             "ORCH_DB__MAX_OVERFLOW": "0",
         }
+        if args.background_process:
+            extra["ORCH_SERVER__BACKGROUND_LOOPS"] = "false"
         self.server = start_server(
             args.database, args.redis, self.port, args.workers, log, prefix=self.prefix, extra_env=extra
         )
+        if args.background_process:
+            # In the server's process group: counted as the server, stopped with it.
+            extra.pop("ORCH_SERVER__BACKGROUND_LOOPS")
+            subprocess.Popen(  # noqa: ASYNC220 - once, at start-up, like start_server
+                [sys.executable, "-m", "orchestrator.cli", "background"],
+                env=server_env(args.database, args.redis, prefix=self.prefix, extra=extra),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                process_group=self.server.pid,
+            )
         try:
             await wait_ready(f"http://127.0.0.1:{self.port}", within_s=120)
             self.meter = CpuMeter(self.server.pid, loadgen_pid, args.database.rsplit("/", 1)[1])
@@ -909,6 +924,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--db-pool", type=int, default=30, help="server database connections in all (split over the workers)"
     )
     p.add_argument("--raw-connections", type=int, default=32, help="connections of the raw SKIP LOCKED loops")
+    p.add_argument(
+        "--background-process",
+        action="store_true",
+        help="run the background loops (verifier etc.) in a separate `orchestrator background` "
+        "process instead of in the API workers (its CPU counts as the server's)",
+    )
     p.add_argument("--database", default=os.environ.get("ORCH_BENCH_DATABASE_URL", DEFAULT_DB))
     p.add_argument("--redis", default=os.environ.get("ORCH_BENCH_REDIS_URL", DEFAULT_REDIS))
     p.add_argument("--out-dir", default="benchmarks/out")

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import structlog
 from fastapi import FastAPI
 
-from orchestrator import __version__
+from orchestrator import __version__, background
 from orchestrator.admin.router import router as admin_router
 from orchestrator.audit.router import router as audit_router
 from orchestrator.core.clock import Clock, SystemClock
@@ -18,26 +18,20 @@ from orchestrator.core.errors import install_error_handlers
 from orchestrator.core.health import router as health_router
 from orchestrator.core.hotstore import HotStore, make_hot_store
 from orchestrator.core.logging import configure_logging
-from orchestrator.core.loops import run_periodically
 from orchestrator.core.middleware import BodyLimitMiddleware, RequestContextMiddleware
 from orchestrator.core.state import AppState
 from orchestrator.feed.router import router as feed_router
 from orchestrator.identity.router import router as identity_router
-from orchestrator.ledger import jobs as ledger_jobs
 from orchestrator.ledger.router import router as ledger_router
-from orchestrator.liveness import service as liveness
 from orchestrator.liveness.router import router as liveness_router
 from orchestrator.payouts.router import admin_router as payouts_admin_router
 from orchestrator.payouts.router import router as payouts_router
 from orchestrator.pools.router import admin_router as pools_admin_router
 from orchestrator.pools.router import router as pools_router
-from orchestrator.restem import jobs as restem_jobs
 from orchestrator.restem.router import admin_router as restem_admin_router
 from orchestrator.settings import Settings, get_settings
-from orchestrator.tasks import jobs as task_jobs
 from orchestrator.tasks.router import admin_router as tasks_admin_router
 from orchestrator.tasks.router import router as tasks_router
-from orchestrator.verification import jobs as verification_jobs
 from orchestrator.verification.router import admin_router as verification_admin_router
 from orchestrator.verification.router import router as verification_router
 from orchestrator.verification.router import validation_router
@@ -80,20 +74,7 @@ def create_app(
         )
         app.state.orch = state
         stop = asyncio.Event()
-        tasks: list[asyncio.Task[None]] = []
-        if settings.server.background_loops:
-            loops = [
-                ("liveness-sweeper", settings.heartbeat.sweep_interval_s, liveness.sweep_once),
-                ("stake-release", ledger_jobs.INTERVAL_S, ledger_jobs.release_once),
-                ("lease-reaper", task_jobs.INTERVAL_S, task_jobs.reap_once),
-                ("verifier", verification_jobs.VERIFY_INTERVAL_S, verification_jobs.verify_once),
-                ("reward-release", verification_jobs.RELEASE_INTERVAL_S, verification_jobs.release_once),
-                ("restem-barrier", restem_jobs.INTERVAL_S, restem_jobs.advance_once),
-            ]
-            tasks += [
-                asyncio.create_task(run_periodically(state, name, interval, tick, stop), name=name)
-                for name, interval, tick in loops
-            ]
+        tasks = background.start(state, stop) if settings.server.background_loops else []
         log.info(
             "started",
             version=__version__,

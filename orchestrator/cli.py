@@ -67,6 +67,26 @@ def serve(
     )
 
 
+@app.command("background")
+def background_cmd() -> None:
+    """Run only the background loops (liveness sweeper, lease reaper, verifier, reward and stake
+    releases, ReST^EM barrier), without serving HTTP. Start the API replicas with
+    ORCH_SERVER__BACKGROUND_LOOPS=false and one or more of these beside them; each tick still runs
+    once across processes, and verifiers share the backlog. Needs Redis and a shared database."""
+    from orchestrator import background
+    from orchestrator.core.logging import configure_logging
+
+    settings = get_settings()
+    if settings.redis_url is None or settings.db.is_sqlite:
+        raise typer.BadParameter(
+            "a separate background process must share the hot store and the database with the API "
+            "processes: set ORCH_REDIS__URL=redis://... and a PostgreSQL ORCH_DB__URL (with the "
+            "embedded default, keep the loops in `orchestrator serve`)"
+        )
+    configure_logging(settings.log_level, json=settings.log_json)
+    asyncio.run(background.run(settings))
+
+
 @app.command("migrate")
 def migrate_cmd(
     revision: Annotated[str, typer.Option(help="Target revision")] = "head",

@@ -1,0 +1,87 @@
+"""The background loops (sweeper, reaper, verifier, releases, ReST^EM barrier) and a process
+that runs only them.
+
+Every API process runs them by default (``ORCH_SERVER__BACKGROUND_LOOPS=true``); each tick is
+claimed once across processes, and the verifier shares its backlog with SKIP LOCKED. A larger
+deployment turns them off on the API replicas and runs ``orchestrator background`` instead, so
+that verification never waits behind request handling on an API process's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Awaitable, Callable
+
+import structlog
+
+from orchestrator import __version__
+from orchestrator.core.clock import SystemClock
+from orchestrator.core.db import make_engine, make_sessionmaker
+from orchestrator.core.hotstore import make_hot_store
+from orchestrator.core.loops import run_periodically
+from orchestrator.core.state import AppState
+from orchestrator.ledger import jobs as ledger_jobs
+from orchestrator.liveness import service as liveness
+from orchestrator.restem import jobs as restem_jobs
+from orchestrator.settings import Settings
+from orchestrator.tasks import jobs as task_jobs
+from orchestrator.verification import jobs as verification_jobs
+
+log = structlog.get_logger(__name__)
+
+Tick = Callable[[AppState], Awaitable[object]]
+
+
+def loops(settings: Settings) -> list[tuple[str, float, Tick]]:
+    """(name, interval in seconds, tick) of every background loop."""
+    return [
+        ("liveness-sweeper", settings.heartbeat.sweep_interval_s, liveness.sweep_once),
+        ("stake-release", ledger_jobs.INTERVAL_S, ledger_jobs.release_once),
+        ("lease-reaper", task_jobs.INTERVAL_S, task_jobs.reap_once),
+        ("verifier", verification_jobs.VERIFY_INTERVAL_S, verification_jobs.verify_once),
+        ("reward-release", verification_jobs.RELEASE_INTERVAL_S, verification_jobs.release_once),
+        ("restem-barrier", restem_jobs.INTERVAL_S, restem_jobs.advance_once),
+    ]
+
+
+def start(state: AppState, stop: asyncio.Event) -> list[asyncio.Task[None]]:
+    return [
+        asyncio.create_task(run_periodically(state, name, interval, tick, stop), name=name)
+        for name, interval, tick in loops(state.settings)
+    ]
+
+
+async def run(settings: Settings, stop: asyncio.Event | None = None) -> None:
+    """Run the loops in this process until ``stop`` is set (or SIGINT/SIGTERM arrives)."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    handled = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+            handled.append(sig)
+    engine = make_engine(settings.db)
+    store = make_hot_store(settings.redis_url, settings.redis.prefix)
+    state = AppState(
+        settings=settings,
+        engine=engine,
+        sessionmaker=make_sessionmaker(engine),
+        hot_store=store,
+        clock=SystemClock(),
+    )
+    tasks = start(state, stop)
+    log.info("background_started", version=__version__, db=engine.dialect.name, loops=len(tasks))
+    try:
+        await stop.wait()
+    finally:
+        stop.set()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await store.aclose()
+        await engine.dispose()
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+        log.info("background_stopped")
