@@ -92,13 +92,13 @@ class CpuMeter:
     Per process, the delta is its last sample minus its first (zero for one born mid-phase), so
     PostgreSQL backends that come and go are counted up to their last sample."""
 
-    def __init__(self, server_pgid: int, loadgen_pid: int, database: str) -> None:
-        self.server_pgid, self.loadgen_pid = server_pgid, loadgen_pid
+    def __init__(self, server_pgids: set[int], loadgen_pid: int, database: str) -> None:
+        self.server_pgids, self.loadgen_pid = server_pgids, loadgen_pid
         self.database = database
         self.tick = os.sysconf("SC_CLK_TCK")
 
     def _group(self, pid: int, pgrp: int, comm: str) -> str | None:
-        if pgrp == self.server_pgid:
+        if pgrp in self.server_pgids:
             return "server"
         if pid == self.loadgen_pid:
             return "loadgen"
@@ -348,22 +348,26 @@ class Bench:
         self.server = start_server(
             args.database, args.redis, self.port, args.workers, log, prefix=self.prefix, extra_env=extra
         )
-        if args.background_process:
-            # In the server's process group: counted as the server, stopped with it.
-            extra.pop("ORCH_SERVER__BACKGROUND_LOOPS")
-            subprocess.Popen(  # noqa: ASYNC220 - once, at start-up, like start_server
-                [sys.executable, "-m", "orchestrator.cli", "background"],
-                env=server_env(args.database, args.redis, prefix=self.prefix, extra=extra),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                process_group=self.server.pid,
-            )
+        background = None
         try:
-            await wait_ready(f"http://127.0.0.1:{self.port}", within_s=120)
-            self.meter = CpuMeter(self.server.pid, loadgen_pid, args.database.rsplit("/", 1)[1])
+            await wait_ready(f"http://127.0.0.1:{self.port}", within_s=120)  # schema migrated
+            if args.background_process:
+                # Its own process group, counted as the server's CPU and stopped with it.
+                extra.pop("ORCH_SERVER__BACKGROUND_LOOPS")
+                background = subprocess.Popen(  # noqa: ASYNC220 - once, at start-up, like start_server
+                    [sys.executable, "-m", "orchestrator.cli", "background"],
+                    env=server_env(args.database, args.redis, prefix=self.prefix, extra=extra),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            groups = {self.server.pid} | ({background.pid} if background is not None else set())
+            self.meter = CpuMeter(groups, loadgen_pid, args.database.rsplit("/", 1)[1])
             await self.scenario()
         finally:
+            if background is not None:
+                stop_server(background)
             stop_server(self.server)
             log.close()
             self.executor.shutdown(wait=True, cancel_futures=True)
