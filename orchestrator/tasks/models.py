@@ -152,6 +152,15 @@ class Assignment(Base):
         Index("ix_assignments_task_id", "task_id"),
         Index("ix_assignments_pool_id_node_id", "pool_id", "node_id"),
         Index("ix_assignments_node_id_status", "node_id", "status"),
+        # A claim counts the node's live leases in the pool: only live ones are indexed, so the
+        # count does not grow with the node's history of submitted and expired leases.
+        Index(
+            "ix_assignments_live_by_node",
+            "node_id",
+            "pool_id",
+            postgresql_where=text("status = 'active'"),
+            sqlite_where=text("status = 'active'"),
+        ),
         # The reaper reads only live leases, oldest deadline first.
         Index(
             "ix_assignments_active_expiry",
