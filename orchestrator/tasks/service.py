@@ -61,7 +61,6 @@ from orchestrator.tasks.models import (
 )
 from orchestrator.tasks.seeds import derive_seed
 from orchestrator.verification import service as verification
-from orchestrator.verification.models import VerificationJob
 
 log = structlog.get_logger(__name__)
 
@@ -761,18 +760,8 @@ async def submit_result(
             },
         )
     ).scalar_one()
-    # The verification job exists if and only if the result does (same transaction).
-    await conn.execute(
-        insert(VerificationJob.__table__),  # type: ignore[arg-type]
-        {
-            "submission_id": submission_id,
-            "task_id": ctx.task_id,
-            "pool_id": ctx.pool_id,
-            "stage": "checks",
-            "audited": False,
-            "created_at": now,
-            "updated_at": now,
-        },
+    await verification.enqueue(
+        conn, submission_id=submission_id, task_id=ctx.task_id, pool_id=ctx.pool_id, now=now
     )
     assignments, replicas, tasks = (
         Assignment.__table__.c,
