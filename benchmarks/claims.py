@@ -35,6 +35,7 @@ from benchmarks.common import (
     create_token,
     drop_redis_prefix,
     free_port,
+    prepare_raw,
     reset_database,
     setup_pool,
     start_server,
@@ -102,17 +103,7 @@ async def api_phase(base: str, pool_id: str, nodes: list[Any], seconds: float) -
 
 
 async def raw_phase(dsn: str, workers: int, jobs: int, seconds: float) -> Stats:
-    conn = await asyncpg.connect(dsn)
-    await conn.execute("DROP TABLE IF EXISTS bench_jobs")
-    await conn.execute(
-        "CREATE TABLE bench_jobs (id bigserial PRIMARY KEY, status text NOT NULL DEFAULT 'open', "
-        "node text, payload text)"
-    )
-    await conn.execute(
-        "INSERT INTO bench_jobs (payload) SELECT 'p/' || g FROM generate_series(1, $1) g", jobs
-    )
-    await conn.execute("CREATE INDEX ON bench_jobs (id) WHERE status = 'open'")
-    await conn.close()
+    await prepare_raw(dsn, jobs)
     pool = await asyncpg.create_pool(dsn, min_size=workers, max_size=workers)
     stats = Stats()
     stop = time.monotonic() + seconds

@@ -331,3 +331,21 @@ async def setup_pool(base: str, token: str, pollers: int, tasks: int) -> tuple[s
             await register_node(c, node, pool_ids=[pool_id])
             nodes.append(node)
     return pool_id, nodes
+
+
+async def prepare_raw(dsn: str, jobs: int) -> None:
+    """The raw baseline's queue: ``jobs`` open rows in a plain table, with a partial index."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute("DROP TABLE IF EXISTS bench_jobs")
+        await conn.execute(
+            "CREATE TABLE bench_jobs (id bigserial PRIMARY KEY, status text NOT NULL DEFAULT 'open', "
+            "node text, payload text)"
+        )
+        await conn.execute(
+            "INSERT INTO bench_jobs (payload) SELECT 'p/' || g FROM generate_series(1, $1) g", jobs
+        )
+        await conn.execute("CREATE INDEX ON bench_jobs (id) WHERE status = 'open'")
+        await conn.execute("VACUUM ANALYZE bench_jobs")
+    finally:
+        await conn.close()

@@ -62,6 +62,7 @@ from benchmarks.common import (
     drop_redis_prefix,
     enqueue,
     free_port,
+    prepare_raw,
     register_nodes,
     reset_database,
     server_env,
@@ -631,23 +632,6 @@ class Bench:
             f"awaiting an audit replica {e['waiting_for_audit_replica_after_drain']}",
             flush=True,
         )
-
-
-async def prepare_raw(dsn: str, jobs: int) -> None:
-    conn = await asyncpg.connect(dsn)
-    try:
-        await conn.execute("DROP TABLE IF EXISTS bench_jobs")
-        await conn.execute(
-            "CREATE TABLE bench_jobs (id bigserial PRIMARY KEY, status text NOT NULL DEFAULT 'open', "
-            "node text, payload text)"
-        )
-        await conn.execute(
-            "INSERT INTO bench_jobs (payload) SELECT 'p/' || g FROM generate_series(1, $1) g", jobs
-        )
-        await conn.execute("CREATE INDEX ON bench_jobs (id) WHERE status = 'open'")
-        await conn.execute("VACUUM ANALYZE bench_jobs")
-    finally:
-        await conn.close()
 
 
 def machine() -> dict[str, Any]:

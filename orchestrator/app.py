@@ -12,14 +12,13 @@ from fastapi import FastAPI
 from orchestrator import __version__, background
 from orchestrator.admin.router import router as admin_router
 from orchestrator.audit.router import router as audit_router
-from orchestrator.core.clock import Clock, SystemClock
-from orchestrator.core.db import make_engine, make_sessionmaker
+from orchestrator.core.clock import Clock
 from orchestrator.core.errors import install_error_handlers
 from orchestrator.core.health import router as health_router
-from orchestrator.core.hotstore import HotStore, make_hot_store
+from orchestrator.core.hotstore import HotStore
 from orchestrator.core.logging import configure_logging
 from orchestrator.core.middleware import BodyLimitMiddleware, RequestContextMiddleware
-from orchestrator.core.state import AppState
+from orchestrator.core.state import open_state
 from orchestrator.feed.router import router as feed_router
 from orchestrator.identity.router import router as identity_router
 from orchestrator.ledger.router import router as ledger_router
@@ -63,15 +62,8 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = make_engine(settings.db)
-        store = hot_store or make_hot_store(settings.redis_url, settings.redis.prefix)
-        state = AppState(
-            settings=settings,
-            engine=engine,
-            sessionmaker=make_sessionmaker(engine),
-            hot_store=store,
-            clock=clock or SystemClock(),
-        )
+        state = open_state(settings, clock=clock, hot_store=hot_store)
+        engine, store = state.engine, state.hot_store
         app.state.orch = state
         stop = asyncio.Event()
         tasks = background.start(state, stop) if settings.server.background_loops else []

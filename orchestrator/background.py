@@ -17,11 +17,8 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from orchestrator import __version__
-from orchestrator.core.clock import SystemClock
-from orchestrator.core.db import make_engine, make_sessionmaker
-from orchestrator.core.hotstore import make_hot_store
 from orchestrator.core.loops import run_periodically
-from orchestrator.core.state import AppState
+from orchestrator.core.state import AppState, open_state
 from orchestrator.ledger import jobs as ledger_jobs
 from orchestrator.liveness import service as liveness
 from orchestrator.restem import jobs as restem_jobs
@@ -62,15 +59,8 @@ async def run(settings: Settings, stop: asyncio.Event | None = None) -> None:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
             handled.append(sig)
-    engine = make_engine(settings.db)
-    store = make_hot_store(settings.redis_url, settings.redis.prefix)
-    state = AppState(
-        settings=settings,
-        engine=engine,
-        sessionmaker=make_sessionmaker(engine),
-        hot_store=store,
-        clock=SystemClock(),
-    )
+    state = open_state(settings)
+    engine, store = state.engine, state.hot_store
     tasks = start(state, stop)
     log.info("background_started", version=__version__, db=engine.dialect.name, loops=len(tasks))
     try:

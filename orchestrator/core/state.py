@@ -12,9 +12,9 @@ from typing import Annotated, cast
 from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from orchestrator.core.clock import Clock
-from orchestrator.core.db import autocommit
-from orchestrator.core.hotstore import HotStore
+from orchestrator.core.clock import Clock, SystemClock
+from orchestrator.core.db import autocommit, make_engine, make_sessionmaker
+from orchestrator.core.hotstore import HotStore, make_hot_store
 from orchestrator.settings import Settings
 
 
@@ -33,6 +33,20 @@ class AppState:
 
     def __post_init__(self) -> None:
         self.reader = autocommit(self.engine)
+
+
+def open_state(
+    settings: Settings, *, clock: Clock | None = None, hot_store: HotStore | None = None
+) -> AppState:
+    """A process's resources from its settings (the caller closes the engine and its own store)."""
+    engine = make_engine(settings.db)
+    return AppState(
+        settings=settings,
+        engine=engine,
+        sessionmaker=make_sessionmaker(engine),
+        hot_store=hot_store or make_hot_store(settings.redis_url, settings.redis.prefix),
+        clock=clock or SystemClock(),
+    )
 
 
 def app_state(request: Request) -> AppState:
