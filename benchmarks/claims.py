@@ -22,8 +22,9 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 import orjson
@@ -31,6 +32,7 @@ import orjson
 from benchmarks.common import (
     DEFAULT_DB,
     DEFAULT_REDIS,
+    CpuMeter,
     Stats,
     create_token,
     drop_redis_prefix,
@@ -45,6 +47,21 @@ from benchmarks.common import (
 from benchmarks.loadgen import Conn, FastSigner, self_check
 
 __all__ = ["DEFAULT_DB", "DEFAULT_REDIS", "Stats", "api_phase", "main", "raw_phase"]
+
+T = TypeVar("T")
+GROUPS = ("server", "postgres", "redis", "loadgen")
+
+
+async def metered(meter: CpuMeter, phase: Awaitable[T]) -> tuple[T, dict[str, float]]:
+    """Run a phase while ``meter`` samples /proc; return its result and the cores each group
+    of processes used meanwhile."""
+    stop = asyncio.Event()
+    sampling = asyncio.create_task(meter.measure(stop))
+    try:
+        result = await phase
+    finally:
+        stop.set()
+    return result, await sampling
 
 
 async def api_phase(base: str, pool_id: str, nodes: list[Any], seconds: float) -> Stats:
@@ -102,8 +119,8 @@ async def api_phase(base: str, pool_id: str, nodes: list[Any], seconds: float) -
     return stats
 
 
-async def raw_phase(dsn: str, workers: int, jobs: int, seconds: float) -> Stats:
-    await prepare_raw(dsn, jobs)
+async def raw_phase(dsn: str, workers: int, seconds: float) -> Stats:
+    """``workers`` connections loop claim -> done on the queue ``prepare_raw`` made."""
     pool = await asyncpg.create_pool(dsn, min_size=workers, max_size=workers)
     stats = Stats()
     stop = time.monotonic() + seconds
@@ -154,8 +171,11 @@ async def main() -> None:
         help="extra server setting, repeatable (e.g. ORCH_SERVER__BACKGROUND_LOOPS=false)",
     )
     args = parser.parse_args()
-    extra_env = dict(item.split("=", 1) for item in args.server_env)
+    # Each poller registers from its own address (X-Forwarded-For), as in the harness.
+    extra_env = {"ORCH_SERVER__TRUST_PROXY_HEADERS": "true"}
+    extra_env.update(item.split("=", 1) for item in args.server_env)
 
+    database = args.database.rsplit("/", 1)[1]
     await reset_database(args.database)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -175,11 +195,14 @@ async def main() -> None:
         await wait_ready(base)
         token = await create_token(args.database)
         pool_id, nodes = await setup_pool(base, token, args.pollers, args.tasks)
-        api = await api_phase(base, pool_id, nodes, args.seconds)
+        meter = CpuMeter({server.pid}, os.getpid(), database)
+        api, api_cores = await metered(meter, api_phase(base, pool_id, nodes, args.seconds))
     finally:
         stop_server(server)
         await drop_redis_prefix(args.redis, prefix)
-    raw = await raw_phase(args.database, args.pollers, args.raw_jobs, args.seconds)
+    await prepare_raw(args.database, args.raw_jobs)
+    meter = CpuMeter(set(), os.getpid(), database)
+    raw, raw_cores = await metered(meter, raw_phase(args.database, args.pollers, args.seconds))
 
     rows = [
         api.line("api: claim + signed result (HTTP)", args.seconds),
@@ -197,8 +220,27 @@ async def main() -> None:
             f"{r['errors']:>7}"
         )
     print(f"ratio api/raw = {ratio:.3f} (target >= 0.5)")
+
+    # Where each claim's CPU went: the ratio cannot beat the ratio of these totals once the
+    # machine is saturated, whatever the concurrency.
+    cpu = {}
+    print(
+        f"\nCPU ms per claim   {'server':>7} {'postgres':>9} {'redis':>6} {'client':>7} {'total':>7}"
+        "  machine cores busy"
+    )
+    for name, row, cores in (("api", rows[0], api_cores), ("raw", rows[1], raw_cores)):
+        rate = row["claims_per_s"] or float("nan")
+        per = {g: 1000 * cores.get(g, 0.0) / rate for g in GROUPS}
+        per["total"] = sum(per.values())
+        cpu[name] = {**{k: round(v, 3) for k, v in per.items()}, "machine_cores": cores.get("machine")}
+        print(
+            f"{name:18} {per['server']:>7.2f} {per['postgres']:>9.2f} {per['redis']:>6.2f} "
+            f"{per['loadgen']:>7.2f} {per['total']:>7.2f}  {cores.get('machine')}"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "ratio": ratio, "args": vars(args)}, indent=2))  # noqa: ASYNC240
+        Path(args.json).write_text(  # noqa: ASYNC240
+            json.dumps({"rows": rows, "ratio": ratio, "cpu_ms_per_claim": cpu, "args": vars(args)}, indent=2)
+        )
 
 
 if __name__ == "__main__":

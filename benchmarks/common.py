@@ -325,11 +325,11 @@ async def setup_pool(base: str, token: str, pollers: int, tasks: int) -> tuple[s
             {"replication_factor": 1, "max_leases_per_node": 4, "lease_duration_s": 3600},
         )
         await enqueue(c, headers, pool_id, tasks, key="b")
-        nodes = []
-        for _ in range(pollers):
-            node = generate_key()
-            await register_node(c, node, pool_ids=[pool_id])
-            nodes.append(node)
+        # Each poller is its own provider on its own address, as real nodes are: the placement
+        # rule (no two replicas of a task on one provider or IP) must be satisfiable for the
+        # second replicas the verifier asks for, or they would pile up unclaimable at the head
+        # of the queue. The server must trust X-Forwarded-For (``start_server`` callers set it).
+        nodes = await register_nodes(c, pollers, pool_ids=[pool_id], ip_base=4096)
     return pool_id, nodes
 
 
@@ -349,3 +349,82 @@ async def prepare_raw(dsn: str, jobs: int) -> None:
         await conn.execute("VACUUM ANALYZE bench_jobs")
     finally:
         await conn.close()
+
+
+# ------------------------------------------------------------------ CPU accounting
+
+
+class CpuMeter:
+    """CPU used per group of processes while a phase runs, sampled from /proc every 0.5 s: the
+    server's process group, the load generator, PostgreSQL backends of the benchmark database,
+    Redis, and the whole machine (``other`` = everything else, e.g. other jobs on a shared host).
+
+    Per process, the delta is its last sample minus its first (zero for one born mid-phase), so
+    PostgreSQL backends that come and go are counted up to their last sample."""
+
+    def __init__(self, server_pgids: set[int], loadgen_pid: int, database: str) -> None:
+        self.server_pgids, self.loadgen_pid = server_pgids, loadgen_pid
+        self.database = database
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def _group(self, pid: int, pgrp: int, comm: str) -> str | None:
+        if pgrp in self.server_pgids:
+            return "server"
+        if pid == self.loadgen_pid:
+            return "loadgen"
+        if comm.startswith("redis-server"):
+            return "redis"
+        if comm == "postgres":
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read().replace(b"\0", b" ")
+            except OSError:
+                return None
+            if f" {self.database} ".encode() in cmdline:
+                return "postgres"
+        return None
+
+    def sample(self) -> dict[int, tuple[str, float]]:
+        out: dict[int, tuple[str, float]] = {}
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    raw = f.read()
+            except OSError:
+                continue
+            comm = raw[raw.index("(") + 1 : raw.rindex(")")]
+            rest = raw[raw.rindex(")") + 2 :].split()
+            group = self._group(int(entry.name), int(rest[2]), comm)
+            if group is not None:
+                out[int(entry.name)] = (group, (int(rest[11]) + int(rest[12])) / self.tick)
+        return out
+
+    async def measure(self, stop: asyncio.Event) -> dict[str, float]:
+        """Sample until ``stop`` is set; return the cores each group used meanwhile."""
+        first = self.sample()
+        last = dict(first)
+        busy0, t0 = machine_busy_s(), time.monotonic()
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=0.5)
+            for pid, (group, cpu) in self.sample().items():
+                last[pid] = (group, cpu)
+                first.setdefault(pid, (group, 0.0))
+        elapsed = time.monotonic() - t0
+        used = dict.fromkeys(("server", "loadgen", "postgres", "redis"), 0.0)
+        for pid, (group, cpu) in last.items():
+            used[group] += cpu - first[pid][1]
+        cores = {k: round(v / elapsed, 2) for k, v in used.items()}
+        cores["machine"] = round((machine_busy_s() - busy0) / elapsed, 2)
+        cores["other"] = round(max(0.0, cores["machine"] - sum(used.values()) / elapsed), 2)
+        return cores
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all cores spent not idle since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")

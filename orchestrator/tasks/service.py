@@ -335,10 +335,19 @@ def _pick_statement(postgres: bool, ip_known: bool) -> TextualSelect:
     return text(_PICK.format(ip_match=ip_match, lock=lock)).columns(**_PICK_COLUMNS)
 
 
+# The hot paths' writes are built once: SQLAlchemy then reuses their cache keys and compiled
+# SQL instead of constructing and hashing a new statement on every request.
+_ASSIGNMENTS, _REPLICAS, _TASKS = Assignment.__table__.c, TaskReplica.__table__.c, Task.__table__.c
+_INSERT_ASSIGNMENTS = insert(Assignment.__table__)  # type: ignore[arg-type]
 _LEASE_REPLICA = (
     update(TaskReplica.__table__)  # type: ignore[arg-type]
-    .where(TaskReplica.__table__.c.id == bindparam("b_id"))
+    .where(_REPLICAS.id == bindparam("b_id"))
     .values(status="leased", leases_issued=bindparam("b_token"), current_assignment_id=bindparam("b_asg"))
+)
+_TASKS_LEASED = (
+    update(Task.__table__)  # type: ignore[arg-type]
+    .where(_TASKS.id.in_(bindparam("b_ids", expanding=True)))
+    .values(available_replicas=_TASKS.available_replicas - 1, updated_at=bindparam("b_now"))
 )
 
 
@@ -429,14 +438,9 @@ async def claim(
                 ),
             )
         )
-    await conn.execute(insert(Assignment.__table__), assignments)  # type: ignore[arg-type]
+    await conn.execute(_INSERT_ASSIGNMENTS, assignments)
     await conn.execute(_LEASE_REPLICA, replica_updates)
-    tasks = Task.__table__.c
-    await conn.execute(
-        update(Task.__table__)  # type: ignore[arg-type]
-        .where(tasks.id.in_([a["task_id"] for a in assignments]))
-        .values(available_replicas=tasks.available_replicas - 1, updated_at=now)
-    )
+    await conn.execute(_TASKS_LEASED, {"b_ids": [a["task_id"] for a in assignments], "b_now": now})
     return ClaimOut(leases=leases)
 
 
@@ -657,6 +661,33 @@ def _result_context(postgres: bool) -> TextualSelect:
 
 
 _NODE_STATUS = text("SELECT status FROM nodes WHERE id = :node_id")
+_INSERT_SUBMISSION = insert(Submission.__table__).returning(Submission.__table__.c.id)  # type: ignore[arg-type]
+_ASSIGNMENT_SUBMITTED = (
+    update(Assignment.__table__)  # type: ignore[arg-type]
+    .where(_ASSIGNMENTS.id == bindparam("b_id"))
+    .values(status="submitted", ended_at=bindparam("b_now"))
+)
+_REPLICA_SUBMITTED = (
+    update(TaskReplica.__table__)  # type: ignore[arg-type]
+    .where(_REPLICAS.id == bindparam("b_id"))
+    .values(status="submitted")
+)
+_TASK_SUBMITTED = (
+    update(Task.__table__)  # type: ignore[arg-type]
+    .where(_TASKS.id == bindparam("b_id"))
+    .values(
+        submitted_replicas=_TASKS.submitted_replicas + 1,
+        updated_at=bindparam("b_now"),
+        # The right-hand sides see the row as it was: the last replica in closes the task.
+        status=case(
+            (
+                and_(_TASKS.status == "open", _TASKS.submitted_replicas + 1 >= _TASKS.replication),
+                "submitted",
+            ),
+            else_=_TASKS.status,
+        ),
+    )
+)
 
 
 async def _refuse_signer(conn: AsyncConnection, node_id: str) -> None:
@@ -734,7 +765,7 @@ async def submit_result(
     told = {"assignment_id": assignment_id, "task_id": ctx.task_id, "status": "pending", "received_at": now}
     submission_id = (
         await conn.execute(
-            insert(Submission.__table__).returning(Submission.__table__.c.id),  # type: ignore[arg-type]
+            _INSERT_SUBMISSION,
             {
                 "assignment_id": assignment_id,
                 "task_id": ctx.task_id,
@@ -763,36 +794,8 @@ async def submit_result(
     await verification.enqueue(
         conn, submission_id=submission_id, task_id=ctx.task_id, pool_id=ctx.pool_id, now=now
     )
-    assignments, replicas, tasks = (
-        Assignment.__table__.c,
-        TaskReplica.__table__.c,
-        Task.__table__.c,
-    )
-    await conn.execute(
-        update(Assignment.__table__)  # type: ignore[arg-type]
-        .where(assignments.id == assignment_id)
-        .values(status="submitted", ended_at=now)
-    )
-    await conn.execute(
-        update(TaskReplica.__table__)  # type: ignore[arg-type]
-        .where(replicas.id == ctx.replica_id)
-        .values(status="submitted")
-    )
-    await conn.execute(
-        update(Task.__table__)  # type: ignore[arg-type]
-        .where(tasks.id == ctx.task_id)
-        .values(
-            submitted_replicas=tasks.submitted_replicas + 1,
-            updated_at=now,
-            # The right-hand sides see the row as it was: the last replica in closes the task.
-            status=case(
-                (
-                    and_(tasks.status == "open", tasks.submitted_replicas + 1 >= tasks.replication),
-                    "submitted",
-                ),
-                else_=tasks.status,
-            ),
-        )
-    )
+    await conn.execute(_ASSIGNMENT_SUBMITTED, {"b_id": assignment_id, "b_now": now})
+    await conn.execute(_REPLICA_SUBMITTED, {"b_id": ctx.replica_id})
+    await conn.execute(_TASK_SUBMITTED, {"b_id": ctx.task_id, "b_now": now})
     out = ResultOut(submission_id=submission_id, **told)
     return SubmitResult(out, created=True)

@@ -68,13 +68,16 @@ class Decision:
 # ------------------------------------------------------------------ entry points
 
 
+_INSERT_JOB = insert(VerificationJob.__table__)  # type: ignore[arg-type]
+
+
 async def enqueue(
     conn: AsyncConnection, *, submission_id: int, task_id: int, pool_id: str, now: dt.datetime
 ) -> None:
     """Called in the result's transaction: the job exists if and only if the result does.
     One Core INSERT on the result's connection (the result path is hot and uses no ORM)."""
     await conn.execute(
-        insert(VerificationJob.__table__),  # type: ignore[arg-type]
+        _INSERT_JOB,
         {
             "submission_id": submission_id,
             "task_id": task_id,
