@@ -12,10 +12,13 @@ The hierarchy::
     ├── PayloadTooLarge (413)            payload_too_large
     ├── UnprocessableEntity (422)        validation_failed (body does not parse or validate)
     ├── RateLimited (429)                rate_limited (with Retry-After)
-    └── ServiceUnavailable (503)         not_ready
+    └── ServiceUnavailable (503)         not_ready, transient_conflict (with Retry-After)
 
 Framework errors (unknown route, wrong method, request validation) and unhandled
-exceptions are rendered in the same format; a 500 never carries a stack trace.
+exceptions are rendered in the same format; a 500 never carries a stack trace. A transaction
+the database aborted only to resolve contention (a deadlock, a serialization failure, SQLite's
+busy timeout) wrote nothing, so it is a 503 ``transient_conflict`` with ``Retry-After``: any
+request, even a non-idempotent one, can simply be sent again.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
@@ -216,8 +220,46 @@ async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+# PostgreSQL aborts a transaction with these only to resolve contention; nothing it did is kept.
+TRANSIENT_SQLSTATES = {
+    "40P01": "deadlock_detected",
+    "40001": "serialization_failure",
+    "55P03": "lock_not_available",
+}
+TRANSIENT_RETRY_AFTER_S = 1
+
+
+def transient_cause(exc: DBAPIError) -> str | None:
+    """Why the database aborted this transaction to resolve contention, or None if it did not."""
+    sqlstate = getattr(exc.orig, "sqlstate", None)
+    if sqlstate in TRANSIENT_SQLSTATES:
+        return TRANSIENT_SQLSTATES[sqlstate]
+    if "database is locked" in str(exc.orig):  # SQLite: the busy timeout ran out
+        return "database_locked"
+    return None
+
+
+async def _database_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, DBAPIError)
+    cause = transient_cause(exc)
+    if cause is None:
+        return await _unhandled(request, exc)
+    log.warning("transaction_aborted", path=request.url.path, cause=cause)
+    return problem_response(
+        status=503,
+        code="transient_conflict",
+        title="Service unavailable",
+        detail=f"The database aborted this request's transaction ({cause}) to resolve a conflict "
+        "with concurrent work; nothing was recorded. Send the same request again.",
+        request=request,
+        headers={"Retry-After": str(TRANSIENT_RETRY_AFTER_S)},
+        extra={"cause": cause},
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OrchestratorError, _orchestrator_error)
+    app.add_exception_handler(DBAPIError, _database_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _unhandled)
