@@ -84,21 +84,64 @@ async def test_a_ban_ejects_the_node_from_its_pools_releases_its_leases_and_unbo
             assert e["before"] == {"status": before}
             assert (e["after"]["status"], e["after"]["reason"]) == ("ejected", "node banned: sybil farm")
 
-        # Banning again changes nothing; an unban does not bring the memberships back.
+        # Banning again changes nothing.
         moved = await transfers(app_state)
         r = await s.admin.post(
             f"/v1/admin/nodes/{banned.node_id}/ban", json={"reason": "twice"}, headers=s.admin_headers
         )
         assert r.status_code == 200 and await transfers(app_state) == moved
         assert len(await audit(s, "membership.eject")) == 2
-        r = await s.admin.post(f"/v1/admin/nodes/{banned.node_id}/unban", headers=s.admin_headers)
-        assert r.status_code == 200 and r.json()["status"] == "waiting"
-        assert await statuses(s, s.pool_id) == {banned.node_id: "ejected", bystander.node_id: "active"}
-        assert await statuses(s, other["id"]) == {banned.node_id: "ejected"}
         refused = await banned.client.post(
             f"/v1/pools/{s.pool_id}/join", json={}, auth=banned.contributor.node_auth
         )
-        problem(refused, 403, "node_ejected")
+        problem(refused, 403, "node_banned")
+    await books_balance(app_state)
+
+
+async def test_an_unban_lifts_the_bans_ejections_and_no_others(app: Any, app_state: Any, client: Any) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=3000) as s:
+        node = s.workers[0]
+        # An operator ejected the node from one pool before the ban: that stays final.
+        earlier = await active_pool(s.admin, s.headers, economics={"min_stake_per_node": 500})
+        assert (await join(node.client, node.contributor, earlier["id"])).status_code in (200, 201)
+        r = await s.admin.post(
+            f"/v1/admin/pools/{earlier['id']}/members/{node.node_id}/eject",
+            json={"reason": "operator's call"},
+            headers=s.headers,
+        )
+        assert r.status_code == 200, r.text
+
+        r = await s.admin.post(
+            f"/v1/admin/nodes/{node.node_id}/ban", json={"reason": "mistaken"}, headers=s.admin_headers
+        )
+        assert r.status_code == 200, r.text
+        assert await statuses(s, s.pool_id) == {node.node_id: "ejected"}
+        moved = await transfers(app_state)
+
+        r = await s.admin.post(f"/v1/admin/nodes/{node.node_id}/unban", headers=s.admin_headers)
+        assert r.status_code == 200 and r.json()["status"] == "waiting"
+        assert await statuses(s, s.pool_id) == {node.node_id: "left"}
+        assert await statuses(s, earlier["id"]) == {node.node_id: "ejected"}
+        assert await transfers(app_state) == moved  # no money moves: the old stake keeps unbonding
+        [unban] = await audit(s, "node.unban")
+        assert unban["after"]["may_rejoin"] == [s.pool_id]
+        [reinstated] = await audit(s, "membership.reinstate")
+        assert (reinstated["pool_id"], reinstated["before"], reinstated["after"]["status"]) == (
+            s.pool_id,
+            {"status": "ejected"},
+            "left",
+        )
+        # A second unban finds nothing more to lift.
+        r = await s.admin.post(f"/v1/admin/nodes/{node.node_id}/unban", headers=s.admin_headers)
+        assert r.status_code == 200 and len(await audit(s, "membership.reinstate")) == 1
+
+        # Once healthy again, the node rejoins the pool its ban ejected it from, with new
+        # stake; the pool its operator ejected it from still refuses it.
+        assert (await node.beat()).status_code == 200
+        rejoined = await join(node.client, node.contributor, s.pool_id)
+        assert rejoined.status_code in (200, 201), rejoined.text
+        assert rejoined.json()["status"] == "active"
+        problem(await join(node.client, node.contributor, earlier["id"]), 403, "node_ejected")
     await books_balance(app_state)
 
 

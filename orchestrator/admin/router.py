@@ -67,10 +67,10 @@ async def ban_node(
 @router.post(
     "/nodes/{node_id}/unban",
     response_model=NodeDetailOut,
-    summary="Lift a ban; the node becomes healthy again on its next heartbeat (its ejections stay)",
+    summary="Lift a ban: healthy on its next heartbeat, free to rejoin the pools the ban ejected it from",
 )
 async def unban_node(node_id: KeyId, principal: AdminOnly, session: Session, state: State) -> NodeDetailOut:
-    node = await service.unban(session, node_id, principal=principal)
+    node = await service.unban(session, state, node_id, principal=principal)
     return await _detail(session, state, node_id, node)
 
 

@@ -1,6 +1,7 @@
 """Admin rules for nodes: bans and unbans, recorded in the status history and the audit log.
 
-A ban also ejects the node from its pools (``pools.service.eject_node``)."""
+A ban also ejects the node from its pools (``pools.service.eject_node``); an unban lifts those
+ejections, and only those (``pools.service.lift_ban_ejections``)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ async def ban(
     session: AsyncSession, state: AppState, node_id: str, reason: str, *, principal: Principal
 ) -> Node:
     """Ban the node and eject it from every pool it is a live member of, as an operator
-    ejection would (its leases released, its stake unbonding), all in this transaction; an
-    unban does not undo the ejections. Idempotent: banning a banned node changes nothing."""
+    ejection would (its leases released, its stake unbonding), all in this transaction.
+    Idempotent: banning a banned node changes nothing."""
     node = await node_or_404(session, node_id, for_update=True)
     before = {"status": node.status}
     not_banned = [s for s in NODE_STATUSES if s != NodeStatus.banned]
@@ -43,7 +44,11 @@ async def ban(
         node.ban_reason = reason
         await session.flush()
         ejected = await pools_service.eject_node(
-            session, principal, node_id, f"node banned: {reason}", now=state.clock.utcnow()
+            session,
+            principal,
+            node_id,
+            f"{pools_service.BAN_EJECTION_PREFIX}{reason}",
+            now=state.clock.utcnow(),
         )
         await record(
             session,
@@ -59,7 +64,9 @@ async def ban(
     return node
 
 
-async def unban(session: AsyncSession, node_id: str, *, principal: Principal) -> Node:
+async def unban(session: AsyncSession, state: AppState, node_id: str, *, principal: Principal) -> Node:
+    """The node waits for a heartbeat again, and may rejoin the pools its ban ejected it from
+    (their stake stays unbonding; a rejoin bonds anew). Idempotent."""
     node = await node_or_404(session, node_id, for_update=True)
     before = {"status": node.status, "reason": node.ban_reason}
     moved = await repo.transition(
@@ -73,6 +80,9 @@ async def unban(session: AsyncSession, node_id: str, *, principal: Principal) ->
     if moved:
         node.ban_reason = None
         await session.flush()
+        rejoinable = await pools_service.lift_ban_ejections(
+            session, principal, node_id, now=state.clock.utcnow()
+        )
         await record(
             session,
             principal,
@@ -80,7 +90,7 @@ async def unban(session: AsyncSession, node_id: str, *, principal: Principal) ->
             target_type="node",
             target_id=node_id,
             before=before,
-            after={"status": NodeStatus.waiting.value},
+            after={"status": NodeStatus.waiting.value, "may_rejoin": rejoinable},
         )
     await session.refresh(node)
     return node

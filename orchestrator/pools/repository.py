@@ -111,6 +111,23 @@ async def live_pool_ids_of_node(session: AsyncSession, node_id: str) -> list[str
     return list(rows.scalars())
 
 
+async def ejections_for_update(
+    session: AsyncSession, node_id: str, *, reason_prefix: str
+) -> list[PoolMembership]:
+    """``node_id``'s ejected memberships whose reason starts with ``reason_prefix``, locked."""
+    stmt = (
+        select(PoolMembership)
+        .where(
+            PoolMembership.node_id == node_id,
+            PoolMembership.status == "ejected",
+            PoolMembership.reason.startswith(reason_prefix, autoescape=True),
+        )
+        .order_by(PoolMembership.id)
+        .with_for_update()
+    )
+    return list((await session.execute(stmt)).scalars())
+
+
 async def memberships_for_update(
     session: AsyncSession, node_id: str, pool_ids: Sequence[str]
 ) -> dict[str, PoolMembership]:

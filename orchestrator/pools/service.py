@@ -754,6 +754,28 @@ async def _eject(
     await _audit_member(session, principal, "membership.eject", m, before, reason)
 
 
+# The reason a ban's ejections carry; an unban lifts exactly these (``lift_ban_ejections``).
+BAN_EJECTION_PREFIX = "node banned: "
+
+
+async def lift_ban_ejections(
+    session: AsyncSession, principal: Principal, node_id: str, *, now: dt.datetime
+) -> list[str]:
+    """After an unban: the memberships the ban ejected become ``left``, so the node may join
+    those pools again (a new episode, with new stake). Ejections by an operator or by the
+    verifier stay final. Audited as ``membership.reinstate``. Returns the pools, by id."""
+    lifted = await repo.ejections_for_update(session, node_id, reason_prefix=BAN_EJECTION_PREFIX)
+    for m in lifted:
+        m.status = MembershipStatus.left.value
+        m.reason = "ban lifted"
+        m.updated_at = now
+        await _audit_member(
+            session, principal, "membership.reinstate", m, MembershipStatus.ejected.value, m.reason
+        )
+    await session.flush()
+    return sorted(m.pool_id for m in lifted)
+
+
 async def eject_node(
     session: AsyncSession, principal: Principal, node_id: str, reason: str, *, now: dt.datetime
 ) -> list[str]:
