@@ -16,6 +16,7 @@ from orchestrator.core.clock import Clock
 from orchestrator.core.errors import install_error_handlers
 from orchestrator.core.health import router as health_router
 from orchestrator.core.hotstore import HotStore
+from orchestrator.core.instance_lock import InstanceLock
 from orchestrator.core.logging import configure_logging
 from orchestrator.core.middleware import BodyLimitMiddleware, RequestContextMiddleware
 from orchestrator.core.state import open_state
@@ -64,6 +65,16 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = open_state(settings, clock=clock, hot_store=hot_store)
         engine, store = state.engine, state.hot_store
+        # An in-process store of our own serves this process only: no other process may serve
+        # this database with one meanwhile (an injected store is the caller's business).
+        lock = InstanceLock()
+        if hot_store is None and not store.shared_across_processes:
+            try:
+                await lock.acquire(engine)
+            except BaseException:
+                await store.aclose()
+                await engine.dispose()
+                raise
         app.state.orch = state
         stop = asyncio.Event()
         tasks = background.start(state, stop) if settings.server.background_loops else []
@@ -83,6 +94,7 @@ def create_app(
                     await task
             if hot_store is None:
                 await store.aclose()
+            await lock.release()
             await engine.dispose()
 
     app = FastAPI(
