@@ -6,9 +6,10 @@ import asyncio
 
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
-from sqlalchemy import text
+from sqlalchemy import Integer, text
 
 from orchestrator.core import metrics
+from orchestrator.core.db import UTCDateTime
 from orchestrator.core.state import State
 from orchestrator.identity import repository as identity_repo
 from orchestrator.identity.models import NODE_STATUSES
@@ -53,11 +54,33 @@ async def readyz(state: State) -> JSONResponse:
     return JSONResponse(body)
 
 
+# The work queue at scrape time. Each count's condition is a partial index's predicate, so it
+# visits only the rows it counts (ix_tasks_claimable, ix_assignments_active_expiry,
+# ix_verification_jobs_pending, ix_verification_jobs_waiting), however long the history grows.
+_QUEUE = text(
+    """
+    SELECT (SELECT count(*) FROM tasks WHERE status = 'open' AND available_replicas > 0) AS claimable,
+           (SELECT count(*) FROM assignments WHERE status = 'active') AS leases,
+           (SELECT created_at FROM verification_jobs WHERE stage = 'checks' ORDER BY id LIMIT 1) AS oldest
+    """
+).columns(claimable=Integer(), leases=Integer(), oldest=UTCDateTime())
+_WAITING_JOBS = text("SELECT stage, count(*) FROM verification_jobs WHERE stage <> 'done' GROUP BY stage")
+WAITING_STAGES = ("checks", "quorum", "validator")
+
+
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
 async def prometheus_metrics(state: State) -> Response:
     async with state.sessionmaker() as session:
         counts = await identity_repo.count_by_status(session)
+        claimable, leases, oldest = (await session.execute(_QUEUE)).one()
+        waiting = {str(stage): int(n) for stage, n in (await session.execute(_WAITING_JOBS)).all()}
     for status in NODE_STATUSES:
         metrics.NODES.labels(status).set(counts.get(status, 0))
+    metrics.TASKS_CLAIMABLE.set(claimable)
+    metrics.LEASES_ACTIVE.set(leases)
+    for stage in WAITING_STAGES:
+        metrics.VERIFICATION_JOBS.labels(stage).set(waiting.get(stage, 0))
+    lag = (state.clock.utcnow() - oldest).total_seconds() if oldest is not None else 0.0
+    metrics.VERIFICATION_LAG.set(max(0.0, lag))
     payload, content_type = metrics.render()
     return Response(payload, media_type=content_type)

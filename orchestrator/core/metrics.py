@@ -32,6 +32,36 @@ NODES = Gauge(
     ["status"],
     multiprocess_mode="mostrecent",
 )
+CLAIMS = Counter(
+    "orchestrator_claims_total",
+    "Claim requests answered, by outcome: leased, or the no-work reason (no_tasks, lease_cap_reached ...)",
+    ["outcome"],
+)
+LEASES_GRANTED = Counter("orchestrator_leases_granted_total", "Leases handed out by claims")
+RESULTS = Counter(
+    "orchestrator_results_total",
+    "Signed results answered with success, by outcome: accepted (recorded) or replayed (the same body again)",
+    ["outcome"],
+)
+# The work queue, read from the database at scrape time through partial indexes (each read
+# visits only the rows it counts: the open queue, the live leases, the unfinished jobs).
+TASKS_CLAIMABLE = Gauge(
+    "orchestrator_tasks_claimable",
+    "Open tasks with a replica waiting to be leased",
+    multiprocess_mode="mostrecent",
+)
+LEASES_ACTIVE = Gauge("orchestrator_leases_active", "Live leases", multiprocess_mode="mostrecent")
+VERIFICATION_JOBS = Gauge(
+    "orchestrator_verification_jobs",
+    "Results not yet decided, by stage: checks (the verifier's backlog), quorum, validator",
+    ["stage"],
+    multiprocess_mode="mostrecent",
+)
+VERIFICATION_LAG = Gauge(
+    "orchestrator_verification_oldest_waiting_seconds",
+    "Age of the oldest result waiting for the verifier's checks (0 when none waits)",
+    multiprocess_mode="mostrecent",
+)
 
 
 def render() -> tuple[bytes, str]:

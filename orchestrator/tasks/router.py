@@ -27,6 +27,7 @@ from api_schemas.tasks import (
 )
 from orchestrator.admin.tokens import Principal, Role, require_roles
 from orchestrator.audit.service import record
+from orchestrator.core import metrics
 from orchestrator.core.errors import NotFound
 from orchestrator.core.state import Session, State
 from orchestrator.identity.auth import CurrentNode, Signed
@@ -104,6 +105,8 @@ async def claim(
     out = await service.claim(session, signed.keyid, body.pool_id, body.max_tasks, now=state.clock.utcnow())
     if out.retry_after_s is not None:
         response.headers["Retry-After"] = str(out.retry_after_s)
+    metrics.CLAIMS.labels(out.reason or "leased").inc()
+    metrics.LEASES_GRANTED.inc(len(out.leases))
     return out
 
 
@@ -126,6 +129,7 @@ async def submit_result(
     result = await service.submit_result(session, signed, assignment_id, body, now=state.clock.utcnow())
     if not result.created:
         response.status_code = 200
+    metrics.RESULTS.labels("accepted" if result.created else "replayed").inc()
     return result.out
 
 

@@ -43,6 +43,13 @@ class VerificationJob(Base):
             postgresql_where=text("stage = 'checks'"),
             sqlite_where=text("stage = 'checks'"),
         ),
+        # Unfinished jobs by stage (the /metrics gauges); jobs leave it when they are done.
+        Index(
+            "ix_verification_jobs_waiting",
+            "stage",
+            postgresql_where=text("stage <> 'done'"),
+            sqlite_where=text("stage <> 'done'"),
+        ),
         Index("ix_verification_jobs_task_id", "task_id"),
     )
 

@@ -1,0 +1,101 @@
+"""``/metrics`` shows the work queue an operator watches: claimable tasks, live leases, the
+verifier's backlog by stage and how long its oldest result has waited, and what claims and
+results answered."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from orchestrator.core.clock import FakeClock
+from tests.tasks_helpers import pool_setup, task
+from tests.verification_helpers import submit, verify_all
+
+
+async def scrape(client: httpx.AsyncClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    r = await client.get("/metrics")
+    assert r.status_code == 200
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+    }
+
+
+def value(m: dict[Any, float], name: str, **labels: str) -> float:
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+async def test_the_queue_and_the_verifiers_backlog_are_on_metrics(
+    app: Any, app_state: Any, client: httpx.AsyncClient, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=2) as s:
+        w = s.workers[0]
+        await s.enqueue([task(f"What is {i}+{i}?") for i in range(3)])
+        before = await scrape(client)
+        assert value(before, "orchestrator_tasks_claimable") == 3
+        assert value(before, "orchestrator_leases_active") == 0
+        assert value(before, "orchestrator_verification_jobs", stage="checks") == 0
+        assert value(before, "orchestrator_verification_oldest_waiting_seconds") == 0
+
+        leases = (await w.claim(s.pool_id, max_tasks=2)).json()["leases"]
+        assert len(leases) == 2
+        capped = (await w.claim(s.pool_id)).json()
+        assert capped["reason"] == "lease_cap_reached"
+        m = await scrape(client)
+        assert value(m, "orchestrator_tasks_claimable") == 1
+        assert value(m, "orchestrator_leases_active") == 2
+        assert (
+            value(m, "orchestrator_claims_total", outcome="leased")
+            - value(before, "orchestrator_claims_total", outcome="leased")
+            == 1
+        )
+        assert (
+            value(m, "orchestrator_claims_total", outcome="lease_cap_reached")
+            - value(before, "orchestrator_claims_total", outcome="lease_cap_reached")
+            == 1
+        )
+        assert (
+            value(m, "orchestrator_leases_granted_total") - value(before, "orchestrator_leases_granted_total")
+            == 2
+        )
+
+        # Two results reach the verifier's queue, and wait there 42 s.
+        for lease in leases:
+            await submit(w, lease, ["wrong"])
+        clock.advance(42)
+        m = await scrape(client)
+        assert value(m, "orchestrator_leases_active") == 0
+        assert value(m, "orchestrator_verification_jobs", stage="checks") == 2
+        assert value(m, "orchestrator_verification_oldest_waiting_seconds") == 42
+        assert (
+            value(m, "orchestrator_results_total", outcome="accepted")
+            - value(before, "orchestrator_results_total", outcome="accepted")
+            == 2
+        )
+
+        # The verifier decides them: the backlog and its age go back to zero.
+        await verify_all(app_state)
+        m = await scrape(client)
+        assert value(m, "orchestrator_verification_jobs", stage="checks") == 0
+        assert value(m, "orchestrator_verification_oldest_waiting_seconds") == 0
+
+
+async def test_a_replayed_result_counts_as_replayed(
+    app: Any, app_state: Any, client: httpx.AsyncClient
+) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        await s.enqueue([task()])
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        before = await scrape(client)
+        assert (await w.submit(lease)).status_code == 201
+        assert (await w.submit(lease)).status_code == 200  # the same body again
+        m = await scrape(client)
+        for outcome in ("accepted", "replayed"):
+            grew = value(m, "orchestrator_results_total", outcome=outcome) - value(
+                before, "orchestrator_results_total", outcome=outcome
+            )
+            assert grew == 1, outcome
