@@ -297,6 +297,37 @@ async def test_an_audited_result_gets_a_second_replica(app: Any, app_state: Any)
         assert [v["category"] for v in vs] == ["valid", "valid"]
 
 
+@pytest.mark.parametrize("other", ["same_provider", "same_address", "unhealthy"])
+async def test_an_audit_nobody_could_repeat_is_skipped_not_left_waiting(
+    app: Any, app_state: Any, other: str
+) -> None:
+    """An audit replica needs a healthy member of another provider at another address. Where
+    the pool has none, it would wait forever, and the result with it (and the node's trust, so
+    every later result too): the result is decided on its checks, and the verdict says so."""
+    app_state.rng = FixedDraw(0.0)  # every result is drawn for an audit
+    async with pool_setup(app, app_state, workers=1) as s:
+        first = s.workers[0]
+        if other == "same_provider":
+            sibling = await s.add_worker(provider_key=first.contributor.provider_key)
+        elif other == "same_address":
+            first_ip = (await s.admin.get(f"/v1/admin/nodes/{first.node_id}", headers=s.admin_headers)).json()
+            sibling = await s.add_worker(ip=first_ip["ip_address"])
+        else:
+            sibling = await s.add_worker(beat=False)  # joined, but not healthy
+        await s.enqueue(
+            [{"prompt": "Name the capital of France.", "sampling": {"max_tokens": 64}}], key="audit"
+        )
+        lease = (await first.claim(s.pool_id)).json()["leases"][0]
+        await submit(first, lease, ["Paris"])
+        await verify_all(app_state)
+        [verdict] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (verdict["outcome"], verdict["category"]) == ("accepted", "valid")
+        assert "audit_skipped" in verdict["details"]
+        # No replica was added for anyone to claim.
+        r = (await sibling.claim(s.pool_id)).json()
+        assert r["leases"] == [] and r["reason"] in ("no_tasks", "node_unhealthy")
+
+
 async def test_checkable_answers_are_judged_one_by_one_without_audit_replicas(
     app: Any, app_state: Any
 ) -> None:

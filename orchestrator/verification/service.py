@@ -37,7 +37,7 @@ from typing import Any
 
 import anyio
 import structlog
-from sqlalchemy import func, insert, select
+from sqlalchemy import func, insert, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
@@ -45,7 +45,7 @@ from orchestrator.core.sql import is_postgres
 from orchestrator.ledger import service as ledger
 from orchestrator.ledger.service import ProviderAccount, SystemAccount, provider_account, system_account
 from orchestrator.pools.models import Pool, PoolMembership
-from orchestrator.tasks.models import Submission, Task, TaskReplica
+from orchestrator.tasks.models import Assignment, Submission, Task, TaskReplica
 from orchestrator.tasks.seeds import derive_seed
 from orchestrator.verification import checks, rewards
 from orchestrator.verification.models import NodeTrust, RewardHold, ValidationJob, Verdict, VerificationJob
@@ -353,11 +353,41 @@ async def _run_checks(
             )
             await session.flush()
             return
-        job.stage = "quorum"
-        task.min_quorum = max(task.min_quorum, 2)
-        await _add_replica(session, task, secret=secret, now=now)
-        return
+        if await _can_repeat(session, pool.id, submission):
+            job.stage = "quorum"
+            task.min_quorum = max(task.min_quorum, 2)
+            await _add_replica(session, task, secret=secret, now=now)
+            return
+        # Nobody could take the replica (the placement rule wants another provider and address),
+        # so it would wait forever, and this result with it. Decided on its checks instead.
+        job.audited = False
+        details["audit_skipped"] = "no healthy member of another provider and address can repeat it"
     await decide(session, job, submission, by_reward(checkable, correct, details, "reward"), now=now)
+
+
+# An active, healthy member of the pool that may take a second replica of a task whose only
+# replica is this submission's: another provider, and another address (a node with no recorded
+# address counts as sharing the unknown one, as in the claim's placement rule).
+_INDEPENDENT_MEMBER = """
+    SELECT 1 FROM pool_memberships m JOIN nodes n ON n.id = m.node_id
+     WHERE m.pool_id = :pool_id AND m.status = 'active' AND n.status = 'healthy'
+       AND m.provider_id <> :provider_id AND {ip_differs}
+     LIMIT 1
+"""
+_INDEPENDENT_KNOWN_IP = text(
+    _INDEPENDENT_MEMBER.format(ip_differs="(n.ip_address IS NULL OR n.ip_address <> :ip_address)")
+)
+_INDEPENDENT_UNKNOWN_IP = text(_INDEPENDENT_MEMBER.format(ip_differs="n.ip_address IS NOT NULL"))
+
+
+async def _can_repeat(session: AsyncSession, pool_id: str, submission: Submission) -> bool:
+    """Whether an audit replica of this submission's task could be placed now."""
+    ip = await session.scalar(select(Assignment.ip_address).where(Assignment.id == submission.assignment_id))
+    params = {"pool_id": pool_id, "provider_id": submission.provider_id}
+    stmt = _INDEPENDENT_UNKNOWN_IP if ip is None else _INDEPENDENT_KNOWN_IP
+    if ip is not None:
+        params["ip_address"] = ip
+    return (await session.execute(stmt, params)).first() is not None
 
 
 def audit_probability(consecutive_valid: int, floor: float) -> float:
