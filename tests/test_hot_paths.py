@@ -62,8 +62,21 @@ async def test_a_result_runs_one_read_and_five_writes(app: Any, app_state: Any) 
         async with sql_log(app_state) as statements:
             r = await w.submit(lease)
         assert r.status_code == 201, r.text
-        assert len(statements) == 6, statements
-        assert len(writes(statements)) == 5
+        if app_state.engine.dialect.name == "postgresql":
+            # The five writes are one statement of data-modifying CTEs: one round trip.
+            assert len(statements) == 2, statements
+            [fused] = [st for st in statements if st.lstrip().startswith("WITH")]
+            for write in (
+                "INSERT INTO submissions",
+                "INSERT INTO verification_jobs",
+                "UPDATE assignments SET status=",
+                "UPDATE task_replicas SET status=",
+                "UPDATE tasks SET status=",
+            ):
+                assert write in fused, write
+        else:
+            assert len(statements) == 6, statements
+            assert len(writes(statements)) == 5
         # The replay is one read and writes nothing.
         async with sql_log(app_state) as replay:
             again = await w.submit(lease)

@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 from sqlalchemy import (
     JSON,
+    Select,
     TextualSelect,
     and_,
     bindparam,
@@ -661,20 +662,52 @@ def _result_context(postgres: bool) -> TextualSelect:
 
 
 _NODE_STATUS = text("SELECT status FROM nodes WHERE id = :node_id")
-_INSERT_SUBMISSION = insert(Submission.__table__).returning(Submission.__table__.c.id)  # type: ignore[arg-type]
+# A result's writes: the submission (with the exact signed bytes), its verification job, and the
+# lease, the replica and the task marked submitted. Their bind names are distinct, and none is
+# a column's name (SQLAlchemy would add a parameter named like a column to an UPDATE's SET), so
+# one parameter dict serves all of them: on PostgreSQL they run as one statement (data-modifying
+# CTEs, one round trip); on SQLite one after another.
+_SUBMISSION_COLUMNS = (
+    "assignment_id",
+    "task_id",
+    "replica_id",
+    "pool_id",
+    "node_id",
+    "provider_id",
+    "policy_step",
+    "policy_current_step",
+    "seed_echoed",
+    "claimed_reward",
+    "sample_count",
+    "status",
+    "body_sha256",
+    "body",
+    "method",
+    "target_uri",
+    "signature_input",
+    "signature",
+    "content_digest",
+    "response",
+    "received_at",
+)
+_INSERT_SUBMISSION = (
+    insert(Submission.__table__)  # type: ignore[arg-type]
+    .values({name: bindparam(f"s_{name}") for name in _SUBMISSION_COLUMNS})
+    .returning(Submission.__table__.c.id)
+)
 _ASSIGNMENT_SUBMITTED = (
     update(Assignment.__table__)  # type: ignore[arg-type]
-    .where(_ASSIGNMENTS.id == bindparam("b_id"))
+    .where(_ASSIGNMENTS.id == bindparam("b_lease"))
     .values(status="submitted", ended_at=bindparam("b_now"))
 )
 _REPLICA_SUBMITTED = (
     update(TaskReplica.__table__)  # type: ignore[arg-type]
-    .where(_REPLICAS.id == bindparam("b_id"))
+    .where(_REPLICAS.id == bindparam("b_replica"))
     .values(status="submitted")
 )
 _TASK_SUBMITTED = (
     update(Task.__table__)  # type: ignore[arg-type]
-    .where(_TASKS.id == bindparam("b_id"))
+    .where(_TASKS.id == bindparam("b_task"))
     .values(
         submitted_replicas=_TASKS.submitted_replicas + 1,
         updated_at=bindparam("b_now"),
@@ -688,6 +721,18 @@ _TASK_SUBMITTED = (
         ),
     )
 )
+_SUBMITTED_ROWS = (_ASSIGNMENT_SUBMITTED, _REPLICA_SUBMITTED, _TASK_SUBMITTED)
+
+
+def _record_result_statement() -> Select[tuple[int]]:
+    submission = _INSERT_SUBMISSION.cte("submission")
+    job = verification.job_for(submission.c.id).cte("job")
+    return select(submission.c.id).add_cte(
+        job, *(stmt.cte(f"w{i}") for i, stmt in enumerate(_SUBMITTED_ROWS))
+    )
+
+
+_RECORD_RESULT = _record_result_statement()
 
 
 async def _refuse_signer(conn: AsyncConnection, node_id: str) -> None:
@@ -708,7 +753,8 @@ async def submit_result(
     now: dt.datetime,
 ) -> SubmitResult:
     """Record a signed result: one locked read, then five writes (the submission with its
-    evidence, its verification job, the lease, the replica and the task)."""
+    evidence, its verification job, the lease, the replica and the task), which PostgreSQL runs
+    as one statement."""
     conn = await session.connection()
     node_id = signed.keyid
     row = (
@@ -763,39 +809,42 @@ async def submit_result(
         )
     # What the node is told; kept for replays (the submission id is the row's own id).
     told = {"assignment_id": assignment_id, "task_id": ctx.task_id, "status": "pending", "received_at": now}
-    submission_id = (
-        await conn.execute(
-            _INSERT_SUBMISSION,
-            {
-                "assignment_id": assignment_id,
-                "task_id": ctx.task_id,
-                "replica_id": ctx.replica_id,
-                "pool_id": ctx.pool_id,
-                "node_id": node_id,
-                "provider_id": ctx.signer_provider_id,
-                "policy_step": body.policy_step,
-                "policy_current_step": current,
-                "seed_echoed": body.seed,
-                "claimed_reward": body.claimed_reward,
-                "sample_count": len(body.samples),
-                "status": "pending",
-                "body_sha256": digest,
-                "body": signed.body,
-                "method": signed.method,
-                "target_uri": signed.target_uri,
-                "signature_input": signed.signature_input,
-                "signature": signed.signature,
-                "content_digest": signed.content_digest,
-                "response": {**told, "received_at": now.isoformat()},
-                "received_at": now,
-            },
+    params: dict[str, Any] = {
+        f"s_{name}": value
+        for name, value in (
+            ("assignment_id", assignment_id),
+            ("task_id", ctx.task_id),
+            ("replica_id", ctx.replica_id),
+            ("pool_id", ctx.pool_id),
+            ("node_id", node_id),
+            ("provider_id", ctx.signer_provider_id),
+            ("policy_step", body.policy_step),
+            ("policy_current_step", current),
+            ("seed_echoed", body.seed),
+            ("claimed_reward", body.claimed_reward),
+            ("sample_count", len(body.samples)),
+            ("status", "pending"),
+            ("body_sha256", digest),
+            ("body", signed.body),
+            ("method", signed.method),
+            ("target_uri", signed.target_uri),
+            ("signature_input", signed.signature_input),
+            ("signature", signed.signature),
+            ("content_digest", signed.content_digest),
+            ("response", {**told, "received_at": now.isoformat()}),
+            ("received_at", now),
         )
-    ).scalar_one()
-    await verification.enqueue(
-        conn, submission_id=submission_id, task_id=ctx.task_id, pool_id=ctx.pool_id, now=now
-    )
-    await conn.execute(_ASSIGNMENT_SUBMITTED, {"b_id": assignment_id, "b_now": now})
-    await conn.execute(_REPLICA_SUBMITTED, {"b_id": ctx.replica_id})
-    await conn.execute(_TASK_SUBMITTED, {"b_id": ctx.task_id, "b_now": now})
+    }
+    params |= {"b_lease": assignment_id, "b_replica": ctx.replica_id, "b_task": ctx.task_id}
+    params |= {"b_pool": ctx.pool_id, "b_now": now}
+    if is_postgres(session):
+        submission_id = (await conn.execute(_RECORD_RESULT, params)).scalar_one()
+    else:
+        submission_id = (await conn.execute(_INSERT_SUBMISSION, params)).scalar_one()
+        await verification.enqueue(
+            conn, submission_id=submission_id, task_id=ctx.task_id, pool_id=ctx.pool_id, now=now
+        )
+        for stmt in _SUBMITTED_ROWS:
+            await conn.execute(stmt, params)
     out = ResultOut(submission_id=submission_id, **told)
     return SubmitResult(out, created=True)

@@ -37,10 +37,23 @@ from typing import Any
 
 import anyio
 import structlog
-from sqlalchemy import func, insert, select, text
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    Insert,
+    String,
+    bindparam,
+    false,
+    func,
+    insert,
+    literal_column,
+    select,
+    text,
+)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
+from orchestrator.core.db import UTCDateTime
 from orchestrator.core.sql import is_postgres
 from orchestrator.ledger import service as ledger
 from orchestrator.ledger.service import ProviderAccount, SystemAccount, provider_account, system_account
@@ -69,6 +82,24 @@ class Decision:
 
 
 _INSERT_JOB = insert(VerificationJob.__table__)  # type: ignore[arg-type]
+
+
+def job_for(submission_id: ColumnElement[int]) -> Insert:
+    """The job of a submission whose id another part of the statement makes (the result path's
+    one-statement write on PostgreSQL); binds ``b_task``, ``b_pool`` and ``b_now``."""
+    now = bindparam("b_now", type_=UTCDateTime())
+    return _INSERT_JOB.from_select(
+        ["submission_id", "task_id", "pool_id", "stage", "audited", "created_at", "updated_at"],
+        select(
+            submission_id,
+            bindparam("b_task", type_=BigInteger()),
+            bindparam("b_pool", type_=String()),
+            literal_column("'checks'"),
+            false(),
+            now,
+            now,
+        ),
+    )
 
 
 async def enqueue(
