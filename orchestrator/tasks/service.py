@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Select,
     TextualSelect,
     and_,
@@ -350,6 +351,33 @@ _TASKS_LEASED = (
     .where(_TASKS.id.in_(bindparam("b_ids", expanding=True)))
     .values(available_replicas=_TASKS.available_replicas - 1, updated_at=bindparam("b_now"))
 )
+# The same three writes as one PostgreSQL statement (one round trip): the leases as arrays,
+# unnested once, then the INSERT and the two UPDATEs as data-modifying CTEs.
+_LEASE_ALL = text(
+    """
+    WITH v AS (
+      SELECT * FROM unnest(CAST(:b_ids AS varchar[]), CAST(:b_replicas AS bigint[]),
+                           CAST(:b_tasks AS bigint[]), CAST(:b_tokens AS integer[]))
+               AS v(id, replica_id, task_id, token)
+    ), leases AS (
+      INSERT INTO assignments (id, replica_id, task_id, pool_id, node_id, provider_id, ip_address,
+                               fencing_token, policy_step, status, lease_expires_at, created_at)
+      SELECT v.id, v.replica_id, v.task_id, :b_pool, :b_node, :b_provider, CAST(:b_ip AS varchar),
+             v.token, :b_step, 'active', :b_expires, :b_now
+        FROM v
+    ), replicas AS (
+      UPDATE task_replicas r
+         SET status = 'leased', leases_issued = v.token, current_assignment_id = v.id
+        FROM v WHERE r.id = v.replica_id
+    )
+    UPDATE tasks SET available_replicas = available_replicas - 1, updated_at = :b_now
+     WHERE id IN (SELECT task_id FROM v)
+    """
+).bindparams(
+    bindparam("b_step", type_=BigInteger()),
+    bindparam("b_expires", type_=UTCDateTime()),
+    bindparam("b_now", type_=UTCDateTime()),
+)
 
 
 async def claim(
@@ -439,9 +467,27 @@ async def claim(
                 ),
             )
         )
-    await conn.execute(_INSERT_ASSIGNMENTS, assignments)
-    await conn.execute(_LEASE_REPLICA, replica_updates)
-    await conn.execute(_TASKS_LEASED, {"b_ids": [a["task_id"] for a in assignments], "b_now": now})
+    if postgres:
+        await conn.execute(
+            _LEASE_ALL,
+            {
+                "b_ids": [a["id"] for a in assignments],
+                "b_replicas": [a["replica_id"] for a in assignments],
+                "b_tasks": [a["task_id"] for a in assignments],
+                "b_tokens": [a["fencing_token"] for a in assignments],
+                "b_pool": pool_id,
+                "b_node": signed_keyid,
+                "b_provider": ctx.node_provider_id,
+                "b_ip": ctx.node_ip,
+                "b_step": ctx.policy_step,
+                "b_expires": expires,
+                "b_now": now,
+            },
+        )
+    else:
+        await conn.execute(_INSERT_ASSIGNMENTS, assignments)
+        await conn.execute(_LEASE_REPLICA, replica_updates)
+        await conn.execute(_TASKS_LEASED, {"b_ids": [a["task_id"] for a in assignments], "b_now": now})
     return ClaimOut(leases=leases)
 
 
