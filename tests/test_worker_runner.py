@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -183,6 +184,21 @@ async def test_leases_the_server_drops_are_abandoned(app: Any, app_state: Any, g
         gate.set()
         stats = await run.finish()
         assert (stats.submitted, stats.released, stats.tasks_done) == (0, 0, 0)
+
+
+async def test_a_result_past_the_tasks_deadline_is_dropped_not_an_error(
+    app: Any, app_state: Any, gate: asyncio.Event
+) -> None:
+    async with pool_setup(app, app_state) as s:
+        deadline = app_state.clock.utcnow() + dt.timedelta(seconds=60)
+        await s.enqueue([{**t, "deadline_at": deadline.isoformat()} for t in arithmetic_tasks(1, seed=2)])
+        run = start(app, s.pool_id, backend="gated", concurrency=1)
+        await run.until(lambda st: st.in_flight == 1)
+        app_state.clock.advance(61)  # the lease still runs; the task's deadline has passed
+        gate.set()
+        await run.until(lambda st: st.dropped == 1 and st.in_flight == 0)
+        stats = await run.finish()
+        assert (stats.submitted, stats.errors) == (0, 0)
 
 
 async def test_no_work_waits_for_retry_after_and_stop_ends_the_wait(app: Any, app_state: Any) -> None:

@@ -1,4 +1,5 @@
-"""The lease reaper: expired leases are ended and their replicas reissued, once per tick."""
+"""The lease reaper, once per tick: expired leases are ended and their replicas reissued, and
+open tasks past their deadline fail."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import structlog
 
 from orchestrator.core.state import AppState
 from orchestrator.core.ticks import claim_tick
-from orchestrator.tasks.service import reap_expired
+from orchestrator.tasks.service import fail_past_deadline, reap_expired
 
 log = structlog.get_logger(__name__)
 
@@ -22,6 +23,7 @@ class ReapReport:
     ran: bool
     expired: int = 0
     failed_tasks: int = 0
+    past_deadline: int = 0
 
 
 async def reap_once(state: AppState) -> ReapReport:
@@ -31,6 +33,7 @@ async def reap_once(state: AppState) -> ReapReport:
         if not await claim_tick(session, LEASE_REAPER, tick, state.instance_id):
             return ReapReport(tick=tick, ran=False)
         expired, failed = await reap_expired(session, now=state.clock.utcnow())
+        past_deadline = await fail_past_deadline(session, now=state.clock.utcnow())
     if expired:
         log.info("leases_expired", count=expired, failed_tasks=failed)
-    return ReapReport(tick=tick, ran=True, expired=expired, failed_tasks=failed)
+    return ReapReport(tick=tick, ran=True, expired=expired, failed_tasks=failed, past_deadline=past_deadline)

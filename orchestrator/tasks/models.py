@@ -89,6 +89,13 @@ class Task(Base):
         ),
         Index("ix_tasks_pool_id_id", "pool_id", "id"),
         Index("ix_tasks_batch_id", "batch_id"),
+        # The reaper's read of open tasks past their deadline.
+        Index(
+            "ix_tasks_open_deadline",
+            "deadline_at",
+            postgresql_where=text("status = 'open' AND deadline_at IS NOT NULL"),
+            sqlite_where=text("status = 'open' AND deadline_at IS NOT NULL"),
+        ),
     )
 
     id: Mapped[int] = mapped_column(ID, primary_key=True, autoincrement=True)

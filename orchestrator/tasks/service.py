@@ -301,13 +301,15 @@ _CLAIM_CONTEXT = text(
 )
 
 
-# The pick: open tasks of the pool this node may take (no replica of the task with this node
-# ever, none live or submitted with its provider or IP), best rank first, locked with SKIP
-# LOCKED on PostgreSQL, joined to each task's lowest available replica and its payload.
+# The pick: open tasks of the pool this node may take (not past their deadline; no replica of
+# the task with this node ever, none live or submitted with its provider or IP), best rank
+# first, locked with SKIP LOCKED on PostgreSQL, joined to each task's lowest available replica
+# and its payload.
 _PICK = """
     WITH picked AS (
       SELECT t.id FROM tasks t
        WHERE t.pool_id = :pool_id AND t.status = 'open' AND t.available_replicas > 0
+         AND (t.deadline_at IS NULL OR t.deadline_at > :now)
          AND NOT EXISTS (
            SELECT 1 FROM assignments a
             WHERE a.task_id = t.id
@@ -334,7 +336,11 @@ def _pick_statement(postgres: bool, ip_known: bool) -> TextualSelect:
     # A node with no recorded IP counts as sharing the "unknown" IP with every other such node.
     ip_match = "a.ip_address = :ip_address" if ip_known else "a.ip_address IS NULL"
     lock = "FOR UPDATE OF t SKIP LOCKED" if postgres else ""
-    return text(_PICK.format(ip_match=ip_match, lock=lock)).columns(**_PICK_COLUMNS)
+    return (
+        text(_PICK.format(ip_match=ip_match, lock=lock))
+        .bindparams(bindparam("now", type_=UTCDateTime()))
+        .columns(**_PICK_COLUMNS)
+    )
 
 
 # The hot paths' writes are built once: SQLAlchemy then reuses their cache keys and compiled
@@ -419,6 +425,7 @@ async def claim(
         "provider_id": ctx.node_provider_id,
         "ip_address": ctx.node_ip,
         "room": room,
+        "now": now,
     }
     if ctx.node_ip is None:
         del params["ip_address"]
@@ -654,6 +661,29 @@ async def reap_expired(session: AsyncSession, *, now: dt.datetime, limit: int = 
     return len(expired), len(failed_tasks)
 
 
+async def fail_past_deadline(session: AsyncSession, *, now: dt.datetime, limit: int = 1000) -> int:
+    """Open tasks whose deadline has passed fail (``deadline passed``), as after max attempts:
+    their live leases are cancelled (heartbeats tell the nodes to drop them) and results waiting
+    for their siblings are settled. Reads only open tasks with a deadline (partial index)."""
+    stmt = (
+        select(Task)
+        .where(Task.status == "open", Task.deadline_at.is_not(None), Task.deadline_at <= now)
+        .order_by(Task.deadline_at)
+        .limit(limit)
+    )
+    if is_postgres(session):
+        stmt = stmt.with_for_update(skip_locked=True)
+    due = list((await session.execute(stmt)).scalars())
+    for task in due:
+        assert task.deadline_at is not None
+        await cancel_task(session, task, f"deadline passed at {task.deadline_at.isoformat()}")
+        task.status = "failed"
+    await session.flush()
+    if due:
+        log.warning("tasks_past_deadline", count=len(due))
+    return len(due)
+
+
 # ------------------------------------------------------------------------ results
 
 
@@ -683,6 +713,7 @@ class ResultContext:
     previous_response: dict[str, Any] | None
     max_async_level: int
     current_step: int | None
+    deadline_at: dt.datetime | None
 
 
 _RESULT_CONTEXT = """
@@ -691,7 +722,8 @@ _RESULT_CONTEXT = """
            (SELECT n.provider_id FROM nodes n WHERE n.id = :node_id) AS signer_provider_id,
            (SELECT n.status FROM nodes n WHERE n.id = :node_id) AS signer_status,
            s.id, s.body_sha256, s.response, p.max_async_level,
-           (SELECT max(step) FROM policy_versions WHERE pool_id = a.pool_id) AS current_step
+           (SELECT max(step) FROM policy_versions WHERE pool_id = a.pool_id) AS current_step,
+           (SELECT t.deadline_at FROM tasks t WHERE t.id = a.task_id) AS deadline_at
       FROM assignments a
       JOIN task_replicas r ON r.id = a.replica_id
       JOIN pools p ON p.id = a.pool_id
@@ -704,7 +736,9 @@ _RESULT_CONTEXT = """
 @lru_cache(maxsize=2)
 def _result_context(postgres: bool) -> TextualSelect:
     lock = "FOR UPDATE OF a, r" if postgres else ""
-    return text(_RESULT_CONTEXT.format(lock=lock)).columns(lease_expires_at=UTCDateTime(), response=JSON())
+    return text(_RESULT_CONTEXT.format(lock=lock)).columns(
+        lease_expires_at=UTCDateTime(), response=JSON(), deadline_at=UTCDateTime()
+    )
 
 
 _NODE_STATUS = text("SELECT status FROM nodes WHERE id = :node_id")
@@ -830,6 +864,12 @@ async def submit_result(
         return SubmitResult(replay, created=False)
     if ctx.status == "cancelled":
         raise Conflict("the task was cancelled", code="task_cancelled")
+    if ctx.deadline_at is not None and ctx.deadline_at <= now:
+        raise Conflict(
+            "the task's deadline has passed; the result is not recorded",
+            code="deadline_passed",
+            extra={"deadline_at": ctx.deadline_at.isoformat()},
+        )
     if (
         ctx.status != "active"
         or ctx.lease_expires_at <= now

@@ -44,7 +44,7 @@ log = structlog.get_logger(__name__)
 FATAL_STATUSES = frozenset({401, 403, 404})
 RETRYABLE_CODES = frozenset({"nonce_replayed"})
 # A submission refused because the server already took the lease back.
-LEASE_GONE_CODES = frozenset({"lease_expired", "task_cancelled"})
+LEASE_GONE_CODES = frozenset({"lease_expired", "task_cancelled", "deadline_passed"})
 
 
 def local_specs() -> NodeSpecs:
@@ -124,7 +124,7 @@ class WorkerStats:
     rejected: int = 0
     #: Leases given back (backend failures, stop).
     released: int = 0
-    #: Leases the server took back (drop_leases, lease_expired, task_cancelled).
+    #: Leases the server took back (drop_leases, lease_expired, task_cancelled, deadline_passed).
     dropped: int = 0
     errors: int = 0
     #: The provider's rewards earned (pending + claimable + withdrawn), from its balance.

@@ -1,0 +1,65 @@
+"""A task's optional ``deadline_at``: past it the task is no longer leased, a result for it is
+refused (409 ``deadline_passed``), and the reaper fails it, cancelling its live leases."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from orchestrator.core.clock import FakeClock
+from orchestrator.tasks.jobs import reap_once
+from tests.conftest import problem
+from tests.tasks_helpers import pool_setup, task
+
+
+def at(clock: FakeClock, seconds: float) -> str:
+    return (clock.utcnow() + dt.timedelta(seconds=seconds)).isoformat()
+
+
+async def task_view(s: Any, task_id: int) -> dict[str, Any]:
+    r = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+async def test_a_task_past_its_deadline_is_not_leased(app: Any, app_state: Any, clock: FakeClock) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        # The urgent task ranks first, but its deadline will have passed.
+        await s.enqueue(
+            [task("urgent", priority=10, deadline_at=at(clock, 60)), task("whenever"), task("later")]
+        )
+        clock.advance(61)
+        w = s.workers[0]
+        leases = (await w.claim(s.pool_id, max_tasks=3)).json()["leases"]
+        assert sorted(x["task"]["prompt"] for x in leases) == ["later", "whenever"]
+
+
+async def test_a_result_after_the_deadline_is_refused_and_the_reaper_fails_the_task(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=2) as s:
+        deadline = clock.utcnow() + dt.timedelta(seconds=60)
+        await s.enqueue([task("timely", deadline_at=deadline.isoformat()), task("no deadline")])
+        first, second = s.workers
+        lease = (await first.claim(s.pool_id)).json()["leases"][0]
+        other = (await second.claim(s.pool_id)).json()["leases"][0]
+        assert (lease["task"]["prompt"], other["task"]["prompt"]) == ("timely", "no deadline")
+        clock.advance(61)  # within the leases' 600 s, past the task's deadline
+
+        r = await first.submit(lease)
+        problem(r, 409, "deadline_passed")
+        assert dt.datetime.fromisoformat(r.json()["deadline_at"]) == deadline
+
+        report = await reap_once(app_state)
+        assert report.ran and report.past_deadline == 1
+        view = await task_view(s, lease["task"]["task_id"])
+        assert view["status"] == "failed" and "deadline passed" in view["failure_reason"]
+        # The lease is cancelled: the next heartbeat tells the node to drop it.
+        beat = await first.beat([lease["assignment_id"]])
+        assert beat.status_code == 200 and beat.json()["drop_leases"] == [lease["assignment_id"]]
+        # The task without a deadline is untouched and its result is recorded.
+        assert (await second.submit(other)).status_code == 201
+        assert (await task_view(s, other["task"]["task_id"]))["status"] == "submitted"
+        # The reaper does it once.
+        clock.advance(10)
+        assert (await reap_once(app_state)).past_deadline == 0
