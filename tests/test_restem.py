@@ -13,6 +13,7 @@ from orchestrator.admin.tokens import Role, create_token
 from orchestrator.core.clock import FakeClock
 from orchestrator.restem import service as restem_service
 from orchestrator.restem.jobs import advance_once
+from orchestrator.tasks.jobs import reap_once
 from tests.conftest import problem
 from tests.tasks_helpers import PoolSetup, Worker, pool_setup
 from tests.verification_helpers import FixedDraw, submit, verify_all
@@ -217,6 +218,25 @@ async def test_an_iteration_expires_at_its_deadline_and_stops_its_tasks(
         lines = [json.loads(x) for x in (await dataset(s, it["id"])).splitlines()]
         assert [x["problem_id"] for x in lines] == ["p1", "p1"]  # nothing decided after the deadline
         assert (await create(s, name="it-2"))["status"] == "running"
+
+
+async def test_an_iteration_expires_even_when_the_lease_reaper_fails_its_tasks_first(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        deadline = clock.utcnow() + dt.timedelta(seconds=60)
+        it = await create(s, problems=("p1", "p2"), deadline_at=deadline.isoformat())
+        w = s.workers[0]
+        leases = await claim_all(w, s.pool_id, 1)  # p2 is never claimed
+        await submit(w, leases["p1"], ["4", "4", "4", "4"])
+        await verify_all(app_state)
+        clock.advance(61)
+        assert (await reap_once(app_state)).past_deadline == 1  # the reaper gets there first
+        r = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)
+        assert [t["status"] for t in r.json()["items"]] == ["completed", "failed"]
+        expired = await get(s, it["id"])
+        assert expired["status"] == "expired"
+        assert expired["finished_at"].replace("Z", "+00:00") == deadline.isoformat()
 
 
 async def test_the_barrier_loop_expires_iterations_without_a_read(

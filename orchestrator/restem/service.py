@@ -40,7 +40,7 @@ from typing import Any, cast
 import anyio
 import orjson
 import structlog
-from sqlalchemy import Row, func, insert, select
+from sqlalchemy import Row, and_, func, insert, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -239,12 +239,23 @@ async def advance(
 
 
 async def _settle(session: AsyncSession, iteration: RestemIteration, now: dt.datetime) -> bool:
+    # A task the lease reaper failed at its deadline (the iteration's) counts as unfinished: the
+    # iteration expired there, whichever loop noticed first.
     unfinished = int(
         await session.scalar(
             select(func.count())
             .select_from(RestemProblem)
             .join(Task, Task.id == RestemProblem.task_id)
-            .where(RestemProblem.iteration_id == iteration.id, Task.status.not_in(FINISHED_TASK))
+            .where(
+                RestemProblem.iteration_id == iteration.id,
+                or_(
+                    Task.status.not_in(FINISHED_TASK),
+                    and_(
+                        Task.status == "failed",
+                        Task.failure_reason.startswith(tasks_service.DEADLINE_PASSED, autoescape=True),
+                    ),
+                ),
+            )
         )
         or 0
     )

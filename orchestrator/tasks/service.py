@@ -661,6 +661,10 @@ async def reap_expired(session: AsyncSession, *, now: dt.datetime, limit: int = 
     return len(expired), len(failed_tasks)
 
 
+# The failure reason of a task failed at its deadline (ReST^EM tells such tasks apart by it).
+DEADLINE_PASSED = "deadline passed at "
+
+
 async def fail_past_deadline(session: AsyncSession, *, now: dt.datetime, limit: int = 1000) -> int:
     """Open tasks whose deadline has passed fail (``deadline passed``), as after max attempts:
     their live leases are cancelled (heartbeats tell the nodes to drop them) and results waiting
@@ -676,7 +680,7 @@ async def fail_past_deadline(session: AsyncSession, *, now: dt.datetime, limit: 
     due = list((await session.execute(stmt)).scalars())
     for task in due:
         assert task.deadline_at is not None
-        await cancel_task(session, task, f"deadline passed at {task.deadline_at.isoformat()}")
+        await cancel_task(session, task, f"{DEADLINE_PASSED}{task.deadline_at.isoformat()}")
         task.status = "failed"
     await session.flush()
     if due:
