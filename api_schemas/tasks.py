@@ -71,7 +71,11 @@ class TaskIn(StrictModel):
         default=False,
         description="A task with a known answer that workers cannot tell apart; a wrong answer is fraud",
     )
-    deadline_at: dt.datetime | None = None
+    deadline_at: dt.datetime | None = Field(
+        default=None,
+        description="After it the task is no longer leased, its results are refused "
+        "(409 deadline_passed) and the lease reaper fails it",
+    )
 
     @model_validator(mode="after")
     def _prompt_or_ref(self) -> TaskIn:
