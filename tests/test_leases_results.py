@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from orchestrator.core.clock import FakeClock
 from orchestrator.tasks.jobs import reap_once
-from orchestrator.tasks.models import Submission
+from orchestrator.tasks.models import Assignment, Submission, Task, TaskReplica
+from orchestrator.verification.models import VerificationJob
 from tests.conftest import problem
 from tests.tasks_helpers import pool_setup, result_body, task
 
@@ -225,3 +227,27 @@ async def test_leaving_a_pool_gives_its_leases_back_at_once(app: Any, app_state:
         again = (await other.claim(s.pool_id)).json()["leases"]
         assert [le["task"]["task_id"] for le in again] == [lease["task"]["task_id"]]
         problem(await quitter.submit(lease), 409, "lease_expired")
+
+
+async def test_concurrent_results_for_the_replicas_of_each_task_close_it_exactly_once(
+    app: Any, app_state: Any
+) -> None:
+    """Three nodes submit the three replicas of 20 tasks all at once: every write lands once, and
+    each task is closed by its last replica in (the submitted count read as the row is updated)."""
+    async with pool_setup(app, app_state, workers=3, replication_factor=3, max_leases_per_node=20) as s:
+        await s.enqueue([task(f"q{i}") for i in range(20)])
+        leases = {w.node_id: (await w.claim(s.pool_id, max_tasks=20)).json()["leases"] for w in s.workers}
+        assert all(len(mine) == 20 for mine in leases.values())
+        responses = await asyncio.gather(*(w.submit(lease) for w in s.workers for lease in leases[w.node_id]))
+        assert [r.status_code for r in responses] == [201] * 60
+        async with app_state.sessionmaker() as session:
+            tasks = list((await session.execute(select(Task))).scalars())
+            assert [(t.status, t.submitted_replicas) for t in tasks] == [("submitted", 3)] * 20
+            replicas = list((await session.execute(select(TaskReplica.status))).scalars())
+            assert replicas == ["submitted"] * 60
+            assert await session.scalar(select(func.count()).select_from(Submission)) == 60
+            assert await session.scalar(select(func.count()).select_from(VerificationJob)) == 60
+            live = await session.scalar(
+                select(func.count()).select_from(Assignment).where(Assignment.status != "submitted")
+            )
+            assert live == 0
