@@ -251,6 +251,13 @@ async def cancel_task(session: AsyncSession, task: Task, reason: str) -> Task:
     return task
 
 
+async def fail_task(session: AsyncSession, task: Task, reason: str) -> None:
+    """An open task that can no longer be done (max attempts, deadline) ends ``failed``: its
+    live leases are cancelled and waiting results settled, as for a cancellation."""
+    await cancel_task(session, task, reason)
+    task.status = "failed"
+
+
 # ------------------------------------------------------------------------ claims
 
 
@@ -653,8 +660,7 @@ async def reap_expired(session: AsyncSession, *, now: dt.datetime, limit: int = 
     for task_id, reason in failed_tasks.items():
         task = await session.get(Task, task_id, with_for_update=True)
         if task is not None and task.status == "open":
-            await cancel_task(session, task, reason)
-            task.status = "failed"
+            await fail_task(session, task, reason)
     await session.flush()
     if failed_tasks:
         log.warning("tasks_failed", count=len(failed_tasks))
@@ -680,8 +686,7 @@ async def fail_past_deadline(session: AsyncSession, *, now: dt.datetime, limit: 
     due = list((await session.execute(stmt)).scalars())
     for task in due:
         assert task.deadline_at is not None
-        await cancel_task(session, task, f"{DEADLINE_PASSED}{task.deadline_at.isoformat()}")
-        task.status = "failed"
+        await fail_task(session, task, f"{DEADLINE_PASSED}{task.deadline_at.isoformat()}")
     await session.flush()
     if due:
         log.warning("tasks_past_deadline", count=len(due))
@@ -751,29 +756,8 @@ _NODE_STATUS = text("SELECT status FROM nodes WHERE id = :node_id")
 # a column's name (SQLAlchemy would add a parameter named like a column to an UPDATE's SET), so
 # one parameter dict serves all of them: on PostgreSQL they run as one statement (data-modifying
 # CTEs, one round trip); on SQLite one after another.
-_SUBMISSION_COLUMNS = (
-    "assignment_id",
-    "task_id",
-    "replica_id",
-    "pool_id",
-    "node_id",
-    "provider_id",
-    "policy_step",
-    "policy_current_step",
-    "seed_echoed",
-    "claimed_reward",
-    "sample_count",
-    "status",
-    "body_sha256",
-    "body",
-    "method",
-    "target_uri",
-    "signature_input",
-    "signature",
-    "content_digest",
-    "response",
-    "received_at",
-)
+# Every column but the id, bound as ``s_<column>``.
+_SUBMISSION_COLUMNS = tuple(c.name for c in Submission.__table__.c if not c.primary_key)
 _INSERT_SUBMISSION = (
     insert(Submission.__table__)  # type: ignore[arg-type]
     .values({name: bindparam(f"s_{name}") for name in _SUBMISSION_COLUMNS})
@@ -899,32 +883,30 @@ async def submit_result(
         )
     # What the node is told; kept for replays (the submission id is the row's own id).
     told = {"assignment_id": assignment_id, "task_id": ctx.task_id, "status": "pending", "received_at": now}
-    params: dict[str, Any] = {
-        f"s_{name}": value
-        for name, value in (
-            ("assignment_id", assignment_id),
-            ("task_id", ctx.task_id),
-            ("replica_id", ctx.replica_id),
-            ("pool_id", ctx.pool_id),
-            ("node_id", node_id),
-            ("provider_id", ctx.signer_provider_id),
-            ("policy_step", body.policy_step),
-            ("policy_current_step", current),
-            ("seed_echoed", body.seed),
-            ("claimed_reward", body.claimed_reward),
-            ("sample_count", len(body.samples)),
-            ("status", "pending"),
-            ("body_sha256", digest),
-            ("body", signed.body),
-            ("method", signed.method),
-            ("target_uri", signed.target_uri),
-            ("signature_input", signed.signature_input),
-            ("signature", signed.signature),
-            ("content_digest", signed.content_digest),
-            ("response", {**told, "received_at": now.isoformat()}),
-            ("received_at", now),
-        )
+    submission = {
+        "assignment_id": assignment_id,
+        "task_id": ctx.task_id,
+        "replica_id": ctx.replica_id,
+        "pool_id": ctx.pool_id,
+        "node_id": node_id,
+        "provider_id": ctx.signer_provider_id,
+        "policy_step": body.policy_step,
+        "policy_current_step": current,
+        "seed_echoed": body.seed,
+        "claimed_reward": body.claimed_reward,
+        "sample_count": len(body.samples),
+        "status": "pending",
+        "body_sha256": digest,
+        "body": signed.body,
+        "method": signed.method,
+        "target_uri": signed.target_uri,
+        "signature_input": signed.signature_input,
+        "signature": signed.signature,
+        "content_digest": signed.content_digest,
+        "response": {**told, "received_at": now.isoformat()},
+        "received_at": now,
     }
+    params: dict[str, Any] = {f"s_{name}": value for name, value in submission.items()}
     params |= {"b_lease": assignment_id, "b_replica": ctx.replica_id, "b_task": ctx.task_id}
     params |= {"b_pool": ctx.pool_id, "b_now": now}
     if is_postgres(session):

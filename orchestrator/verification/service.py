@@ -48,13 +48,13 @@ from sqlalchemy import (
     insert,
     literal_column,
     select,
-    text,
 )
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from orchestrator.core.db import UTCDateTime
 from orchestrator.core.sql import is_postgres
+from orchestrator.identity.models import Node
 from orchestrator.ledger import service as ledger
 from orchestrator.ledger.service import ProviderAccount, SystemAccount, provider_account, system_account
 from orchestrator.pools.models import Pool, PoolMembership
@@ -102,22 +102,16 @@ def job_for(submission_id: ColumnElement[int]) -> Insert:
     )
 
 
+_ENQUEUE = job_for(bindparam("b_submission", type_=BigInteger()))
+
+
 async def enqueue(
     conn: AsyncConnection, *, submission_id: int, task_id: int, pool_id: str, now: dt.datetime
 ) -> None:
     """Called in the result's transaction: the job exists if and only if the result does.
     One Core INSERT on the result's connection (the result path is hot and uses no ORM)."""
     await conn.execute(
-        _INSERT_JOB,
-        {
-            "submission_id": submission_id,
-            "task_id": task_id,
-            "pool_id": pool_id,
-            "stage": "checks",
-            "audited": False,
-            "created_at": now,
-            "updated_at": now,
-        },
+        _ENQUEUE, {"b_submission": submission_id, "b_task": task_id, "b_pool": pool_id, "b_now": now}
     )
 
 
@@ -396,29 +390,25 @@ async def _run_checks(
     await decide(session, job, submission, by_reward(checkable, correct, details, "reward"), now=now)
 
 
-# An active, healthy member of the pool that may take a second replica of a task whose only
-# replica is this submission's: another provider, and another address (a node with no recorded
-# address counts as sharing the unknown one, as in the claim's placement rule).
-_INDEPENDENT_MEMBER = """
-    SELECT 1 FROM pool_memberships m JOIN nodes n ON n.id = m.node_id
-     WHERE m.pool_id = :pool_id AND m.status = 'active' AND n.status = 'healthy'
-       AND m.provider_id <> :provider_id AND {ip_differs}
-     LIMIT 1
-"""
-_INDEPENDENT_KNOWN_IP = text(
-    _INDEPENDENT_MEMBER.format(ip_differs="(n.ip_address IS NULL OR n.ip_address <> :ip_address)")
-)
-_INDEPENDENT_UNKNOWN_IP = text(_INDEPENDENT_MEMBER.format(ip_differs="n.ip_address IS NOT NULL"))
-
-
 async def _can_repeat(session: AsyncSession, pool_id: str, submission: Submission) -> bool:
-    """Whether an audit replica of this submission's task could be placed now."""
-    ip = await session.scalar(select(Assignment.ip_address).where(Assignment.id == submission.assignment_id))
-    params = {"pool_id": pool_id, "provider_id": submission.provider_id}
-    stmt = _INDEPENDENT_UNKNOWN_IP if ip is None else _INDEPENDENT_KNOWN_IP
-    if ip is not None:
-        params["ip_address"] = ip
-    return (await session.execute(stmt, params)).first() is not None
+    """Whether an audit replica of this submission's task could be placed now: an active,
+    healthy member of the pool of another provider at another address than the submission's
+    lease (a node with no recorded address shares the unknown one, as in the claim's placement
+    rule: NULL is not distinct from NULL)."""
+    lease_ip = select(Assignment.ip_address).where(Assignment.id == submission.assignment_id)
+    stmt = (
+        select(PoolMembership.id)
+        .join(Node, Node.id == PoolMembership.node_id)
+        .where(
+            PoolMembership.pool_id == pool_id,
+            PoolMembership.status == "active",
+            Node.status == "healthy",
+            PoolMembership.provider_id != submission.provider_id,
+            Node.ip_address.is_distinct_from(lease_ip.scalar_subquery()),
+        )
+        .limit(1)
+    )
+    return (await session.execute(stmt)).first() is not None
 
 
 def audit_probability(consecutive_valid: int, floor: float) -> float:
