@@ -7,10 +7,14 @@ if missing and rebuilt on every run; redis://127.0.0.1:6379/15). It starts ``orc
 as a subprocess on 127.0.0.1, registers one node per poller, and then measures, in the same run:
 
 * api: every poller loops claim (max_tasks=1) -> signed result, over HTTP;
+* service: as many coroutines in this process call the service layer's claim and result
+  (``orchestrator.tasks.service``, the same SQL the routes run, one transaction each) on the same
+  pool, without HTTP, the signature check or FastAPI: what the database work an API cycle asks
+  for costs on its own;
 * raw: as many asyncpg connections loop ``SELECT ... FOR UPDATE SKIP LOCKED`` -> UPDATE leased ->
   UPDATE done on a plain jobs table in the same database (the floor any queue on PostgreSQL pays).
 
-It prints claims/s for both, their ratio, and p50/p99 claim latency. Machines here are small and
+It prints claims/s for each, the ratios to raw, and p50/p99 claim latency. Machines here are small and
 noisy, so only the ratio measured in one run means anything.
 """
 
@@ -29,6 +33,7 @@ from typing import Any, TypeVar
 import asyncpg
 import orjson
 
+from api_schemas.tasks import ResultIn
 from benchmarks.common import (
     DEFAULT_DB,
     DEFAULT_REDIS,
@@ -40,15 +45,23 @@ from benchmarks.common import (
     prepare_raw,
     reset_database,
     setup_pool,
+    sqlalchemy_url,
     start_server,
     stop_server,
     wait_ready,
 )
 from benchmarks.loadgen import Conn, FastSigner, self_check
+from orchestrator.core.clock import SystemClock
+from orchestrator.core.db import make_engine, make_sessionmaker
+from orchestrator.core.keys import key_id_of
+from orchestrator.core.signing import SignedRequest
+from orchestrator.settings import DatabaseSettings
+from orchestrator.tasks import service
 
-__all__ = ["DEFAULT_DB", "DEFAULT_REDIS", "Stats", "api_phase", "main", "raw_phase"]
+__all__ = ["DEFAULT_DB", "DEFAULT_REDIS", "Stats", "api_phase", "main", "raw_phase", "service_phase"]
 
 T = TypeVar("T")
+utcnow = SystemClock().utcnow
 GROUPS = ("server", "postgres", "redis", "loadgen")
 
 
@@ -116,6 +129,63 @@ async def api_phase(base: str, pool_id: str, nodes: list[Any], seconds: float) -
             stats.errors += 1
 
     await asyncio.gather(*(poller(k) for k in nodes))
+    return stats
+
+
+async def service_phase(dsn: str, pool_id: str, node_ids: list[str], seconds: float) -> Stats:
+    """Each poller's claim -> result cycle through the service layer, in this process: the
+    routes' own SQL and transactions, without HTTP, FastAPI or the RFC 9421 check. The stored
+    evidence is a fixed stand-in (nothing checks it here)."""
+    engine = make_engine(DatabaseSettings(url=sqlalchemy_url(dsn), pool_size=len(node_ids), max_overflow=0))
+    sessions = make_sessionmaker(engine)
+    stats = Stats()
+    stop = time.monotonic() + seconds
+
+    async def poller(node_id: str) -> None:
+        while time.monotonic() < stop:
+            t0 = time.perf_counter()
+            async with sessions() as session, session.begin():
+                out = await service.claim(session, node_id, pool_id, 1, now=utcnow())
+            stats.latencies.append(time.perf_counter() - t0)
+            if not out.leases:
+                stats.errors += 1
+                await asyncio.sleep(0.05)
+                continue
+            lease = out.leases[0]
+            body = {
+                "fencing_token": lease.fencing_token,
+                "policy_step": lease.policy.step,
+                "seed": lease.seed,
+                "samples": [
+                    {"completion": "42", "finish_reason": "stop", "prompt_tokens": 5, "completion_tokens": 1}
+                ],
+            }
+            raw = orjson.dumps(body)
+            signed = SignedRequest(
+                keyid=node_id,
+                nonce=uuid.uuid4().hex,
+                created=int(time.time()),
+                covered=("@method", "@target-uri", "content-digest"),
+                method="POST",
+                target_uri=f"http://bench/v1/assignments/{lease.assignment_id}/result",
+                signature_input="sig1=()",
+                signature="sig1=::",
+                content_digest=None,
+                body=raw,
+            )
+            async with sessions() as session, session.begin():
+                result = await service.submit_result(
+                    session, signed, lease.assignment_id, ResultIn.model_validate(body), now=utcnow()
+                )
+            if result.created:
+                stats.done += 1
+            else:
+                stats.errors += 1
+
+    try:
+        await asyncio.gather(*(poller(n) for n in node_ids))
+    finally:
+        await engine.dispose()
     return stats
 
 
@@ -200,15 +270,22 @@ async def main() -> None:
     finally:
         stop_server(server)
         await drop_redis_prefix(args.redis, prefix)
+    # The same pool, its remaining tasks and nodes, through the service layer in this process.
+    meter = CpuMeter(set(), os.getpid(), database)
+    node_ids = [key_id_of(k.verify_key) for k in nodes]
+    svc, svc_cores = await metered(meter, service_phase(args.database, pool_id, node_ids, args.seconds))
     await prepare_raw(args.database, args.raw_jobs)
     meter = CpuMeter(set(), os.getpid(), database)
     raw, raw_cores = await metered(meter, raw_phase(args.database, args.pollers, args.seconds))
 
     rows = [
         api.line("api: claim + signed result (HTTP)", args.seconds),
+        svc.line("service: claim + result, no HTTP", args.seconds),
         raw.line("raw: asyncpg SKIP LOCKED claim + done", args.seconds),
     ]
-    ratio = rows[0]["claims_per_s"] / rows[1]["claims_per_s"] if rows[1]["claims_per_s"] else 0.0
+    raw_rate = rows[2]["claims_per_s"]
+    ratio = rows[0]["claims_per_s"] / raw_rate if raw_rate else 0.0
+    service_ratio = rows[1]["claims_per_s"] / raw_rate if raw_rate else 0.0
     print(
         f"\npollers={args.pollers} seconds={args.seconds} uvicorn_workers={args.workers} "
         f"cores={os.cpu_count()}"
@@ -219,7 +296,7 @@ async def main() -> None:
             f"{r['path']:42} {r['claims_per_s']:>10} {r['p50_ms']:>9} {r['p99_ms']:>9} {r['claims']:>8} "
             f"{r['errors']:>7}"
         )
-    print(f"ratio api/raw = {ratio:.3f} (target >= 0.5)")
+    print(f"ratio api/raw = {ratio:.3f} (target >= 0.5); service/raw = {service_ratio:.3f}")
 
     # Where each claim's CPU went: the ratio cannot beat the ratio of these totals once the
     # machine is saturated, whatever the concurrency.
@@ -228,7 +305,8 @@ async def main() -> None:
         f"\nCPU ms per claim   {'server':>7} {'postgres':>9} {'redis':>6} {'client':>7} {'total':>7}"
         "  machine cores busy"
     )
-    for name, row, cores in (("api", rows[0], api_cores), ("raw", rows[1], raw_cores)):
+    phases = (("api", rows[0], api_cores), ("service", rows[1], svc_cores), ("raw", rows[2], raw_cores))
+    for name, row, cores in phases:
         rate = row["claims_per_s"] or float("nan")
         per = {g: 1000 * cores.get(g, 0.0) / rate for g in GROUPS}
         per["total"] = sum(per.values())
@@ -239,9 +317,25 @@ async def main() -> None:
         )
     if args.json:
         Path(args.json).write_text(  # noqa: ASYNC240
-            json.dumps({"rows": rows, "ratio": ratio, "cpu_ms_per_claim": cpu, "args": vars(args)}, indent=2)
+            json.dumps(
+                {
+                    "rows": rows,
+                    "ratio": ratio,
+                    "service_ratio": service_ratio,
+                    "cpu_ms_per_claim": cpu,
+                    "args": vars(args),
+                },
+                indent=2,
+            )
         )
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    # uvloop, as the server's uvicorn runs on: this process's own CPU (the client in api and raw,
+    # the whole service layer in service) then costs what it would in the server.
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main())
+    else:
+        uvloop.run(main())
