@@ -114,6 +114,17 @@ class VerifierSettings(BaseModel):
         le=3600,
         description="How long one verifier tick (every second) keeps taking batches while results wait.",
     )
+    audit_wait_s: float = Field(
+        default=3600,
+        ge=1,
+        le=30 * 86_400,
+        description=(
+            "How long audited results wait for a node to take their audit (or tie-break) replica. "
+            "Past that a replica no node holds is withdrawn: a result still alone is decided on its "
+            "own checks (verdict details: audit_skipped), results that disagree are inconclusive "
+            "(reason quorum_timeout)."
+        ),
+    )
 
 
 class ServerSettings(BaseModel):

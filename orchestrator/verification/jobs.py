@@ -30,22 +30,29 @@ class VerifyReport:
     ran: bool  # this process claimed the tick and did its housekeeping
     processed: int = 0
     validator_leases_expired: int = 0
+    audits_expired: int = 0
 
 
 async def verify_once(state: AppState) -> VerifyReport:
-    """One tick: the once-per-tick housekeeping (expired validator leases back to open) if this
-    process claims the tick; then, in every process, waiting results in small batches."""
+    """One tick: the once-per-tick housekeeping (expired validator leases back to open, audits
+    nobody took within ``verifier.audit_wait_s`` withdrawn) if this process claims the tick;
+    then, in every process, waiting results in small batches."""
     tick = int(state.clock.now() // VERIFY_INTERVAL_S)
-    ran, expired = await _housekeeping(state, tick)
+    ran, expired, audits = await _housekeeping(state, tick)
     processed = await verify_batches(state, budget_s=state.settings.verifier.tick_budget_s)
-    return VerifyReport(tick=tick, ran=ran, processed=processed, validator_leases_expired=expired)
+    return VerifyReport(
+        tick=tick, ran=ran, processed=processed, validator_leases_expired=expired, audits_expired=audits
+    )
 
 
-async def _housekeeping(state: AppState, tick: int) -> tuple[bool, int]:
+async def _housekeeping(state: AppState, tick: int) -> tuple[bool, int, int]:
+    now = state.clock.utcnow()
     async with state.sessionmaker() as session, session.begin():
         if not await claim_tick(session, VERIFIER, tick, state.instance_id):
-            return False, 0
-        return True, await validators.expire_leases(session, now=state.clock.utcnow())
+            return False, 0, 0
+        expired = await validators.expire_leases(session, now=now)
+        audits = await service.expire_audits(session, now=now, wait_s=state.settings.verifier.audit_wait_s)
+        return True, expired, audits
 
 
 async def verify_batches(state: AppState, *, budget_s: float) -> int:

@@ -43,6 +43,7 @@ from sqlalchemy import (
     Insert,
     String,
     bindparam,
+    exists,
     false,
     func,
     insert,
@@ -51,6 +52,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.orm import aliased
 
 from orchestrator.core.db import UTCDateTime
 from orchestrator.core.sql import is_postgres
@@ -498,6 +500,108 @@ async def try_quorum(
             Decision("rejected", "inconclusive", "no_quorum", "quorum", details),
             now=now,
         )
+
+
+async def expire_audits(session: AsyncSession, *, now: dt.datetime, wait_s: float, limit: int = 100) -> int:
+    """Audited results whose audit replicas no node took within ``wait_s``: the replicas are
+    withdrawn and the results decided without them. Returns how many results were decided.
+
+    An audit replica is asked for only when an eligible node exists (``_can_repeat``), but that
+    node may leave, fall unhealthy or never claim; the result, and its node's trust with it,
+    would then wait for ever. A result still alone is decided on its own checks, its verdict
+    saying ``audit_skipped``; results that already disagree (a tie-break replica nobody took)
+    are inconclusive: no reward, no slash. A replica someone holds a lease on is left to finish
+    (its lease expiry brings it back here), and a task another transaction holds is skipped
+    until the next tick (SKIP LOCKED: claims and results lock the task too)."""
+    cutoff = now - dt.timedelta(seconds=wait_s)
+    # The newest waiting result dates the newest replica: a tie-break replica asked for after
+    # the audit's result came in gets its own full wait.
+    recent = aliased(VerificationJob)
+    task_ids = (
+        await session.execute(
+            select(VerificationJob.task_id)
+            .where(
+                VerificationJob.stage == "quorum",
+                VerificationJob.audited.is_(True),
+                ~exists().where(
+                    recent.task_id == VerificationJob.task_id,
+                    recent.stage == "quorum",
+                    recent.updated_at >= cutoff,
+                ),
+            )
+            .order_by(VerificationJob.id)
+            .limit(limit)
+        )
+    ).scalars()
+    decided = 0
+    for task_id in dict.fromkeys(task_ids):
+        decided += await _expire_audit(session, task_id, now=now, wait_s=wait_s)
+    return decided
+
+
+async def _expire_audit(session: AsyncSession, task_id: int, *, now: dt.datetime, wait_s: float) -> int:
+    task = (
+        await session.execute(
+            select(Task)
+            .where(Task.id == task_id, Task.status == "open")
+            .with_for_update(skip_locked=True)
+            .execution_options(populate_existing=True)
+        )
+    ).scalar_one_or_none()
+    if task is None:
+        return 0  # being claimed or submitted right now, or no longer open: not this tick
+    # With the task locked no claim can lease its replicas, so a plain read of them holds.
+    unfinished = list(
+        (
+            await session.execute(
+                select(TaskReplica).where(
+                    TaskReplica.task_id == task_id, TaskReplica.status.in_(("available", "leased"))
+                )
+            )
+        ).scalars()
+    )
+    if not unfinished or any(r.status == "leased" for r in unfinished):
+        return 0  # the replicas are in, or a node is working on one: let it finish
+    for replica in unfinished:
+        replica.status = "cancelled"
+    task.replication -= len(unfinished)
+    task.available_replicas = 0
+    task.status = "submitted"
+    task.updated_at = now
+    await session.flush()
+    jobs = list(
+        (
+            await session.execute(
+                select(VerificationJob).where(VerificationJob.task_id == task_id).order_by(VerificationJob.id)
+            )
+        ).scalars()
+    )
+    waiting = [j for j in jobs if j.stage == "quorum"]
+    note = f"no node took the {'audit' if len(jobs) == 1 else 'tie-break'} replica within {wait_s:g} s"
+    for job in waiting:
+        submission = await session.get(Submission, job.submission_id)
+        assert submission is not None
+        details: dict[str, Any] = {"findings": job.findings, "server_reward": job.server_reward}
+        if len(jobs) == 1:
+            job.audited = False
+            decision = by_reward(
+                job.server_reward is not None,
+                job.correct_samples or 0,
+                {**details, "audit_skipped": note},
+                "reward",
+            )
+        else:
+            votes = Counter(j.canonical for j in jobs if j.stage == "quorum" or _accepted_valid(j))
+            decision = Decision(
+                "rejected",
+                "inconclusive",
+                "quorum_timeout",
+                "quorum",
+                {**details, "votes": dict(votes), "quorum_timeout": note},
+            )
+        await decide(session, job, submission, decision, now=now)
+    log.info("audit_expired", task_id=task_id, replicas_withdrawn=len(unfinished), decided=len(waiting))
+    return len(waiting)
 
 
 async def settle_abandoned(session: AsyncSession, task_id: int, *, now: dt.datetime) -> int:

@@ -1,0 +1,127 @@
+"""Audit replicas nobody takes: after ``verifier.audit_wait_s`` they are withdrawn and the
+results that waited for them are decided, so neither the result nor its node's trust waits for
+ever on a node that left, fell unhealthy or never polls."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from orchestrator.core.clock import FakeClock
+from orchestrator.verification.jobs import verify_once
+from tests.tasks_helpers import pool_setup
+from tests.verification_helpers import FixedDraw, balances, submit, verdicts, verify_all
+
+WAIT_S = 10
+ECON = {"min_stake_per_node": 0, "reward_per_sample": 7, "reward_hold_s": 0}
+TASK = {"prompt": "Name the capital of France.", "sampling": {"max_tokens": 64}}
+
+
+@pytest.fixture(autouse=True)
+def _audit_everything(app_state: Any) -> None:
+    app_state.rng = FixedDraw(0.0)  # every result is drawn for an audit
+    app_state.settings.verifier.audit_wait_s = WAIT_S
+
+
+async def _task_detail(s: Any) -> dict[str, Any]:
+    [item] = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)).json()["items"]
+    r = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{item['id']}", headers=s.headers)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+async def _tick(app_state: Any, clock: FakeClock, seconds: float) -> Any:
+    clock.advance(seconds)
+    return await verify_once(app_state)
+
+
+async def test_an_audit_replica_nobody_takes_is_withdrawn_and_the_result_decided_alone(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=2, economics=ECON) as s:
+        first, sibling = s.workers
+        await s.enqueue([TASK], key="audit")
+        lease = (await first.claim(s.pool_id)).json()["leases"][0]
+        await submit(first, lease, ["Paris"])
+        await verify_all(app_state)
+        assert await verdicts(s.admin, s.headers, s.pool_id) == []
+        assert (await _task_detail(s))["replication"] == 2  # the audit replica, for the sibling
+
+        # Within the wait nothing is decided: the sibling could still come.
+        report = await _tick(app_state, clock, WAIT_S - 1)
+        assert report.ran and report.audits_expired == 0
+        assert await verdicts(s.admin, s.headers, s.pool_id) == []
+
+        report = await _tick(app_state, clock, 2)
+        assert report.audits_expired == 1
+        [verdict] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (verdict["outcome"], verdict["category"], verdict["reason"]) == (
+            "accepted",
+            "valid",
+            "verified",
+        )
+        assert verdict["details"]["audit_skipped"] == f"no node took the audit replica within {WAIT_S} s"
+        assert verdict["reward_amount"] == 7
+        detail = await _task_detail(s)
+        assert (detail["status"], detail["replication"]) == ("completed", 1)
+
+        # The withdrawn replica is gone for everyone, and a later tick decides nothing twice.
+        r = (await sibling.claim(s.pool_id)).json()
+        assert (r["leases"], r["reason"]) == ([], "no_tasks")
+        assert (await _tick(app_state, clock, WAIT_S + 1)).audits_expired == 0
+        assert len(await verdicts(s.admin, s.headers, s.pool_id)) == 1
+        b = await balances(s.admin, first)
+        assert b["rewards_pending"] + b["rewards_claimable"] == 7  # paid once
+
+
+async def test_a_leased_audit_replica_is_left_to_finish(app: Any, app_state: Any, clock: FakeClock) -> None:
+    async with pool_setup(app, app_state, workers=2) as s:
+        first, sibling = s.workers
+        await s.enqueue([TASK], key="audit")
+        lease = (await first.claim(s.pool_id)).json()["leases"][0]
+        await submit(first, lease, ["Paris"])
+        await verify_all(app_state)
+        audit = (await sibling.claim(s.pool_id)).json()["leases"][0]
+
+        assert (await _tick(app_state, clock, WAIT_S + 1)).audits_expired == 0
+        assert await verdicts(s.admin, s.headers, s.pool_id) == []
+
+        await submit(sibling, audit, ["Paris"])
+        await verify_all(app_state)
+        vs = await verdicts(s.admin, s.headers, s.pool_id)
+        assert [(v["category"], v["verifier"]) for v in vs] == [("valid", "quorum")] * 2
+        assert all("audit_skipped" not in v["details"] for v in vs)
+
+
+async def test_disagreeing_results_whose_tie_break_nobody_takes_are_inconclusive(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """The audit's answer differs, a third replica is asked for, and no third provider exists:
+    neither answer can be believed, so both are inconclusive, without reward or slash."""
+    async with pool_setup(app, app_state, workers=2, economics=ECON) as s:
+        first, sibling = s.workers
+        await s.enqueue([TASK], key="audit")
+        lease = (await first.claim(s.pool_id)).json()["leases"][0]
+        await submit(first, lease, ["Paris"])
+        await verify_all(app_state)
+        await _tick(app_state, clock, WAIT_S - 1)  # the audit replica is taken late in its wait
+        audit = (await sibling.claim(s.pool_id)).json()["leases"][0]
+        await submit(sibling, audit, ["Lyon"])
+        await verify_all(app_state)
+        assert (await _task_detail(s))["replication"] == 3  # the tie-break replica
+
+        # The tie-break replica gets its own full wait, counted from when it was asked for.
+        assert (await _tick(app_state, clock, WAIT_S - 1)).audits_expired == 0
+        assert await verdicts(s.admin, s.headers, s.pool_id) == []
+
+        assert (await _tick(app_state, clock, 2)).audits_expired == 2
+        vs = await verdicts(s.admin, s.headers, s.pool_id)
+        assert [(v["outcome"], v["category"], v["reason"]) for v in vs] == [
+            ("rejected", "inconclusive", "quorum_timeout")
+        ] * 2
+        assert vs[0]["details"]["votes"] == {'["paris"]': 1, '["lyon"]': 1}
+        assert vs[0]["details"]["quorum_timeout"] == f"no node took the tie-break replica within {WAIT_S} s"
+        assert all(v["reward_amount"] == 0 and v["slashed_amount"] == 0 for v in vs)
+        detail = await _task_detail(s)
+        assert (detail["status"], detail["replication"]) == ("completed", 2)
