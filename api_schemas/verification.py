@@ -20,7 +20,11 @@ class VerdictOut(BaseModel):
     outcome: str = Field(description="accepted | rejected")
     category: str = Field(description="valid | invalid | fraud | inconclusive")
     reason: str = Field(
-        description="Stable reason code, e.g. verified, wrong_answer, seed_mismatch, reward_forged"
+        description=(
+            "Stable reason code, e.g. verified, wrong_answer, seed_mismatch, reward_forged, "
+            "quorum_minority, no_quorum, quorum_timeout (a tie-break replica nobody took within "
+            "verifier.audit_wait_s), task_abandoned"
+        )
     )
     verifier: str = Field(description="checks | reward | quorum | validator")
     details: dict[str, Any]
