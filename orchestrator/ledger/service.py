@@ -199,7 +199,9 @@ async def transfer(
         raise ValueError(f"amount must be in 1..{MAX_AMOUNT}")
     if debit == credit:
         raise ValueError("debit and credit must be different accounts")
-    ids = {ref: await account_id(session, ref) for ref in sorted((debit, credit), key=str)}
+    ids = await _existing_ids(session, {debit, credit})  # one read; a missing account is created
+    for ref in sorted({debit, credit} - ids.keys(), key=str):
+        ids[ref] = await account_id(session, ref)
     debit_id, credit_id = ids[debit], ids[credit]
     existing = await _existing(session, key)
     if existing is not None:

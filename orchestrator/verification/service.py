@@ -160,10 +160,12 @@ async def process_pending(
     jobs = list((await session.execute(stmt)).scalars())
     if not jobs:
         return Batch(0, 0, after_id)
-    submissions = await _load(session, jobs)
+    # The session's identity map holds its rows weakly: ``loaded`` keeps the batch's rows in it
+    # until the batch ends, so that the per-job ``session.get`` calls find them there.
+    submissions, loaded = await _load(session, jobs)
     scored = await _score_all(session, jobs)
     await lock_for_verdicts(session, submissions)
-    await _lock_replicated_tasks(session, {j.task_id for j in jobs})
+    loaded += await _lock_replicated_tasks(session, {j.task_id for j in jobs})
     done = 0
     for job in jobs:
         if job.id in scored and await _checks_in_savepoint(session, job, scored[job.id], secret, rng, now):
@@ -191,16 +193,18 @@ async def _checks_in_savepoint(
     return True
 
 
-async def _load(session: AsyncSession, jobs: list[VerificationJob]) -> list[Submission]:
-    """The batch's submissions, tasks, replicas and pools in four reads (into the session)."""
+async def _load(session: AsyncSession, jobs: list[VerificationJob]) -> tuple[list[Submission], list[Any]]:
+    """The batch's submissions, tasks, replicas and pools in four reads (into the session).
+    Returns the submissions and every row read, for the caller to hold."""
     submissions = await _submissions(session, jobs)
+    loaded: list[Any] = list(submissions)
     for model, ids in (
         (Task, {j.task_id for j in jobs}),
         (Pool, {j.pool_id for j in jobs}),
         (TaskReplica, {s.replica_id for s in submissions}),
     ):
-        await session.execute(select(model).where(model.id.in_(ids)))
-    return submissions
+        loaded += (await session.execute(select(model).where(model.id.in_(ids)))).scalars()
+    return submissions, loaded
 
 
 async def _score_all(session: AsyncSession, jobs: list[VerificationJob]) -> dict[int, Scored]:
@@ -234,7 +238,7 @@ async def _score(session: AsyncSession, job: VerificationJob) -> Scored:
     return Scored(result, per_sample, canonical)
 
 
-async def _lock_replicated_tasks(session: AsyncSession, task_ids: set[int]) -> None:
+async def _lock_replicated_tasks(session: AsyncSession, task_ids: set[int]) -> list[Task]:
     """Lock (and re-read) the batch's tasks that have several replicas, after the accounts.
 
     Two verifiers each checking one replica of a task must not each see the other's result
@@ -249,7 +253,7 @@ async def _lock_replicated_tasks(session: AsyncSession, task_ids: set[int]) -> N
         .with_for_update()
         .execution_options(populate_existing=True)
     )
-    await session.execute(stmt)
+    return list((await session.execute(stmt)).scalars())
 
 
 async def _submissions(session: AsyncSession, jobs: list[VerificationJob]) -> list[Submission]:
@@ -389,7 +393,8 @@ async def _run_checks(
         # so it would wait forever, and this result with it. Decided on its checks instead.
         job.audited = False
         details["audit_skipped"] = "no healthy member of another provider and address can repeat it"
-    await decide(session, job, submission, by_reward(checkable, correct, details, "reward"), now=now)
+    decision = by_reward(checkable, correct, details, "reward")
+    await decide(session, job, submission, decision, now=now, trust=trust)
 
 
 async def _can_repeat(session: AsyncSession, pool_id: str, submission: Submission) -> bool:
@@ -644,8 +649,10 @@ async def decide(
     decision: Decision,
     *,
     now: dt.datetime,
+    trust: NodeTrust | None = None,
 ) -> Verdict:
-    """Record the verdict and move its money, once per submission whatever the retries."""
+    """Record the verdict and move its money, once per submission whatever the retries.
+    ``trust``: the node's row if the caller already locked it in this transaction."""
     existing = (
         await session.execute(select(Verdict).where(Verdict.submission_id == submission.id))
     ).scalar_one_or_none()
@@ -666,7 +673,7 @@ async def decide(
         details=decision.details,
         server_reward=job.server_reward,
         paid_samples=decision.paid_samples,
-        reward_amount=0,
+        reward_amount=pool.reward_per_sample * decision.paid_samples if decision.category == "valid" else 0,
         slashed_amount=0,
         decided_at=now,
     )
@@ -684,7 +691,8 @@ async def decide(
     job.stage = "done"
     job.updated_at = now
     submission.status = decision.outcome
-    trust = await _trust(session, pool.id, submission.node_id, submission.provider_id)
+    if trust is None:
+        trust = await _trust(session, pool.id, submission.node_id, submission.provider_id)
     trust.updated_at = now
     if decision.category == "valid":
         trust.valid += 1
@@ -731,7 +739,7 @@ async def _trust(session: AsyncSession, pool_id: str, node_id: str, provider_id:
 
 
 async def _reward(session: AsyncSession, pool: Pool, verdict: Verdict, *, now: dt.datetime) -> None:
-    amount = pool.reward_per_sample * verdict.paid_samples
+    amount = verdict.reward_amount  # set when the verdict was written
     if amount <= 0:
         return
     await ledger.transfer(
@@ -744,7 +752,6 @@ async def _reward(session: AsyncSession, pool: Pool, verdict: Verdict, *, now: d
         actor="verifier",
         reference=("verdict", str(verdict.id)),
     )
-    verdict.reward_amount = amount
     session.add(
         RewardHold(
             verdict_id=verdict.id,
@@ -841,13 +848,15 @@ async def _punish(
 
 
 async def _maybe_complete(session: AsyncSession, task_id: int) -> None:
-    """A task whose every replica has a verdict is completed."""
+    """A task whose every replica has a verdict is completed (called after writing one of them:
+    a task of one replica needs no count)."""
     task = await session.get(Task, task_id)
     if task is None or task.status not in ("open", "submitted"):
         return
-    decided = int(
-        await session.scalar(select(func.count()).select_from(Verdict).where(Verdict.task_id == task_id)) or 0
-    )
+    decided = 1
+    if task.replication > 1:
+        count = select(func.count()).select_from(Verdict).where(Verdict.task_id == task_id)
+        decided = int(await session.scalar(count) or 0)
     if decided >= task.replication and task.submitted_replicas >= task.replication:
         task.status = "completed"
 
