@@ -132,10 +132,19 @@ async def api_phase(base: str, pool_id: str, nodes: list[Any], seconds: float) -
     return stats
 
 
-async def service_phase(dsn: str, pool_id: str, node_ids: list[str], seconds: float) -> Stats:
+async def service_phase(
+    dsn: str,
+    pool_id: str,
+    node_ids: list[str],
+    seconds: float,
+    *,
+    answers: tuple[str, ...] = ("42",),
+    until_empty: bool = False,
+) -> Stats:
     """Each poller's claim -> result cycle through the service layer, in this process: the
     routes' own SQL and transactions, without HTTP, FastAPI or the RFC 9421 check. The stored
-    evidence is a fixed stand-in (nothing checks it here)."""
+    evidence is a fixed stand-in (nothing checks it here). Results take ``answers`` in turn;
+    with ``until_empty`` a poller stops at its first empty claim."""
     engine = make_engine(DatabaseSettings(url=sqlalchemy_url(dsn), pool_size=len(node_ids), max_overflow=0))
     sessions = make_sessionmaker(engine)
     stats = Stats()
@@ -148,6 +157,8 @@ async def service_phase(dsn: str, pool_id: str, node_ids: list[str], seconds: fl
                 out = await service.claim(session, node_id, pool_id, 1, now=utcnow())
             stats.latencies.append(time.perf_counter() - t0)
             if not out.leases:
+                if until_empty:
+                    return
                 stats.errors += 1
                 await asyncio.sleep(0.05)
                 continue
@@ -157,7 +168,12 @@ async def service_phase(dsn: str, pool_id: str, node_ids: list[str], seconds: fl
                 "policy_step": lease.policy.step,
                 "seed": lease.seed,
                 "samples": [
-                    {"completion": "42", "finish_reason": "stop", "prompt_tokens": 5, "completion_tokens": 1}
+                    {
+                        "completion": answers[stats.done % len(answers)],
+                        "finish_reason": "stop",
+                        "prompt_tokens": 5,
+                        "completion_tokens": 1,
+                    }
                 ],
             }
             raw = orjson.dumps(body)
