@@ -23,7 +23,7 @@ class VerdictOut(BaseModel):
         description=(
             "Stable reason code, e.g. verified, wrong_answer, seed_mismatch, reward_forged, "
             "quorum_minority, no_quorum, quorum_timeout (a tie-break replica nobody took within "
-            "verifier.audit_wait_s), task_abandoned"
+            "verifier.quorum_wait_s), task_abandoned"
         )
     )
     verifier: str = Field(description="checks | reward | quorum | validator")

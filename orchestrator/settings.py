@@ -114,15 +114,16 @@ class VerifierSettings(BaseModel):
         le=3600,
         description="How long one verifier tick (every second) keeps taking batches while results wait.",
     )
-    audit_wait_s: float = Field(
+    quorum_wait_s: float = Field(
         default=3600,
         ge=1,
         le=30 * 86_400,
         description=(
-            "How long audited results wait for a node to take their audit (or tie-break) replica. "
-            "Past that a replica no node holds is withdrawn: a result still alone is decided on its "
-            "own checks (verdict details: audit_skipped), results that disagree are inconclusive "
-            "(reason quorum_timeout)."
+            "How long results wait for a node to take the replicas they are compared with (an "
+            "audit, a tie-break, or the rest of an operator's replicas once two results are in). "
+            "Past that a replica no node holds is withdrawn: an audited result still alone is "
+            "decided on its own checks (verdict details: audit_skipped); two or more results go to "
+            "the quorum rule without it, and an undecided vote is inconclusive (quorum_timeout)."
         ),
     )
 

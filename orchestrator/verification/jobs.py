@@ -30,18 +30,18 @@ class VerifyReport:
     ran: bool  # this process claimed the tick and did its housekeeping
     processed: int = 0
     validator_leases_expired: int = 0
-    audits_expired: int = 0
+    quorum_waits_expired: int = 0
 
 
 async def verify_once(state: AppState) -> VerifyReport:
-    """One tick: the once-per-tick housekeeping (expired validator leases back to open, audits
-    nobody took within ``verifier.audit_wait_s`` withdrawn) if this process claims the tick;
+    """One tick: the once-per-tick housekeeping (expired validator leases back to open, replicas
+    nobody took within ``verifier.quorum_wait_s`` withdrawn) if this process claims the tick;
     then, in every process, waiting results in small batches."""
     tick = int(state.clock.now() // VERIFY_INTERVAL_S)
-    ran, expired, audits = await _housekeeping(state, tick)
+    ran, expired, waits = await _housekeeping(state, tick)
     processed = await verify_batches(state, budget_s=state.settings.verifier.tick_budget_s)
     return VerifyReport(
-        tick=tick, ran=ran, processed=processed, validator_leases_expired=expired, audits_expired=audits
+        tick=tick, ran=ran, processed=processed, validator_leases_expired=expired, quorum_waits_expired=waits
     )
 
 
@@ -51,8 +51,11 @@ async def _housekeeping(state: AppState, tick: int) -> tuple[bool, int, int]:
         if not await claim_tick(session, VERIFIER, tick, state.instance_id):
             return False, 0, 0
         expired = await validators.expire_leases(session, now=now)
-        audits = await service.expire_audits(session, now=now, wait_s=state.settings.verifier.audit_wait_s)
-        return True, expired, audits
+        secret = state.settings.seed_secret.get_secret_value().encode()
+        waits = await service.expire_quorum_waits(
+            session, now=now, wait_s=state.settings.verifier.quorum_wait_s, secret=secret
+        )
+        return True, expired, waits
 
 
 async def verify_batches(state: AppState, *, budget_s: float) -> int:

@@ -48,6 +48,7 @@ from sqlalchemy import (
     func,
     insert,
     literal_column,
+    or_,
     select,
 )
 from sqlalchemy.exc import IntegrityError
@@ -453,9 +454,17 @@ async def _add_replica(session: AsyncSession, task: Task, *, secret: bytes, now:
 
 
 async def try_quorum(
-    session: AsyncSession, task: Task, pool: Pool, *, secret: bytes, now: dt.datetime
+    session: AsyncSession,
+    task: Task,
+    pool: Pool,
+    *,
+    secret: bytes,
+    now: dt.datetime,
+    timeout_note: str | None = None,
 ) -> None:
-    """Decide the task's waiting results once every replica has reported."""
+    """Decide the task's waiting results once every replica has reported. With
+    ``timeout_note`` (the missing replicas were withdrawn) an undecided vote asks for no further
+    replica: the results are inconclusive, ``quorum_timeout``."""
     jobs = list(
         (
             await session.execute(
@@ -480,6 +489,7 @@ async def try_quorum(
                 "server_reward": job.server_reward,
                 "votes": dict(votes),
                 "quorum": len(valid),
+                **({"quorum_timeout": timeout_note} if timeout_note else {}),
             }
             checkable = job.server_reward is not None
             if job.canonical == answer:
@@ -491,60 +501,75 @@ async def try_quorum(
                 decision = Decision("rejected", "fraud", "quorum_minority", "quorum", details)
             await decide(session, job, submission, decision, now=now)
         return
-    if task.replication < task.min_quorum + MAX_EXTRA_REPLICAS:
+    if timeout_note is None and task.replication < task.min_quorum + MAX_EXTRA_REPLICAS:
         await _add_replica(session, task, secret=secret, now=now)
         return
+    reason = "no_quorum" if timeout_note is None else "quorum_timeout"
     for job in waiting:
         submission = await session.get(Submission, job.submission_id)
         assert submission is not None
-        details = {"votes": dict(votes), "quorum": len(valid)}
+        undecided: dict[str, Any] = {"votes": dict(votes), "quorum": len(valid)}
+        if timeout_note:
+            undecided["quorum_timeout"] = timeout_note
         await decide(
             session,
             job,
             submission,
-            Decision("rejected", "inconclusive", "no_quorum", "quorum", details),
+            Decision("rejected", "inconclusive", reason, "quorum", undecided),
             now=now,
         )
 
 
-async def expire_audits(session: AsyncSession, *, now: dt.datetime, wait_s: float, limit: int = 100) -> int:
-    """Audited results whose audit replicas no node took within ``wait_s``: the replicas are
-    withdrawn and the results decided without them. Returns how many results were decided.
+async def expire_quorum_waits(
+    session: AsyncSession, *, now: dt.datetime, wait_s: float, secret: bytes, limit: int = 100
+) -> int:
+    """Results waiting for replicas that no node took within ``wait_s``: the replicas are
+    withdrawn and the results decided on what is in. Returns how many results were decided.
 
-    An audit replica is asked for only when an eligible node exists (``_can_repeat``), but that
-    node may leave, fall unhealthy or never claim; the result, and its node's trust with it,
-    would then wait for ever. A result still alone is decided on its own checks, its verdict
-    saying ``audit_skipped``; results that already disagree (a tie-break replica nobody took)
-    are inconclusive: no reward, no slash. A replica someone holds a lease on is left to finish
-    (its lease expiry brings it back here), and a task another transaction holds is skipped
-    until the next tick (SKIP LOCKED: claims and results lock the task too)."""
+    The verifier asks for an audit replica only when an eligible node exists (``_can_repeat``),
+    and for a tie-break replica whenever a vote is undecided; either may then find no node (the
+    eligible one left, fell unhealthy or never polls, or the pool has no further provider and
+    address), and the results, with their nodes' trust, would wait for ever. The same holds for
+    an operator's replicas once at least two results are in. So:
+
+    * an audited result still alone is decided on its own checks (``audit_skipped``);
+    * two or more results are put to the quorum rule without the missing ones: a strict
+      majority of at least two decides as usual, otherwise they are inconclusive
+      (``quorum_timeout``: no reward, no slash), with no further replica asked for.
+
+    A single result of a replicated task that was not audited waits for its siblings (the task's
+    deadline bounds that wait). A replica under lease is left to finish (its expiry brings it
+    back here), and a task another transaction holds is skipped until the next tick (SKIP
+    LOCKED: claims and results lock the task too). The wait is counted from the task's newest
+    waiting result, so a tie-break replica gets a full wait of its own."""
     cutoff = now - dt.timedelta(seconds=wait_s)
-    # The newest waiting result dates the newest replica: a tie-break replica asked for after
-    # the audit's result came in gets its own full wait.
-    recent = aliased(VerificationJob)
+    job, other = aliased(VerificationJob), aliased(VerificationJob)
+    replica = aliased(TaskReplica)
     task_ids = (
         await session.execute(
-            select(VerificationJob.task_id)
+            select(job.task_id)
             .where(
-                VerificationJob.stage == "quorum",
-                VerificationJob.audited.is_(True),
+                job.stage == "quorum",
                 ~exists().where(
-                    recent.task_id == VerificationJob.task_id,
-                    recent.stage == "quorum",
-                    recent.updated_at >= cutoff,
+                    other.task_id == job.task_id, other.stage == "quorum", other.updated_at >= cutoff
                 ),
+                or_(job.audited.is_(True), exists().where(other.task_id == job.task_id, other.id != job.id)),
+                exists().where(replica.task_id == job.task_id, replica.status == "available"),
+                ~exists().where(replica.task_id == job.task_id, replica.status == "leased"),
             )
-            .order_by(VerificationJob.id)
+            .order_by(job.id)
             .limit(limit)
         )
     ).scalars()
     decided = 0
     for task_id in dict.fromkeys(task_ids):
-        decided += await _expire_audit(session, task_id, now=now, wait_s=wait_s)
+        decided += await _expire_wait(session, task_id, now=now, wait_s=wait_s, secret=secret)
     return decided
 
 
-async def _expire_audit(session: AsyncSession, task_id: int, *, now: dt.datetime, wait_s: float) -> int:
+async def _expire_wait(
+    session: AsyncSession, task_id: int, *, now: dt.datetime, wait_s: float, secret: bytes
+) -> int:
     task = (
         await session.execute(
             select(Task)
@@ -567,13 +592,6 @@ async def _expire_audit(session: AsyncSession, task_id: int, *, now: dt.datetime
     )
     if not unfinished or any(r.status == "leased" for r in unfinished):
         return 0  # the replicas are in, or a node is working on one: let it finish
-    for replica in unfinished:
-        replica.status = "cancelled"
-    task.replication -= len(unfinished)
-    task.available_replicas = 0
-    task.status = "submitted"
-    task.updated_at = now
-    await session.flush()
     jobs = list(
         (
             await session.execute(
@@ -582,30 +600,37 @@ async def _expire_audit(session: AsyncSession, task_id: int, *, now: dt.datetime
         ).scalars()
     )
     waiting = [j for j in jobs if j.stage == "quorum"]
-    note = f"no node took the {'audit' if len(jobs) == 1 else 'tie-break'} replica within {wait_s:g} s"
-    for job in waiting:
-        submission = await session.get(Submission, job.submission_id)
+    if not waiting or any(j.stage == "checks" for j in jobs):
+        return 0  # decided meanwhile, or a result still being checked: the checks decide
+    for r in unfinished:
+        r.status = "cancelled"
+    task.replication -= len(unfinished)
+    task.available_replicas = 0
+    task.status = "submitted"
+    task.updated_at = now
+    await session.flush()
+    n = len(unfinished)
+    what = (
+        "the audit replica"
+        if len(jobs) == 1
+        else "the missing replica"
+        if n == 1
+        else f"the {n} missing replicas"
+    )
+    note = f"no node took {what} within {wait_s:g} s"
+    if len(jobs) == 1:
+        [only] = waiting
+        submission = await session.get(Submission, only.submission_id)
         assert submission is not None
-        details: dict[str, Any] = {"findings": job.findings, "server_reward": job.server_reward}
-        if len(jobs) == 1:
-            job.audited = False
-            decision = by_reward(
-                job.server_reward is not None,
-                job.correct_samples or 0,
-                {**details, "audit_skipped": note},
-                "reward",
-            )
-        else:
-            votes = Counter(j.canonical for j in jobs if j.stage == "quorum" or _accepted_valid(j))
-            decision = Decision(
-                "rejected",
-                "inconclusive",
-                "quorum_timeout",
-                "quorum",
-                {**details, "votes": dict(votes), "quorum_timeout": note},
-            )
-        await decide(session, job, submission, decision, now=now)
-    log.info("audit_expired", task_id=task_id, replicas_withdrawn=len(unfinished), decided=len(waiting))
+        only.audited = False
+        details = {"findings": only.findings, "server_reward": only.server_reward, "audit_skipped": note}
+        decision = by_reward(only.server_reward is not None, only.correct_samples or 0, details, "reward")
+        await decide(session, only, submission, decision, now=now)
+    else:
+        pool = await session.get(Pool, task.pool_id)
+        assert pool is not None
+        await try_quorum(session, task, pool, secret=secret, now=now, timeout_note=note)
+    log.info("quorum_wait_expired", task_id=task_id, replicas_withdrawn=len(unfinished), decided=len(waiting))
     return len(waiting)
 
 

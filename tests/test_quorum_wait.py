@@ -1,6 +1,6 @@
-"""Audit replicas nobody takes: after ``verifier.audit_wait_s`` they are withdrawn and the
-results that waited for them are decided, so neither the result nor its node's trust waits for
-ever on a node that left, fell unhealthy or never polls."""
+"""Replicas nobody takes: after ``verifier.quorum_wait_s`` they are withdrawn and the results
+that waited for them are decided, so neither the results nor their nodes' trust wait for ever on
+a node that left, fell unhealthy or never polls, or on a provider the pool does not have."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ TASK = {"prompt": "Name the capital of France.", "sampling": {"max_tokens": 64}}
 @pytest.fixture(autouse=True)
 def _audit_everything(app_state: Any) -> None:
     app_state.rng = FixedDraw(0.0)  # every result is drawn for an audit
-    app_state.settings.verifier.audit_wait_s = WAIT_S
+    app_state.settings.verifier.quorum_wait_s = WAIT_S
 
 
 async def _task_detail(s: Any) -> dict[str, Any]:
@@ -50,11 +50,11 @@ async def test_an_audit_replica_nobody_takes_is_withdrawn_and_the_result_decided
 
         # Within the wait nothing is decided: the sibling could still come.
         report = await _tick(app_state, clock, WAIT_S - 1)
-        assert report.ran and report.audits_expired == 0
+        assert report.ran and report.quorum_waits_expired == 0
         assert await verdicts(s.admin, s.headers, s.pool_id) == []
 
         report = await _tick(app_state, clock, 2)
-        assert report.audits_expired == 1
+        assert report.quorum_waits_expired == 1
         [verdict] = await verdicts(s.admin, s.headers, s.pool_id)
         assert (verdict["outcome"], verdict["category"], verdict["reason"]) == (
             "accepted",
@@ -69,7 +69,7 @@ async def test_an_audit_replica_nobody_takes_is_withdrawn_and_the_result_decided
         # The withdrawn replica is gone for everyone, and a later tick decides nothing twice.
         r = (await sibling.claim(s.pool_id)).json()
         assert (r["leases"], r["reason"]) == ([], "no_tasks")
-        assert (await _tick(app_state, clock, WAIT_S + 1)).audits_expired == 0
+        assert (await _tick(app_state, clock, WAIT_S + 1)).quorum_waits_expired == 0
         assert len(await verdicts(s.admin, s.headers, s.pool_id)) == 1
         b = await balances(s.admin, first)
         assert b["rewards_pending"] + b["rewards_claimable"] == 7  # paid once
@@ -84,7 +84,7 @@ async def test_a_leased_audit_replica_is_left_to_finish(app: Any, app_state: Any
         await verify_all(app_state)
         audit = (await sibling.claim(s.pool_id)).json()["leases"][0]
 
-        assert (await _tick(app_state, clock, WAIT_S + 1)).audits_expired == 0
+        assert (await _tick(app_state, clock, WAIT_S + 1)).quorum_waits_expired == 0
         assert await verdicts(s.admin, s.headers, s.pool_id) == []
 
         await submit(sibling, audit, ["Paris"])
@@ -112,16 +112,77 @@ async def test_disagreeing_results_whose_tie_break_nobody_takes_are_inconclusive
         assert (await _task_detail(s))["replication"] == 3  # the tie-break replica
 
         # The tie-break replica gets its own full wait, counted from when it was asked for.
-        assert (await _tick(app_state, clock, WAIT_S - 1)).audits_expired == 0
+        assert (await _tick(app_state, clock, WAIT_S - 1)).quorum_waits_expired == 0
         assert await verdicts(s.admin, s.headers, s.pool_id) == []
 
-        assert (await _tick(app_state, clock, 2)).audits_expired == 2
+        assert (await _tick(app_state, clock, 2)).quorum_waits_expired == 2
         vs = await verdicts(s.admin, s.headers, s.pool_id)
         assert [(v["outcome"], v["category"], v["reason"]) for v in vs] == [
             ("rejected", "inconclusive", "quorum_timeout")
         ] * 2
         assert vs[0]["details"]["votes"] == {'["paris"]': 1, '["lyon"]': 1}
-        assert vs[0]["details"]["quorum_timeout"] == f"no node took the tie-break replica within {WAIT_S} s"
+        assert vs[0]["details"]["quorum_timeout"] == f"no node took the missing replica within {WAIT_S} s"
         assert all(v["reward_amount"] == 0 and v["slashed_amount"] == 0 for v in vs)
         detail = await _task_detail(s)
         assert (detail["status"], detail["replication"]) == ("completed", 2)
+
+
+async def _answer(s: Any, workers: list[Any], answers: list[str]) -> None:
+    for worker, answer in zip(workers, answers, strict=True):
+        lease = (await worker.claim(s.pool_id)).json()["leases"][0]
+        await submit(worker, lease, [answer])
+    await verify_all(app_state_of(s))
+
+
+def app_state_of(s: Any) -> Any:
+    return s.app.state.orch
+
+
+async def test_two_agreeing_results_are_decided_without_a_replica_nobody_takes(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """An operator's third replica that no node takes: the two results in agree, a strict
+    majority of the quorum of three, so they are accepted without it."""
+    async with pool_setup(app, app_state, workers=3, replication_factor=3) as s:
+        await s.enqueue([TASK], key="r3")
+        await _answer(s, s.workers[:2], ["Paris", "Paris"])  # the third node never claims
+        assert await verdicts(s.admin, s.headers, s.pool_id) == []
+        assert (await _tick(app_state, clock, WAIT_S + 1)).quorum_waits_expired == 2
+        vs = await verdicts(s.admin, s.headers, s.pool_id)
+        assert [(v["category"], v["reason"], v["verifier"]) for v in vs] == [
+            ("valid", "verified", "quorum")
+        ] * 2
+        assert vs[0]["details"]["quorum_timeout"] == f"no node took the missing replica within {WAIT_S} s"
+        detail = await _task_detail(s)
+        assert (detail["status"], detail["replication"]) == ("completed", 2)
+        r = (await s.workers[2].claim(s.pool_id)).json()
+        assert (r["leases"], r["reason"]) == ([], "no_tasks")
+
+
+async def test_an_undecided_vote_whose_tie_break_nobody_takes_is_inconclusive(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """Three different answers ask for a fourth replica; the pool has no fourth provider."""
+    async with pool_setup(app, app_state, workers=3, replication_factor=3) as s:
+        await s.enqueue([TASK], key="r3")
+        await _answer(s, s.workers, ["Paris", "Lyon", "Nice"])
+        assert (await _task_detail(s))["replication"] == 4
+        assert (await _tick(app_state, clock, WAIT_S + 1)).quorum_waits_expired == 3
+        vs = await verdicts(s.admin, s.headers, s.pool_id)
+        assert [(v["category"], v["reason"]) for v in vs] == [("inconclusive", "quorum_timeout")] * 3
+        assert (await _task_detail(s))["status"] == "completed"
+
+
+async def test_a_lone_result_of_a_replicated_task_waits_for_its_sibling(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """Not audited and alone, a result cannot be compared with anything: it waits (the task's
+    deadline is what bounds that wait), and the sibling's result, however late, decides."""
+    async with pool_setup(app, app_state, workers=2, replication_factor=2) as s:
+        await s.enqueue([TASK], key="r2")
+        await _answer(s, s.workers[:1], ["Paris"])
+        assert (await _tick(app_state, clock, WAIT_S + 1)).quorum_waits_expired == 0
+        assert await verdicts(s.admin, s.headers, s.pool_id) == []
+        await _answer(s, s.workers[1:], ["Paris"])
+        vs = await verdicts(s.admin, s.headers, s.pool_id)
+        assert [(v["category"], v["verifier"]) for v in vs] == [("valid", "quorum")] * 2
