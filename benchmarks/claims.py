@@ -44,6 +44,7 @@ from benchmarks.common import (
     free_port,
     prepare_raw,
     reset_database,
+    run_main,
     setup_pool,
     sqlalchemy_url,
     start_server,
@@ -347,11 +348,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    # uvloop, as the server's uvicorn runs on: this process's own CPU (the client in api and raw,
-    # the whole service layer in service) then costs what it would in the server.
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main())
-    else:
-        uvloop.run(main())
+    run_main(main)

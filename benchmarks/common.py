@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -428,3 +428,14 @@ def machine_busy_s() -> float:
         fields = [int(x) for x in f.readline().split()[1:]]
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def run_main(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """A benchmark's entry point on uvloop, as uvicorn and ``orchestrator background`` run: the
+    benchmark process's own CPU then costs what it would in the server."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main())
+    else:
+        uvloop.run(main())

@@ -43,6 +43,7 @@ from benchmarks.common import (
     free_port,
     register_nodes,
     reset_database,
+    run_main,
     server_env,
     start_server,
     stop_server,
@@ -208,10 +209,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    # uvloop, as uvicorn and ``orchestrator background`` run on.
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main())
-    else:
-        uvloop.run(main())
+    run_main(main)

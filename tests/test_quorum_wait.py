@@ -36,15 +36,21 @@ async def _tick(app_state: Any, clock: FakeClock, seconds: float) -> Any:
     return await verify_once(app_state)
 
 
+async def _answer(app_state: Any, s: Any, workers: list[Any], answers: list[str]) -> None:
+    """Each worker claims a replica and answers it; then the verifier runs."""
+    for worker, answer in zip(workers, answers, strict=True):
+        lease = (await worker.claim(s.pool_id)).json()["leases"][0]
+        await submit(worker, lease, [answer])
+    await verify_all(app_state)
+
+
 async def test_an_audit_replica_nobody_takes_is_withdrawn_and_the_result_decided_alone(
     app: Any, app_state: Any, clock: FakeClock
 ) -> None:
     async with pool_setup(app, app_state, workers=2, economics=ECON) as s:
         first, sibling = s.workers
         await s.enqueue([TASK], key="audit")
-        lease = (await first.claim(s.pool_id)).json()["leases"][0]
-        await submit(first, lease, ["Paris"])
-        await verify_all(app_state)
+        await _answer(app_state, s, [first], ["Paris"])
         assert await verdicts(s.admin, s.headers, s.pool_id) == []
         assert (await _task_detail(s))["replication"] == 2  # the audit replica, for the sibling
 
@@ -79,9 +85,7 @@ async def test_a_leased_audit_replica_is_left_to_finish(app: Any, app_state: Any
     async with pool_setup(app, app_state, workers=2) as s:
         first, sibling = s.workers
         await s.enqueue([TASK], key="audit")
-        lease = (await first.claim(s.pool_id)).json()["leases"][0]
-        await submit(first, lease, ["Paris"])
-        await verify_all(app_state)
+        await _answer(app_state, s, [first], ["Paris"])
         audit = (await sibling.claim(s.pool_id)).json()["leases"][0]
 
         assert (await _tick(app_state, clock, WAIT_S + 1)).quorum_waits_expired == 0
@@ -102,13 +106,9 @@ async def test_disagreeing_results_whose_tie_break_nobody_takes_are_inconclusive
     async with pool_setup(app, app_state, workers=2, economics=ECON) as s:
         first, sibling = s.workers
         await s.enqueue([TASK], key="audit")
-        lease = (await first.claim(s.pool_id)).json()["leases"][0]
-        await submit(first, lease, ["Paris"])
-        await verify_all(app_state)
+        await _answer(app_state, s, [first], ["Paris"])
         await _tick(app_state, clock, WAIT_S - 1)  # the audit replica is taken late in its wait
-        audit = (await sibling.claim(s.pool_id)).json()["leases"][0]
-        await submit(sibling, audit, ["Lyon"])
-        await verify_all(app_state)
+        await _answer(app_state, s, [sibling], ["Lyon"])
         assert (await _task_detail(s))["replication"] == 3  # the tie-break replica
 
         # The tie-break replica gets its own full wait, counted from when it was asked for.
@@ -127,17 +127,6 @@ async def test_disagreeing_results_whose_tie_break_nobody_takes_are_inconclusive
         assert (detail["status"], detail["replication"]) == ("completed", 2)
 
 
-async def _answer(s: Any, workers: list[Any], answers: list[str]) -> None:
-    for worker, answer in zip(workers, answers, strict=True):
-        lease = (await worker.claim(s.pool_id)).json()["leases"][0]
-        await submit(worker, lease, [answer])
-    await verify_all(app_state_of(s))
-
-
-def app_state_of(s: Any) -> Any:
-    return s.app.state.orch
-
-
 async def test_two_agreeing_results_are_decided_without_a_replica_nobody_takes(
     app: Any, app_state: Any, clock: FakeClock
 ) -> None:
@@ -145,7 +134,7 @@ async def test_two_agreeing_results_are_decided_without_a_replica_nobody_takes(
     majority of the quorum of three, so they are accepted without it."""
     async with pool_setup(app, app_state, workers=3, replication_factor=3) as s:
         await s.enqueue([TASK], key="r3")
-        await _answer(s, s.workers[:2], ["Paris", "Paris"])  # the third node never claims
+        await _answer(app_state, s, s.workers[:2], ["Paris", "Paris"])  # the third node never claims
         assert await verdicts(s.admin, s.headers, s.pool_id) == []
         assert (await _tick(app_state, clock, WAIT_S + 1)).quorum_waits_expired == 2
         vs = await verdicts(s.admin, s.headers, s.pool_id)
@@ -165,7 +154,7 @@ async def test_an_undecided_vote_whose_tie_break_nobody_takes_is_inconclusive(
     """Three different answers ask for a fourth replica; the pool has no fourth provider."""
     async with pool_setup(app, app_state, workers=3, replication_factor=3) as s:
         await s.enqueue([TASK], key="r3")
-        await _answer(s, s.workers, ["Paris", "Lyon", "Nice"])
+        await _answer(app_state, s, s.workers, ["Paris", "Lyon", "Nice"])
         assert (await _task_detail(s))["replication"] == 4
         assert (await _tick(app_state, clock, WAIT_S + 1)).quorum_waits_expired == 3
         vs = await verdicts(s.admin, s.headers, s.pool_id)
@@ -180,9 +169,9 @@ async def test_a_lone_result_of_a_replicated_task_waits_for_its_sibling(
     deadline is what bounds that wait), and the sibling's result, however late, decides."""
     async with pool_setup(app, app_state, workers=2, replication_factor=2) as s:
         await s.enqueue([TASK], key="r2")
-        await _answer(s, s.workers[:1], ["Paris"])
+        await _answer(app_state, s, s.workers[:1], ["Paris"])
         assert (await _tick(app_state, clock, WAIT_S + 1)).quorum_waits_expired == 0
         assert await verdicts(s.admin, s.headers, s.pool_id) == []
-        await _answer(s, s.workers[1:], ["Paris"])
+        await _answer(app_state, s, s.workers[1:], ["Paris"])
         vs = await verdicts(s.admin, s.headers, s.pool_id)
         assert [(v["category"], v["verifier"]) for v in vs] == [("valid", "quorum")] * 2
