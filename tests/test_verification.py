@@ -340,9 +340,10 @@ async def test_checkable_answers_are_judged_one_by_one_without_audit_replicas(
         await submit(s.workers[0], leases[0], ["4", "4"])
         await submit(s.workers[1], leases[1], ["4", "5"])
         await verify_all(app_state)
-        vs = await verdicts(s.admin, s.headers, s.pool_id)
-        assert [v["category"] for v in vs] == ["valid", "valid"]
-        assert [v["server_reward"] for v in vs] == [1.0, 0.5]
+        vs = {v["node_id"]: v for v in await verdicts(s.admin, s.headers, s.pool_id)}
+        first, second = (vs[w.node_id] for w in s.workers)
+        assert (first["category"], second["category"]) == ("valid", "valid")
+        assert (first["server_reward"], second["server_reward"]) == (1.0, 0.5)
 
 
 async def test_fraud_strikes_eject_the_node_and_then_ban_the_provider(

@@ -118,13 +118,15 @@ async def test_a_job_that_fails_does_not_hold_up_its_batch(
 async def test_two_verifiers_share_a_backlog_and_decide_and_pay_each_result_once(
     app: Any, app_state: Any, client: Any
 ) -> None:
-    """Two verifier loops over one backlog of 60 results (correct, wrong and fraudulent, from
-    four providers): every job is decided once, rewards and slashes are paid once."""
+    """Two verifier loops over one backlog of 120 results (correct, wrong and fraudulent, from
+    eight providers): every job is decided once, rewards and slashes are paid once, and each
+    provider's results are decided in order (each fraud forfeits the rewards of the node's two
+    earlier correct results, still on hold)."""
     batches_of(app_state, 4)
-    async with pool_setup(app, app_state, workers=4, economics=ECON, stake=1000, max_leases_per_node=16) as s:
+    async with pool_setup(app, app_state, workers=8, economics=ECON, stake=1000, max_leases_per_node=16) as s:
         await results(s, 15, answers=["4", "4", "5", "fraud", "4"])
         counts = await asyncio.gather(*(verify_batches(app_state, budget_s=math.inf) for _ in range(2)))
-        assert sum(counts) == 60 and min(counts) > 0, counts  # both took part
+        assert sum(counts) == 120 and min(counts) > 0, counts  # both took part
 
         async with app_state.sessionmaker() as session:
             rows = (await session.execute(select(Verdict.submission_id, Verdict.category))).all()
@@ -133,11 +135,20 @@ async def test_two_verifiers_share_a_backlog_and_decide_and_pay_each_result_once
                 for (r,) in (await session.execute(select(LedgerTransfer.reason))).all()
                 if r != "stake_lock"
             )
-        assert len(rows) == 60 and len({sid for sid, _ in rows}) == 60
+            system_debits = set(
+                (
+                    await session.execute(
+                        select(LedgerTransfer.debit_account_id).where(LedgerTransfer.reason == "reward")
+                    )
+                ).scalars()
+            )
+        assert len(rows) == 120 and len({sid for sid, _ in rows}) == 120
         categories = Counter(c for _, c in rows)
-        assert categories == Counter(valid=36, invalid=12, fraud=12)
-        assert reasons == Counter(deposit=4, reward=36, slash_stake=12, slash_pending_rewards=12)
-        assert await decided(app_state) == (60, Counter(done=60))
+        assert categories == Counter(valid=72, invalid=24, fraud=24)
+        assert reasons == Counter(deposit=8, reward=72, slash_stake=24, slash_pending_rewards=24)
+        assert await decided(app_state) == (120, Counter(done=120))
+        # Rewards come from the system account of each provider's partition, not from one row.
+        assert len(system_debits) > 1
         for w in s.workers:
             b = await balances(client, w)
             assert b["stake_locked"] == 1000 - 3 * 10

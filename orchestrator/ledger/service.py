@@ -75,8 +75,11 @@ def provider_account(provider_id: str, kind: ProviderAccount) -> AccountRef:
     return AccountRef("provider", provider_id, kind.value)
 
 
-def system_account(kind: SystemAccount) -> AccountRef:
-    return AccountRef("system", "system", kind.value)
+def system_account(kind: SystemAccount, shard: int = 0) -> AccountRef:
+    """The system's account of ``kind``. The verifier's partitions each move money through
+    their own (``system/1``, ``system/2``, ...; shard 0 is ``system``), so that concurrent
+    batches do not queue on one row; the system's balance of a kind is the sum over shards."""
+    return AccountRef("system", "system" if shard == 0 else f"system/{shard}", kind.value)
 
 
 class InsufficientFunds(Conflict):

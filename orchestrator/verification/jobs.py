@@ -7,6 +7,7 @@ housekeeping is once per tick across processes (``core.ticks.claim_tick``)."""
 from __future__ import annotations
 
 import math
+import random
 import time
 from dataclasses import dataclass
 
@@ -61,22 +62,40 @@ async def _housekeeping(state: AppState, tick: int) -> tuple[bool, int, int]:
 async def verify_batches(state: AppState, *, budget_s: float) -> int:
     """Verify waiting results, ``settings.verifier.batch_size`` per transaction, each batch
     committed before the next is taken, until none is left or ``budget_s`` has passed. Needs no
-    tick claim: jobs are taken with SKIP LOCKED, so processes share the backlog. A job that
-    failed is not retried within the call (the next batch starts after it). Returns how many
-    jobs were processed."""
+    tick claim. On PostgreSQL the backlog is worked partition by partition (by provider, see
+    ``service.PARTITIONS``), one batch per partition at a time across processes, so processes
+    share the backlog and each provider's results are decided in order. A job that failed is
+    not retried within the call (the next batch starts after it). Returns how many jobs were
+    processed."""
     size = state.settings.verifier.batch_size
     secret = state.settings.seed_secret.get_secret_value().encode()
     deadline = time.monotonic() + budget_s
-    after, total = 0, 0
-    while True:
-        async with state.sessionmaker() as session, session.begin():
-            batch = await service.process_pending(
-                session, secret=secret, rng=state.rng, now=state.clock.utcnow(), limit=size, after_id=after
-            )
-        total += batch.processed
-        after = batch.last_id
-        if batch.picked < size or time.monotonic() >= deadline:
-            return total
+    partitions: list[int | None] = [None]  # SQLite: one writer, one backlog
+    if state.engine.dialect.name == "postgresql":
+        async with state.sessionmaker() as session:
+            partitions = list(await service.partitions_with_work(session))
+        random.shuffle(partitions)  # verifiers starting together try different partitions first
+    total = 0
+    for partition in partitions:
+        after = 0
+        while True:
+            async with state.sessionmaker() as session, session.begin():
+                batch = await service.process_pending(
+                    session,
+                    secret=secret,
+                    rng=state.rng,
+                    now=state.clock.utcnow(),
+                    limit=size,
+                    after_id=after,
+                    partition=partition,
+                )
+            total += batch.processed
+            after = batch.last_id
+            if time.monotonic() >= deadline:
+                return total
+            if batch.picked < size:
+                break  # this partition is done, or another verifier is working it
+    return total
 
 
 async def drain(state: AppState, *, max_rounds: int = 100) -> int:

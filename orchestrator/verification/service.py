@@ -56,7 +56,6 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import aliased
 
 from orchestrator.core.db import UTCDateTime
-from orchestrator.core.sql import is_postgres
 from orchestrator.identity.models import Node
 from orchestrator.ledger import service as ledger
 from orchestrator.ledger.service import ProviderAccount, SystemAccount, provider_account, system_account
@@ -69,6 +68,18 @@ from orchestrator.verification.models import NodeTrust, RewardHold, ValidationJo
 log = structlog.get_logger(__name__)
 
 MAX_EXTRA_REPLICAS = 2  # an undecided quorum may add this many replicas before it is inconclusive
+# On PostgreSQL the verifier's backlog is split by provider into PARTITIONS, each worked by one
+# batch at a time (a transaction-scoped advisory lock on (VERIFIER_LOCK, partition)): a
+# provider's results are still decided in the order they came in, while batches of different
+# partitions, whose providers and system accounts differ, run side by side.
+PARTITIONS = 16
+VERIFIER_LOCK = 0x5646  # the advisory lock's first key ("VF")
+SYSTEM_SHARD = "orchestrator.system_shard"  # session.info key: the batch's system accounts
+
+
+def submission_partition() -> ColumnElement[int]:
+    """The verifier partition of a submission's provider, in SQL (PostgreSQL's ``hashtext``)."""
+    return func.hashtext(Submission.provider_id).op("&")(PARTITIONS - 1)
 
 
 @dataclass(frozen=True)
@@ -142,22 +153,33 @@ async def process_pending(
     now: dt.datetime,
     limit: int = 20,
     after_id: int = 0,
+    partition: int | None = None,
 ) -> Batch:
     """Run the cheap checks of up to ``limit`` waiting jobs with ids above ``after_id``, in the
     caller's transaction (one small batch: its verdicts are visible when it commits).
 
-    The jobs are taken with SKIP LOCKED, so several verifiers share a backlog without waiting
-    for or double-processing each other; the reward functions run before any other lock is
-    taken; then the batch's locks are taken up front (``lock_for_verdicts``, and its replicated
-    tasks, so that two verifiers never both leave a quorum for the other to decide)."""
+    With ``partition`` (PostgreSQL) the batch first takes that partition's advisory lock
+    without waiting (another verifier working it: an empty batch) and then its oldest jobs, and
+    moves money through the partition's system accounts. Without (SQLite, one writer) the jobs
+    are the oldest of all. The reward functions run before any other lock is taken; then the
+    batch's locks are taken up front (``lock_for_verdicts``, and its replicated tasks, so that
+    two verifiers never both leave a quorum for the other to decide)."""
     stmt = (
         select(VerificationJob)
         .where(VerificationJob.stage == "checks", VerificationJob.id > after_id)
         .order_by(VerificationJob.id)
         .limit(limit)
     )
-    if is_postgres(session):
-        stmt = stmt.with_for_update(skip_locked=True)
+    if partition is not None:
+        lock = func.pg_try_advisory_xact_lock(VERIFIER_LOCK, partition)
+        if not await session.scalar(select(lock)):
+            return Batch(0, 0, after_id)
+        stmt = (
+            stmt.join(Submission, Submission.id == VerificationJob.submission_id)
+            .where(submission_partition() == partition)
+            .with_for_update(of=VerificationJob)
+        )
+        session.info[SYSTEM_SHARD] = partition
     jobs = list((await session.execute(stmt)).scalars())
     if not jobs:
         return Batch(0, 0, after_id)
@@ -239,6 +261,19 @@ async def _score(session: AsyncSession, job: VerificationJob) -> Scored:
     return Scored(result, per_sample, canonical)
 
 
+async def partitions_with_work(session: AsyncSession) -> list[int]:
+    """The partitions that have results waiting for their checks (PostgreSQL)."""
+    part = submission_partition()
+    stmt = (
+        select(part)
+        .select_from(VerificationJob)
+        .join(Submission, Submission.id == VerificationJob.submission_id)
+        .where(VerificationJob.stage == "checks")
+        .distinct()
+    )
+    return [int(p) for p in (await session.execute(stmt)).scalars()]
+
+
 async def _lock_replicated_tasks(session: AsyncSession, task_ids: set[int]) -> list[Task]:
     """Lock (and re-read) the batch's tasks that have several replicas, after the accounts.
 
@@ -291,7 +326,8 @@ async def lock_for_verdicts(session: AsyncSession, submissions: list[Submission]
         .with_for_update()
         .execution_options(populate_existing=True)
     )
-    refs = [system_account(SystemAccount.rewards), system_account(SystemAccount.slashed)]
+    shard = session.info.get(SYSTEM_SHARD, 0)
+    refs = [system_account(SystemAccount.rewards, shard), system_account(SystemAccount.slashed, shard)]
     for provider_id in providers:
         refs += [provider_account(provider_id, ProviderAccount.rewards_pending)]
         refs += ledger.stake_accounts(provider_id)
@@ -769,7 +805,7 @@ async def _reward(session: AsyncSession, pool: Pool, verdict: Verdict, *, now: d
         return
     await ledger.transfer(
         session,
-        debit=system_account(SystemAccount.rewards),
+        debit=system_account(SystemAccount.rewards, session.info.get(SYSTEM_SHARD, 0)),
         credit=provider_account(verdict.provider_id, ProviderAccount.rewards_pending),
         amount=amount,
         key=f"submission:{verdict.submission_id}:reward",
@@ -806,7 +842,7 @@ async def _punish(
         await ledger.transfer(
             session,
             debit=provider_account(verdict.provider_id, ProviderAccount.stake_locked),
-            credit=system_account(SystemAccount.slashed),
+            credit=system_account(SystemAccount.slashed, session.info.get(SYSTEM_SHARD, 0)),
             amount=amount,
             key=f"submission:{verdict.submission_id}:slash-stake",
             reason="slash_stake",
@@ -834,7 +870,7 @@ async def _punish(
         await ledger.transfer(
             session,
             debit=provider_account(verdict.provider_id, ProviderAccount.rewards_pending),
-            credit=system_account(SystemAccount.slashed),
+            credit=system_account(SystemAccount.slashed, session.info.get(SYSTEM_SHARD, 0)),
             amount=pending,
             key=f"submission:{verdict.submission_id}:slash-pending",
             reason="slash_pending_rewards",
