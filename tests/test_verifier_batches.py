@@ -9,7 +9,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 
 from orchestrator.ledger.models import LedgerTransfer
 from orchestrator.settings import VerifierSettings
@@ -171,6 +171,39 @@ async def test_two_verifiers_never_leave_a_quorum_undecided(app: Any, app_state:
         assert sum(counts) == 24, counts
         verdicts, stages = await decided(app_state)
         assert stages == Counter(done=24) and verdicts == 24
+
+
+async def partition_of(app_state: Any, provider_id: str) -> int:
+    async with app_state.sessionmaker() as session:
+        query = text("SELECT hashtext(:p) & :mask")
+        return int(await session.scalar(query, {"p": provider_id, "mask": service.PARTITIONS - 1}) or 0)
+
+
+@postgres_only
+async def test_a_partition_another_verifier_works_is_left_to_it(app: Any, app_state: Any) -> None:
+    """Verifiers split the backlog by provider partition: a partition another process is
+    working (its advisory lock held) is left to it, without waiting, and the rest is decided."""
+    batches_of(app_state, 10)
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=8) as s:
+        held = s.workers[0]
+        held_partition = await partition_of(app_state, held.contributor.provider_id)
+        while True:  # a second provider in another partition (1 in 16 share one)
+            free = await s.add_worker()
+            if await partition_of(app_state, free.contributor.provider_id) != held_partition:
+                break
+            s.workers.remove(free)
+        s.workers[:] = [held, free]
+        await results(s, 3)
+        async with app_state.engine.connect() as other:  # another verifier, mid-batch
+            lock = text("SELECT pg_advisory_xact_lock(:k, :p)")
+            await other.execute(lock, {"k": service.VERIFIER_LOCK, "p": held_partition})
+            assert await asyncio.wait_for(verify_batches(app_state, budget_s=math.inf), 10) == 3
+            async with app_state.sessionmaker() as session:
+                nodes = Counter((await session.execute(select(Verdict.node_id))).scalars())
+            assert nodes == Counter({free.node_id: 3})
+        # That verifier is gone (its transaction ended): the rest is decided.
+        assert await verify_batches(app_state, budget_s=math.inf) == 3
+        assert await decided(app_state) == (6, Counter(done=6))
 
 
 def test_verifier_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

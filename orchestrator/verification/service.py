@@ -56,6 +56,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import aliased
 
 from orchestrator.core.db import UTCDateTime
+from orchestrator.core.sql import is_postgres
 from orchestrator.identity.models import Node
 from orchestrator.ledger import service as ledger
 from orchestrator.ledger.service import ProviderAccount, SystemAccount, provider_account, system_account
@@ -180,6 +181,8 @@ async def process_pending(
             .with_for_update(of=VerificationJob)
         )
         session.info[SYSTEM_SHARD] = partition
+    elif is_postgres(session):  # the whole backlog at once: share it without waiting
+        stmt = stmt.with_for_update(skip_locked=True)
     jobs = list((await session.execute(stmt)).scalars())
     if not jobs:
         return Batch(0, 0, after_id)
