@@ -13,6 +13,7 @@ from sqlalchemy import func, select, text
 
 from orchestrator.ledger.models import LedgerTransfer
 from orchestrator.settings import VerifierSettings
+from orchestrator.tasks.models import Submission
 from orchestrator.verification import service
 from orchestrator.verification.jobs import verify_batches, verify_once
 from orchestrator.verification.models import Verdict, VerificationJob
@@ -173,12 +174,6 @@ async def test_two_verifiers_never_leave_a_quorum_undecided(app: Any, app_state:
         assert stages == Counter(done=24) and verdicts == 24
 
 
-async def partition_of(app_state: Any, provider_id: str) -> int:
-    async with app_state.sessionmaker() as session:
-        query = text("SELECT hashtext(:p) & :mask")
-        return int(await session.scalar(query, {"p": provider_id, "mask": service.PARTITIONS - 1}) or 0)
-
-
 @postgres_only
 async def test_a_partition_another_verifier_works_is_left_to_it(app: Any, app_state: Any) -> None:
     """Verifiers split the backlog by provider partition: a partition another process is
@@ -186,14 +181,24 @@ async def test_a_partition_another_verifier_works_is_left_to_it(app: Any, app_st
     batches_of(app_state, 10)
     async with pool_setup(app, app_state, workers=1, max_leases_per_node=8) as s:
         held = s.workers[0]
-        held_partition = await partition_of(app_state, held.contributor.provider_id)
+        held_partition = service.partition_of(held.contributor.provider_id)
         while True:  # a second provider in another partition (1 in 16 share one)
             free = await s.add_worker()
-            if await partition_of(app_state, free.contributor.provider_id) != held_partition:
+            if service.partition_of(free.contributor.provider_id) != held_partition:
                 break
             s.workers.remove(free)
         s.workers[:] = [held, free]
         await results(s, 3)
+        async with app_state.sessionmaker() as session:  # each job records its provider's partition
+            rows = await session.execute(
+                select(VerificationJob.verifier_partition, Submission.provider_id).join(
+                    Submission, Submission.id == VerificationJob.submission_id
+                )
+            )
+            assert {(p, service.partition_of(provider)) for p, provider in rows.all()} == {
+                (held_partition, held_partition),
+                (service.partition_of(free.contributor.provider_id),) * 2,
+            }
         async with app_state.engine.connect() as other:  # another verifier, mid-batch
             lock = text("SELECT pg_advisory_xact_lock(:k, :p)")
             await other.execute(lock, {"k": service.VERIFIER_LOCK, "p": held_partition})

@@ -909,12 +909,19 @@ async def submit_result(
     params: dict[str, Any] = {f"s_{name}": value for name, value in submission.items()}
     params |= {"b_lease": assignment_id, "b_replica": ctx.replica_id, "b_task": ctx.task_id}
     params |= {"b_pool": ctx.pool_id, "b_now": now}
+    provider_id = ctx.signer_provider_id or ""
     if is_postgres(session):
+        params["b_partition"] = verification.partition_of(provider_id)
         submission_id = (await conn.execute(_RECORD_RESULT, params)).scalar_one()
     else:
         submission_id = (await conn.execute(_INSERT_SUBMISSION, params)).scalar_one()
         await verification.enqueue(
-            conn, submission_id=submission_id, task_id=ctx.task_id, pool_id=ctx.pool_id, now=now
+            conn,
+            submission_id=submission_id,
+            task_id=ctx.task_id,
+            pool_id=ctx.pool_id,
+            provider_id=provider_id,
+            now=now,
         )
         for stmt in _SUBMITTED_ROWS:
             await conn.execute(stmt, params)

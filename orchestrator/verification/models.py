@@ -14,6 +14,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    SmallInteger,
     String,
     Text,
     text,
@@ -51,6 +52,14 @@ class VerificationJob(Base):
             sqlite_where=text("stage <> 'done'"),
         ),
         Index("ix_verification_jobs_task_id", "task_id"),
+        # Each verifier partition's backlog in id order: a batch's pick is a range of it.
+        Index(
+            "ix_verification_jobs_partition_pending",
+            "verifier_partition",
+            "id",
+            postgresql_where=text("stage = 'checks'"),
+            sqlite_where=text("stage = 'checks'"),
+        ),
     )
 
     id: Mapped[int] = mapped_column(ID, primary_key=True, autoincrement=True)
@@ -65,6 +74,9 @@ class VerificationJob(Base):
     canonical: Mapped[str | None] = mapped_column(Text, doc="canonical answers, compared by quorum")
     findings: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
     audited: Mapped[bool] = mapped_column(Boolean, default=False)
+    verifier_partition: Mapped[int] = mapped_column(
+        SmallInteger, default=0, server_default="0", doc="the submitting provider's verifier partition"
+    )
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import random
+import zlib
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,7 @@ from sqlalchemy import (
     BigInteger,
     ColumnElement,
     Insert,
+    SmallInteger,
     String,
     bindparam,
     exists,
@@ -78,9 +80,9 @@ VERIFIER_LOCK = 0x5646  # the advisory lock's first key ("VF")
 SYSTEM_SHARD = "orchestrator.system_shard"  # session.info key: the batch's system accounts
 
 
-def submission_partition() -> ColumnElement[int]:
-    """The verifier partition of a submission's provider, in SQL (PostgreSQL's ``hashtext``)."""
-    return func.hashtext(Submission.provider_id).op("&")(PARTITIONS - 1)
+def partition_of(provider_id: str) -> int:
+    """A provider's verifier partition (CRC-32: the same in every process and release)."""
+    return zlib.crc32(provider_id.encode()) % PARTITIONS
 
 
 @dataclass(frozen=True)
@@ -101,16 +103,19 @@ _INSERT_JOB = insert(VerificationJob.__table__)  # type: ignore[arg-type]
 
 def job_for(submission_id: ColumnElement[int]) -> Insert:
     """The job of a submission whose id another part of the statement makes (the result path's
-    one-statement write on PostgreSQL); binds ``b_task``, ``b_pool`` and ``b_now``."""
+    one-statement write on PostgreSQL); binds ``b_task``, ``b_pool``, ``b_partition`` (the
+    provider's, ``partition_of``) and ``b_now``."""
     now = bindparam("b_now", type_=UTCDateTime())
+    columns = ["submission_id", "task_id", "pool_id", "stage", "audited", "verifier_partition"]
     return _INSERT_JOB.from_select(
-        ["submission_id", "task_id", "pool_id", "stage", "audited", "created_at", "updated_at"],
+        [*columns, "created_at", "updated_at"],
         select(
             submission_id,
             bindparam("b_task", type_=BigInteger()),
             bindparam("b_pool", type_=String()),
             literal_column("'checks'"),
             false(),
+            bindparam("b_partition", type_=SmallInteger()),
             now,
             now,
         ),
@@ -121,13 +126,18 @@ _ENQUEUE = job_for(bindparam("b_submission", type_=BigInteger()))
 
 
 async def enqueue(
-    conn: AsyncConnection, *, submission_id: int, task_id: int, pool_id: str, now: dt.datetime
+    conn: AsyncConnection,
+    *,
+    submission_id: int,
+    task_id: int,
+    pool_id: str,
+    provider_id: str,
+    now: dt.datetime,
 ) -> None:
     """Called in the result's transaction: the job exists if and only if the result does.
     One Core INSERT on the result's connection (the result path is hot and uses no ORM)."""
-    await conn.execute(
-        _ENQUEUE, {"b_submission": submission_id, "b_task": task_id, "b_pool": pool_id, "b_now": now}
-    )
+    params = {"b_submission": submission_id, "b_task": task_id, "b_pool": pool_id, "b_now": now}
+    await conn.execute(_ENQUEUE, params | {"b_partition": partition_of(provider_id)})
 
 
 @dataclass(frozen=True)
@@ -175,11 +185,7 @@ async def process_pending(
         lock = func.pg_try_advisory_xact_lock(VERIFIER_LOCK, partition)
         if not await session.scalar(select(lock)):
             return Batch(0, 0, after_id)
-        stmt = (
-            stmt.join(Submission, Submission.id == VerificationJob.submission_id)
-            .where(submission_partition() == partition)
-            .with_for_update(of=VerificationJob)
-        )
+        stmt = stmt.where(VerificationJob.verifier_partition == partition).with_for_update()
         session.info[SYSTEM_SHARD] = partition
     elif is_postgres(session):  # the whole backlog at once: share it without waiting
         stmt = stmt.with_for_update(skip_locked=True)
@@ -265,16 +271,11 @@ async def _score(session: AsyncSession, job: VerificationJob) -> Scored:
 
 
 async def partitions_with_work(session: AsyncSession) -> list[int]:
-    """The partitions that have results waiting for their checks (PostgreSQL)."""
-    part = submission_partition()
-    stmt = (
-        select(part)
-        .select_from(VerificationJob)
-        .join(Submission, Submission.id == VerificationJob.submission_id)
-        .where(VerificationJob.stage == "checks")
-        .distinct()
-    )
-    return [int(p) for p in (await session.execute(stmt)).scalars()]
+    """The partitions that have results waiting for their checks: one probe of the partition
+    index each, whatever the backlog (PostgreSQL)."""
+    part = func.generate_series(0, PARTITIONS - 1).column_valued("part")
+    waiting = exists().where(VerificationJob.stage == "checks", VerificationJob.verifier_partition == part)
+    return [int(p) for p in (await session.execute(select(part).where(waiting))).scalars()]
 
 
 async def _lock_replicated_tasks(session: AsyncSession, task_ids: set[int]) -> list[Task]:
