@@ -166,6 +166,11 @@ class Settings(BaseSettings):
         return self
 
     @property
+    def seed_key(self) -> bytes:
+        """``seed_secret`` as the key that task seeds are derived with."""
+        return self.seed_secret.get_secret_value().encode()
+
+    @property
     def redis_url(self) -> str | None:
         url = self.redis.url.get_secret_value().strip() if self.redis.url is not None else ""
         return url or None

@@ -72,7 +72,7 @@ async def create_iteration(
         session,
         pool,
         body,
-        secret=state.settings.seed_secret.get_secret_value().encode(),
+        secret=state.settings.seed_key,
         actor=principal.token_id,
         now=state.clock.utcnow(),
     )

@@ -239,7 +239,7 @@ async def enqueue(
         session,
         pool,
         body,
-        secret=state.settings.seed_secret.get_secret_value().encode(),
+        secret=state.settings.seed_key,
         actor=principal.token_id,
     )
     if result.created:

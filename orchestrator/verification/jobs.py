@@ -52,7 +52,7 @@ async def _housekeeping(state: AppState, tick: int) -> tuple[bool, int, int]:
         if not await claim_tick(session, VERIFIER, tick, state.instance_id):
             return False, 0, 0
         expired = await validators.expire_leases(session, now=now)
-        secret = state.settings.seed_secret.get_secret_value().encode()
+        secret = state.settings.seed_key
         waits = await service.expire_quorum_waits(
             session, now=now, wait_s=state.settings.verifier.quorum_wait_s, secret=secret
         )
@@ -68,7 +68,7 @@ async def verify_batches(state: AppState, *, budget_s: float) -> int:
     not retried within the call (the next batch starts after it). Returns how many jobs were
     processed."""
     size = state.settings.verifier.batch_size
-    secret = state.settings.seed_secret.get_secret_value().encode()
+    secret = state.settings.seed_key
     deadline = time.monotonic() + budget_s
     partitions: list[int | None] = [None]  # SQLite: one writer, one backlog
     if state.engine.dialect.name == "postgresql":

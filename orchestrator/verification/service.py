@@ -80,6 +80,11 @@ VERIFIER_LOCK = 0x5646  # the advisory lock's first key ("VF")
 SYSTEM_SHARD = "orchestrator.system_shard"  # session.info key: the batch's system accounts
 
 
+def _system_account(session: AsyncSession, kind: SystemAccount) -> ledger.AccountRef:
+    """The system account of ``kind`` that this transaction's verdicts use (its partition's)."""
+    return system_account(kind, session.info.get(SYSTEM_SHARD, 0))
+
+
 def partition_of(provider_id: str) -> int:
     """A provider's verifier partition (CRC-32: the same in every process and release)."""
     return zlib.crc32(provider_id.encode()) % PARTITIONS
@@ -330,8 +335,7 @@ async def lock_for_verdicts(session: AsyncSession, submissions: list[Submission]
         .with_for_update()
         .execution_options(populate_existing=True)
     )
-    shard = session.info.get(SYSTEM_SHARD, 0)
-    refs = [system_account(SystemAccount.rewards, shard), system_account(SystemAccount.slashed, shard)]
+    refs = [_system_account(session, SystemAccount.rewards), _system_account(session, SystemAccount.slashed)]
     for provider_id in providers:
         refs += [provider_account(provider_id, ProviderAccount.rewards_pending)]
         refs += ledger.stake_accounts(provider_id)
@@ -649,14 +653,10 @@ async def _expire_wait(
     task.status = "submitted"
     task.updated_at = now
     await session.flush()
-    n = len(unfinished)
-    what = (
-        "the audit replica"
-        if len(jobs) == 1
-        else "the missing replica"
-        if n == 1
-        else f"the {n} missing replicas"
-    )
+    if len(jobs) == 1:
+        what = "the audit replica"
+    else:
+        what = "the missing replica" if len(unfinished) == 1 else f"the {len(unfinished)} missing replicas"
     note = f"no node took {what} within {wait_s:g} s"
     if len(jobs) == 1:
         [only] = waiting
@@ -809,7 +809,7 @@ async def _reward(session: AsyncSession, pool: Pool, verdict: Verdict, *, now: d
         return
     await ledger.transfer(
         session,
-        debit=system_account(SystemAccount.rewards, session.info.get(SYSTEM_SHARD, 0)),
+        debit=_system_account(session, SystemAccount.rewards),
         credit=provider_account(verdict.provider_id, ProviderAccount.rewards_pending),
         amount=amount,
         key=f"submission:{verdict.submission_id}:reward",
@@ -846,7 +846,7 @@ async def _punish(
         await ledger.transfer(
             session,
             debit=provider_account(verdict.provider_id, ProviderAccount.stake_locked),
-            credit=system_account(SystemAccount.slashed, session.info.get(SYSTEM_SHARD, 0)),
+            credit=_system_account(session, SystemAccount.slashed),
             amount=amount,
             key=f"submission:{verdict.submission_id}:slash-stake",
             reason="slash_stake",
@@ -874,7 +874,7 @@ async def _punish(
         await ledger.transfer(
             session,
             debit=provider_account(verdict.provider_id, ProviderAccount.rewards_pending),
-            credit=system_account(SystemAccount.slashed, session.info.get(SYSTEM_SHARD, 0)),
+            credit=_system_account(session, SystemAccount.slashed),
             amount=pending,
             key=f"submission:{verdict.submission_id}:slash-pending",
             reason="slash_pending_rewards",
