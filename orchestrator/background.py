@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import structlog
 
@@ -29,6 +31,9 @@ from orchestrator.verification import jobs as verification_jobs
 log = structlog.get_logger(__name__)
 
 Tick = Callable[[AppState], Awaitable[object]]
+
+# How often ``run`` rewrites its alive file; a probe allows several missed writes (``alive_age``).
+ALIVE_INTERVAL_S = 5.0
 
 
 def loops(settings: Settings) -> list[tuple[str, float, Tick]]:
@@ -50,8 +55,38 @@ def start(state: AppState, stop: asyncio.Event) -> list[asyncio.Task[None]]:
     ]
 
 
-async def run(settings: Settings, stop: asyncio.Event | None = None) -> None:
-    """Run the loops in this process until ``stop`` is set (or SIGINT/SIGTERM arrives)."""
+async def keep_alive(path: Path, stop: asyncio.Event, interval: float = ALIVE_INTERVAL_S) -> None:
+    """Write the time to ``path`` every ``interval`` seconds from this event loop, so that a
+    liveness probe sees a hung loop (not a database outage: the loops only log those) as a
+    file that stops changing. The write is a rename, so a probe never reads half a file."""
+    try:
+        while not stop.is_set():
+            _write_alive(path)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=interval)
+    finally:
+        path.unlink(missing_ok=True)  # noqa: ASYNC240 (stopped: no longer alive)
+
+
+def _write_alive(path: Path) -> None:
+    # A few bytes on a local file: cheaper than handing them to a thread.
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(f"{time.time():.3f}\n")
+    partial.replace(path)
+
+
+def alive_age(path: Path, now: float | None = None) -> float | None:
+    """Seconds since ``keep_alive`` last wrote ``path``; None if it never did."""
+    try:
+        written = float(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return (time.time() if now is None else now) - written
+
+
+async def run(settings: Settings, stop: asyncio.Event | None = None, alive_file: Path | None = None) -> None:
+    """Run the loops in this process until ``stop`` is set (or SIGINT/SIGTERM arrives); with
+    ``alive_file``, keep that file fresh for a liveness probe (``orchestrator alive``)."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     handled = []
@@ -62,6 +97,8 @@ async def run(settings: Settings, stop: asyncio.Event | None = None) -> None:
     state = open_state(settings)
     engine, store = state.engine, state.hot_store
     tasks = start(state, stop)
+    if alive_file is not None:
+        tasks.append(asyncio.create_task(keep_alive(alive_file, stop), name="alive-file"))
     log.info("background_started", version=__version__, db=engine.dialect.name, loops=len(tasks))
     try:
         await stop.wait()

@@ -68,7 +68,12 @@ def serve(
 
 
 @app.command("background")
-def background_cmd() -> None:
+def background_cmd(
+    alive_file: Annotated[
+        Path | None,
+        typer.Option(help="Rewrite this file every 5 s while the event loop runs, for `orchestrator alive`"),
+    ] = None,
+) -> None:
     """Run only the background loops (liveness sweeper, lease reaper, verifier, reward and stake
     releases, ReST^EM barrier), without serving HTTP. Start the API replicas with
     ORCH_SERVER__BACKGROUND_LOOPS=false and one or more of these beside them; each tick still runs
@@ -84,7 +89,27 @@ def background_cmd() -> None:
             "embedded default, keep the loops in `orchestrator serve`)"
         )
     configure_logging(settings.log_level, json=settings.log_json)
-    asyncio.run(background.run(settings))
+    asyncio.run(background.run(settings, alive_file=alive_file))
+
+
+@app.command("alive")
+def alive_cmd(
+    alive_file: Annotated[Path, typer.Argument(help="What `background --alive-file` writes")],
+    max_age: Annotated[float, typer.Option(help="Seconds since its last write that count as alive")] = 30.0,
+) -> None:
+    """Liveness probe for `orchestrator background`: exit 0 if its alive file was written within
+    --max-age seconds, 1 otherwise (missing, unreadable or stale). Its event loop writes the file,
+    so a hung process fails the probe; a database outage does not."""
+    from orchestrator.background import alive_age
+
+    age = alive_age(alive_file)
+    if age is None:
+        console.print(f"[red]not alive: {alive_file} is missing or unreadable[/red]")
+        raise typer.Exit(1)
+    if age > max_age:
+        console.print(f"[red]not alive: {alive_file} was written {age:.1f} s ago (> {max_age:g} s)[/red]")
+        raise typer.Exit(1)
+    console.print(f"alive: written {age:.1f} s ago")
 
 
 @app.command("migrate")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 from typer.testing import CliRunner
@@ -17,7 +18,7 @@ from tests.verification_helpers import submit, verdicts
 
 
 async def test_a_background_process_verifies_what_an_api_process_accepted(
-    app: Any, app_state: Any, settings: Settings
+    app: Any, app_state: Any, settings: Settings, tmp_path: Path
 ) -> None:
     async with pool_setup(app, app_state, workers=1) as s:
         await s.enqueue([task("What is 2+2?"), task("What is 3+3?")])
@@ -28,17 +29,53 @@ async def test_a_background_process_verifies_what_an_api_process_accepted(
         assert await verdicts(s.admin, s.headers, s.pool_id) == []  # the API process runs no loop
 
         stop = asyncio.Event()
-        runner = asyncio.create_task(background.run(settings, stop))
+        alive = tmp_path / "alive"
+        runner = asyncio.create_task(background.run(settings, stop, alive_file=alive))
         try:
             deadline = time.monotonic() + 30
             decided: list[dict[str, Any]] = []
             while len(decided) < 2 and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
                 decided = await verdicts(s.admin, s.headers, s.pool_id)
+            age = background.alive_age(alive)
+            assert age is not None and age < background.ALIVE_INTERVAL_S + 1  # the probe's file
         finally:
             stop.set()
             await asyncio.wait_for(runner, timeout=30)
         assert sorted(v["outcome"] for v in decided) == ["accepted", "rejected"], decided
+        assert not alive.exists()  # a stopped process is not alive
+
+
+async def test_the_alive_file_is_rewritten_while_the_loop_runs_and_removed_on_stop(tmp_path: Path) -> None:
+    alive, stop = tmp_path / "alive", asyncio.Event()
+    writer = asyncio.create_task(background.keep_alive(alive, stop, interval=0.05))
+    await asyncio.sleep(0.02)
+    first = alive.read_text()
+    await asyncio.sleep(0.2)
+    assert alive.read_text() != first  # rewritten, not written once
+    age = background.alive_age(alive)
+    assert age is not None and 0 <= age < 1
+    stop.set()
+    await asyncio.wait_for(writer, timeout=5)
+    assert not alive.exists()
+    assert background.alive_age(alive) is None
+
+
+def test_the_alive_probe_fails_on_a_missing_or_stale_file(tmp_path: Path) -> None:
+    alive, runner = tmp_path / "alive", CliRunner()
+    result = runner.invoke(cli, ["alive", str(alive)])
+    assert result.exit_code == 1
+    assert "missing" in result.output
+    alive.write_text(f"{time.time() - 100:.3f}\n")  # a process that stopped writing 100 s ago
+    result = runner.invoke(cli, ["alive", str(alive), "--max-age", "30"])
+    assert result.exit_code == 1
+    assert "100." in result.output
+    assert runner.invoke(cli, ["alive", str(alive), "--max-age", "120"]).exit_code == 0
+    alive.write_text(f"{time.time():.3f}\n")
+    result = runner.invoke(cli, ["alive", str(alive)])
+    assert result.exit_code == 0, result.output
+    alive.write_text("garbage")
+    assert runner.invoke(cli, ["alive", str(alive)]).exit_code == 1
 
 
 def test_the_command_refuses_to_run_without_a_shared_store_and_database() -> None:

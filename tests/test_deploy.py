@@ -202,9 +202,9 @@ def _nginx_size(value: str) -> int:
 
 def assert_stack(config: Mapping[str, Any], *, seed_secret: str) -> None:
     services = config["services"]
-    assert {"postgres", "redis", "migrate", "api", "lb"} <= set(services)
-    postgres, redis, migrate, api, lb = (
-        services[name] for name in ("postgres", "redis", "migrate", "api", "lb")
+    assert {"postgres", "redis", "migrate", "api", "background", "lb"} <= set(services)
+    postgres, redis, migrate, api, background, lb = (
+        services[name] for name in ("postgres", "redis", "migrate", "api", "background", "lb")
     )
 
     # postgres: 16, healthy when pg_isready says so, data in a named volume
@@ -243,7 +243,22 @@ def assert_stack(config: Mapping[str, Any], *, seed_secret: str) -> None:
     assert env["ORCH_SERVER__WORKERS"] == "2"
     assert env["ORCH_SERVER__MIGRATE_ON_START"] == "false"
     assert env["ORCH_SERVER__TRUST_PROXY_HEADERS"] == "true"
+    assert env["ORCH_SERVER__BACKGROUND_LOOPS"] == "false", "the background service runs the loops"
     assert _environment(migrate)["ORCH_DB__URL"] == env["ORCH_DB__URL"]
+
+    # background: the loops in a process of their own, on the same database, store and secret,
+    # healthy while its event loop keeps rewriting the alive file
+    assert background["image"] == migrate["image"]
+    assert _condition(background, "migrate") == "service_completed_successfully"
+    assert _condition(background, "redis") == "service_healthy"
+    argv = _argv(background["command"])
+    assert argv[:2] == ["orchestrator", "background"]
+    alive = argv[argv.index("--alive-file") + 1]
+    assert f"orchestrator alive {alive}" in _healthcheck(background)
+    background_env = _environment(background)
+    for name in ("ORCH_DB__URL", "ORCH_REDIS__URL", "ORCH_SEED_SECRET", "ORCH_ENV"):
+        assert background_env[name] == env[name], name
+    assert not background.get("ports")
 
     db = make_url(env["ORCH_DB__URL"])
     assert db.drivername == "postgresql+asyncpg"
@@ -294,6 +309,10 @@ def test_compose_environment_is_a_valid_prod_configuration(
     load_compose: ComposeLoader, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     services = load_compose({"ORCH_SEED_SECRET": TEST_SECRET})["services"]
+    _use_environment(monkeypatch, _environment(services["background"]))
+    settings = Settings()
+    # What `orchestrator background` refuses to run without: a shared store and database.
+    assert settings.redis_url is not None and not settings.db.is_sqlite
     _use_environment(monkeypatch, _environment(services["api"]))
     settings = Settings()
     assert settings.env == "prod"
@@ -311,7 +330,7 @@ def test_compose_without_seed_secret_is_refused_by_the_app(
 ) -> None:
     """No insecure default: unset, the secret is empty and prod settings refuse it."""
     services = load_compose({})["services"]
-    for name in ("migrate", "api"):
+    for name in ("migrate", "api", "background"):
         env = _environment(services[name])
         assert env["ORCH_SEED_SECRET"] == ""
         _use_environment(monkeypatch, env)

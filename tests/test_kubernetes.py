@@ -97,6 +97,7 @@ def _walk(node: Any, path: str = "") -> Iterator[tuple[str, Any]]:
 
 
 DEPLOYMENT = _one("Deployment", "orchestrator")
+BACKGROUND = _one("Deployment", "orchestrator-background")
 JOB = _one("Job", "orchestrator-migrate")
 SERVICE = _one("Service", "orchestrator")
 CONFIG_MAP = _one("ConfigMap")
@@ -127,7 +128,9 @@ def test_kustomization_lists_existing_files_and_leaves_the_secret_template_out()
     for resource in resources:
         assert (K8S_DIR / resource).is_file(), resource
     assert "secret.template.yaml" not in resources, "a template must never be applied as it is"
-    assert {"deployment.yaml", "service.yaml", "configmap.yaml"} <= set(resources)
+    assert {"deployment.yaml", "background-deployment.yaml", "service.yaml", "configmap.yaml"} <= set(
+        resources
+    )
     # The migration Job runs (and completes) before the Deployment: it is applied on its own.
     assert "migrate-job.yaml" not in resources
 
@@ -178,7 +181,12 @@ def test_deployment_has_resources() -> None:
     assert "memory" in resources["limits"]
 
 
-@pytest.mark.parametrize("workload", [DEPLOYMENT, JOB], ids=["deployment", "migrate-job"])
+WORKLOADS = pytest.mark.parametrize(
+    "workload", [DEPLOYMENT, BACKGROUND, JOB], ids=["deployment", "background", "migrate-job"]
+)
+
+
+@WORKLOADS
 def test_pods_run_as_non_root_without_privileges(workload: dict[str, Any]) -> None:
     pod = _pod_spec(workload)["securityContext"]
     assert pod["runAsNonRoot"] is True
@@ -213,6 +221,7 @@ def test_prometheus_multiproc_dir_is_a_fresh_volume() -> None:
 def test_deployment_and_job_use_the_same_pinned_image() -> None:
     image = _container(DEPLOYMENT)["image"]
     assert _container(JOB)["image"] == image
+    assert _container(BACKGROUND)["image"] == image
     name, _, tag = image.rpartition(":")
     assert name.rsplit("/", 1)[-1] == "orchestrator"
     assert tag and tag != "latest" and "/" not in tag, "pin a tag, never :latest"
@@ -222,7 +231,7 @@ def test_deployment_and_job_use_the_same_pinned_image() -> None:
         assert entry.get("newTag", tag) == tag, "kustomize would deploy another tag than the Job runs"
 
 
-@pytest.mark.parametrize("workload", [DEPLOYMENT, JOB], ids=["deployment", "migrate-job"])
+@WORKLOADS
 def test_environment_comes_from_the_config_map_and_the_secret(workload: dict[str, Any]) -> None:
     container = _container(workload)
     config_maps, secrets = _env_sources(container)
@@ -294,7 +303,8 @@ def test_config_map_and_filled_secret_make_a_valid_multi_process_configuration(
     assert make_url(settings.db.url).drivername == "postgresql+asyncpg"
     assert settings.redis_url is not None and settings.redis_url.startswith("redis://")
     assert settings.server.migrate_on_start is False
-    assert settings.server.background_loops is True
+    # The API pods leave the loops to the orchestrator-background Deployment.
+    assert settings.server.background_loops is False
     workers = settings.server.workers
     assert workers >= 1
     check_process_model(settings, workers)  # several workers need the shared hot store
@@ -303,6 +313,40 @@ def test_config_map_and_filled_secret_make_a_valid_multi_process_configuration(
     assert per_pod * DEPLOYMENT["spec"]["replicas"] <= 200, "would exhaust PostgreSQL's default 100-200"
     argv = _argv(_container(DEPLOYMENT))
     assert "--workers" not in argv or int(argv[argv.index("--workers") + 1]) == workers
+
+
+# ---- the background Deployment ----------------------------------------------------------------
+
+
+def test_the_background_deployment_runs_the_loops_and_probes_its_alive_file() -> None:
+    from orchestrator.background import ALIVE_INTERVAL_S
+
+    assert BACKGROUND["spec"]["replicas"] >= 1
+    selector = BACKGROUND["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= BACKGROUND["spec"]["template"]["metadata"]["labels"].items()
+    container = _container(BACKGROUND)
+    argv = _argv(container)
+    assert argv[:2] == ["orchestrator", "background"]
+    alive = argv[argv.index("--alive-file") + 1]
+    for probe in ("livenessProbe", "startupProbe"):
+        command = container[probe]["exec"]["command"]
+        assert command[:3] == ["orchestrator", "alive", alive], probe
+        max_age = float(command[command.index("--max-age") + 1]) if "--max-age" in command else 30.0
+        assert max_age >= 3 * ALIVE_INTERVAL_S, "a probe must allow a few missed writes"
+    # The file lives on a writable volume (the root file system is read-only).
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert any(alive.startswith(m.rstrip("/") + "/") for m in mounts), alive
+    assert "ports" not in container and "readinessProbe" not in container, "it serves no HTTP"
+
+
+def test_no_http_traffic_or_api_disruption_budget_selects_the_background_pods() -> None:
+    labels = BACKGROUND["spec"]["template"]["metadata"]["labels"]
+    assert not SERVICE["spec"]["selector"].items() <= labels.items()
+    pdb = _one("PodDisruptionBudget")
+    assert not pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert not BACKGROUND["spec"]["selector"]["matchLabels"].items() <= (
+        DEPLOYMENT["spec"]["template"]["metadata"]["labels"].items()
+    ), "each Deployment must own only its own pods"
 
 
 # ---- Service ----------------------------------------------------------------------------------
