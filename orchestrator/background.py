@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import structlog
 
 from orchestrator import __version__
+from orchestrator.core.alive import keep_alive
 from orchestrator.core.loops import run_periodically
 from orchestrator.core.state import AppState, open_state
 from orchestrator.ledger import jobs as ledger_jobs
@@ -31,9 +31,6 @@ from orchestrator.verification import jobs as verification_jobs
 log = structlog.get_logger(__name__)
 
 Tick = Callable[[AppState], Awaitable[object]]
-
-# How often ``run`` rewrites its alive file; a probe allows several missed writes (``alive_age``).
-ALIVE_INTERVAL_S = 5.0
 
 
 def loops(settings: Settings) -> list[tuple[str, float, Tick]]:
@@ -53,35 +50,6 @@ def start(state: AppState, stop: asyncio.Event) -> list[asyncio.Task[None]]:
         asyncio.create_task(run_periodically(state, name, interval, tick, stop), name=name)
         for name, interval, tick in loops(state.settings)
     ]
-
-
-async def keep_alive(path: Path, stop: asyncio.Event, interval: float = ALIVE_INTERVAL_S) -> None:
-    """Write the time to ``path`` every ``interval`` seconds from this event loop, so that a
-    liveness probe sees a hung loop (not a database outage: the loops only log those) as a
-    file that stops changing. The write is a rename, so a probe never reads half a file."""
-    try:
-        while not stop.is_set():
-            _write_alive(path)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=interval)
-    finally:
-        path.unlink(missing_ok=True)  # noqa: ASYNC240 (stopped: no longer alive)
-
-
-def _write_alive(path: Path) -> None:
-    # A few bytes on a local file: cheaper than handing them to a thread.
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(f"{time.time():.3f}\n")
-    partial.replace(path)
-
-
-def alive_age(path: Path, now: float | None = None) -> float | None:
-    """Seconds since ``keep_alive`` last wrote ``path``; None if it never did."""
-    try:
-        written = float(path.read_text().strip())
-    except (OSError, ValueError):
-        return None
-    return (time.time() if now is None else now) - written
 
 
 async def run(settings: Settings, stop: asyncio.Event | None = None, alive_file: Path | None = None) -> None:

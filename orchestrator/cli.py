@@ -100,7 +100,7 @@ def alive_cmd(
     """Liveness probe for `orchestrator background`: exit 0 if its alive file was written within
     --max-age seconds, 1 otherwise (missing, unreadable or stale). Its event loop writes the file,
     so a hung process fails the probe; a database outage does not."""
-    from orchestrator.background import alive_age
+    from orchestrator.core.alive import alive_age
 
     age = alive_age(alive_file)
     if age is None:

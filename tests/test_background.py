@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from orchestrator import background
 from orchestrator.cli import app as cli
+from orchestrator.core.alive import ALIVE_INTERVAL_S, alive_age, keep_alive
 from orchestrator.settings import Settings
 from tests.tasks_helpers import pool_setup, task
 from tests.verification_helpers import submit, verdicts
@@ -37,8 +38,8 @@ async def test_a_background_process_verifies_what_an_api_process_accepted(
             while len(decided) < 2 and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
                 decided = await verdicts(s.admin, s.headers, s.pool_id)
-            age = background.alive_age(alive)
-            assert age is not None and age < background.ALIVE_INTERVAL_S + 1  # the probe's file
+            age = alive_age(alive)
+            assert age is not None and age < ALIVE_INTERVAL_S + 1  # the probe's file
         finally:
             stop.set()
             await asyncio.wait_for(runner, timeout=30)
@@ -48,17 +49,17 @@ async def test_a_background_process_verifies_what_an_api_process_accepted(
 
 async def test_the_alive_file_is_rewritten_while_the_loop_runs_and_removed_on_stop(tmp_path: Path) -> None:
     alive, stop = tmp_path / "alive", asyncio.Event()
-    writer = asyncio.create_task(background.keep_alive(alive, stop, interval=0.05))
+    writer = asyncio.create_task(keep_alive(alive, stop, interval=0.05))
     await asyncio.sleep(0.02)
     first = alive.read_text()
     await asyncio.sleep(0.2)
     assert alive.read_text() != first  # rewritten, not written once
-    age = background.alive_age(alive)
+    age = alive_age(alive)
     assert age is not None and 0 <= age < 1
     stop.set()
     await asyncio.wait_for(writer, timeout=5)
     assert not alive.exists()
-    assert background.alive_age(alive) is None
+    assert alive_age(alive) is None
 
 
 def test_the_alive_probe_fails_on_a_missing_or_stale_file(tmp_path: Path) -> None:

@@ -319,7 +319,7 @@ def test_config_map_and_filled_secret_make_a_valid_multi_process_configuration(
 
 
 def test_the_background_deployment_runs_the_loops_and_probes_its_alive_file() -> None:
-    from orchestrator.background import ALIVE_INTERVAL_S
+    from orchestrator.core.alive import ALIVE_INTERVAL_S
 
     assert BACKGROUND["spec"]["replicas"] >= 1
     selector = BACKGROUND["spec"]["selector"]["matchLabels"]
