@@ -11,6 +11,8 @@ from __future__ import annotations
 import base64
 import os
 import re
+import shutil
+import subprocess
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -370,3 +372,21 @@ def test_readme_explains_running_n_replicas() -> None:
         assert needle in section, needle
     for mentioned in re.findall(r"deploy/kubernetes/[\w.-]+\.yaml", section):
         assert (REPO_ROOT / mentioned).is_file(), mentioned
+
+
+def test_kustomize_renders_both_deployments_with_the_pinned_image() -> None:
+    """The real renderer, where kubectl is installed (``kubectl kustomize`` needs no cluster)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed; the checks above read the same files")
+    rendered = subprocess.run(
+        [kubectl, "kustomize", str(K8S_DIR)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    docs = [d for d in yaml.safe_load_all(rendered.stdout) if d]
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    assert set(deployments) == {"orchestrator", "orchestrator-background"}
+    (entry,) = _one("Kustomization")["images"]
+    for deployment in deployments.values():
+        assert _container(deployment)["image"] == f"{entry['name']}:{entry['newTag']}"
+    assert not [d for d in docs if d["kind"] in {"Secret", "Job"}], "applied on their own, in order"
