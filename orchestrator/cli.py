@@ -88,6 +88,8 @@ def background_cmd(
             "processes: set ORCH_REDIS__URL=redis://... and a PostgreSQL ORCH_DB__URL (with the "
             "embedded default, keep the loops in `orchestrator serve`)"
         )
+    if alive_file is not None and not alive_file.parent.is_dir():
+        raise typer.BadParameter(f"{alive_file.parent} is not a directory", param_hint="--alive-file")
     configure_logging(settings.log_level, json=settings.log_json)
     asyncio.run(background.run(settings, alive_file=alive_file))
 

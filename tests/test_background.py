@@ -8,12 +8,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from orchestrator import background
 from orchestrator.cli import app as cli
 from orchestrator.core.alive import ALIVE_INTERVAL_S, alive_age, keep_alive
-from orchestrator.settings import Settings
+from orchestrator.settings import Settings, get_settings
 from tests.tasks_helpers import pool_setup, task
 from tests.verification_helpers import submit, verdicts
 
@@ -79,14 +79,43 @@ def test_the_alive_probe_fails_on_a_missing_or_stale_file(tmp_path: Path) -> Non
     assert runner.invoke(cli, ["alive", str(alive)]).exit_code == 1
 
 
+def invoke(args: list[str], env: dict[str, str]) -> Result:
+    """The command as a process would run it: settings read from ``env``, not an earlier cache."""
+    get_settings.cache_clear()
+    try:
+        return CliRunner().invoke(cli, args, env={"COLUMNS": "200", **env})
+    finally:
+        get_settings.cache_clear()
+
+
 def test_the_command_refuses_to_run_without_a_shared_store_and_database() -> None:
-    result = CliRunner().invoke(cli, ["background"], env={"ORCH_REDIS__URL": ""})
+    result = invoke(["background"], {"ORCH_REDIS__URL": ""})
     assert result.exit_code == 2
     assert "ORCH_REDIS__URL" in result.output
-    result = CliRunner().invoke(
-        cli,
+    result = invoke(
         ["background"],
-        env={"ORCH_REDIS__URL": "redis://127.0.0.1:6379/0", "ORCH_DB__URL": "sqlite+aiosqlite:///x.db"},
+        {"ORCH_REDIS__URL": "redis://127.0.0.1:6379/0", "ORCH_DB__URL": "sqlite+aiosqlite:///x.db"},
     )
     assert result.exit_code == 2
     assert "PostgreSQL" in result.output
+
+
+async def test_an_unwritable_alive_file_is_retried_and_the_probe_fails(tmp_path: Path) -> None:
+    blocked = tmp_path / "gone"
+    alive, stop = blocked / "alive", asyncio.Event()
+    writer = asyncio.create_task(keep_alive(alive, stop, interval=0.05))
+    await asyncio.sleep(0.15)
+    assert not writer.done()  # a failed write does not end the writer
+    assert alive_age(alive) is None
+    blocked.mkdir()  # the directory appears: the next write succeeds
+    await asyncio.sleep(0.15)
+    assert alive_age(alive) is not None
+    stop.set()
+    await asyncio.wait_for(writer, timeout=5)
+
+
+def test_the_command_refuses_an_alive_file_in_a_missing_directory(tmp_path: Path) -> None:
+    env = {"ORCH_REDIS__URL": "redis://127.0.0.1:6379/0", "ORCH_DB__URL": "postgresql+asyncpg://u@h/db"}
+    result = invoke(["background", "--alive-file", str(tmp_path / "no" / "alive")], env)
+    assert result.exit_code == 2
+    assert "is not a directory" in result.output

@@ -11,19 +11,31 @@ import contextlib
 import time
 from pathlib import Path
 
+import structlog
+
 __all__ = ["ALIVE_INTERVAL_S", "alive_age", "keep_alive"]
 
 # How often ``keep_alive`` rewrites the file; a probe allows several missed writes.
 ALIVE_INTERVAL_S = 5.0
 
+log = structlog.get_logger(__name__)
+
 
 async def keep_alive(path: Path, stop: asyncio.Event, interval: float = ALIVE_INTERVAL_S) -> None:
     """Write the time to ``path`` every ``interval`` seconds from this event loop, so that a
     liveness probe sees a hung loop (not a database outage: the loops only log those) as a
-    file that stops changing. The write is a rename, so a probe never reads half a file."""
+    file that stops changing. The write is a rename, so a probe never reads half a file. A
+    failed write is logged and retried: the file goes stale and the probe says why it failed."""
+    failing = False
     try:
         while not stop.is_set():
-            _write_alive(path)
+            try:
+                _write_alive(path)
+                failing = False
+            except OSError as exc:
+                if not failing:
+                    log.error("alive_file_unwritable", path=str(path), error=str(exc))
+                failing = True
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=interval)
     finally:
