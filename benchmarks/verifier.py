@@ -1,7 +1,7 @@
 """``python -m benchmarks.verifier``: how many results per second the verifier decides, next to
 how many per second the claim -> result path accepts, on PostgreSQL.
 
-    python -m benchmarks.verifier [--results 3000] [--verifiers 1,2] [--wrong 0.1]
+    python -m benchmarks.verifier [--results 3000] [--verifiers 1,2] [--wrong 0.1] [--feed-readers 0]
 
 Starts the server (background loops off) only to set up one pool with a reward per sample and
 ``--pollers`` member nodes, each its own provider and address. Then, for each verifier count V:
@@ -12,6 +12,13 @@ them through the service layer in this process (``benchmarks.claims``' service p
 results/s accepted, the verdicts/s decided, and the CPU per verdict of the verifier processes
 and PostgreSQL. Every verdict is a real one: checks, the reward function, the node's trust, the
 verdict row and, for a correct answer, the reward transfer and its hold.
+
+With ``--feed-readers N``, N trainers read the pool's feed while the verifiers run, as a trainer
+waiting for rollouts does: a page of up to 100 after their cursor, again at once when the page
+was full, after 50 ms when it was not. On PostgreSQL each read first waits until no transaction
+is writing verdicts (``LOCK TABLE verdicts IN SHARE MODE``, see ``orchestrator.feed.service``),
+so the phase shows what the readers cost the verifiers, and the pages/s and ``feed_busy``
+answers the readers got.
 """
 
 from __future__ import annotations
@@ -45,11 +52,16 @@ from benchmarks.common import (
     reset_database,
     run_main,
     server_env,
+    sqlalchemy_url,
     start_server,
     stop_server,
     wait_ready,
 )
+from orchestrator.core.db import make_engine, make_sessionmaker
+from orchestrator.core.errors import ServiceUnavailable
 from orchestrator.core.keys import key_id_of
+from orchestrator.feed import service as feed
+from orchestrator.settings import DatabaseSettings
 
 ECONOMICS = {"min_stake_per_node": 0, "reward_per_sample": 7, "reward_hold_s": 3600}
 
@@ -77,8 +89,49 @@ async def child() -> None:
         await state.hot_store.aclose()
 
 
-async def verify_phase(dsn: str, redis: str, verifiers: int) -> tuple[int, float, dict[str, float]]:
-    """``verifiers`` processes decide the waiting results; returns verdicts, seconds, cores."""
+class FeedReaders:
+    """``count`` trainers reading one pool's feed until stopped (see the module doc)."""
+
+    def __init__(self, dsn: str, pool_id: str, count: int) -> None:
+        self.dsn, self.pool_id, self.count = dsn, pool_id, count
+        self.pages = self.rollouts = self.busy = 0
+        self.waits: list[float] = []
+
+    async def run(self, stop: asyncio.Event) -> None:
+        if not self.count:
+            return
+        engine = make_engine(DatabaseSettings(url=sqlalchemy_url(self.dsn), pool_size=self.count))
+        sessions = make_sessionmaker(engine)
+
+        async def reader() -> None:
+            cursor: str | None = None
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                try:
+                    async with sessions() as session, session.begin():
+                        page = await feed.page(session, self.pool_id, after=cursor, limit=100)
+                except ServiceUnavailable:
+                    self.busy += 1
+                    continue
+                finally:
+                    self.waits.append(time.perf_counter() - t0)
+                self.pages += 1
+                self.rollouts += len(page.items)
+                cursor = page.next_cursor
+                if not page.has_more:
+                    await asyncio.sleep(0.05)
+
+        try:
+            await asyncio.gather(*(reader() for _ in range(self.count)))
+        finally:
+            await engine.dispose()
+
+
+async def verify_phase(
+    dsn: str, redis: str, verifiers: int, readers: FeedReaders
+) -> tuple[int, float, dict[str, float]]:
+    """``verifiers`` processes decide the waiting results while ``readers`` read the feed;
+    returns verdicts, seconds, cores."""
     env = server_env(dsn, redis)
     conn = await asyncpg.connect(dsn)
     try:
@@ -102,11 +155,17 @@ async def verify_phase(dsn: str, redis: str, verifiers: int) -> tuple[int, float
                 raise SystemExit("a verifier process did not start")
         meter = CpuMeter({p.pid for p in procs}, os.getpid(), dsn.rsplit("/", 1)[1])
 
+        stop = asyncio.Event()
+        reading = asyncio.create_task(readers.run(stop))
         t0 = time.perf_counter()
         # The go, then what the processes print (read to the end, so that a full pipe never
         # stops one) until they exit.
-        _, cores = await metered(meter, asyncio.gather(*(p.communicate(b"go\n") for p in procs)))
-        seconds = time.perf_counter() - t0
+        try:
+            _, cores = await metered(meter, asyncio.gather(*(p.communicate(b"go\n") for p in procs)))
+            seconds = time.perf_counter() - t0
+        finally:
+            stop.set()
+            await reading
         if any(p.returncode for p in procs):
             raise SystemExit(f"a verifier process failed: {[p.returncode for p in procs]}")
         verdicts = int(await conn.fetchval("SELECT count(*) FROM verdicts")) - before
@@ -126,6 +185,7 @@ async def main() -> None:
     parser.add_argument("--verifiers", default="1,2", help="verifier process counts, one phase each")
     parser.add_argument("--wrong", type=float, default=0.1, help="share of wrong answers")
     parser.add_argument("--pollers", type=int, default=64)
+    parser.add_argument("--feed-readers", type=int, default=0, help="trainers reading the feed meanwhile")
     parser.add_argument("--database", default=os.environ.get("ORCH_BENCH_DATABASE_URL", DEFAULT_DB))
     parser.add_argument("--redis", default=os.environ.get("ORCH_BENCH_REDIS_URL", DEFAULT_REDIS))
     parser.add_argument("--json", help="also write the results here")
@@ -172,8 +232,10 @@ async def main() -> None:
                     args.database, pool_id, node_ids, 3600, answers=answers, until_empty=True
                 )
                 accept_s = time.perf_counter() - t0
-                verdicts, seconds, cores = await verify_phase(args.database, args.redis, v)
+                readers = FeedReaders(args.database, pool_id, args.feed_readers)
+                verdicts, seconds, cores = await verify_phase(args.database, args.redis, v, readers)
                 rate = verdicts / seconds if seconds else 0.0
+                waits = sorted(readers.waits) or [0.0]
                 rows.append(
                     {
                         "verifiers": v,
@@ -184,6 +246,10 @@ async def main() -> None:
                         "verifier_cpu_ms_per_verdict": round(1000 * cores.get("server", 0) / rate, 2),
                         "postgres_cpu_ms_per_verdict": round(1000 * cores.get("postgres", 0) / rate, 2),
                         "machine_cores": cores.get("machine"),
+                        "feed_pages_per_s": round(readers.pages / seconds, 1) if seconds else 0.0,
+                        "feed_rollouts": readers.rollouts,
+                        "feed_busy": readers.busy,
+                        "feed_p99_ms": round(1000 * waits[int(0.99 * (len(waits) - 1))], 1),
                     }
                 )
     finally:
@@ -193,15 +259,19 @@ async def main() -> None:
     print(
         f"\npollers={args.pollers} results per phase={args.results} wrong={args.wrong} cores={os.cpu_count()}"
     )
+    feed_head = f"  {'feed pages/s':>12} {'busy':>5} {'p99 ms':>7}" if args.feed_readers else ""
     print(
         f"{'verifiers':>9} {'results/s in':>13} {'verdicts/s':>11} {'verifier ms':>12} {'postgres ms':>12}"
-        "  machine cores busy"
+        f"  machine cores busy{feed_head}"
     )
     for r in rows:
+        feed_cols = ""
+        if args.feed_readers:
+            feed_cols = f"  {r['feed_pages_per_s']:>12} {r['feed_busy']:>5} {r['feed_p99_ms']:>7}"
         print(
             f"{r['verifiers']:>9} {r['results_per_s']:>13} {r['verdicts_per_s']:>11} "
             f"{r['verifier_cpu_ms_per_verdict']:>12} {r['postgres_cpu_ms_per_verdict']:>12}  "
-            f"{r['machine_cores']}"
+            f"{r['machine_cores']!s:>18}{feed_cols}"
         )
     print("(results/s in: accepted through the service layer, no HTTP; ms: CPU per verdict)")
     if args.json:
