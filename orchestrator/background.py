@@ -45,6 +45,18 @@ def loops(settings: Settings) -> list[tuple[str, float, Tick]]:
     ]
 
 
+# Each loop's row in ``background_ticks`` (``core.ticks.claim_tick``): /metrics reports how long
+# ago each last completed a tick, +Inf for one that never did.
+TICK_NAMES = (
+    liveness.SWEEPER,
+    ledger_jobs.STAKE_RELEASE,
+    task_jobs.LEASE_REAPER,
+    verification_jobs.VERIFIER,
+    verification_jobs.REWARD_RELEASE,
+    restem_jobs.RESTEM_BARRIER,
+)
+
+
 def start(state: AppState, stop: asyncio.Event) -> list[asyncio.Task[None]]:
     return [
         asyncio.create_task(run_periodically(state, name, interval, tick, stop), name=name)

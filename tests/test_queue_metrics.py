@@ -1,15 +1,23 @@
 """``/metrics`` shows the work queue an operator watches: claimable tasks, live leases, the
-verifier's backlog by stage and how long its oldest result has waited, and what claims and
-results answered."""
+verifier's backlog by stage and how long its oldest result has waited, what claims and results
+answered, and how long ago each background loop last ran."""
 
 from __future__ import annotations
 
+import datetime as dt
+import math
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import update
 
+from orchestrator import background
 from orchestrator.core.clock import FakeClock
+from orchestrator.core.db import utcnow
+from orchestrator.core.ticks import BackgroundTick
+from orchestrator.tasks import jobs as task_jobs
+from orchestrator.verification import jobs as verification_jobs
 from tests.tasks_helpers import pool_setup, task
 from tests.verification_helpers import submit, verify_all
 
@@ -99,3 +107,28 @@ async def test_a_replayed_result_counts_as_replayed(
                 before, "orchestrator_results_total", outcome=outcome
             )
             assert grew == 1, outcome
+
+
+async def test_each_background_loop_shows_how_long_ago_it_last_ran(
+    app_state: Any, client: httpx.AsyncClient
+) -> None:
+    """The test app runs no loop, like an API replica beside `orchestrator background`: until a
+    process runs them, every loop reads +Inf, which an alert on the age catches."""
+    m = await scrape(client)
+    for name in background.TICK_NAMES:
+        assert value(m, "orchestrator_loop_last_run_age_seconds", loop=name) == math.inf, name
+
+    await task_jobs.reap_once(app_state)  # one tick of the lease reaper, as a loop would run it
+    m = await scrape(client)
+    assert 0 <= value(m, "orchestrator_loop_last_run_age_seconds", loop=task_jobs.LEASE_REAPER) < 5
+    assert value(m, "orchestrator_loop_last_run_age_seconds", loop=verification_jobs.VERIFIER) == math.inf
+
+    # The loops stop (the background process is gone): the age grows with the wall clock.
+    async with app_state.sessionmaker() as session, session.begin():
+        await session.execute(
+            update(BackgroundTick)
+            .where(BackgroundTick.name == task_jobs.LEASE_REAPER)
+            .values(last_run_at=utcnow() - dt.timedelta(hours=1))
+        )
+    m = await scrape(client)
+    assert 3600 <= value(m, "orchestrator_loop_last_run_age_seconds", loop=task_jobs.LEASE_REAPER) < 3605

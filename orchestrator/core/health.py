@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
+import math
 
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from sqlalchemy import Integer, text
 
+from orchestrator import background
 from orchestrator.core import metrics
-from orchestrator.core.db import UTCDateTime
+from orchestrator.core.db import UTCDateTime, utcnow
 from orchestrator.core.state import State
 from orchestrator.identity import repository as identity_repo
 from orchestrator.identity.models import NODE_STATUSES
@@ -65,6 +68,7 @@ _QUEUE = text(
     """
 ).columns(claimable=Integer(), leases=Integer(), oldest=UTCDateTime())
 _WAITING_JOBS = text("SELECT stage, count(*) FROM verification_jobs WHERE stage <> 'done' GROUP BY stage")
+_LOOP_RUNS = text("SELECT name, last_run_at FROM background_ticks").columns(last_run_at=UTCDateTime())
 WAITING_STAGES = ("checks", "quorum", "validator")
 
 
@@ -74,6 +78,9 @@ async def prometheus_metrics(state: State) -> Response:
         counts = await identity_repo.count_by_status(session)
         claimable, leases, oldest = (await session.execute(_QUEUE)).one()
         waiting = {str(stage): int(n) for stage, n in (await session.execute(_WAITING_JOBS)).all()}
+        last_runs: dict[str, dt.datetime | None] = {
+            str(name): last for name, last in (await session.execute(_LOOP_RUNS)).all()
+        }
     for status in NODE_STATUSES:
         metrics.NODES.labels(status).set(counts.get(status, 0))
     metrics.TASKS_CLAIMABLE.set(claimable)
@@ -82,5 +89,12 @@ async def prometheus_metrics(state: State) -> Response:
         metrics.VERIFICATION_JOBS.labels(stage).set(waiting.get(stage, 0))
     lag = (state.clock.utcnow() - oldest).total_seconds() if oldest is not None else 0.0
     metrics.VERIFICATION_LAG.set(max(0.0, lag))
+    # The wall clock, as claim_tick writes last_run_at with it.
+    now = utcnow()
+    for name in {*background.TICK_NAMES, *last_runs}:
+        last = last_runs.get(name)
+        metrics.LOOP_LAST_RUN_AGE.labels(name).set(
+            math.inf if last is None else max(0.0, (now - last).total_seconds())
+        )
     payload, content_type = metrics.render()
     return Response(payload, media_type=content_type)

@@ -63,6 +63,15 @@ VERIFICATION_LAG = Gauge(
     multiprocess_mode="mostrecent",
 )
 
+LOOP_LAST_RUN_AGE = Gauge(
+    "orchestrator_loop_last_run_age_seconds",
+    "Seconds since a background loop last completed a tick in any process (+Inf: never); it grows "
+    "when no process runs the loops (API replicas with them off and no `orchestrator background`) "
+    "or when their ticks fail",
+    ["loop"],
+    multiprocess_mode="mostrecent",
+)
+
 
 def render() -> tuple[bytes, str]:
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
