@@ -1,0 +1,167 @@
+"""The README's "Run a worker" walkthrough, run as a new user would: its shell blocks, against
+`orchestrator serve` on the embedded default (SQLite, no Redis) in an empty directory.
+
+The commands are the README's own, read from it at test time. The only changes are the ones a
+reader makes: the server's address (a free port here), the venv's path, the placeholders filled
+in from what earlier commands printed, and `--max-tasks 100` on the worker, which otherwise runs
+until Ctrl-C. Runs in the SQLite pass (the walkthrough never touches PostgreSQL or Redis).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+README_ADDRESS = "http://127.0.0.1:8000"
+
+pytestmark = [
+    pytest.mark.skipif(
+        bool(os.environ.get("ORCH_TEST_DATABASE_URL")),
+        reason="the walkthrough uses the embedded default: it runs in the SQLite pass",
+    ),
+    pytest.mark.skipif(shutil.which("curl") is None, reason="the walkthrough's commands use curl"),
+]
+
+
+def _section(title: str) -> str:
+    readme = (REPO_ROOT / "README.md").read_text()
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## )", readme, flags=re.MULTILINE | re.DOTALL)
+    assert match, f"README section {title!r}"
+    return match.group(1)
+
+
+def _bash_blocks(section: str) -> list[str]:
+    return re.findall(r"^```bash\n(.*?)^```", section, flags=re.MULTILINE | re.DOTALL)
+
+
+def _commands(block: str) -> list[str]:
+    """The block's commands: continuation lines joined, comments and blank lines dropped."""
+    commands, current = [], ""
+    for line in block.splitlines():
+        if not current and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        current += line.rstrip("\\").rstrip() + " " if line.endswith("\\") else line
+        if not line.endswith("\\"):
+            commands.append(current.strip())
+            current = ""
+    assert not current, "a dangling line continuation"
+    return commands
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """`orchestrator serve` in an empty directory, with no ORCH_* setting: the embedded default."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    port = _free_port()
+    log = (tmp_path / "serve.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "serve", "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not become ready"
+            time.sleep(0.2)
+        yield base, env
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def _as_reader_would(command: str, base: str) -> str:
+    venv_bin = str(Path(sys.executable).parent) + "/"
+    return command.replace(README_ADDRESS, base).replace(".venv/bin/", venv_bin)
+
+
+def _run(script: str, cwd: Path, env: dict[str, str], timeout: float = 120) -> str:
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert done.returncode == 0, f"{script}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    return done.stdout
+
+
+def test_the_run_a_worker_walkthrough_works_as_written(
+    server: tuple[str, dict[str, str]], tmp_path: Path
+) -> None:
+    base, env = server
+    operator, contributor = _bash_blocks(_section("Run a worker"))[:2]
+
+    # The operator's block as one script (its commands share $T and $POOL); then what it made.
+    out = _run(_as_reader_would(operator, base) + '\nprintf "\\n%s %s\\n" "$POOL" "$T"\n', tmp_path, env)
+    pool_id, token = out.strip().splitlines()[-1].split()
+    headers = {"Authorization": f"Bearer {token}"}
+    pool = httpx.get(f"{base}/v1/admin/pools/{pool_id}", headers=headers).json()
+    assert pool["status"] == "active"
+    tasks = httpx.get(f"{base}/v1/admin/pools/{pool_id}/tasks", params={"limit": 500}, headers=headers)
+    assert len(tasks.json()["items"]) == 100
+
+    # The contributor's commands one by one, placeholders filled in as the reader would.
+    commands = _commands(contributor)
+    assert [c.split()[1:3] for c in commands if c.startswith(".venv/bin/orchestrator")] == [
+        ["keys", "generate"],
+        ["keys", "generate"],
+        ["worker", "register"],
+        ["worker", "run"],
+    ]
+    provider_id = None
+    final: dict[str, object] = {}
+    for command in commands:
+        command = _as_reader_would(command, base)
+        command = command.replace("<admin token>", token).replace("<pool_id>", pool_id)
+        if "<provider_id>" in command:
+            assert provider_id is not None, "the README uses the provider id before printing it"
+            command = command.replace("<provider_id>", provider_id)
+        if " worker run " in command:
+            command += " --max-tasks 100"
+        assert "<" not in command, f"an unfilled placeholder: {command}"
+        out = _run(command, tmp_path, env, timeout=240)
+        if " worker register " in command:
+            provider_id = json.loads(out)["provider_id"]
+        if " worker run " in command:
+            final = json.loads(out.strip().splitlines()[-1])
+
+    # The worker leased, answered and submitted all 100 problems, and none was refused.
+    assert final["claimed"] == 100 and final["submitted"] == 100, final
+    assert final["errors"] == 0 and final["rejected"] == 0, final
+    open_left = httpx.get(
+        f"{base}/v1/admin/pools/{pool_id}/tasks", params={"status": "open"}, headers=headers
+    ).json()
+    assert open_left["items"] == []
