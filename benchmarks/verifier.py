@@ -110,8 +110,9 @@ class FeedReaders:
                 try:
                     async with sessions() as session, session.begin():
                         page = await feed.page(session, self.pool_id, after=cursor, limit=100)
-                except ServiceUnavailable:
+                except ServiceUnavailable:  # feed_busy: wait as the 503's Retry-After asks
                     self.busy += 1
+                    await asyncio.sleep(feed.RETRY_AFTER_S)
                     continue
                 finally:
                     self.waits.append(time.perf_counter() - t0)

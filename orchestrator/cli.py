@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -88,8 +89,10 @@ def background_cmd(
             "processes: set ORCH_REDIS__URL=redis://... and a PostgreSQL ORCH_DB__URL (with the "
             "embedded default, keep the loops in `orchestrator serve`)"
         )
-    if alive_file is not None and not alive_file.parent.is_dir():
-        raise typer.BadParameter(f"{alive_file.parent} is not a directory", param_hint="--alive-file")
+    if alive_file is not None:
+        directory = alive_file.parent
+        if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
+            raise typer.BadParameter(f"{directory} is not a writable directory", param_hint="--alive-file")
     configure_logging(settings.log_level, json=settings.log_json)
     asyncio.run(background.run(settings, alive_file=alive_file))
 
@@ -101,7 +104,7 @@ def alive_cmd(
 ) -> None:
     """Liveness probe for `orchestrator background`: exit 0 if its alive file was written within
     --max-age seconds, 1 otherwise (missing, unreadable or stale). Its event loop writes the file,
-    so a hung process fails the probe; a database outage does not."""
+    so a blocked event loop or a dead process fails the probe; a database outage does not."""
     from orchestrator.core.alive import alive_age
 
     age = alive_age(alive_file)

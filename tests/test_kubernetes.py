@@ -209,12 +209,34 @@ def test_the_image_uid_matches_the_dockerfile() -> None:
     assert users and users[-1].split(":")[0] == str(IMAGE_UID)
 
 
-def test_prometheus_multiproc_dir_is_a_fresh_volume() -> None:
-    directory = CONFIG_MAP["data"]["PROMETHEUS_MULTIPROC_DIR"]
+def _environment(workload: Mapping[str, Any]) -> dict[str, str]:
+    """The variables a pod's container gets from the ConfigMap and its own ``env`` (not the Secret)."""
+    container = _container(workload)
+    config_maps, _ = _env_sources(container)
+    env: dict[str, str] = {}
+    if CONFIG_MAP["metadata"]["name"] in config_maps:
+        env.update(CONFIG_MAP["data"])
+    env.update({item["name"]: str(item["value"]) for item in container.get("env", []) if "value" in item})
+    return env
+
+
+def test_the_api_pods_aggregate_their_workers_metrics_in_a_fresh_volume() -> None:
+    directory = _environment(DEPLOYMENT)["PROMETHEUS_MULTIPROC_DIR"]
     mounts = {m["mountPath"]: m["name"] for m in _container(DEPLOYMENT)["volumeMounts"]}
     assert directory in mounts
     volumes = {v["name"]: v for v in _pod_spec(DEPLOYMENT)["volumes"]}
     assert "emptyDir" in volumes[mounts[directory]], "per-pod and empty at start"
+
+
+@WORKLOADS
+def test_a_metrics_directory_a_pod_is_given_exists_in_that_pod(workload: dict[str, Any]) -> None:
+    """prometheus_client writes its files into PROMETHEUS_MULTIPROC_DIR as soon as the metrics
+    module is imported: a pod given the variable without the directory fails at start."""
+    directory = _environment(workload).get("PROMETHEUS_MULTIPROC_DIR")
+    if directory is None:
+        return
+    mounts = {m["mountPath"].rstrip("/") for m in _container(workload).get("volumeMounts", [])}
+    assert directory.rstrip("/") in mounts, f"{workload['metadata']['name']}: {directory} is not mounted"
 
 
 # ---- image, configuration and secrets -----------------------------------------------------
@@ -311,8 +333,9 @@ def test_config_map_and_filled_secret_make_a_valid_multi_process_configuration(
     assert workers >= 1
     check_process_model(settings, workers)  # several workers need the shared hot store
     # The README's sizing rule: connections per pod stay bounded.
-    per_pod = workers * (settings.db.pool_size + settings.db.max_overflow)
-    assert per_pod * DEPLOYMENT["spec"]["replicas"] <= 200, "would exhaust PostgreSQL's default 100-200"
+    per_process = settings.db.pool_size + settings.db.max_overflow
+    connections = per_process * (workers * DEPLOYMENT["spec"]["replicas"] + BACKGROUND["spec"]["replicas"])
+    assert connections <= 200, "would exhaust PostgreSQL's default 100-200"
     argv = _argv(_container(DEPLOYMENT))
     assert "--workers" not in argv or int(argv[argv.index("--workers") + 1]) == workers
 
@@ -344,8 +367,12 @@ def test_the_background_deployment_runs_the_loops_and_probes_its_alive_file() ->
 def test_no_http_traffic_or_api_disruption_budget_selects_the_background_pods() -> None:
     labels = BACKGROUND["spec"]["template"]["metadata"]["labels"]
     assert not SERVICE["spec"]["selector"].items() <= labels.items()
-    pdb = _one("PodDisruptionBudget")
+    pdb = _one("PodDisruptionBudget", "orchestrator")
     assert not pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    # The background pods have a budget of their own: a drain never evicts all of them at once.
+    background_pdb = _one("PodDisruptionBudget", "orchestrator-background")
+    assert background_pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert background_pdb["spec"]["minAvailable"] >= 1
     assert not BACKGROUND["spec"]["selector"]["matchLabels"].items() <= (
         DEPLOYMENT["spec"]["template"]["metadata"]["labels"].items()
     ), "each Deployment must own only its own pods"

@@ -95,7 +95,11 @@ def server(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
         yield base, env
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         log.close()
 
 

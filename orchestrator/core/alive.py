@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from pathlib import Path
 
@@ -23,9 +24,9 @@ log = structlog.get_logger(__name__)
 
 async def keep_alive(path: Path, stop: asyncio.Event, interval: float = ALIVE_INTERVAL_S) -> None:
     """Write the time to ``path`` every ``interval`` seconds from this event loop, so that a
-    liveness probe sees a hung loop (not a database outage: the loops only log those) as a
-    file that stops changing. The write is a rename, so a probe never reads half a file. A
-    failed write is logged and retried: the file goes stale and the probe says why it failed."""
+    liveness probe sees a blocked event loop or a dead process (not a database outage: the loops
+    only log those) as a file that stops changing. The write is a rename, so a probe never reads
+    half a file. A failed write is logged and retried: the file goes stale and the probe fails."""
     failing = False
     try:
         while not stop.is_set():
@@ -39,12 +40,13 @@ async def keep_alive(path: Path, stop: asyncio.Event, interval: float = ALIVE_IN
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=interval)
     finally:
-        path.unlink(missing_ok=True)  # noqa: ASYNC240 (stopped: no longer alive)
+        with contextlib.suppress(OSError):  # stopped: no longer alive
+            path.unlink(missing_ok=True)  # noqa: ASYNC240
 
 
 def _write_alive(path: Path) -> None:
     # A few bytes on a local file: cheaper than handing them to a thread.
-    partial = path.with_name(path.name + ".partial")
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     partial.write_text(f"{time.time():.3f}\n")
     partial.replace(path)
 

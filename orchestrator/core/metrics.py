@@ -67,7 +67,8 @@ LOOP_LAST_RUN_AGE = Gauge(
     "orchestrator_loop_last_run_age_seconds",
     "Seconds since a background loop last completed a tick in any process (+Inf: never); it grows "
     "when no process runs the loops (API replicas with them off and no `orchestrator background`) "
-    "or when their ticks fail",
+    "or when their ticks fail (the verifier's: its housekeeping; its batches show in "
+    "orchestrator_verification_oldest_waiting_seconds)",
     ["loop"],
     multiprocess_mode="mostrecent",
 )
