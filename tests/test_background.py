@@ -4,16 +4,24 @@ run none (``ORCH_SERVER__BACKGROUND_LOOPS=false``, as the test app does)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
 from typer.testing import CliRunner, Result
 
 from orchestrator import background
 from orchestrator.cli import app as cli
 from orchestrator.core.alive import ALIVE_INTERVAL_S, alive_age, keep_alive
 from orchestrator.settings import Settings, get_settings
+from tests.conftest import REDIS_URL, postgres_only
 from tests.tasks_helpers import pool_setup, task
 from tests.verification_helpers import submit, verdicts
 
@@ -119,3 +127,56 @@ def test_the_command_refuses_an_alive_file_in_a_missing_directory(tmp_path: Path
     result = invoke(["background", "--alive-file", str(tmp_path / "no" / "alive")], env)
     assert result.exit_code == 2
     assert "is not a writable directory" in result.output
+
+
+def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:  # the child has its own copy of the descriptor
+        return subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+@postgres_only
+@pytest.mark.skipif(not REDIS_URL, reason="`orchestrator background` needs Redis (set ORCH_TEST_REDIS_URL)")
+async def test_the_process_runs_the_loops_passes_its_probe_and_stops_on_sigterm(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """The command as a container runs it: a process of its own, its probe, SIGTERM."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ORCH_", "PROMETHEUS_"))}
+    env |= {
+        "ORCH_ENV": "test",
+        "ORCH_LOG_LEVEL": "WARNING",
+        "ORCH_DB__URL": settings.db.url,
+        "ORCH_REDIS__URL": str(REDIS_URL),
+        "ORCH_REDIS__PREFIX": settings.redis.prefix,
+    }
+    alive, log = tmp_path / "alive", tmp_path / "background.log"
+    command = [sys.executable, "-m", "orchestrator.cli"]
+
+    def probe() -> int:
+        return subprocess.run(
+            [*command, "alive", str(alive)], env=env, capture_output=True, check=False
+        ).returncode
+
+    proc = _spawn([*command, "background", "--alive-file", str(alive)], env, log)
+    engine = create_async_engine(settings.db.url)
+    try:
+        deadline = time.monotonic() + 30
+        swept = None
+        while swept is None or not alive.exists():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, f"no tick and no alive file in 30 s:\n{log.read_text()}"
+            await asyncio.sleep(0.2)
+            async with engine.connect() as conn:
+                swept = await conn.scalar(
+                    text("SELECT last_run_at FROM background_ticks WHERE name = 'liveness_sweeper'")
+                )
+        assert await asyncio.to_thread(probe) == 0
+
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 30) == 0, log.read_text()
+        assert not alive.exists()
+        assert await asyncio.to_thread(probe) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        await engine.dispose()
