@@ -39,24 +39,24 @@ from benchmarks.common import (
     DEFAULT_REDIS,
     CpuMeter,
     Stats,
+    add_store_args,
     create_token,
     drop_redis_prefix,
+    engine_for,
     free_port,
     prepare_raw,
     reset_database,
     run_main,
     setup_pool,
-    sqlalchemy_url,
     start_server,
     stop_server,
     wait_ready,
 )
 from benchmarks.loadgen import Conn, FastSigner, self_check
 from orchestrator.core.clock import SystemClock
-from orchestrator.core.db import make_engine, make_sessionmaker
+from orchestrator.core.db import make_sessionmaker
 from orchestrator.core.keys import key_id_of
 from orchestrator.core.signing import SignedRequest
-from orchestrator.settings import DatabaseSettings
 from orchestrator.tasks import service
 
 __all__ = ["DEFAULT_DB", "DEFAULT_REDIS", "Stats", "api_phase", "main", "raw_phase", "service_phase"]
@@ -146,7 +146,7 @@ async def service_phase(
     routes' own SQL and transactions, without HTTP, FastAPI or the RFC 9421 check. The stored
     evidence is a fixed stand-in (nothing checks it here). Results take ``answers`` in turn;
     with ``until_empty`` a poller stops at its first empty claim."""
-    engine = make_engine(DatabaseSettings(url=sqlalchemy_url(dsn), pool_size=len(node_ids), max_overflow=0))
+    engine = engine_for(dsn, len(node_ids))
     sessions = make_sessionmaker(engine)
     stats = Stats()
     stop = time.monotonic() + seconds
@@ -246,8 +246,7 @@ async def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
     parser.add_argument("--tasks", type=int, default=20_000)
     parser.add_argument("--raw-jobs", type=int, default=300_000, help="rows in the raw loop's queue")
-    parser.add_argument("--database", default=os.environ.get("ORCH_BENCH_DATABASE_URL", DEFAULT_DB))
-    parser.add_argument("--redis", default=os.environ.get("ORCH_BENCH_REDIS_URL", DEFAULT_REDIS))
+    add_store_args(parser)
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--server-log", default="benchmarks/out/server.log", help="the server's output")
     parser.add_argument(

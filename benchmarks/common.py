@@ -6,6 +6,7 @@ Everything talks to 127.0.0.1 only.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
@@ -22,6 +23,7 @@ from typing import IO, Any
 import asyncpg
 import httpx
 from nacl.signing import SigningKey
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from orchestrator.core.keys import attest_node, generate_key, key_id_of
 from orchestrator.core.signing import SignatureAuth
@@ -79,6 +81,23 @@ def free_port() -> int:
 
 def sqlalchemy_url(dsn: str) -> str:
     return dsn.replace("postgresql://", "postgresql+asyncpg://", 1)
+
+
+def add_store_args(parser: argparse.ArgumentParser) -> None:
+    """--database and --redis, defaulting to ORCH_BENCH_DATABASE_URL / ORCH_BENCH_REDIS_URL."""
+    parser.add_argument("--database", default=os.environ.get("ORCH_BENCH_DATABASE_URL", DEFAULT_DB))
+    parser.add_argument("--redis", default=os.environ.get("ORCH_BENCH_REDIS_URL", DEFAULT_REDIS))
+
+
+def engine_for(dsn: str, connections: int | None = None) -> AsyncEngine:
+    """The service layer's engine on the benchmark database: ``connections`` pooled, no overflow
+    (the application's defaults without it)."""
+    from orchestrator.core.db import make_engine
+    from orchestrator.settings import DatabaseSettings
+
+    if connections is None:
+        return make_engine(DatabaseSettings(url=sqlalchemy_url(dsn)))
+    return make_engine(DatabaseSettings(url=sqlalchemy_url(dsn), pool_size=connections, max_overflow=0))
 
 
 async def reset_database(dsn: str) -> None:
@@ -195,10 +214,9 @@ async def wait_ready(base: str, within_s: float = 60) -> None:
 async def create_token(dsn: str) -> str:
     from orchestrator.admin.tokens import Role
     from orchestrator.admin.tokens import create_token as make
-    from orchestrator.core.db import make_engine, make_sessionmaker
-    from orchestrator.settings import DatabaseSettings
+    from orchestrator.core.db import make_sessionmaker
 
-    engine = make_engine(DatabaseSettings(url=sqlalchemy_url(dsn)))
+    engine = engine_for(dsn)
     try:
         async with make_sessionmaker(engine)() as session, session.begin():
             token, _ = await make(session, role=Role.admin, name="bench")

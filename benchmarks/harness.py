@@ -54,9 +54,8 @@ from nacl.signing import SigningKey
 
 from benchmarks import loadgen, profiling
 from benchmarks.common import (
-    DEFAULT_DB,
-    DEFAULT_REDIS,
     CpuMeter,
+    add_store_args,
     create_pool,
     create_token,
     drop_redis_prefix,
@@ -839,8 +838,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="run the background loops (verifier etc.) in a separate `orchestrator background` "
         "process instead of in the API workers (its CPU counts as the server's)",
     )
-    p.add_argument("--database", default=os.environ.get("ORCH_BENCH_DATABASE_URL", DEFAULT_DB))
-    p.add_argument("--redis", default=os.environ.get("ORCH_BENCH_REDIS_URL", DEFAULT_REDIS))
+    add_store_args(p)
     p.add_argument("--out-dir", default="benchmarks/out")
     p.add_argument("--json", default="benchmarks/out/results.json")
     p.add_argument(

@@ -40,28 +40,26 @@ import httpx
 
 from benchmarks.claims import metered, service_phase
 from benchmarks.common import (
-    DEFAULT_DB,
-    DEFAULT_REDIS,
     CpuMeter,
+    add_store_args,
     create_pool,
     create_token,
     drop_redis_prefix,
+    engine_for,
     enqueue,
     free_port,
     register_nodes,
     reset_database,
     run_main,
     server_env,
-    sqlalchemy_url,
     start_server,
     stop_server,
     wait_ready,
 )
-from orchestrator.core.db import make_engine, make_sessionmaker
+from orchestrator.core.db import make_sessionmaker
 from orchestrator.core.errors import ServiceUnavailable
 from orchestrator.core.keys import key_id_of
 from orchestrator.feed import service as feed
-from orchestrator.settings import DatabaseSettings
 
 ECONOMICS = {"min_stake_per_node": 0, "reward_per_sample": 7, "reward_hold_s": 3600}
 
@@ -100,7 +98,7 @@ class FeedReaders:
     async def run(self, stop: asyncio.Event) -> None:
         if not self.count:
             return
-        engine = make_engine(DatabaseSettings(url=sqlalchemy_url(self.dsn), pool_size=self.count))
+        engine = engine_for(self.dsn, self.count)
         sessions = make_sessionmaker(engine)
 
         async def reader() -> None:
@@ -187,8 +185,7 @@ async def main() -> None:
     parser.add_argument("--wrong", type=float, default=0.1, help="share of wrong answers")
     parser.add_argument("--pollers", type=int, default=64)
     parser.add_argument("--feed-readers", type=int, default=0, help="trainers reading the feed meanwhile")
-    parser.add_argument("--database", default=os.environ.get("ORCH_BENCH_DATABASE_URL", DEFAULT_DB))
-    parser.add_argument("--redis", default=os.environ.get("ORCH_BENCH_REDIS_URL", DEFAULT_REDIS))
+    add_store_args(parser)
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
