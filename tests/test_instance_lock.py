@@ -6,10 +6,8 @@ the first process had already accepted."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ from orchestrator.app import create_app
 from orchestrator.core.instance_lock import InstanceLocked
 from orchestrator.core.migrate import upgrade
 from orchestrator.settings import RedisSettings, Settings
+from tests.process_helpers import free_port, wait_ready
 
 
 def in_process_store(settings: Settings) -> Settings:
@@ -49,12 +48,6 @@ async def test_a_shared_store_lets_processes_serve_together(settings: Settings, 
             pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _serve(db: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_")}
     env |= {"ORCH_DB__URL": f"sqlite+aiosqlite:///{db}", "ORCH_SERVER__MIGRATE_ON_START": "false"}
@@ -63,27 +56,14 @@ def _serve(db: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
-def _wait_ready(port: int, server: subprocess.Popen[bytes], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert server.poll() is None, "the server exited"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("the server did not become ready")
-
-
 def test_a_second_serve_on_the_same_sqlite_file_exits_with_the_reason(tmp_path: Path) -> None:
     db = tmp_path / "one.db"
     upgrade(f"sqlite+aiosqlite:///{db}")
-    port = _free_port()
+    port = free_port()
     first = _serve(db, port, tmp_path / "first.log")
     try:
-        _wait_ready(port, first)
-        second = _serve(db, _free_port(), tmp_path / "second.log")
+        wait_ready(port, first)
+        second = _serve(db, free_port(), tmp_path / "second.log")
         try:
             code = second.wait(timeout=30)
         finally:
@@ -97,10 +77,10 @@ def test_a_second_serve_on_the_same_sqlite_file_exits_with_the_reason(tmp_path: 
         first.terminate()
         first.wait(timeout=30)
     # Once the first has stopped, a new one starts.
-    port = _free_port()
+    port = free_port()
     again = _serve(db, port, tmp_path / "again.log")
     try:
-        _wait_ready(port, again)
+        wait_ready(port, again)
     finally:
         again.terminate()
         again.wait(timeout=30)

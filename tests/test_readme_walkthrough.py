@@ -13,15 +13,15 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.process_helpers import free_port, wait_ready
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 README_ADDRESS = "http://127.0.0.1:8000"
@@ -60,18 +60,12 @@ def _commands(block: str) -> list[str]:
     return commands
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
     """`orchestrator serve` in an empty directory, with no ORCH_* setting: the embedded default."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_")}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    port = _free_port()
+    port = free_port()
     log = (tmp_path / "serve.log").open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "orchestrator.cli", "serve", "--port", str(port)],
@@ -80,19 +74,9 @@ def server(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not become ready"
-            time.sleep(0.2)
-        yield base, env
+        wait_ready(port, proc, timeout=60, log=tmp_path / "serve.log")
+        yield f"http://127.0.0.1:{port}", env
     finally:
         proc.terminate()
         try:

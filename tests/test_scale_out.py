@@ -47,6 +47,7 @@ from sqlalchemy.engine import make_url
 from orchestrator.core.keys import attest_node, generate_key, key_id_of
 from orchestrator.core.signing import SignatureAuth, sign_headers
 from tests.conftest import DATABASE_URL, GPU_SPECS, REDIS_URL, postgres_only
+from tests.process_helpers import free_port
 
 pytestmark = [
     postgres_only,
@@ -71,12 +72,6 @@ DRAIN_DEADLINE_S = 40.0
 
 
 # ------------------------------------------------------------------ servers
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -147,7 +142,7 @@ async def _wait_ready(server: Server, deadline: float) -> None:
 
 
 def _spawn(name: str, env: dict[str, str], log_dir: Path) -> Server:
-    port = _free_port()
+    port = free_port()
     log_path = log_dir / f"server-{name}.log"
     command = [sys.executable, "-m", "orchestrator.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     with log_path.open("wb") as log:  # the child keeps its own descriptor

@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from typer.testing import CliRunner
 from orchestrator.cli import app
 from orchestrator.worker.problems import arithmetic_tasks
 from tests.conftest import REDIS_URL, ROOT, _drop_prefix
+from tests.process_helpers import free_port
 
 runner = CliRunner()
 WORKER_ARGS = ["worker", "run", "--backend", "arithmetic", "--backend-opt", "error_rate=0"]
@@ -49,12 +49,6 @@ def test_bad_worker_arguments_are_refused_before_anything_runs(tmp_path: Path) -
         assert message in " ".join(result.output.split()), (extra, result.output)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -76,7 +70,7 @@ def server(database_url: str, redis_prefix: str, tmp_path: Path) -> Iterator[tup
     env.pop("ORCH_REDIS__URL", None)
     if REDIS_URL:
         env["ORCH_REDIS__URL"] = REDIS_URL
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     with (tmp_path / "server.log").open("wb") as log:
         proc = subprocess.Popen(
