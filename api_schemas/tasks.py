@@ -125,6 +125,10 @@ class AssignmentOut(BaseModel):
     ended_at: dt.datetime | None
 
 
+# Why a task ended failed or cancelled (TaskOut.end_reason).
+EndReason = Literal["cancelled", "max_attempts", "deadline_passed", "iteration_expired"]
+
+
 class TaskOut(BaseModel):
     id: int
     pool_id: str
@@ -139,7 +143,12 @@ class TaskOut(BaseModel):
     priority: int
     deadline_at: dt.datetime | None
     canary: bool
-    failure_reason: str | None
+    failure_reason: str | None = Field(description="why the task ended failed or cancelled, for people")
+    end_reason: EndReason | None = Field(
+        description="why the task ended failed or cancelled, for machines: an operator's cancel, a "
+        "replica out of attempts (the pool's max_attempts), the task's deadline, or the end of its "
+        "ReST^EM iteration"
+    )
     created_at: dt.datetime
 
 

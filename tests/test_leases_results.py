@@ -73,6 +73,7 @@ async def test_a_task_fails_after_max_attempts_with_its_history(
         detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
         assert detail["status"] == "failed"
         assert "max attempts" in detail["failure_reason"]
+        assert detail["end_reason"] == "max_attempts"
         assert [a["status"] for a in detail["assignments"]] == ["expired", "expired"]
         assert [a["node_id"] for a in detail["assignments"]] == [w.node_id for w in s.workers[:2]]
 

@@ -80,3 +80,108 @@ def test_models_and_migrations_do_not_drift(scratch_url: str) -> None:
     upgrade(scratch_url)
     _, diff = asyncio.run(_inspect(scratch_url))
     assert diff == [], f"autogenerate would emit: {diff}"
+
+
+async def _seed_ended_tasks(url: str) -> None:
+    """Tasks that ended before revision 0012, each with the failure_reason its path wrote then."""
+    from orchestrator.admin.models import ApiToken
+    from orchestrator.pools.models import Pool
+    from orchestrator.tasks.models import Task, TaskBatch
+
+    engine = create_async_engine(url)
+    pool = {
+        "id": "pool-mig",
+        "name": "mig",
+        "status": "active",
+        "owner_token_id": "tok-mig",
+        "admission": "open",
+        "requirements": {},
+        "min_stake_per_node": 0,
+        "reward_per_sample": 1,
+        "reward_hold_s": 0,
+        "soft_invalid_penalty": 0,
+        "fraud_slash_amount": 0,
+        "strikes_before_ejection": 3,
+        "strikes_before_provider_ban": 3,
+        "unbonding_period_s": 0,
+        "lease_duration_s": 60,
+        "max_attempts": 3,
+        "replication_factor": 1,
+        "audit_rate_floor": 0.0,
+        "max_async_level": 2,
+        "max_leases_per_node": 4,
+    }
+    ended = [
+        ("failed", "deadline passed at 2026-11-30T10:00:00+00:00"),
+        ("failed", "replica 0 expired 3 times (max attempts)"),
+        ("cancelled", "ReST^EM iteration 7 expired"),
+        ("cancelled", "cancelled by tok-mig"),
+        ("open", None),
+    ]
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                ApiToken.__table__.insert(),
+                [{"id": "tok-mig", "name": "m", "role": "admin", "token_hash": "0" * 64}],
+            )
+            await conn.execute(Pool.__table__.insert(), [pool])
+            await conn.execute(
+                TaskBatch.__table__.insert(),
+                [
+                    {
+                        "id": 1,
+                        "pool_id": "pool-mig",
+                        "batch_key": "b",
+                        "body_sha256": "0" * 64,
+                        "task_count": 5,
+                        "created_by": "t",
+                    }
+                ],
+            )
+            await conn.execute(
+                Task.__table__.insert(),
+                [
+                    {
+                        "id": i + 1,
+                        "pool_id": "pool-mig",
+                        "batch_id": 1,
+                        "batch_index": i,
+                        "prompt": "p",
+                        "sampling": {},
+                        "replication": 1,
+                        "min_quorum": 1,
+                        "claim_rank": 0,
+                        "status": status,
+                        "available_replicas": 0,
+                        "failure_reason": reason,
+                    }
+                    for i, (status, reason) in enumerate(ended)
+                ],
+            )
+    finally:
+        await engine.dispose()
+
+
+async def _end_reasons(url: str) -> list[tuple[int, str | None]]:
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            return [
+                tuple(r) for r in await conn.execute(text("SELECT id, end_reason FROM tasks ORDER BY id"))
+            ]
+    finally:
+        await engine.dispose()
+
+
+def test_0012_gives_tasks_that_already_ended_their_end_reason(scratch_url: str) -> None:
+    upgrade(scratch_url)
+    asyncio.run(_seed_ended_tasks(scratch_url))
+    downgrade(scratch_url, "0011")  # the rows as they were before 0012: text only
+    upgrade(scratch_url)
+    assert asyncio.run(_end_reasons(scratch_url)) == [
+        (1, "deadline_passed"),
+        (2, "max_attempts"),
+        (3, "iteration_expired"),
+        (4, "cancelled"),
+        (5, None),
+    ]

@@ -207,7 +207,11 @@ async def test_an_iteration_expires_at_its_deadline_and_stops_its_tasks(
         assert expired["status"] == "expired"
         assert expired["finished_at"].replace("Z", "+00:00") == deadline.isoformat()
         r = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)
-        assert [t["status"] for t in r.json()["items"]] == ["completed", "completed", "cancelled"]
+        assert [(t["status"], t["end_reason"]) for t in r.json()["items"]] == [
+            ("completed", None),
+            ("completed", None),
+            ("cancelled", "iteration_expired"),
+        ]
         assert (await w.claim(s.pool_id)).json()["reason"] == "no_tasks"
 
         rep = await report(s, it["id"])
@@ -233,7 +237,10 @@ async def test_an_iteration_expires_even_when_the_lease_reaper_fails_its_tasks_f
         clock.advance(61)
         assert (await reap_once(app_state)).past_deadline == 1  # the reaper gets there first
         r = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)
-        assert [t["status"] for t in r.json()["items"]] == ["completed", "failed"]
+        assert [(t["status"], t["end_reason"]) for t in r.json()["items"]] == [
+            ("completed", None),
+            ("failed", "deadline_passed"),
+        ]
         expired = await get(s, it["id"])
         assert expired["status"] == "expired"
         assert expired["finished_at"].replace("Z", "+00:00") == deadline.isoformat()

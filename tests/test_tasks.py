@@ -137,7 +137,7 @@ async def test_operators_can_cancel_a_task(app: Any, app_state: Any) -> None:
         task_id = (await s.enqueue([task()])).json()["first_task_id"]
         lease = (await s.workers[0].claim(s.pool_id)).json()["leases"][0]
         r = await s.admin.post(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}/cancel", headers=s.headers)
-        assert r.json()["status"] == "cancelled"
+        assert r.json()["status"] == "cancelled" and r.json()["end_reason"] == "cancelled"
         beat = await s.workers[0].beat([lease["assignment_id"]])
         assert beat.json()["drop_leases"] == [lease["assignment_id"]]
         problem(await s.workers[0].submit(lease), 409, "task_cancelled")

@@ -252,7 +252,7 @@ async def _settle(session: AsyncSession, iteration: RestemIteration, now: dt.dat
                     Task.status.not_in(FINISHED_TASK),
                     and_(
                         Task.status == "failed",
-                        Task.failure_reason.startswith(tasks_service.DEADLINE_PASSED, autoescape=True),
+                        Task.end_reason == "deadline_passed",
                     ),
                 ),
             )
@@ -295,7 +295,9 @@ async def _expire(session: AsyncSession, iteration: RestemIteration, deadline: d
         stmt = stmt.with_for_update(of=Task)  # no claim leases them meanwhile
     cancelled = 0
     for task in list((await session.execute(stmt)).scalars()):
-        await tasks_service.cancel_task(session, task, f"ReST^EM iteration {iteration.id} expired")
+        await tasks_service.cancel_task(
+            session, task, f"ReST^EM iteration {iteration.id} expired", end_reason="iteration_expired"
+        )
         cancelled += 1
     log.info(
         "restem_iteration_expired",

@@ -4,7 +4,7 @@ submissions (signed results kept as evidence)."""
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+from typing import Any, get_args
 
 from sqlalchemy import (
     JSON,
@@ -23,6 +23,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
+from api_schemas.tasks import EndReason
 from orchestrator.core.db import Base, UTCDateTime, utcnow
 
 ID = BigInteger().with_variant(Integer, "sqlite")
@@ -70,6 +71,12 @@ class TaskBatch(Base):
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
+# Why a task ended ``failed`` or ``cancelled``, for machines (``failure_reason`` says it for people):
+# an operator's cancel, a replica out of attempts, the task's deadline, its ReST^EM iteration's end.
+END_REASONS: tuple[str, ...] = get_args(EndReason)
+END_REASONS_SQL = "(" + ", ".join(f"'{r}'" for r in END_REASONS) + ")"
+
+
 class Task(Base):
     __tablename__ = "tasks"
     __table_args__ = (
@@ -78,6 +85,7 @@ class Task(Base):
         ),
         CheckConstraint("available_replicas >= 0", name="available_not_negative"),
         CheckConstraint("replication >= 1", name="replication_positive"),
+        CheckConstraint(f"end_reason IN {END_REASONS_SQL}", name="end_reason_known"),
         # The claim path: open tasks with a replica to lease, best priority first, then oldest.
         Index(
             "ix_tasks_claimable",
@@ -120,7 +128,10 @@ class Task(Base):
     available_replicas: Mapped[int] = mapped_column(Integer)
     submitted_replicas: Mapped[int] = mapped_column(Integer, default=0)
     is_canary: Mapped[bool] = mapped_column(Boolean, default=False)
-    failure_reason: Mapped[str | None] = mapped_column(Text)
+    failure_reason: Mapped[str | None] = mapped_column(Text, doc="for people; end_reason is for machines")
+    end_reason: Mapped[str | None] = mapped_column(
+        String(32), doc="why a task ended failed or cancelled: one of END_REASONS"
+    )
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 

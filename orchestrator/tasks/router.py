@@ -86,6 +86,7 @@ def task_out(t: Task) -> TaskOut:
         deadline_at=t.deadline_at,
         canary=t.is_canary,
         failure_reason=t.failure_reason,
+        end_reason=t.end_reason,
         created_at=t.created_at,
     )
 

@@ -227,8 +227,11 @@ async def _same_batch(session: AsyncSession, batch: TaskBatch, digest: str) -> E
     return EnqueueResult(batch=batch, first_task_id=int(first or 0), created=False)
 
 
-async def cancel_task(session: AsyncSession, task: Task, reason: str) -> Task:
-    """Idempotent. Live leases are cancelled (their heartbeats are told to drop them)."""
+async def cancel_task(
+    session: AsyncSession, task: Task, reason: str, *, end_reason: str = "cancelled"
+) -> Task:
+    """Idempotent. Live leases are cancelled (their heartbeats are told to drop them). ``reason``
+    is text for people, ``end_reason`` one of ``models.END_REASONS`` for machines."""
     if task.status in ("cancelled", "completed", "failed"):
         return task
     now = dt.datetime.now(dt.UTC)
@@ -245,16 +248,17 @@ async def cancel_task(session: AsyncSession, task: Task, reason: str) -> Task:
     task.status = "cancelled"
     task.available_replicas = 0
     task.failure_reason = reason
+    task.end_reason = end_reason
     task.updated_at = now
     await session.flush()
     await verification.settle_abandoned(session, task.id, now=now)
     return task
 
 
-async def fail_task(session: AsyncSession, task: Task, reason: str) -> None:
+async def fail_task(session: AsyncSession, task: Task, reason: str, *, end_reason: str) -> None:
     """An open task that can no longer be done (max attempts, deadline) ends ``failed``: its
     live leases are cancelled and waiting results settled, as for a cancellation."""
-    await cancel_task(session, task, reason)
+    await cancel_task(session, task, reason, end_reason=end_reason)
     task.status = "failed"
 
 
@@ -660,15 +664,11 @@ async def reap_expired(session: AsyncSession, *, now: dt.datetime, limit: int = 
     for task_id, reason in failed_tasks.items():
         task = await session.get(Task, task_id, with_for_update=True)
         if task is not None and task.status == "open":
-            await fail_task(session, task, reason)
+            await fail_task(session, task, reason, end_reason="max_attempts")
     await session.flush()
     if failed_tasks:
         log.warning("tasks_failed", count=len(failed_tasks))
     return len(expired), len(failed_tasks)
-
-
-# The failure reason of a task failed at its deadline (ReST^EM tells such tasks apart by it).
-DEADLINE_PASSED = "deadline passed at "
 
 
 async def fail_past_deadline(session: AsyncSession, *, now: dt.datetime, limit: int = 1000) -> int:
@@ -686,7 +686,9 @@ async def fail_past_deadline(session: AsyncSession, *, now: dt.datetime, limit: 
     due = list((await session.execute(stmt)).scalars())
     for task in due:
         assert task.deadline_at is not None
-        await fail_task(session, task, f"{DEADLINE_PASSED}{task.deadline_at.isoformat()}")
+        await fail_task(
+            session, task, f"deadline passed at {task.deadline_at.isoformat()}", end_reason="deadline_passed"
+        )
     await session.flush()
     if due:
         log.warning("tasks_past_deadline", count=len(due))
