@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 
 from orchestrator.core.keys import generate_key
 from orchestrator.tasks.models import Assignment
@@ -149,6 +149,80 @@ def _is_postgres(app_state: Any) -> bool:
     return bool(app_state.engine.dialect.name == "postgresql")
 
 
+# A claim whose pick started before a concurrent claim of the same task committed, and which
+# reaches the task only after that commit: the task's row lock is free again by then, so SKIP
+# LOCKED does not skip it. audit_delay() holds the first claim in its scan, in its session only.
+_DELAY_FN = """
+CREATE OR REPLACE FUNCTION test_claim_delay() RETURNS boolean LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+  PERFORM pg_sleep(coalesce(nullif(current_setting('test.claim_delay', true), '')::float8, 0));
+  RETURN true;
+END $$;
+"""
+
+
+async def _claim_behind_a_concurrent_claim(
+    app_state: Any, clock: Any, monkeypatch: Any, s: Any, slow: Any, fast: Any
+) -> tuple[list[Any], list[Any]]:
+    from orchestrator.tasks import service
+
+    monkeypatch.setattr(service, "_MAY_TAKE", service._MAY_TAKE + " AND test_claim_delay()")
+    service._pick_statement.cache_clear()
+    try:
+        async with app_state.sessionmaker() as session, session.begin():
+            await session.execute(text(_DELAY_FN))
+
+        async def claim_slowly() -> Any:
+            async with app_state.sessionmaker() as session, session.begin():
+                await session.execute(text("SET LOCAL test.claim_delay = '0.6'"))
+                return await service.claim(session, slow.node_id, s.pool_id, 1, now=clock.utcnow())
+
+        async def claim_meanwhile() -> Any:
+            await asyncio.sleep(0.2)  # the slow claim has its snapshot and is scanning
+            async with app_state.sessionmaker() as session, session.begin():
+                return await service.claim(session, fast.node_id, s.pool_id, 1, now=clock.utcnow())
+
+        late, early = await asyncio.gather(claim_slowly(), claim_meanwhile())
+    finally:
+        monkeypatch.undo()
+        service._pick_statement.cache_clear()
+    return late.leases, early.leases
+
+
+@postgres_only
+async def test_a_claim_that_reaches_a_task_after_a_concurrent_claim_takes_the_next_replica(
+    app: Any, app_state: Any, clock: Any, monkeypatch: Any
+) -> None:
+    async with pool_setup(app, app_state, replication_factor=2) as s:
+        slow, fast = await s.add_worker(ip="198.51.100.1"), await s.add_worker(ip="198.51.100.2")
+        assert (await s.enqueue([task("race")])).status_code == 201
+        late, early = await _claim_behind_a_concurrent_claim(app_state, clock, monkeypatch, s, slow, fast)
+        assert [(x.replica_index, x.fencing_token) for x in early] == [(0, 1)]
+        assert [(x.replica_index, x.fencing_token) for x in late] == [(1, 1)]
+        async with app_state.sessionmaker() as session:
+            replicas = (
+                await session.execute(
+                    text("SELECT replica_index, status FROM task_replicas ORDER BY replica_index")
+                )
+            ).all()
+            available = await session.scalar(text("SELECT available_replicas FROM tasks"))
+        assert [tuple(r) for r in replicas] == [(0, "leased"), (1, "leased")] and available == 0
+
+
+@postgres_only
+async def test_a_claim_that_reaches_a_task_after_a_concurrent_claim_keeps_the_placement_rule_and_looks_again(
+    app: Any, app_state: Any, clock: Any, monkeypatch: Any
+) -> None:
+    async with pool_setup(app, app_state, replication_factor=2) as s:
+        slow, fast = await s.add_worker(ip="198.51.100.1"), await s.add_worker(ip="198.51.100.1")
+        assert (await s.enqueue([task("race"), task("next")])).status_code == 201
+        late, early = await _claim_behind_a_concurrent_claim(app_state, clock, monkeypatch, s, slow, fast)
+        # Same IP: the first task's second replica may not go to the slow claimer, which looks
+        # again and takes the next task instead of answering no_tasks.
+        assert [(x.task.prompt, x.replica_index) for x in early] == [("race", 0)]
+        assert [(x.task.prompt, x.replica_index) for x in late] == [("next", 0)]
+
+
 @postgres_only
 async def test_fifty_concurrent_claimers_on_postgres_lease_each_replica_once(
     app: Any, app_state: Any
@@ -160,19 +234,34 @@ async def test_fifty_concurrent_claimers_on_postgres_lease_each_replica_once(
             [{"problem_ref": f"q/{i}", "sampling": {"max_tokens": 8}} for i in range(1500)], key="r2"
         )
 
-        async def grab(w: Any) -> list[tuple[int, str]]:
+        async def grab(w: Any) -> list[tuple[int, int, str]]:
             out = []
-            for _ in range(200):
-                leases = (await w.claim(s.pool_id, max_tasks=20)).json()["leases"]
+            for _ in range(400):
+                leases = (await w.claim(s.pool_id, max_tasks=5)).json()["leases"]
                 if not leases:
                     break
-                out += [(lease["task"]["task_id"], w.node_id) for lease in leases]
+                out += [(lease["task"]["task_id"], lease["replica_index"], w.node_id) for lease in leases]
             return out
 
         results = await asyncio.gather(*(grab(w) for w in s.workers))
-        pairs = [p for r in results for p in r]
-        assert len(pairs) == 3000
+        leased = [p for r in results for p in r]
+        # Every replica of every task leased exactly once, to two different nodes per task.
+        assert len(leased) == 3000
+        assert len({(task_id, replica) for task_id, replica, _ in leased}) == 3000
         per_task: dict[int, set[str]] = {}
-        for task_id, node in pairs:
+        for task_id, _, node in leased:
             per_task.setdefault(task_id, set()).add(node)
         assert all(len(nodes) == 2 for nodes in per_task.values())
+        async with app_state.sessionmaker() as session:
+            double = await session.scalar(
+                text(
+                    "SELECT count(*) FROM (SELECT replica_id FROM assignments WHERE status = 'active' "
+                    "GROUP BY replica_id HAVING count(*) > 1) d"
+                )
+            )
+            left = await session.scalar(
+                text(
+                    "SELECT count(*) FROM task_replicas WHERE status <> 'leased' OR current_assignment_id IS NULL"
+                )
+            )
+        assert (double, left) == (0, 0)

@@ -48,10 +48,11 @@ async def test_a_claim_runs_the_same_few_statements_for_one_task_or_ten(app: Any
         assert len(r.json()["leases"]) == 10
         # One read of node, pool, membership, policy and held leases; one locked pick with the
         # replicas and payloads; INSERT assignments; UPDATE replicas; UPDATE tasks. PostgreSQL
-        # first locks the signer's row (one node's claims queue up; its lease cap holds), and
+        # first locks the signer's row (one node's claims queue up; its lease cap holds), picks
+        # in two steps (lock the tasks, then choose their replicas with a fresh snapshot), and
         # makes the three writes one statement of data-modifying CTEs.
         if app_state.engine.dialect.name == "postgresql":
-            assert len(single) == len(batch) == 4, batch
+            assert len(single) == len(batch) == 5, batch
             [fused] = [st for st in batch if st.lstrip().startswith("WITH v AS")]
             for write in ("INSERT INTO assignments", "UPDATE task_replicas", "UPDATE tasks"):
                 assert write in fused, write

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -21,6 +22,7 @@ import structlog
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Row,
     Select,
     TextualSelect,
     and_,
@@ -47,7 +49,7 @@ from api_schemas.tasks import (
     TaskBatchIn,
 )
 from orchestrator.core.db import UTCDateTime
-from orchestrator.core.errors import Conflict, NotFound
+from orchestrator.core.errors import Conflict, NotFound, ServiceUnavailable
 from orchestrator.core.signing import SignedRequest
 from orchestrator.core.sql import is_postgres
 from orchestrator.identity.auth import banned_node, unknown_node
@@ -312,46 +314,68 @@ _CLAIM_CONTEXT = text(
 )
 
 
-# The pick: open tasks of the pool this node may take (not past their deadline; no replica of
-# the task with this node ever, none live or submitted with its provider or IP), best rank
-# first, locked with SKIP LOCKED on PostgreSQL, joined to each task's lowest available replica
-# and its payload.
-_PICK = """
-    WITH picked AS (
-      SELECT t.id FROM tasks t
-       WHERE t.pool_id = :pool_id AND t.status = 'open' AND t.available_replicas > 0
-         AND (t.deadline_at IS NULL OR t.deadline_at > :now)
-         AND NOT EXISTS (
-           SELECT 1 FROM assignments a
-            WHERE a.task_id = t.id
-              AND (a.node_id = :node_id
-                   OR (a.status IN ('active', 'submitted')
-                       AND (a.provider_id = :provider_id OR {ip_match}))))
-       ORDER BY t.claim_rank, t.id
-       LIMIT :room {lock}
-    )
+# The tasks of the pool this node may take: open, with a replica to lease, not past their
+# deadline, and no replica of the task with this node ever, none live or submitted with its
+# provider or IP.
+_MAY_TAKE = """
+       t.pool_id = :pool_id AND t.status = 'open' AND t.available_replicas > 0
+   AND (t.deadline_at IS NULL OR t.deadline_at > :now)
+   AND NOT EXISTS (
+     SELECT 1 FROM assignments a
+      WHERE a.task_id = t.id
+        AND (a.node_id = :node_id
+             OR (a.status IN ('active', 'submitted')
+                 AND (a.provider_id = :provider_id OR {ip_match}))))
+"""
+# Each picked task joined to its lowest available replica and its payload, best rank first.
+_REPLICAS_OF = """
     SELECT r.id AS replica_id, r.task_id, r.replica_index, r.seed, r.leases_issued,
            t.prompt, t.problem_ref, t.sampling, t.metadata, t.claim_rank
-      FROM picked
-      JOIN tasks t ON t.id = picked.id
+      FROM {tasks}
       JOIN task_replicas r ON r.task_id = t.id AND r.status = 'available'
        AND r.replica_index = (SELECT min(r2.replica_index) FROM task_replicas r2
                                WHERE r2.task_id = t.id AND r2.status = 'available')
+     {where}
      ORDER BY t.claim_rank, t.id
 """
+# SQLite (one writer at a time): the pick is one statement.
+_PICK_ONE_WRITER = """
+    WITH picked AS (
+      SELECT t.id FROM tasks t WHERE {may_take} ORDER BY t.claim_rank, t.id LIMIT :room
+    ) {replicas}
+"""
+# PostgreSQL: two statements. The first locks the best tasks the node may take (SKIP LOCKED:
+# concurrent claims take different tasks). It cannot also choose the replicas: a task locked
+# after a concurrent claim committed is re-checked on its own new row only, while its replicas,
+# assignments and the placement rule are still read from the statement's older snapshot, so the
+# replica the other claim just leased would look available. The second statement, run while the
+# locks are held, reads with a snapshot that has every claim of those tasks that committed and
+# re-applies the rules to them before choosing each task's replica.
+_PICK_LOCK = """
+    SELECT t.id FROM tasks t WHERE {may_take}
+     ORDER BY t.claim_rank, t.id LIMIT :room FOR UPDATE OF t SKIP LOCKED
+"""
+_PICK_LOCKED_WHERE = "WHERE t.id = ANY(CAST(:task_ids AS bigint[])) AND {may_take}"
 _PICK_COLUMNS = {"sampling": JSON(), "metadata": JSON()}
 
 
-@lru_cache(maxsize=4)
-def _pick_statement(postgres: bool, ip_known: bool) -> TextualSelect:
+@lru_cache(maxsize=8)
+def _pick_statement(kind: str, ip_known: bool) -> TextualSelect:
+    """``kind``: ``one_writer`` (SQLite), ``lock`` or ``locked`` (PostgreSQL's two steps)."""
     # A node with no recorded IP counts as sharing the "unknown" IP with every other such node.
     ip_match = "a.ip_address = :ip_address" if ip_known else "a.ip_address IS NULL"
-    lock = "FOR UPDATE OF t SKIP LOCKED" if postgres else ""
-    return (
-        text(_PICK.format(ip_match=ip_match, lock=lock))
-        .bindparams(bindparam("now", type_=UTCDateTime()))
-        .columns(**_PICK_COLUMNS)
-    )
+    may_take = _MAY_TAKE.format(ip_match=ip_match)
+    if kind == "one_writer":
+        replicas = _REPLICAS_OF.format(tasks="picked JOIN tasks t ON t.id = picked.id", where="")
+        sql = _PICK_ONE_WRITER.format(may_take=may_take, replicas=replicas)
+    elif kind == "lock":
+        sql = _PICK_LOCK.format(may_take=may_take)
+    else:
+        sql = _REPLICAS_OF.format(tasks="tasks t", where=_PICK_LOCKED_WHERE.format(may_take=may_take))
+    stmt = text(sql).bindparams(bindparam("now", type_=UTCDateTime()))
+    if kind == "lock":
+        return stmt.columns(id=BigInteger())
+    return stmt.columns(**_PICK_COLUMNS)
 
 
 # The hot paths' writes are built once: SQLAlchemy then reuses their cache keys and compiled
@@ -385,10 +409,13 @@ _LEASE_ALL = text(
     ), replicas AS (
       UPDATE task_replicas r
          SET status = 'leased', leases_issued = v.token, current_assignment_id = v.id
-        FROM v WHERE r.id = v.replica_id
+        FROM v WHERE r.id = v.replica_id AND r.status = 'available' AND r.leases_issued = v.token - 1
+      RETURNING r.id
+    ), counts AS (
+      UPDATE tasks SET available_replicas = available_replicas - 1, updated_at = :b_now
+       WHERE id IN (SELECT task_id FROM v)
     )
-    UPDATE tasks SET available_replicas = available_replicas - 1, updated_at = :b_now
-     WHERE id IN (SELECT task_id FROM v)
+    SELECT count(*) FROM replicas
     """
 ).bindparams(
     bindparam("b_step", type_=BigInteger()),
@@ -429,18 +456,31 @@ async def claim(
     if room <= 0:
         return _no_work("lease_cap_reached", f"the node already holds {ctx.held} leases in this pool")
 
-    pick = _pick_statement(postgres, ctx.node_ip is not None)
-    params = {
+    ip_known = ctx.node_ip is not None
+    params: dict[str, Any] = {
         "pool_id": pool_id,
         "node_id": signed_keyid,
         "provider_id": ctx.node_provider_id,
-        "ip_address": ctx.node_ip,
-        "room": room,
         "now": now,
     }
-    if ctx.node_ip is None:
-        del params["ip_address"]
-    picked = (await conn.execute(pick, params)).all()
+    if ip_known:
+        params["ip_address"] = ctx.node_ip
+    picked: Sequence[Row[Any]] = []
+    if postgres:
+        # When every task the first step locked fails the second step's check (each was taken
+        # by a claim that committed after the first step's snapshot), look once more, with a
+        # fresh snapshot: "no_tasks" means that none is waiting.
+        for _ in range(2):
+            locked = await conn.execute(_pick_statement("lock", ip_known), {**params, "room": room})
+            task_ids = list(locked.scalars())
+            if not task_ids:
+                break
+            locked_params = {**params, "task_ids": task_ids}
+            picked = (await conn.execute(_pick_statement("locked", ip_known), locked_params)).all()
+            if picked:
+                break
+    else:
+        picked = (await conn.execute(_pick_statement("one_writer", ip_known), {**params, "room": room})).all()
     if not picked:
         return _no_work("no_tasks", "no task this node may take is waiting")
 
@@ -486,7 +526,7 @@ async def claim(
             )
         )
     if postgres:
-        await conn.execute(
+        leased = await conn.scalar(
             _LEASE_ALL,
             {
                 "b_ids": [a["id"] for a in assignments],
@@ -502,6 +542,14 @@ async def claim(
                 "b_now": now,
             },
         )
+        if leased != len(assignments):  # the pick guarantees it; never record a double lease
+            log.error("claim_replica_taken", node_id=signed_keyid, picked=len(assignments), leased=leased)
+            raise ServiceUnavailable(
+                "a replica this claim picked was leased by a concurrent claim; nothing was "
+                "recorded. Send the same request again.",
+                code="transient_conflict",
+                headers={"Retry-After": "1"},
+            )
     else:
         await conn.execute(_INSERT_ASSIGNMENTS, assignments)
         await conn.execute(_LEASE_REPLICA, replica_updates)
