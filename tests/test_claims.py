@@ -265,3 +265,78 @@ async def test_fifty_concurrent_claimers_on_postgres_lease_each_replica_once(
                 )
             )
         assert (double, left) == (0, 0)
+
+
+async def _leave(app_state: Any, s: Any, w: Any, clock: Any, *, hold_s: float = 0.0) -> None:
+    from orchestrator.identity import repository as identity
+    from orchestrator.pools import service as pools
+
+    async with app_state.sessionmaker() as session, session.begin():
+        node = await identity.get_node(session, w.node_id)
+        assert node is not None
+        await pools.leave(session, s.pool_id, node, now=clock.utcnow())
+        await asyncio.sleep(hold_s)  # still committing
+
+
+async def _live_leases(app_state: Any, node_id: str) -> list[str]:
+    async with app_state.sessionmaker() as session:
+        rows = await session.execute(
+            select(Assignment.id).where(Assignment.node_id == node_id, Assignment.status == "active")
+        )
+        return list(rows.scalars())
+
+
+@postgres_only
+async def test_a_claim_waits_for_a_leave_that_is_committing_and_then_finds_no_membership(
+    app: Any, app_state: Any, clock: Any
+) -> None:
+    from orchestrator.tasks import service
+
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        assert (await s.enqueue([task("x")])).status_code == 201
+
+        async def claim_meanwhile() -> Any:
+            await asyncio.sleep(0.2)  # the leave has ended the membership and not yet committed
+            async with app_state.sessionmaker() as session, session.begin():
+                return await service.claim(session, w.node_id, s.pool_id, 1, now=clock.utcnow())
+
+        _, out = await asyncio.gather(_leave(app_state, s, w, clock, hold_s=0.6), claim_meanwhile())
+        assert (out.reason, out.leases) == ("not_a_member", [])
+        assert await _live_leases(app_state, w.node_id) == []
+
+
+@postgres_only
+async def test_a_leave_waits_for_a_claim_that_read_the_membership_and_gives_its_lease_back(
+    app: Any, app_state: Any, clock: Any, monkeypatch: Any
+) -> None:
+    from orchestrator.tasks import service
+
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        assert (await s.enqueue([task("x")])).status_code == 201
+        async with app_state.sessionmaker() as session, session.begin():
+            await session.execute(text(_DELAY_FN))
+        monkeypatch.setattr(service, "_MAY_TAKE", service._MAY_TAKE + " AND test_claim_delay()")
+        service._pick_statement.cache_clear()
+        try:
+
+            async def claim_slowly() -> Any:
+                async with app_state.sessionmaker() as session, session.begin():
+                    await session.execute(text("SET LOCAL test.claim_delay = '0.3'"))
+                    return await service.claim(session, w.node_id, s.pool_id, 1, now=clock.utcnow())
+
+            async def leave_meanwhile() -> None:
+                await asyncio.sleep(0.15)  # the claim has read the membership as active
+                await _leave(app_state, s, w, clock)
+
+            out, _ = await asyncio.gather(claim_slowly(), leave_meanwhile())
+        finally:
+            monkeypatch.undo()
+            service._pick_statement.cache_clear()
+        [lease] = out.leases
+        # The leave gave the lease back: nothing live, the next heartbeat says to drop it, and
+        # a result for it is not recorded.
+        assert await _live_leases(app_state, w.node_id) == []
+        assert (await w.beat([lease.assignment_id])).json()["drop_leases"] == [lease.assignment_id]
+        problem(await w.submit(lease.model_dump(mode="json")), 409, "lease_expired")

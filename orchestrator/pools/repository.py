@@ -20,8 +20,11 @@ LIVE = ("active", "pending")  # memberships that count against caps and hold sta
 async def get_pool(session: AsyncSession, pool_id: str, *, for_update: bool = False) -> Pool | None:
     stmt = select(Pool).where(Pool.id == pool_id)
     if for_update:
-        # Serialises membership changes per pool, so caps hold under concurrent joins.
-        stmt = stmt.with_for_update()
+        # Serialises membership changes per pool, so caps hold under concurrent joins. NO KEY
+        # UPDATE: foreign-key checks on the pool (a claim inserting a lease, an enqueue) are
+        # not blocked, so a membership change may wait for a claim of one of its nodes (see
+        # tasks.service.release_member_leases) without deadlocking with it.
+        stmt = stmt.with_for_update(key_share=True)
     return (await session.execute(stmt)).scalar_one_or_none()
 
 

@@ -23,11 +23,14 @@ on the membership, so later changes to the pool's minimum never unlock more or l
 locked. Every ledger call carries a key derived from the membership id and its episode, so a
 retry never moves money twice.
 
-Concurrency: every membership change first locks the pool row (``SELECT ... FOR UPDATE`` on
-PostgreSQL; SQLite has one writer), so the cap counts a join reads cannot change before it
-commits, and locks are always taken in the order pool -> membership -> ledger accounts. A
-change that ends several memberships locks all their stake accounts up front
-(``ledger.lock_accounts``) before the first transfer.
+Concurrency: every membership change first locks the pool row (``SELECT ... FOR NO KEY
+UPDATE`` on PostgreSQL; SQLite has one writer), so the cap counts a join reads cannot change
+before it commits, and locks are always taken in the order pool -> membership -> ledger
+accounts -> the node's row (taken when its leases are given back, to exclude a concurrent
+claim). A change that ends several memberships locks all their stake accounts up front
+(``ledger.lock_accounts``) before the first transfer. A ban locks the node first; a ban racing
+a leave or an ejection of the same node can deadlock, which PostgreSQL resolves by refusing one
+of them (503 ``transient_conflict``, nothing recorded).
 
 Scoping: an operator administers the pools its token created, an admin every pool; a pool
 the caller may not administer is reported exactly like a missing one (404 ``pool_not_found``).

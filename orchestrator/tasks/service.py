@@ -634,7 +634,16 @@ async def release_member_leases(
     session: AsyncSession, pool_id: str, node_id: str, *, now: dt.datetime
 ) -> int:
     """A node left the pool (leave, ejection, blacklist, completion): give back its live leases
-    there so their replicas are reissued at once. Returns how many."""
+    there so their replicas are reissued at once. Returns how many.
+
+    Called after the membership row was updated. On PostgreSQL it first takes the node's row
+    lock, as every claim does before reading the membership: a claim that read the membership
+    as active before this change commits is waited for, and its leases are seen and given back
+    here; a later claim waits for this change to commit and then reads the membership ended.
+    (The pool row is locked FOR NO KEY UPDATE by membership changes, so a waiting claim's
+    foreign-key check on it is not blocked: no deadlock.)"""
+    if is_postgres(session):
+        await session.execute(_LOCK_SIGNER, {"node_id": node_id})
     active = list(
         (
             await session.execute(
