@@ -135,11 +135,12 @@ async def test_stale_and_unknown_policies_are_refused(app: Any, app_state: Any) 
         w = s.workers[0]
         await s.enqueue([task()])
         lease = (await w.claim(s.pool_id)).json()["leases"][0]
-        for step in (11, 12, 13):
+        for step in (11, 13):  # 12 is never published
             await s.publish(step)
         body = problem(await w.submit(lease, policy_step=10), 409, "policy_stale")
         assert body["current_step"] == 13
         problem(await w.submit(lease, policy_step=14), 409, "policy_unknown")
+        problem(await w.submit(lease, policy_step=12), 409, "policy_unknown")
         assert (await w.submit(lease, policy_step=11)).status_code == 201
 
 
@@ -252,3 +253,57 @@ async def test_concurrent_results_for_the_replicas_of_each_task_close_it_exactly
                 select(func.count()).select_from(Assignment).where(Assignment.status != "submitted")
             )
             assert live == 0
+
+
+async def test_the_same_result_sent_twice_at_once_is_recorded_once_and_replayed(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """The second copy waits for the first's lock; when the first commits it must be answered
+    with the first's response, not told the lease expired (on PostgreSQL its join had read the
+    submissions before the first committed)."""
+    from api_schemas.tasks import ResultIn
+    from orchestrator.core.errors import Conflict
+    from orchestrator.core.signing import SignedRequest
+    from orchestrator.tasks import service
+
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        await s.enqueue([task()])
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        raw = json.dumps(result_body(lease)).encode()
+        body = ResultIn.model_validate_json(raw)
+        target = f"http://testserver/v1/assignments/{lease['assignment_id']}/result"
+
+        def signed(nonce: str) -> SignedRequest:
+            return SignedRequest(
+                keyid=w.node_id, nonce=nonce, created=0, covered=("@method", "@target-uri"), method="POST",
+                target_uri=target, signature_input="sig=()", signature="sig=::", content_digest=None, body=raw,
+            )  # fmt: skip
+
+        first_written = asyncio.Event()
+
+        async def first() -> Any:
+            async with app_state.sessionmaker() as session, session.begin():
+                out = await service.submit_result(
+                    session, signed("first-copy"), lease["assignment_id"], body, now=clock.utcnow()
+                )
+                first_written.set()
+                await asyncio.sleep(0.3)  # not yet committed
+                return out
+
+        async def second() -> Any:
+            await first_written.wait()
+            async with app_state.sessionmaker() as session, session.begin():
+                try:
+                    return await service.submit_result(
+                        session, signed("second-copy"), lease["assignment_id"], body, now=clock.utcnow()
+                    )
+                except Conflict as exc:
+                    return exc
+
+        a, b = await asyncio.gather(first(), second())
+        assert not isinstance(b, Conflict), b.code
+        assert (a.created, b.created) == (True, False)
+        assert b.out.submission_id == a.out.submission_id
+        async with app_state.sessionmaker() as session:
+            assert await session.scalar(select(func.count()).select_from(Submission)) == 1

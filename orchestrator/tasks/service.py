@@ -10,6 +10,7 @@ serialises claims.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import hashlib
 import secrets
@@ -22,6 +23,7 @@ import structlog
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Row,
     Select,
     TextualSelect,
@@ -609,11 +611,13 @@ async def _give_back(session: AsyncSession, assignment: Assignment, now: dt.date
     """End a live lease early and make its replica available again."""
     assignment.status = "released"
     assignment.ended_at = now
-    await session.execute(
+    reopened = await session.execute(
         update(TaskReplica)
         .where(TaskReplica.id == assignment.replica_id, TaskReplica.current_assignment_id == assignment.id)
         .values(status="available", current_assignment_id=None)
     )
+    if not reopened.rowcount:  # type: ignore[attr-defined]  # the replica is no longer this lease's
+        return
     await session.execute(
         update(Task)
         .where(Task.id == assignment.task_id, Task.status == "open")
@@ -782,6 +786,7 @@ class ResultContext:
     max_async_level: int
     current_step: int | None
     deadline_at: dt.datetime | None
+    step_published: bool
 
 
 _RESULT_CONTEXT = """
@@ -791,7 +796,9 @@ _RESULT_CONTEXT = """
            (SELECT n.status FROM nodes n WHERE n.id = :node_id) AS signer_status,
            s.id, s.body_sha256, s.response, p.max_async_level,
            (SELECT max(step) FROM policy_versions WHERE pool_id = a.pool_id) AS current_step,
-           (SELECT t.deadline_at FROM tasks t WHERE t.id = a.task_id) AS deadline_at
+           (SELECT t.deadline_at FROM tasks t WHERE t.id = a.task_id) AS deadline_at,
+           EXISTS (SELECT 1 FROM policy_versions
+                    WHERE pool_id = a.pool_id AND step = :policy_step) AS step_published
       FROM assignments a
       JOIN task_replicas r ON r.id = a.replica_id
       JOIN pools p ON p.id = a.pool_id
@@ -804,12 +811,22 @@ _RESULT_CONTEXT = """
 @lru_cache(maxsize=2)
 def _result_context(postgres: bool) -> TextualSelect:
     lock = "FOR UPDATE OF a, r" if postgres else ""
-    return text(_RESULT_CONTEXT.format(lock=lock)).columns(
-        lease_expires_at=UTCDateTime(), response=JSON(), deadline_at=UTCDateTime()
+    return (
+        text(_RESULT_CONTEXT.format(lock=lock))
+        .bindparams(bindparam("policy_step", type_=BigInteger()))
+        .columns(
+            lease_expires_at=UTCDateTime(),
+            response=JSON(),
+            deadline_at=UTCDateTime(),
+            step_published=Boolean(),
+        )
     )
 
 
 _NODE_STATUS = text("SELECT status FROM nodes WHERE id = :node_id")
+_SUBMISSION_OF = text(
+    "SELECT id, body_sha256, response FROM submissions WHERE assignment_id = :assignment_id"
+).columns(response=JSON())
 # A result's writes: the submission (with the exact signed bytes), its verification job, and the
 # lease, the replica and the task marked submitted. Their bind names are distinct, and none is
 # a column's name (SQLAlchemy would add a parameter named like a column to an UPDATE's SET), so
@@ -884,9 +901,11 @@ async def submit_result(
     as one statement."""
     conn = await session.connection()
     node_id = signed.keyid
+    postgres = is_postgres(session)
     row = (
         await conn.execute(
-            _result_context(is_postgres(session)), {"assignment_id": assignment_id, "node_id": node_id}
+            _result_context(postgres),
+            {"assignment_id": assignment_id, "node_id": node_id, "policy_step": body.policy_step},
         )
     ).first()
     if row is None:
@@ -900,6 +919,18 @@ async def submit_result(
     if ctx.node_id != node_id:
         raise NotFound("no assignment with this id for this node", code="assignment_not_found")
     digest = hashlib.sha256(signed.body).hexdigest()
+    if ctx.previous_id is None and ctx.status == "submitted" and postgres:
+        # A copy of this result committed while this request waited for the lease's lock: the
+        # lock re-read the lease's new row, but the join read the submissions of the older
+        # snapshot. A statement of its own reads it (the same request sent twice at once).
+        previous = (await conn.execute(_SUBMISSION_OF, {"assignment_id": assignment_id})).first()
+        if previous is not None:
+            ctx = dataclasses.replace(
+                ctx,
+                previous_id=previous.id,
+                previous_sha256=previous.body_sha256,
+                previous_response=previous.response,
+            )
     if ctx.previous_id is not None:
         if ctx.previous_sha256 != digest:
             raise Conflict(
@@ -939,6 +970,11 @@ async def submit_result(
             f"the current {current}",
             code="policy_stale",
             extra={"current_step": current, "max_async_level": ctx.max_async_level},
+        )
+    if not ctx.step_published:
+        raise Conflict(
+            f"policy step {body.policy_step} was never published in this pool (current {current})",
+            code="policy_unknown",
         )
     # What the node is told; kept for replays (the submission id is the row's own id).
     told = {"assignment_id": assignment_id, "task_id": ctx.task_id, "status": "pending", "received_at": now}
