@@ -133,12 +133,23 @@ def migrate_cmd(
     console.print(f"[green]schema at {revision if not downgrade else 'requested revision'}[/green]")
 
 
+class NoSchema(Exception):
+    """The configured database has no orchestrator schema (or, on SQLite, no file)."""
+
+
 async def _create_token(role: str, name: str, pools: list[str]) -> tuple[str, str]:
+    from sqlalchemy import inspect
+    from sqlalchemy.engine import make_url
+
     from orchestrator.admin.tokens import Role, create_token
     from orchestrator.core.db import make_engine, make_sessionmaker
 
-    engine = make_engine(get_settings().db)
+    settings = get_settings().db
+    engine = make_engine(settings)
     try:
+        async with engine.connect() as conn:
+            if not await conn.run_sync(lambda sync: inspect(sync).has_table("api_tokens")):
+                raise NoSchema(f"the database {make_url(settings.url)!r} has no orchestrator schema")
         async with make_sessionmaker(engine)() as session, session.begin():
             token, row = await create_token(session, role=Role(role), name=name, pool_ids=pools)
             return token, row.id
@@ -159,7 +170,21 @@ def create_token_cmd(
         raise typer.BadParameter("role must be admin, operator, validator or trainer", param_hint="--role")
     if role in {"validator", "trainer"} and not pool:
         raise typer.BadParameter("validator and trainer tokens need at least one --pool", param_hint="--pool")
-    token, token_id = asyncio.run(_create_token(role, name, list(pool or [])))
+    from sqlalchemy.engine import make_url
+
+    settings = get_settings().db
+    database = make_url(settings.url).database
+    try:
+        if settings.is_sqlite and database and database != ":memory:" and not Path(database).exists():
+            raise NoSchema(f"there is no database file {database}")  # connecting would create it
+        token, token_id = asyncio.run(_create_token(role, name, list(pool or [])))
+    except NoSchema as exc:
+        console.print(
+            f"[red]{exc}.[/red] Run this where `orchestrator serve` runs (the embedded default is "
+            "./orchestrator.db, relative to the current directory), set ORCH_DB__URL to the "
+            "server's database, or create the schema with `orchestrator migrate`."
+        )
+        raise typer.Exit(2) from None
     console.print(f"created {role} token {token_id}; it is shown only now:")
     typer.echo(token)
 
@@ -404,7 +429,16 @@ def worker_run(
         names = ", ".join(available())
         raise typer.BadParameter(f"unknown backend; available: {names}", param_hint="--backend")
     overrides = {"gpu_model": gpu_model, "gpu_count": gpu_count, "gpu_memory_mb": gpu_memory_mb}
-    node_specs = _worker_specs(specs, {**overrides, "cpu_cores": cpu_cores, "ram_mb": ram_mb})
+    overrides |= {"cpu_cores": cpu_cores, "ram_mb": ram_mb}
+    if provider_key is None and (specs is not None or any(v is not None for v in overrides.values())):
+        # Only the provider registers the node (its attestation): without its key the server's
+        # record of the node, specs included, is used as it is.
+        raise typer.BadParameter(
+            "--specs, --gpu-*, --cpu-cores and --ram-mb are sent only when the node registers, "
+            "which needs --provider-key; without it, update them with `orchestrator worker register`",
+            param_hint="--provider-key",
+        )
+    node_specs = _worker_specs(specs, overrides)
     config = WorkerConfig(
         server=server,
         pool_id=pool,

@@ -69,6 +69,31 @@ def test_create_token_prints_a_working_token_once(database_url: str) -> None:
     assert role == "operator" and digest == hash_token(token)
 
 
+def test_create_token_where_there_is_no_database_says_so_and_creates_nothing(tmp_path: Path) -> None:
+    missing = tmp_path / "orchestrator.db"
+    result = runner.invoke(
+        app,
+        ["admin", "create-token", "--role", "admin"],
+        env={"ORCH_DB__URL": f"sqlite+aiosqlite:///{missing}", "COLUMNS": "200"},
+    )
+    assert result.exit_code == 2
+    assert f"there is no database file {missing}" in result.output
+    assert "where `orchestrator serve` runs" in result.output
+    assert not missing.exists()
+
+
+def test_create_token_on_a_database_without_the_schema_says_so(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    result = runner.invoke(
+        app,
+        ["admin", "create-token", "--role", "admin"],
+        env={"ORCH_DB__URL": f"sqlite+aiosqlite:///{empty}", "COLUMNS": "200"},
+    )
+    assert result.exit_code == 2
+    assert "has no orchestrator schema" in result.output and "orchestrator migrate" in result.output
+
+
 def test_create_token_refuses_unknown_roles(database_url: str) -> None:
     result = runner.invoke(
         app, ["admin", "create-token", "--role", "root"], env={"ORCH_DB__URL": database_url}

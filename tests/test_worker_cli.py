@@ -32,9 +32,14 @@ def cli(*args: str) -> list[str]:
 
 
 def test_bad_worker_arguments_are_refused_before_anything_runs(tmp_path: Path) -> None:
-    key = tmp_path / "node.key"
-    assert runner.invoke(app, ["keys", "generate", str(key)]).exit_code == 0
+    key, provider = tmp_path / "node.key", tmp_path / "provider.key"
+    for path in (key, provider):
+        assert runner.invoke(app, ["keys", "generate", str(path)]).exit_code == 0
     base = ["worker", "run", "--pool", "pool_x", "--node-key", str(key), "--server", "http://127.0.0.1:9"]
+    without_provider = runner.invoke(app, [*base, "--gpu-model", "A100"])
+    assert without_provider.exit_code == 2
+    assert "which needs --provider-key" in " ".join(without_provider.output.split())
+    base += ["--provider-key", str(provider)]
     cases = [
         (["--backend", "quantum"], "unknown backend"),
         (["--backend-opt", "error_rate"], "is not key=value"),
