@@ -19,7 +19,10 @@ class StatusChangeOut(BaseModel):
 
 
 class NodeDetailOut(NodeOut):
-    ip_address: str | None
+    ip_address: str | None = Field(
+        description="The address the node last registered from, as the per-IP rules compare it: "
+        "IPv4 as it is, an IPv4-mapped IPv6 address as IPv4, other IPv6 as its /64 network"
+    )
     ban_reason: str | None
     status_history: list[StatusChangeOut] = Field(description="Newest first, at most 100")
 

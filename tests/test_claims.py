@@ -90,6 +90,26 @@ async def test_replicas_go_to_different_providers_and_ips(app: Any, app_state: A
         assert len((await more.claim(s.pool_id, max_tasks=3)).json()["leases"]) == 0
 
 
+async def test_the_ip_rule_takes_an_ipv6_64_as_one_address_and_mapped_ipv4_as_ipv4(
+    app: Any, app_state: Any
+) -> None:
+    async with pool_setup(app, app_state, replication_factor=2) as s:
+        v6 = await s.add_worker(ip="2001:db8:1:2::10")
+        v6_same_64 = await s.add_worker(ip="2001:db8:1:2:ffff::1")  # another address, same /64
+        v6_other_64 = await s.add_worker(ip="2001:db8:1:3::10")
+        await s.enqueue([task("v6")])
+        got = [len((await w.claim(s.pool_id)).json()["leases"]) for w in (v6, v6_same_64, v6_other_64)]
+        assert got == [1, 0, 1]
+
+        v4 = await s.add_worker(ip="192.0.2.77")
+        v4_mapped = await s.add_worker(ip="::ffff:192.0.2.77")  # the same host over IPv6
+        await s.enqueue([task("v4")], key="batch-2")
+        assert len((await v4.claim(s.pool_id)).json()["leases"]) == 1
+        assert (await v4_mapped.claim(s.pool_id)).json()["reason"] == "no_tasks"
+        node = (await s.admin.get(f"/v1/admin/nodes/{v6_same_64.node_id}", headers=s.admin_headers)).json()
+        assert node["ip_address"] == "2001:db8:1:2::/64"
+
+
 async def test_a_node_never_gets_two_replicas_of_one_task_in_one_claim(app: Any, app_state: Any) -> None:
     async with pool_setup(app, app_state, workers=1, replication_factor=3, max_leases_per_node=10) as s:
         await s.enqueue([task("one"), task("two")])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import ipaddress
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_object_session
 
@@ -52,6 +53,22 @@ async def register_provider(
     return provider, created
 
 
+def network_of(host: str) -> str:
+    """The address a node is known by for the per-IP rules (replica placement, audit replicas,
+    a pool's ``max_nodes_per_ip``): an IPv4 address as it is, an IPv4-mapped IPv6 address as
+    its IPv4 address, and any other IPv6 address as its /64 network, since one host or
+    subscriber is routinely given a whole /64 and could otherwise pose as many addresses."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host[:64]  # not an address (no client known): compared as it is
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
+
+
 async def register_node(
     session: AsyncSession, node_id: str, body: NodeRegister, ip: str
 ) -> tuple[Node, bool]:
@@ -75,7 +92,7 @@ async def register_node(
         "cpu_cores": body.specs.cpu_cores,
         "ram_mb": body.specs.ram_mb,
         "version": body.version,
-        "ip_address": ip,
+        "ip_address": network_of(ip),
         "status": NodeStatus.waiting.value,
     }
     created = await repo.insert_node(session, values)
