@@ -50,6 +50,7 @@ class Page(BaseModel, Generic[T]):
 PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": Problem, "content": {"application/problem+json": {}}, "description": desc}
     for code, desc in {
+        400: "Bad request (e.g. a Host field that is not one authority: host_invalid)",
         401: "Missing or invalid credentials (signature or bearer token)",
         403: "Authenticated, but not allowed to do this",
         404: "Not found",

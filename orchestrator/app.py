@@ -18,7 +18,7 @@ from orchestrator.core.health import router as health_router
 from orchestrator.core.hotstore import HotStore
 from orchestrator.core.instance_lock import InstanceLock
 from orchestrator.core.logging import configure_logging
-from orchestrator.core.middleware import BodyLimitMiddleware, RequestContextMiddleware
+from orchestrator.core.middleware import BodyLimitMiddleware, HostCheckMiddleware, RequestContextMiddleware
 from orchestrator.core.state import open_state
 from orchestrator.feed.router import router as feed_router
 from orchestrator.identity.router import router as identity_router
@@ -110,6 +110,7 @@ def create_app(
         large_limit=settings.limits.max_result_body_bytes,
         large_paths=LARGE_BODY_PATHS,
     )
+    app.add_middleware(HostCheckMiddleware)
     app.add_middleware(RequestContextMiddleware)
     app.include_router(health_router)
     app.include_router(identity_router)

@@ -40,9 +40,10 @@ from orchestrator.core.clock import FakeClock
 from orchestrator.core.errors import Unauthorized
 from orchestrator.core.hotstore import HotStore, RedisHotStore
 from orchestrator.core.keys import generate_key, key_id_of
-from orchestrator.core.signing import sign_headers, verify_request
+from orchestrator.core.signing import sign_headers, target_uri, verify_request
 from orchestrator.settings import Settings
 from tests.conftest import Contributor, new_contributor, problem
+from tests.pools_helpers import active_pool
 
 BASE = "http://testserver"
 ME = "/v1/nodes/me"
@@ -614,6 +615,102 @@ async def test_node_acts_only_as_itself(client: httpx.AsyncClient, contributor: 
     assert theirs.json()["id"] == other.node_id
     assert theirs.json()["provider_id"] == other.provider_id
     assert theirs.json()["last_heartbeat_at"] is None  # A's heartbeat never landed on B
+
+
+# ---------------------------------------------------- Host and the rebuilt URL
+
+
+async def test_a_host_that_carries_a_path_cannot_move_a_signature_to_another_path(
+    client: httpx.AsyncClient, contributor: Contributor, admin_headers: dict[str, str]
+) -> None:
+    # The node signs a harmless re-join; a relay sends it to .../leave with a Host that ends in
+    # the signed path and '#', so that the rebuilt URL would read as the join URL + a fragment.
+    pool_id = (await active_pool(client, admin_headers))["id"]
+    join, leave = f"/v1/pools/{pool_id}/join", f"/v1/pools/{pool_id}/leave"
+    assert (await send(client, "POST", join, signed(contributor.node_key, "POST", join))).status_code == 201
+    headers = signed(contributor.node_key, "POST", join)
+    forged = await send(client, "POST", leave, {**headers, "Host": f"testserver{join}#"})
+    problem(forged, 400, "host_invalid")
+    me = await send(client, "GET", ME, signed(contributor.node_key, "GET", ME))
+    assert me.json()["memberships"] == [{"pool_id": pool_id, "status": "active"}]
+    # Nothing was used up: the genuine request still goes through, where it was meant to go.
+    assert (await send(client, "POST", join, headers)).status_code == 200
+
+
+BAD_HOSTS = [
+    pytest.param("testserver/v1/nodes/me#", id="path-and-fragment"),
+    pytest.param("testserver#", id="fragment"),
+    pytest.param("testserver?x=1", id="query"),
+    pytest.param("user@testserver", id="userinfo"),
+    pytest.param("[", id="open-bracket"),
+    pytest.param("[::1", id="unclosed-ip-literal"),
+    pytest.param("[not-an-address]", id="bad-ip-literal"),
+    pytest.param("test server", id="space"),
+    pytest.param("testserver:80x", id="bad-port"),
+    pytest.param("t\xe9st".encode("latin-1"), id="non-ascii"),
+    pytest.param("a" * 256, id="too-long"),
+]
+
+
+@pytest.mark.parametrize("host", BAD_HOSTS)
+async def test_a_host_that_is_not_one_authority_is_refused_on_every_route(
+    client: httpx.AsyncClient, contributor: Contributor, host: str | bytes
+) -> None:
+    headers = signed(contributor.node_key, "GET", ME)
+    problem(await send(client, "GET", ME, {**headers, "Host": host}), 400, "host_invalid")
+    problem(await client.get("/v1/pools", headers={"Host": host}), 400, "host_invalid")  # public
+    problem(await client.get("/nope", headers={"Host": host}), 400, "host_invalid")  # no route
+    assert (await send(client, "GET", ME, headers)).status_code == 200  # its nonce was not used
+
+
+async def test_two_host_fields_are_refused(client: httpx.AsyncClient, contributor: Contributor) -> None:
+    headers = signed(contributor.node_key, "GET", ME)
+    lines = [*headers.items(), ("Host", "testserver"), ("Host", "testserver")]
+    problem(await send(client, "GET", ME, lines), 400, "host_invalid")
+
+
+@pytest.mark.parametrize(
+    "host", ["TestServer", "testserver:80", "orchestrator.example:8443", "192.0.2.7:8000", "[::1]:8000"]
+)
+async def test_any_well_formed_host_is_the_authority_that_is_verified(
+    client: httpx.AsyncClient, contributor: Contributor, host: str
+) -> None:
+    headers = sign_headers(contributor.node_key, method="GET", url=f"http://{host}{ME}")
+    r = await send(client, "GET", ME, {**headers, "Host": host})
+    assert r.status_code == 200, r.text
+    # Signed for another host than the one addressed: refused.
+    other = sign_headers(contributor.node_key, method="GET", url=f"http://elsewhere.example{ME}")
+    problem(await send(client, "GET", ME, {**other, "Host": host}), 401, "signature_invalid")
+
+
+@pytest.mark.parametrize(
+    ("host", "raw_path", "query"),
+    [
+        ("testserver/v1/pools/P/join#", b"/v1/pools/P/leave", b""),
+        ("testserver/v1", b"/nodes/me", b""),
+        ("testserver?", b"/v1/nodes/me", b""),
+        ("u@testserver", b"/v1/nodes/me", b"x=1"),
+        ("testserver", b"/v1/nodes/me#x", b""),
+        ("testserver", b"/v1/nodes/me", b"x=1#y"),
+        ("testserver", b"/v1/n\xe9", b""),
+    ],
+)
+def test_the_verified_url_has_exactly_the_served_path_and_query(
+    host: str, raw_path: bytes, query: bytes
+) -> None:
+    # Defence in depth behind the Host check: whatever the parts, the URL a signature is
+    # checked against is refused unless it reads back as exactly the path and query served.
+    scope = {
+        "scheme": "http",
+        "path": raw_path.decode("latin-1"),
+        "raw_path": raw_path,
+        "query_string": query,
+    }
+    with pytest.raises(Unauthorized) as refused:
+        target_uri(scope, host)
+    assert refused.value.code == "signature_invalid"
+    good = {"scheme": "http", "path": "/v1/nodes/me", "raw_path": b"/v1/nodes/me", "query_string": b"x=1"}
+    assert target_uri(good, "testserver:8000") == "http://testserver:8000/v1/nodes/me?x=1"
 
 
 # ------------------------------------------------------------------ properties

@@ -1,4 +1,4 @@
-"""Pure ASGI middleware: request ids, access logs and metrics, body size limits."""
+"""Pure ASGI middleware: request ids, access logs and metrics, Host checks, body size limits."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from orchestrator.core import metrics
 from orchestrator.core.errors import PROBLEM_MEDIA_TYPE, problem_body
+from orchestrator.core.signing import MAX_HOST_LENGTH, is_valid_host
 
 REQUEST_ID_HEADER = "x-request-id"
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -59,6 +60,34 @@ class RequestContextMiddleware:
                 "request", method=method, route=template, status=status, duration_ms=round(elapsed * 1000, 2)
             )
             structlog.contextvars.clear_contextvars()
+
+
+class HostCheckMiddleware:
+    """Refuses with 400 ``host_invalid`` a request with more than one Host field or a Host that
+    is not one RFC 3986 authority (RFC 9112 section 3.2 asks for exactly this 400), before any
+    routing. Signatures cover the URL rebuilt from Host, so a Host that carried a path, query or
+    fragment could make a signature made for one path verify on another."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        hosts = [value for name, value in scope["headers"] if name == b"host"]
+        detail = None
+        if len(hosts) > 1:
+            detail = "a request must carry exactly one Host field"
+        elif hosts and not is_valid_host(hosts[0].decode("latin-1")):
+            detail = (
+                "Host must be one authority: host name, IPv4 address or [IP literal], with an optional "
+                f":port, at most {MAX_HOST_LENGTH} characters"
+            )
+        if detail is None:
+            await self.app(scope, receive, send)
+            return
+        await _send_problem(scope, send, 400, "host_invalid", "Bad request", detail)
 
 
 class BodyLimitMiddleware:
@@ -114,24 +143,28 @@ class BodyLimitMiddleware:
 
 
 async def _send_413(scope: Scope, send: Send, limit: int) -> None:
+    await _send_problem(
+        scope,
+        send,
+        413,
+        "payload_too_large",
+        "Payload too large",
+        f"request body exceeds {limit} bytes",
+        close=True,
+    )
+
+
+async def _send_problem(
+    scope: Scope, send: Send, status: int, code: str, title: str, detail: str, *, close: bool = False
+) -> None:
     body = orjson.dumps(
-        problem_body(
-            status=413,
-            code="payload_too_large",
-            title="Payload too large",
-            detail=f"request body exceeds {limit} bytes",
-            instance=scope["path"],
-        )
+        problem_body(status=status, code=code, title=title, detail=detail, instance=scope["path"])
     )
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 413,
-            "headers": [
-                (b"content-type", PROBLEM_MEDIA_TYPE.encode()),
-                (b"content-length", str(len(body)).encode()),
-                (b"connection", b"close"),
-            ],
-        }
-    )
+    headers = [
+        (b"content-type", PROBLEM_MEDIA_TYPE.encode()),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

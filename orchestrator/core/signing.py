@@ -22,6 +22,7 @@ from http_message_signatures import (
     HTTPMessageSigner,
     HTTPMessageVerifier,
     HTTPSignatureAlgorithm,
+    HTTPSignatureComponentResolver,
     HTTPSignatureKeyResolver,
     InvalidSignature,
 )
@@ -36,6 +37,7 @@ ALGORITHM = "ed25519"
 DEFAULT_COMPONENTS: tuple[str, ...] = ("@method", "@target-uri")
 MAX_NONCE_LENGTH = 128
 MAX_SIGNATURE_HEADER = 4096
+MAX_HOST_LENGTH = 255
 
 
 class NaclEd25519(HTTPSignatureAlgorithm):
@@ -203,12 +205,59 @@ def _check_coverage(components: Sequence[str], *, query: str, has_body: bool) ->
         raise _fail("signature_coverage_insufficient", "a request with a body must sign content-digest")
 
 
+# The library's component resolver is untyped; it is used only through its documented readers.
+_ComponentResolver: Any = HTTPSignatureComponentResolver
+
+
+@dataclass(frozen=True)
+class _UrlReading:
+    target_uri: str
+    path: str
+    query: str
+
+
+def _read_url(url: str) -> _UrlReading | None:
+    """``url`` as the signature library reads it for ``@target-uri``, ``@path`` and ``@query``
+    (its strict RFC 3986 grammar; userinfo and fragment dropped), or None if it does not parse."""
+    try:
+        resolver = _ComponentResolver(_Message(method="GET", url=url, headers=_HeaderLines([])))
+    except HTTPMessageSignaturesException:
+        return None
+    return _UrlReading(str(resolver.get_target_uri()), str(resolver.get_path()), str(resolver.get_query()))
+
+
+def is_valid_host(host: str) -> bool:
+    """Whether a ``Host`` field value is one RFC 3986 authority: a reg-name, an IPv4 address or
+    a bracketed IP literal, with an optional ``:port``, and nothing else (no userinfo, no
+    ``/``, ``?`` or ``#``, no whitespace), at most ``MAX_HOST_LENGTH`` characters. An empty
+    value (allowed by RFC 9112) is valid; the server's own address then stands in for it.
+
+    It is checked with the signature library's URL grammar: a Host that passes can only ever
+    be read back as the authority of the URL the signature is verified for.
+    """
+    if not host:
+        return True
+    if len(host) > MAX_HOST_LENGTH:
+        return False
+    url = f"http://{host}/"
+    return _read_url(url) == _UrlReading(target_uri=url, path="/", query="?")
+
+
 def target_uri(scope: MutableMapping[str, Any], host: str) -> str:
-    """The absolute request URI as the client addressed it (raw path, raw query)."""
-    raw_path = scope.get("raw_path") or scope["path"].encode()
-    url = f"{scope['scheme']}://{host}{raw_path.decode('latin-1')}"
-    query = scope.get("query_string", b"")
-    return f"{url}?{query.decode('latin-1')}" if query else url
+    """The absolute request URI as the client addressed it (raw path, raw query).
+
+    Raises ``Unauthorized`` (``signature_invalid``) unless the
+    signature library reads the URL back with exactly this request's path and query: a
+    signature can then never be checked against another path than the one being served.
+    """
+    raw_path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
+    query = scope.get("query_string", b"").decode("latin-1")
+    url = f"{scope['scheme']}://{host}{raw_path}"
+    if query:
+        url = f"{url}?{query}"
+    if _read_url(url) != _UrlReading(target_uri=url, path=raw_path, query="?" + query):
+        raise _fail("signature_invalid", "the request's URL is not an absolute URI a signature can cover")
+    return url
 
 
 def verify_request(
