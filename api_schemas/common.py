@@ -56,6 +56,7 @@ PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
         404: "Not found",
         409: "Conflicts with the current state",
         413: "Request body too large",
+        414: "Signed request URL longer than 2048 characters (uri_too_long)",
         422: "Body does not parse or validate",
         429: "Rate limited; see Retry-After",
     }.items()

@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import func, select
 
 from orchestrator.core.clock import FakeClock
+from orchestrator.core.signing import MAX_TARGET_URI_LENGTH
 from orchestrator.tasks.jobs import reap_once
 from orchestrator.tasks.models import Assignment, Submission, Task, TaskReplica
 from orchestrator.verification.models import VerificationJob
@@ -307,3 +308,28 @@ async def test_the_same_result_sent_twice_at_once_is_recorded_once_and_replayed(
         assert b.out.submission_id == a.out.submission_id
         async with app_state.sessionmaker() as session:
             assert await session.scalar(select(func.count()).select_from(Submission)) == 1
+
+
+async def test_a_signed_url_longer_than_2048_characters_is_refused_before_anything_is_recorded(
+    app: Any, app_state: Any
+) -> None:
+    # The URL is kept as evidence with the result, in a column of MAX_TARGET_URI_LENGTH.
+    assert Submission.__table__.c.target_uri.type.length == MAX_TARGET_URI_LENGTH == 2048
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        await s.enqueue([task()])
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        path = f"/v1/assignments/{lease['assignment_id']}/result"
+        fixed = len(f"http://testserver{path}?pad=")
+        for pad, status in ((MAX_TARGET_URI_LENGTH - fixed + 1, 414), (MAX_TARGET_URI_LENGTH - fixed, 201)):
+            url = f"{path}?pad={'x' * pad}"
+            r = await w.client.post(url, json=result_body(lease), auth=w.contributor.node_auth)
+            if status == 414:
+                problem(r, 414, "uri_too_long")
+                async with app_state.sessionmaker() as session:
+                    assert (await session.execute(select(func.count()).select_from(Submission))).scalar() == 0
+            else:
+                assert r.status_code == 201, r.text
+                async with app_state.sessionmaker() as session:
+                    sub = (await session.execute(select(Submission))).scalar_one()
+                assert len(sub.target_uri) == MAX_TARGET_URI_LENGTH

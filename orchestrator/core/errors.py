@@ -10,6 +10,7 @@ The hierarchy::
     ├── NotFound (404)                   not_found, node_not_found, ...
     ├── Conflict (409)                   key_bound_to_other_provider, ...
     ├── PayloadTooLarge (413)            payload_too_large
+    ├── UriTooLong (414)                 uri_too_long (a signed request's URL, refused before verifying)
     ├── UnprocessableEntity (422)        validation_failed (body does not parse or validate)
     ├── RateLimited (429)                rate_limited (with Retry-After)
     └── ServiceUnavailable (503)         not_ready, transient_conflict (with Retry-After)
@@ -89,6 +90,10 @@ class PayloadTooLarge(OrchestratorError):
     status, code, title = 413, "payload_too_large", "Payload too large"
 
 
+class UriTooLong(OrchestratorError):
+    status, code, title = 414, "uri_too_long", "URI too long"
+
+
 class UnprocessableEntity(OrchestratorError):
     status, code, title = 422, "validation_failed", "Request body did not validate"
 
@@ -156,6 +161,7 @@ _STATUS_CODES = {
     405: ("method_not_allowed", "Method not allowed"),
     406: ("not_acceptable", "Not acceptable"),
     413: ("payload_too_large", "Payload too large"),
+    414: ("uri_too_long", "URI too long"),
     415: ("unsupported_media_type", "Unsupported media type"),
 }
 

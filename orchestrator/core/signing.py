@@ -30,7 +30,7 @@ from http_message_signatures.exceptions import HTTPMessageSignaturesException
 from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
 
-from orchestrator.core.errors import Unauthorized
+from orchestrator.core.errors import Unauthorized, UriTooLong
 from orchestrator.core.keys import b64u_decode, is_key_id, key_id_of
 
 ALGORITHM = "ed25519"
@@ -38,6 +38,8 @@ DEFAULT_COMPONENTS: tuple[str, ...] = ("@method", "@target-uri")
 MAX_NONCE_LENGTH = 128
 MAX_SIGNATURE_HEADER = 4096
 MAX_HOST_LENGTH = 255
+# A signed result keeps its target URI as evidence, in a column of this many characters.
+MAX_TARGET_URI_LENGTH = 2048
 
 
 class NaclEd25519(HTTPSignatureAlgorithm):
@@ -246,15 +248,21 @@ def is_valid_host(host: str) -> bool:
 def target_uri(scope: MutableMapping[str, Any], host: str) -> str:
     """The absolute request URI as the client addressed it (raw path, raw query).
 
-    Raises ``Unauthorized`` (``signature_invalid``) unless the
-    signature library reads the URL back with exactly this request's path and query: a
-    signature can then never be checked against another path than the one being served.
+    Raises ``UriTooLong`` (414 ``uri_too_long``) past ``MAX_TARGET_URI_LENGTH`` characters,
+    and ``Unauthorized`` (``signature_invalid``) unless the signature library reads the URL
+    back with exactly this request's path and query: a signature can then never be checked
+    against another path than the one being served.
     """
     raw_path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
     query = scope.get("query_string", b"").decode("latin-1")
     url = f"{scope['scheme']}://{host}{raw_path}"
     if query:
         url = f"{url}?{query}"
+    if len(url) > MAX_TARGET_URI_LENGTH:
+        raise UriTooLong(
+            f"the signed URL ({len(url)} characters: scheme, Host, path and query) is longer than "
+            f"{MAX_TARGET_URI_LENGTH} characters"
+        )
     if _read_url(url) != _UrlReading(target_uri=url, path=raw_path, query="?" + query):
         raise _fail("signature_invalid", "the request's URL is not an absolute URI a signature can cover")
     return url
