@@ -137,6 +137,15 @@ class ServerSettings(BaseModel):
         default=True, description="Run the sweeper and other loops in this process."
     )
     trust_proxy_headers: bool = False
+    public_scheme: Literal["http", "https"] | None = Field(
+        default=None,
+        description=(
+            "The scheme clients use to reach the service, used to rebuild the URL that request "
+            "signatures cover (@target-uri). Set https when TLS ends at a proxy or ingress in front "
+            "of a plain-http server. Unset: the scheme the server received (with "
+            "trust_proxy_headers, the proxy's X-Forwarded-Proto)."
+        ),
+    )
 
 
 class Settings(BaseSettings):

@@ -329,6 +329,8 @@ def test_config_map_and_filled_secret_make_a_valid_multi_process_configuration(
     assert settings.server.migrate_on_start is False
     # The API pods leave the loops to the orchestrator-background Deployment.
     assert settings.server.background_loops is False
+    # TLS ends at the Ingress and proxy headers are not trusted: the signed URL is rebuilt as https.
+    assert settings.server.trust_proxy_headers is False and settings.server.public_scheme == "https"
     workers = settings.server.workers
     assert workers >= 1
     check_process_model(settings, workers)  # several workers need the shared hot store

@@ -48,3 +48,12 @@ def test_dead_must_come_after_unhealthy(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("ORCH_HEARTBEAT__DEAD_AFTER_MISSED", "4")
     with pytest.raises(ValidationError, match="dead_after_missed"):
         Settings()
+
+
+def test_public_scheme_is_http_or_https(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings().server.public_scheme is None
+    monkeypatch.setenv("ORCH_SERVER__PUBLIC_SCHEME", "https")
+    assert Settings().server.public_scheme == "https"
+    monkeypatch.setenv("ORCH_SERVER__PUBLIC_SCHEME", "ftp")
+    with pytest.raises(ValidationError, match="public_scheme"):
+        Settings()

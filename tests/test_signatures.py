@@ -143,16 +143,17 @@ class _SeedKeyResolver(HTTPSignatureKeyResolver):
 
 
 def independently_signed(
-    key: SigningKey, method: str, path: str, json_body: Any = None
+    key: SigningKey, method: str, path: str, json_body: Any = None, *, base: str = BASE
 ) -> requests.PreparedRequest:
-    """A request prepared and signed by requests-http-signature (default profile), never sent."""
+    """A request for ``base + path`` prepared and signed by requests-http-signature (default
+    profile), never sent."""
     auth = HTTPSignatureAuth(
         signature_algorithm=algorithms.ED25519,
         key_id=key_id_of(key),
         key_resolver=_SeedKeyResolver(key),
         use_nonce=True,
     )
-    prepared = requests.Request(method, BASE + path, json=json_body).prepare()
+    prepared = requests.Request(method, base + path, json=json_body).prepare()
     signed_request = auth(prepared)
     signature_input = signed_request.headers["Signature-Input"]
     # The library's default profile, as PROTOCOL.md promises to accept it.
@@ -711,6 +712,46 @@ def test_the_verified_url_has_exactly_the_served_path_and_query(
     assert refused.value.code == "signature_invalid"
     good = {"scheme": "http", "path": "/v1/nodes/me", "raw_path": b"/v1/nodes/me", "query_string": b"x=1"}
     assert target_uri(good, "testserver:8000") == "http://testserver:8000/v1/nodes/me?x=1"
+
+
+@pytest.fixture
+async def tls_proxied_client(
+    settings: Settings, clock: FakeClock, hot_store: HotStore
+) -> AsyncIterator[httpx.AsyncClient]:
+    """The app behind a proxy that ends TLS: clients sign https:// URLs, the app receives http,
+    and ORCH_SERVER__PUBLIC_SCHEME=https tells it so."""
+    server = settings.server.model_copy(update={"public_scheme": "https"})
+    application = create_app(settings.model_copy(update={"server": server}), clock=clock, hot_store=hot_store)
+    async with (
+        LifespanManager(application) as manager,
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=manager.app), base_url=BASE) as c,
+    ):
+        yield c
+
+
+async def test_signatures_for_https_verify_behind_a_tls_proxy_with_the_public_scheme_set(
+    client: httpx.AsyncClient, tls_proxied_client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    as_https = sign_headers(contributor.node_key, method="GET", url="https://testserver" + ME)
+    # Without the setting, the app rebuilds http://... and the client's https signature fails.
+    problem(await send(client, "GET", ME, as_https), 401, "signature_invalid")
+    r = await send(tls_proxied_client, "GET", ME, as_https)
+    assert r.status_code == 200, r.text
+    problem(
+        await send(tls_proxied_client, "GET", ME, signed(contributor.node_key, "GET", ME)),
+        401,
+        "signature_invalid",
+    )
+    # The libraries' default profile (@authority, @target-uri, content-digest), signed for https
+    # and received as http.
+    prepared = independently_signed(
+        contributor.node_key, "POST", HEARTBEAT, {"metrics": {"gpu_util": 0.5}}, base="https://testserver"
+    )
+    assert isinstance(prepared.body, bytes)
+    r = await tls_proxied_client.post(
+        HEARTBEAT, content=prepared.body, headers=list(prepared.headers.items())
+    )
+    assert r.status_code == 200, r.text
 
 
 # ------------------------------------------------------------------ properties

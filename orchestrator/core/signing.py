@@ -245,8 +245,9 @@ def is_valid_host(host: str) -> bool:
     return _read_url(url) == _UrlReading(target_uri=url, path="/", query="?")
 
 
-def target_uri(scope: MutableMapping[str, Any], host: str) -> str:
-    """The absolute request URI as the client addressed it (raw path, raw query).
+def target_uri(scope: MutableMapping[str, Any], host: str, *, scheme: str | None = None) -> str:
+    """The absolute request URI as the client addressed it (raw path, raw query), with
+    ``scheme`` instead of the one the server received when given (TLS that ends at a proxy).
 
     Raises ``UriTooLong`` (414 ``uri_too_long``) past ``MAX_TARGET_URI_LENGTH`` characters,
     and ``Unauthorized`` (``signature_invalid``) unless the signature library reads the URL
@@ -255,7 +256,7 @@ def target_uri(scope: MutableMapping[str, Any], host: str) -> str:
     """
     raw_path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
     query = scope.get("query_string", b"").decode("latin-1")
-    url = f"{scope['scheme']}://{host}{raw_path}"
+    url = f"{scheme or scope['scheme']}://{host}{raw_path}"
     if query:
         url = f"{url}?{query}"
     if len(url) > MAX_TARGET_URI_LENGTH:

@@ -44,7 +44,7 @@ async def signed_request(
     )
     signed = verify_request(
         method=request.method,
-        url=target_uri(request.scope, host),
+        url=target_uri(request.scope, host, scheme=state.settings.server.public_scheme),
         query=request.url.query,
         headers=request.headers.items(),
         body=body,
