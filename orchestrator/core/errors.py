@@ -13,7 +13,7 @@ The hierarchy::
     ├── UriTooLong (414)                 uri_too_long (a signed request's URL, refused before verifying)
     ├── UnprocessableEntity (422)        validation_failed (body does not parse or validate)
     ├── RateLimited (429)                rate_limited (with Retry-After)
-    └── ServiceUnavailable (503)         not_ready, transient_conflict (with Retry-After)
+    └── ServiceUnavailable (503)         not_ready, hot_store_full, transient_conflict (with Retry-After)
 
 Framework errors (unknown route, wrong method, request validation) and unhandled
 exceptions are rendered in the same format; a 500 never carries a stack trace. A transaction

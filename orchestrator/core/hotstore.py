@@ -11,11 +11,17 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import redis.asyncio as aioredis
+
+from orchestrator.core.errors import ServiceUnavailable
+
+# The in-process store's limit on live nonces, and separately on live rate-limit counters
+# (about 250 bytes each: some 125 MB of nonces when full).
+MEMORY_STORE_MAX_KEYS = 500_000
 
 # Liveness stages, as sorted sets: member = node id, score = last beat (epoch seconds).
 HEALTHY = "healthy"
@@ -163,39 +169,90 @@ class _Stage:
         return out
 
 
+class HotStoreFull(ServiceUnavailable):
+    code = "hot_store_full"
+
+    def __init__(self, what: str, limit: int, retry_after: float) -> None:
+        super().__init__(
+            f"the in-process hot store already holds {limit} live {what}, its limit; retry when the "
+            "oldest have expired (a deployment with this much traffic needs ORCH_REDIS__URL)",
+            headers={"Retry-After": str(max(1, math.ceil(retry_after)))},
+        )
+
+
+V = TypeVar("V")
+
+
+class _ExpiringMap(Generic[V]):
+    """Values that expire, with a min-heap of (expiry, key) kept in step with the dict: each
+    write first drops what has expired, oldest first, so dropping an entry costs O(log n) once,
+    paid by the write that added it. At most ``max_keys`` live entries: adding one more raises
+    ``HotStoreFull`` rather than evicting a live entry (an evicted nonce could be replayed)."""
+
+    def __init__(self, what: str, max_keys: int) -> None:
+        self.what = what
+        self.max_keys = max_keys
+        self._values: dict[str, tuple[V, float]] = {}
+        self._expiries: list[tuple[float, str]] = []
+
+    def live(self, key: str, now: float) -> tuple[V, float] | None:
+        """The value and expiry of ``key``, after dropping every entry expired by ``now``."""
+        while self._expiries and self._expiries[0][0] <= now:
+            expired_at, old = heapq.heappop(self._expiries)
+            entry = self._values.get(old)
+            if entry is not None and entry[1] == expired_at:
+                del self._values[old]
+        return self._values.get(key)
+
+    def add(self, key: str, value: V, expires_at: float, now: float) -> None:
+        """Add ``key``, which ``live`` just found absent."""
+        if len(self._values) >= self.max_keys:
+            raise HotStoreFull(self.what, self.max_keys, self._expiries[0][0] - now)
+        self._values[key] = (value, expires_at)
+        heapq.heappush(self._expiries, (expires_at, key))
+
+    def replace(self, key: str, value: V) -> None:
+        """Give the live ``key`` a new value; its expiry stays."""
+        self._values[key] = (value, self._values[key][1])
+
+
 class MemoryHotStore:
-    """In-process hot store for the embedded default. Correct only in a single process."""
+    """In-process hot store for the embedded default. Correct only in a single process.
+
+    Nonces and rate-limit counters expire as in Redis; each kind holds at most ``max_keys``
+    live entries, past which a new one is refused with 503 ``hot_store_full``.
+    """
 
     shared_across_processes = False
 
-    def __init__(self) -> None:
-        self._nonces: dict[str, float] = {}
+    def __init__(
+        self, *, max_keys: int = MEMORY_STORE_MAX_KEYS, monotonic: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._monotonic = monotonic
+        self._nonces: _ExpiringMap[None] = _ExpiringMap("nonces", max_keys)
         self._stages: dict[str, _Stage] = {HEALTHY: _Stage(), UNHEALTHY: _Stage()}
         self._beats: dict[str, tuple[float, dict[str, str], float]] = {}
-        self._counters: dict[str, tuple[int, float]] = {}
+        self._counters: _ExpiringMap[int] = _ExpiringMap("rate-limit counters", max_keys)
 
     async def ping(self) -> bool:
         return True
 
     async def claim_nonce(self, keyid: str, nonce: str, ttl_s: int) -> bool:
-        now = time.monotonic()
-        if len(self._nonces) > 100_000:
-            self._nonces = {k: exp for k, exp in self._nonces.items() if exp > now}
+        now = self._monotonic()
         key = f"{keyid}\x00{nonce}"
-        exp = self._nonces.get(key)
-        if exp is not None and exp > now:
+        if self._nonces.live(key, now) is not None:
             return False
-        self._nonces[key] = now + ttl_s
+        self._nonces.add(key, None, now + ttl_s, now)
         return True
 
     async def record_beat(self, node_id: str, at: float, metrics: Mapping[str, str], ttl_s: int) -> None:
         self._stages[HEALTHY].add(node_id, at)
         self._stages[UNHEALTHY].remove(node_id)
-        self._beats[node_id] = (at, dict(metrics), time.monotonic() + ttl_s)
+        self._beats[node_id] = (at, dict(metrics), self._monotonic() + ttl_s)
 
     async def last_beat(self, node_id: str) -> float | None:
         entry = self._beats.get(node_id)
-        if entry is None or entry[2] <= time.monotonic():
+        if entry is None or entry[2] <= self._monotonic():
             return None
         return entry[0]
 
@@ -214,12 +271,15 @@ class MemoryHotStore:
     async def hit(self, bucket: str, limit: int, window_s: int, now: float) -> RateDecision:
         window = int(now // window_s)
         key = f"{bucket}\x00{window}"
-        mono = time.monotonic()
-        if len(self._counters) > 100_000:
-            self._counters = {k: v for k, v in self._counters.items() if v[1] > mono}
-        count, exp = self._counters.get(key, (0, mono + window_s + 1))
-        self._counters[key] = (count + 1, exp)
-        return _decision(count + 1, limit, window, window_s, now)
+        mono = self._monotonic()
+        entry = self._counters.live(key, mono)
+        if entry is None:
+            count = 1
+            self._counters.add(key, count, mono + window_s + 1, mono)
+        else:
+            count = entry[0] + 1
+            self._counters.replace(key, count)
+        return _decision(count, limit, window, window_s, now)
 
     async def aclose(self) -> None:
         return None
