@@ -39,7 +39,9 @@ class Problem(BaseModel):
     detail: str
     code: str = Field(description="Stable machine code, e.g. signature_invalid, nonce_replayed")
     instance: str | None = None
-    errors: list[dict[str, Any]] | None = Field(default=None, description="Validation errors, for 422")
+    errors: list[dict[str, Any]] | None = Field(
+        default=None, description="Validation errors, for 422 and 400 invalid_query / invalid_header"
+    )
 
 
 class Page(BaseModel, Generic[T]):
@@ -50,7 +52,8 @@ class Page(BaseModel, Generic[T]):
 PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": Problem, "content": {"application/problem+json": {}}, "description": desc}
     for code, desc in {
-        400: "Bad request (e.g. a Host field that is not one authority: host_invalid)",
+        400: "Bad request: a query parameter (invalid_query) or header (invalid_header) that does not "
+        "validate, a Host field that is not one authority (host_invalid), ...",
         401: "Missing or invalid credentials (signature or bearer token)",
         403: "Authenticated, but not allowed to do this",
         404: "Not found",

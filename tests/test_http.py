@@ -36,6 +36,51 @@ async def test_a_body_that_does_not_parse_is_a_422_problem(
     assert body["errors"]
 
 
+async def test_a_path_parameter_that_cannot_be_an_id_is_the_same_404_as_an_unknown_id(
+    client: httpx.AsyncClient, contributor: Contributor, admin_headers: dict[str, str]
+) -> None:
+    # PROTOCOL.md: 422 only for a body. A 41-character pool id names no pool, like a 40-character one.
+    for pool_id in ("p" * 40, "p" * 41):
+        problem(
+            await client.post(f"/v1/pools/{pool_id}/join", auth=contributor.node_auth), 404, "pool_not_found"
+        )
+        problem(await client.get(f"/v1/admin/pools/{pool_id}", headers=admin_headers), 404, "pool_not_found")
+    for assignment_id in ("a" * 40, "a" * 41):
+        r = await client.post(f"/v1/assignments/{assignment_id}/release", auth=contributor.node_auth)
+        problem(r, 404, "assignment_not_found")
+    for payout_id in ("999999", "not-a-number", str(2**63)):
+        r = await client.post(
+            f"/v1/admin/payouts/{payout_id}/mark-paid",
+            json={"external_reference": "wire-1"},
+            headers=admin_headers,
+        )
+        problem(r, 404, "payout_not_found")
+
+
+async def test_a_query_or_header_that_does_not_validate_is_a_400_problem(
+    client: httpx.AsyncClient, contributor: Contributor, admin_headers: dict[str, str]
+) -> None:
+    for params in ({"limit": 0}, {"limit": "many"}, {"status": "sleepy"}):
+        body = problem(
+            await client.get("/v1/admin/nodes", params=params, headers=admin_headers), 400, "invalid_query"
+        )
+        assert body["detail"].startswith("query.") and body["errors"][0]["loc"][0] == "query"
+    r = await client.post(
+        "/v1/providers/me/withdrawals",
+        json={"amount": 10},
+        headers={"Idempotency-Key": "short"},
+        auth=contributor.provider_auth,
+    )
+    body = problem(r, 400, "invalid_header")
+    assert body["detail"].startswith("header.Idempotency-Key")
+    # A body that does not validate stays a 422, with the query and path fine.
+    problem(
+        await client.post("/v1/nodes/me/heartbeat", json={"metrics": "x"}, auth=contributor.node_auth),
+        422,
+        "validation_failed",
+    )
+
+
 async def test_unhandled_errors_are_a_500_problem_without_internals(
     settings: Settings, clock: FakeClock, hot_store: HotStore, capsys: Any
 ) -> None:

@@ -82,7 +82,7 @@ async def test_deposits_need_an_admin_a_key_and_a_known_provider(
     r = await client.post(
         f"/v1/admin/providers/{contributor.provider_id}/deposits", json={"amount": 100}, headers=admin_headers
     )
-    problem(r, 422, "validation_failed")
+    problem(r, 400, "invalid_header")  # no Idempotency-Key
     problem(
         await deposit(client, admin_headers, key_id_of(generate_key()), 100, "pay-0005"),
         404,

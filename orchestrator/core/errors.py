@@ -4,10 +4,12 @@ Every error a client can see is an ``OrchestratorError`` with a stable machine `
 The hierarchy::
 
     OrchestratorError
-    ├── BadRequest (400)                 bad_request, host_invalid (sent by HostCheckMiddleware), ...
+    ├── BadRequest (400)                 bad_request, host_invalid (sent by HostCheckMiddleware),
+    │                                    invalid_query, invalid_header (request validation), ...
     ├── Unauthorized (401)               signature_*, nonce_replayed, unknown_key, token_invalid, ...
     ├── Forbidden (403)                  node_banned, not_permitted, ...
-    ├── NotFound (404)                   not_found, node_not_found, ...
+    ├── NotFound (404)                   not_found, node_not_found, ... (also a path parameter
+    │                                    that does not validate: pool_not_found, ...)
     ├── Conflict (409)                   key_bound_to_other_provider, ...
     ├── PayloadTooLarge (413)            payload_too_large
     ├── UriTooLong (414)                 uri_too_long (a signed request's URL, refused before verifying)
@@ -197,19 +199,69 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+# A path parameter that does not validate names no resource that could exist: the same 404
+# (and code) as a well-formed id that is not there.
+_PATH_NOT_FOUND = {
+    "pool_id": "pool_not_found",
+    "assignment_id": "assignment_not_found",
+    "task_id": "task_not_found",
+    "node_id": "node_not_found",
+    "provider_id": "provider_not_found",
+    "iteration_id": "iteration_not_found",
+    "payout_id": "payout_not_found",
+    "verdict_id": "verdict_not_found",
+    "job_id": "validation_job_not_found",
+}
+
+
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    """Request validation errors by where they are: only in the path -> 404 (the resource's
+    not-found code); any in the query -> 400 ``invalid_query``; any in a header or cookie ->
+    400 ``invalid_header``; otherwise the body -> 422 ``validation_failed`` (PROTOCOL.md: 422
+    only for a body that does not parse or validate)."""
     assert isinstance(exc, RequestValidationError)
     errors = [
         {"loc": list(err.get("loc", ())), "msg": str(err.get("msg", "")), "type": str(err.get("type", ""))}
         for err in exc.errors()
     ]
-    first = errors[0] if errors else {"loc": [], "msg": "invalid"}
-    where = ".".join(str(p) for p in first["loc"])
+
+    def located(*places: str) -> list[dict[str, Any]]:
+        return [e for e in errors if e["loc"] and e["loc"][0] in places]
+
+    def detail(error: dict[str, Any]) -> str:
+        where = ".".join(str(p) for p in error["loc"])
+        return f"{where}: {error['msg']}" if where else str(error["msg"])
+
+    in_path = located("path")
+    if in_path and len(in_path) == len(errors):
+        param = str(in_path[0]["loc"][1]) if len(in_path[0]["loc"]) > 1 else ""
+        return problem_response(
+            status=404,
+            code=_PATH_NOT_FOUND.get(param, "not_found"),
+            title="Not found",
+            detail=f"no such resource ({detail(in_path[0])})",
+            request=request,
+        )
+    for places, code, title in (
+        (("query",), "invalid_query", "Query parameters did not validate"),
+        (("header", "cookie"), "invalid_header", "Request headers did not validate"),
+    ):
+        found = located(*places)
+        if found:
+            return problem_response(
+                status=400,
+                code=code,
+                title=title,
+                detail=detail(found[0]),
+                request=request,
+                extra={"errors": errors},
+            )
+    first = (located("body") or errors or [{"loc": [], "msg": "invalid"}])[0]
     return problem_response(
         status=422,
         code="validation_failed",
         title="Request did not validate",
-        detail=f"{where}: {first['msg']}" if where else str(first["msg"]),
+        detail=detail(first),
         request=request,
         extra={"errors": errors},
     )
