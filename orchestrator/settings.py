@@ -62,8 +62,22 @@ class SignatureSettings(BaseModel):
     nonce_ttl_s: int = Field(
         default=0,
         ge=0,
-        description="How long a nonce is remembered; 0 means twice the window (covers past and future skew).",
+        description=(
+            "How long a nonce is remembered; 0 means 2 * window_s + 1 (covers past and future skew), "
+            "the least accepted."
+        ),
     )
+
+    @model_validator(mode="after")
+    def _nonce_outlives_the_window(self) -> SignatureSettings:
+        least = 2 * self.window_s + 1
+        if self.nonce_ttl_s and self.nonce_ttl_s < least:
+            raise ValueError(
+                f"nonce_ttl_s ({self.nonce_ttl_s}) must be 0 or at least 2 * window_s + 1 = {least}: a "
+                f"signature stays acceptable for up to 2 * window_s seconds (created from {self.window_s} s "
+                "in the future to as far in the past), and a nonce forgotten sooner could be replayed"
+            )
+        return self
 
     @property
     def effective_nonce_ttl_s(self) -> int:

@@ -57,3 +57,19 @@ def test_public_scheme_is_http_or_https(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("ORCH_SERVER__PUBLIC_SCHEME", "ftp")
     with pytest.raises(ValidationError, match="public_scheme"):
         Settings()
+
+
+def test_a_nonce_ttl_shorter_than_the_signature_window_allows_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A signature is acceptable from created = now + window until created + window: 2 x window.
+    monkeypatch.setenv("ORCH_SIGNATURE__WINDOW_S", "300")
+    for ttl in ("300", "600"):
+        monkeypatch.setenv("ORCH_SIGNATURE__NONCE_TTL_S", ttl)
+        with pytest.raises(
+            ValidationError, match=r"nonce_ttl_s \(\d+\) must be 0 or at least 2 \* window_s \+ 1 = 601"
+        ):
+            Settings()
+    for ttl, effective in (("601", 601), ("3600", 3600), ("0", 601)):
+        monkeypatch.setenv("ORCH_SIGNATURE__NONCE_TTL_S", ttl)
+        assert Settings().signature.effective_nonce_ttl_s == effective
