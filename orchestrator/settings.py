@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 PLACEHOLDER_SECRETS = {"", "change-me", "changeme", "dev-secret", "secret", "placeholder"}
@@ -160,6 +160,21 @@ class ServerSettings(BaseModel):
             "trust_proxy_headers, the proxy's X-Forwarded-Proto)."
         ),
     )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description=(
+            "The host names (without port) that signed requests may address, as a JSON list, e.g. "
+            '["api.example.org"]. A signed request whose Host names another is refused (400 '
+            "host_not_allowed) before its signature is checked, so a request signed for another "
+            "deployment that knows the same keys cannot be replayed here. Empty: any host. Unsigned "
+            "routes (probes, public reads) are not affected."
+        ),
+    )
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _lowercase_hosts(cls, hosts: list[str]) -> list[str]:
+        return [host.strip().lower() for host in hosts if host.strip()]
 
 
 class Settings(BaseSettings):

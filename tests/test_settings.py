@@ -73,3 +73,9 @@ def test_a_nonce_ttl_shorter_than_the_signature_window_allows_is_refused(
     for ttl, effective in (("601", 601), ("3600", 3600), ("0", 601)):
         monkeypatch.setenv("ORCH_SIGNATURE__NONCE_TTL_S", ttl)
         assert Settings().signature.effective_nonce_ttl_s == effective
+
+
+def test_allowed_hosts_are_a_json_list_compared_in_lower_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings().server.allowed_hosts == []
+    monkeypatch.setenv("ORCH_SERVER__ALLOWED_HOSTS", '["API.example.org", " api2.example.org "]')
+    assert Settings().server.allowed_hosts == ["api.example.org", "api2.example.org"]

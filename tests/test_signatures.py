@@ -754,6 +754,31 @@ async def test_signatures_for_https_verify_behind_a_tls_proxy_with_the_public_sc
     assert r.status_code == 200, r.text
 
 
+async def test_with_allowed_hosts_a_signed_request_for_another_host_is_refused(
+    settings: Settings, clock: FakeClock, hot_store: HotStore, contributor: Contributor
+) -> None:
+    # e.g. a request signed for a staging deployment that knows the same keys, replayed here.
+    server = settings.server.model_copy(update={"allowed_hosts": ["api.example.org"]})
+    application = create_app(settings.model_copy(update={"server": server}), clock=clock, hot_store=hot_store)
+    async with (
+        LifespanManager(application) as manager,
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=manager.app), base_url="http://api.example.org"
+        ) as c,
+    ):
+        await contributor.register(c)
+        for host in ("api.example.org", "API.Example.org:8443"):
+            headers = sign_headers(contributor.node_key, method="GET", url=f"http://{host}{ME}")
+            r = await send(c, "GET", ME, {**headers, "Host": host})
+            assert r.status_code == 200, r.text
+        for host in ("staging.example.org", "testserver", "api.example.org.evil.example"):
+            headers = sign_headers(contributor.node_key, method="GET", url=f"http://{host}{ME}")
+            body = problem(await send(c, "GET", ME, {**headers, "Host": host}), 400, "host_not_allowed")
+            assert "api.example.org" in body["detail"]
+        assert (await c.get("/v1/pools")).status_code == 200  # unsigned routes: any Host
+        assert (await c.get("/healthz")).status_code == 200
+
+
 # ------------------------------------------------------------------ properties
 
 PROPERTY_KEY = SigningKey(hashlib.sha256(b"test_signatures property key").digest())

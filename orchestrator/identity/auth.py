@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Annotated
+from urllib.parse import urlsplit
 
 import structlog
 from fastapi import Depends, Request, Security
 from fastapi.security import APIKeyHeader
 from sqlalchemy import bindparam, select
 
-from orchestrator.core.errors import Forbidden, Unauthorized
+from orchestrator.core.errors import BadRequest, Forbidden, Unauthorized
 from orchestrator.core.signing import SignedRequest, target_uri, verify_request
 from orchestrator.core.state import Session, State
 from orchestrator.identity import repository as repo
@@ -42,6 +43,12 @@ async def signed_request(
     host = request.headers.get("host") or (
         f"{request.url.hostname}:{request.url.port}" if request.url.port else str(request.url.hostname)
     )
+    allowed = state.settings.server.allowed_hosts
+    if allowed and (urlsplit(f"//{host}").hostname or "") not in allowed:
+        raise BadRequest(
+            f"signed requests must address one of {', '.join(allowed)} (ORCH_SERVER__ALLOWED_HOSTS)",
+            code="host_not_allowed",
+        )
     signed = verify_request(
         method=request.method,
         url=target_uri(request.scope, host, scheme=state.settings.server.public_scheme),
