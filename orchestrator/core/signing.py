@@ -13,6 +13,7 @@ import datetime as dt
 import secrets
 from collections.abc import Generator, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import http_sf
@@ -228,6 +229,7 @@ def _read_url(url: str) -> _UrlReading | None:
     return _UrlReading(str(resolver.get_target_uri()), str(resolver.get_path()), str(resolver.get_query()))
 
 
+@lru_cache(maxsize=1024)  # a deployment sees a handful of Host values; parse each once
 def is_valid_host(host: str) -> bool:
     """Whether a ``Host`` field value is one RFC 3986 authority: a reg-name, an IPv4 address or
     a bracketed IP literal, with an optional ``:port``, and nothing else (no userinfo, no
