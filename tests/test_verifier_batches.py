@@ -115,6 +115,41 @@ async def test_a_job_that_fails_does_not_hold_up_its_batch(
         assert await verify_batches(app_state, budget_s=math.inf) == 1
 
 
+async def test_a_batch_whose_last_job_fails_still_commits_the_others_verdicts(
+    app: Any, app_state: Any, client: Any, monkeypatch: Any
+) -> None:
+    """The last job of the batch fails after its checks changed its row: the savepoint rolls it
+    back, and the batch still commits the verdicts (and rewards) of the jobs before it."""
+    batches_of(app_state, 10)
+    real_decide = service.decide
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000, max_leases_per_node=8) as s:
+        await results(s, 3)
+        async with app_state.sessionmaker() as session:
+            poisoned = (
+                (
+                    await session.execute(
+                        select(VerificationJob.submission_id).order_by(VerificationJob.id.desc())
+                    )
+                )
+                .scalars()
+                .first()
+            )
+
+        async def decide(session: Any, job: Any, submission: Any, *args: Any, **kwargs: Any) -> Any:
+            if submission.id == poisoned:
+                raise ValueError("a bad result")
+            return await real_decide(session, job, submission, *args, **kwargs)
+
+        monkeypatch.setattr(service, "decide", decide)
+        assert await verify_batches(app_state, budget_s=math.inf) == 2
+        assert await decided(app_state) == (2, Counter(done=2, checks=1))
+        assert (await balances(client, s.workers[0]))["rewards_pending"] == 14
+        monkeypatch.setattr(service, "decide", real_decide)
+        assert await verify_batches(app_state, budget_s=math.inf) == 1
+        assert (await balances(client, s.workers[0]))["rewards_pending"] == 21
+        await books_balance(app_state)
+
+
 @postgres_only
 async def test_two_verifiers_share_a_backlog_and_decide_and_pay_each_result_once(
     app: Any, app_state: Any, client: Any

@@ -203,16 +203,23 @@ async def process_pending(
     scored = await _score_all(session, jobs)
     await lock_for_verdicts(session, submissions)
     loaded += await _lock_replicated_tasks(session, {j.task_id for j in jobs})
+    # A rolled-back savepoint expires the rows it changed (a failed job, and the siblings its
+    # quorum touched): their ids are read now, not from those rows after the loop.
+    ids = [(job, job.id, job.submission_id) for job in jobs]
     done = 0
-    for job in jobs:
-        if job.id in scored and await _checks_in_savepoint(session, job, scored[job.id], secret, rng, now):
+    for job, job_id, submission_id in ids:
+        if job_id in scored and await _checks_in_savepoint(
+            session, job, job_id, submission_id, scored[job_id], secret, rng, now
+        ):
             done += 1
-    return Batch(len(jobs), done, jobs[-1].id)
+    return Batch(len(ids), done, ids[-1][1])
 
 
 async def _checks_in_savepoint(
     session: AsyncSession,
     job: VerificationJob,
+    job_id: int,
+    submission_id: int,
     scored: Scored,
     secret: bytes,
     rng: random.Random,
@@ -220,7 +227,6 @@ async def _checks_in_savepoint(
 ) -> bool:
     """One result that cannot be processed must not hold up the others: each job in its own
     savepoint; a failure is logged and the job is tried again on a later tick."""
-    job_id, submission_id = job.id, job.submission_id  # a rolled-back savepoint expires them
     try:
         async with session.begin_nested():
             await _run_checks(session, job, scored, secret=secret, rng=rng, now=now)
