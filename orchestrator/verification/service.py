@@ -937,7 +937,11 @@ async def release_due_rewards(session: AsyncSession, *, now: dt.datetime, limit:
 
     Lock order as everywhere (accounts, then holds): the due holds are read without a lock,
     their providers' accounts locked up front, and only then the holds, which a fraud verdict
-    may have forfeited meanwhile (it holds the same accounts while it does)."""
+    may have forfeited meanwhile (it holds the same accounts while it does).
+
+    Each hold is released in its own savepoint: one whose transfer fails (its provider's
+    pending rewards hold less than it, say) is logged and left held, and the others are still
+    released. Returns how many were released."""
     candidates = (
         await session.execute(
             select(RewardHold.id, RewardHold.provider_id)
@@ -961,20 +965,31 @@ async def release_due_rewards(session: AsyncSession, *, now: dt.datetime, limit:
             )
         ).scalars()
     )
-    for hold in due:
-        await ledger.transfer(
-            session,
-            debit=provider_account(hold.provider_id, ProviderAccount.rewards_pending),
-            credit=provider_account(hold.provider_id, ProviderAccount.rewards_claimable),
-            amount=hold.amount,
-            key=f"reward-hold:{hold.id}:release",
-            reason="reward_release",
-            actor="system",
-            reference=("verdict", str(hold.verdict_id)),
-        )
-        hold.status = "released"
-    await session.flush()
-    return len(due)
+    released = 0
+    for hold, hold_id, provider_id in [(h, h.id, h.provider_id) for h in due]:
+        try:
+            async with session.begin_nested():
+                await _release(session, hold)
+        except Exception:  # a rolled-back savepoint expires the hold: log with what was read
+            log.exception("reward_release_failed", hold_id=hold_id, provider_id=provider_id)
+            continue
+        released += 1
+    return released
+
+
+async def _release(session: AsyncSession, hold: RewardHold) -> None:
+    await ledger.transfer(
+        session,
+        debit=provider_account(hold.provider_id, ProviderAccount.rewards_pending),
+        credit=provider_account(hold.provider_id, ProviderAccount.rewards_claimable),
+        amount=hold.amount,
+        key=f"reward-hold:{hold.id}:release",
+        reason="reward_release",
+        actor="system",
+        reference=("verdict", str(hold.verdict_id)),
+    )
+    hold.status = "released"
+    await session.flush()  # in the savepoint: a failure here rolls back the transfer with it
 
 
 async def pool_stats(session: AsyncSession, pool_id: str) -> dict[str, Any]:
