@@ -68,6 +68,28 @@ async def test_a_key_reused_for_a_different_amount_is_refused(
     assert me.json()["stake_free"] == 100
 
 
+async def test_a_key_reused_for_another_payment_reference_is_refused(
+    client: httpx.AsyncClient, admin_headers: dict[str, str], contributor: Contributor
+) -> None:
+    """Same key, same amount, another wire: a second real payment, which must not be answered
+    with the first deposit and dropped."""
+    url = f"/v1/admin/providers/{contributor.provider_id}/deposits"
+    h = {**admin_headers, "Idempotency-Key": "pay-0007"}
+    first = await client.post(url, json={"amount": 5000, "reference": "wire-AAA"}, headers=h)
+    assert first.status_code == 201
+    body = problem(
+        await client.post(url, json={"amount": 5000, "reference": "wire-BBB"}, headers=h),
+        409,
+        "idempotency_key_reused",
+    )
+    assert body["transfer_id"] == first.json()["transfer"]["id"]
+    problem(await client.post(url, json={"amount": 5000}, headers=h), 409, "idempotency_key_reused")
+    again = await client.post(url, json={"amount": 5000, "reference": "wire-AAA"}, headers=h)
+    assert again.status_code == 200 and again.json()["transfer"]["id"] == first.json()["transfer"]["id"]
+    me = await client.get("/v1/providers/me/balance", auth=contributor.provider_auth)
+    assert me.json()["stake_free"] == 5000
+
+
 async def test_deposits_need_an_admin_a_key_and_a_known_provider(
     client: httpx.AsyncClient,
     admin_headers: dict[str, str],

@@ -316,8 +316,10 @@ async def provider_balances(session: AsyncSession, provider_id: str) -> dict[str
 async def deposit(
     session: AsyncSession, provider_id: str, amount: int, *, key: str, actor: str, reference: str | None
 ) -> TransferResult:
-    """Stake paid in off-chain, credited to the provider's free stake."""
-    return await transfer(
+    """Stake paid in off-chain, credited to the provider's free stake. A retry with the same
+    ``key`` returns the first deposit; the same key with another amount or ``reference`` is
+    refused (``IdempotencyKeyReused``): it names another payment, which must not be dropped."""
+    result = await transfer(
         session,
         debit=system_account(SystemAccount.deposits),
         credit=provider_account(provider_id, ProviderAccount.stake_free),
@@ -328,6 +330,12 @@ async def deposit(
         memo=reference,
         reference=("deposit", reference) if reference else None,
     )
+    if not result.created and result.transfer.memo != reference:
+        raise IdempotencyKeyReused(
+            "this idempotency key was already used for a deposit with another reference",
+            extra={"transfer_id": result.transfer.id},
+        )
+    return result
 
 
 async def lock_stake(
