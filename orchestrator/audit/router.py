@@ -17,8 +17,7 @@ from api_schemas.audit import AuditEntryOut
 from api_schemas.common import PROBLEM_RESPONSES, Page
 from orchestrator.admin.tokens import Principal, Role, require_roles
 from orchestrator.audit.models import AuditEntry
-from orchestrator.core.errors import BadRequest
-from orchestrator.core.pagination import decode_cursor, encode_cursor
+from orchestrator.core.pagination import decode_int_cursor, encode_cursor
 from orchestrator.core.state import Session
 from orchestrator.pools.models import Pool
 
@@ -80,15 +79,12 @@ async def list_audit(
     ] = None,
     limit: Annotated[int, Query(ge=1, le=500, description="Page size")] = 100,
 ) -> Page[AuditEntryOut]:
-    raw = decode_cursor(cursor)
-    if raw is not None and not (raw.isascii() and raw.isdigit()):
-        raise BadRequest("the cursor is not one this API issued", code="cursor_invalid")
     entries = await _entries(
         session,
         principal,
         pool_id=pool_id,
         actor=actor,
-        before_id=int(raw) if raw is not None else None,
+        before_id=decode_int_cursor(cursor),
         limit=limit + 1,
     )
     more = len(entries) > limit

@@ -5,6 +5,10 @@ from __future__ import annotations
 from orchestrator.core.errors import BadRequest
 from orchestrator.core.keys import b64u_decode, b64u_encode
 
+# The largest id a BIGINT column holds: ids in paths, queries and cursors are bounded by it, so
+# a larger number is refused as input (422, 400) instead of failing in the database (500).
+ID_MAX = 2**63 - 1
+
 
 def encode_cursor(last_key: str) -> str:
     return b64u_encode(b"k1:" + last_key.encode("utf-8"))
@@ -27,6 +31,6 @@ def decode_int_cursor(cursor: str | None) -> int | None:
     raw = decode_cursor(cursor)
     if raw is None:
         return None
-    if not (raw.isascii() and raw.isdigit()):
+    if not (raw.isascii() and raw.isdigit()) or int(raw) > ID_MAX:
         raise BadRequest("the cursor is not one this API issued", code="cursor_invalid")
     return int(raw)

@@ -32,7 +32,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from api_schemas.feed import FeedTask, Rollout, RolloutPage, RolloutSample
 from api_schemas.tasks import Sampling
 from orchestrator.core.errors import BadRequest, ServiceUnavailable
-from orchestrator.core.pagination import decode_cursor, encode_cursor
+from orchestrator.core.pagination import ID_MAX, decode_cursor, encode_cursor
 from orchestrator.core.sql import is_postgres
 from orchestrator.tasks.models import Submission, Task
 from orchestrator.verification.models import Verdict
@@ -57,7 +57,11 @@ def decode(cursor: str | None) -> int:
     if raw is None:
         return 0
     number = raw.removeprefix(CURSOR_PREFIX)
-    if not raw.startswith(CURSOR_PREFIX) or not (number.isascii() and number.isdigit()):
+    if (
+        not raw.startswith(CURSOR_PREFIX)
+        or not (number.isascii() and number.isdigit())
+        or int(number) > ID_MAX
+    ):
         raise BadRequest("the cursor is not one this feed issued", code="cursor_invalid")
     return int(number)
 

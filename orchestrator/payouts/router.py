@@ -19,7 +19,7 @@ from api_schemas.payouts import (
     WithdrawalOut,
 )
 from orchestrator.admin.tokens import AdminOnly
-from orchestrator.core.pagination import decode_int_cursor, encode_cursor
+from orchestrator.core.pagination import ID_MAX, decode_int_cursor, encode_cursor
 from orchestrator.core.state import Session, State
 from orchestrator.identity.auth import CurrentProvider
 from orchestrator.ledger import service as ledger
@@ -31,7 +31,7 @@ from orchestrator.payouts.models import Payout
 router = APIRouter(prefix="/v1", tags=["payouts"], responses=PROBLEM_RESPONSES)
 admin_router = APIRouter(prefix="/v1/admin", tags=["admin: payouts"], responses=PROBLEM_RESPONSES)
 
-PayoutId = Annotated[int, Path(ge=1, le=2**63 - 1, description="Payout id")]
+PayoutId = Annotated[int, Path(ge=1, le=ID_MAX, description="Payout id")]
 Cursor = Annotated[str | None, Query(max_length=200, description="next_cursor of the previous page")]
 Limit = Annotated[int, Query(ge=1, le=500, description="Page size")]
 StatusFilter = Annotated[PayoutStatus | None, Query(description="Only payouts in this status")]

@@ -11,7 +11,7 @@ from api_schemas.common import PROBLEM_RESPONSES, Page
 from api_schemas.restem import IterationIn, IterationOut, IterationReport, IterationStatus
 from orchestrator.admin.tokens import Principal, Role, require_roles
 from orchestrator.audit.service import record
-from orchestrator.core.pagination import decode_int_cursor, encode_cursor
+from orchestrator.core.pagination import ID_MAX, decode_int_cursor, encode_cursor
 from orchestrator.core.state import Session, State
 from orchestrator.pools.models import Pool
 from orchestrator.restem import service
@@ -21,7 +21,7 @@ from orchestrator.tasks.access import pool_for
 admin_router = APIRouter(prefix="/v1/admin", tags=["admin: rest-em"], responses=PROBLEM_RESPONSES)
 
 PoolId = Annotated[str, Path(min_length=1, max_length=40)]
-IterationId = Annotated[int, Path(ge=1, le=2**63 - 1, description="Iteration id")]
+IterationId = Annotated[int, Path(ge=1, le=ID_MAX, description="Iteration id")]
 # Trainers too: they enqueue tasks and publish policies already, and fine-tune on the dataset.
 Runner = Annotated[Principal, require_roles(Role.admin, Role.operator, Role.trainer)]
 

@@ -29,6 +29,7 @@ from orchestrator.admin.tokens import Principal, Role, require_roles
 from orchestrator.audit.service import record
 from orchestrator.core import metrics
 from orchestrator.core.errors import NotFound
+from orchestrator.core.pagination import ID_MAX
 from orchestrator.core.state import Session, State
 from orchestrator.identity.auth import CurrentNode, Signed
 from orchestrator.pools.models import Pool, PoolMembership
@@ -40,6 +41,8 @@ router = APIRouter(prefix="/v1", tags=["tasks"], responses=PROBLEM_RESPONSES)
 admin_router = APIRouter(prefix="/v1/admin", tags=["admin: tasks"], responses=PROBLEM_RESPONSES)
 
 PoolId = Annotated[str, Path(min_length=1, max_length=40)]
+TaskId = Annotated[int, Path(ge=1, le=ID_MAX, description="Task id")]
+TaskCursor = Annotated[int | None, Query(ge=0, le=ID_MAX, description="Last task id of the previous page")]
 Publisher = Annotated[Principal, require_roles(Role.admin, Role.operator, Role.trainer)]
 Operator = Annotated[Principal, require_roles(Role.admin, Role.operator)]
 
@@ -271,7 +274,9 @@ async def list_tasks(
     pool: PublisherPool,
     session: Session,
     status: Annotated[str | None, Query(pattern="^(open|submitted|completed|failed|cancelled)$")] = None,
-    cursor: Annotated[int | None, Query(ge=0, description="Last task id of the previous page")] = None,
+    cursor: Annotated[
+        int | None, Query(ge=0, le=ID_MAX, description="Last task id of the previous page")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
 ) -> Page[TaskOut]:
     stmt = select(Task).where(Task.pool_id == pool.id).order_by(Task.id).limit(limit + 1)
@@ -297,7 +302,7 @@ async def _task(session: Session, pool: Pool, task_id: int) -> Task:
     response_model=TaskDetailOut,
     summary="One task with its replicas and every lease it has had",
 )
-async def get_task(pool: PublisherPool, task_id: int, session: Session) -> TaskDetailOut:
+async def get_task(pool: PublisherPool, task_id: TaskId, session: Session) -> TaskDetailOut:
     task = await _task(session, pool, task_id)
     replicas = list(
         (
@@ -348,7 +353,7 @@ async def get_task(pool: PublisherPool, task_id: int, session: Session) -> TaskD
     response_model=TaskOut,
     summary="Cancel a task; its live leases are dropped",
 )
-async def cancel(pool: OperatorPool, task_id: int, principal: Operator, session: Session) -> TaskOut:
+async def cancel(pool: OperatorPool, task_id: TaskId, principal: Operator, session: Session) -> TaskOut:
     task = await _task(session, pool, task_id)
     before = task.status
     task = await service.cancel_task(session, task, f"cancelled by {principal.token_id}")

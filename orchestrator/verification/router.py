@@ -20,6 +20,7 @@ from api_schemas.verification import (
 )
 from orchestrator.admin.tokens import AdminOnly, Principal, Role, require_roles
 from orchestrator.audit.service import record
+from orchestrator.core.pagination import ID_MAX
 from orchestrator.core.state import Session, State
 from orchestrator.identity.auth import CurrentProvider
 from orchestrator.pools.models import Pool
@@ -34,7 +35,9 @@ validation_router = APIRouter(prefix="/v1/validation", tags=["validators"], resp
 
 Validator = Annotated[Principal, require_roles(Role.validator, Role.admin)]
 Operator = Annotated[Principal, require_roles(Role.admin, Role.operator)]
-Cursor = Annotated[int | None, Query(ge=0, description="Last verdict id of the previous page")]
+Cursor = Annotated[int | None, Query(ge=0, le=ID_MAX, description="Last verdict id of the previous page")]
+VerdictId = Annotated[int, Path(ge=1, le=ID_MAX, description="Verdict id")]
+JobId = Annotated[int, Path(ge=1, le=ID_MAX, description="Validation job id")]
 Limit = Annotated[int, Query(ge=1, le=500)]
 
 
@@ -144,7 +147,7 @@ async def pool_stats(pool: Annotated[Pool, Depends(_operator_pool)], session: Se
     summary="Appeal: undo a verdict's money and strike with compensating transfers",
 )
 async def reverse(
-    verdict_id: int, body: ReverseIn, principal: AdminOnly, session: Session, state: State
+    verdict_id: VerdictId, body: ReverseIn, principal: AdminOnly, session: Session, state: State
 ) -> VerdictOut:
     before = await session.get(Verdict, verdict_id)
     was_reversed = before is not None and before.reversed_at is not None
@@ -206,7 +209,7 @@ async def claim(
     summary="Post a verdict with evidence (idempotent per job)",
 )
 async def post_verdict(
-    job_id: int, body: ValidatorVerdictIn, principal: Validator, session: Session, state: State
+    job_id: JobId, body: ValidatorVerdictIn, principal: Validator, session: Session, state: State
 ) -> ValidatorVerdictOut:
     job, verdict = await validators.post_verdict(session, principal, job_id, body, now=state.clock.utcnow())
     return ValidatorVerdictOut(job_id=job.id, verdict=verdict_out(verdict))

@@ -1,0 +1,66 @@
+"""Ids in paths, queries and cursors above what a BIGINT column holds are refused as input
+(422, or 400 for an opaque cursor), never sent to the database to fail there (500)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from orchestrator.core.pagination import ID_MAX, encode_cursor
+from tests.conftest import problem
+from tests.tasks_helpers import pool_setup
+
+HUGE = 2**64
+
+
+@pytest.fixture
+async def lenient(app: Any) -> Any:
+    """A client that reports a server error as the 500 it sends instead of raising it."""
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as c:
+        yield c
+
+
+async def test_huge_ids_in_paths_and_queries_are_422(app: Any, app_state: Any, lenient: Any) -> None:
+    async with pool_setup(app, app_state) as s:
+        admin, operator = s.admin_headers, s.headers
+        pool = f"/v1/admin/pools/{s.pool_id}"
+        for method, url, headers, body in (
+            ("POST", f"/v1/admin/verdicts/{HUGE}/reverse", admin, {"reason": "x"}),
+            ("POST", "/v1/admin/verdicts/0/reverse", admin, {"reason": "x"}),
+            (
+                "POST",
+                f"/v1/validation/jobs/{HUGE}/verdict",
+                admin,
+                {"outcome": "valid", "reason": "ok", "fencing_token": 1, "evidence": {}},
+            ),
+            ("GET", f"{pool}/tasks/{HUGE}", operator, None),
+            ("POST", f"{pool}/tasks/{HUGE}/cancel", operator, None),
+            ("GET", f"{pool}/tasks?cursor={HUGE}", operator, None),
+            ("GET", f"{pool}/verdicts?cursor={HUGE}", operator, None),
+            ("POST", f"/v1/admin/payouts/{HUGE}/mark-paid", admin, {"external_reference": "wire-1"}),
+        ):
+            problem(await lenient.request(method, url, headers=headers, json=body), 422, "validation_failed")
+        # The largest id is a fine id that names nothing.
+        problem(
+            await lenient.post(f"/v1/admin/verdicts/{ID_MAX}/reverse", headers=admin, json={"reason": "x"}),
+            404,
+            "verdict_not_found",
+        )
+        problem(await lenient.get(f"{pool}/tasks/{ID_MAX}", headers=operator), 404, "task_not_found")
+        assert (await lenient.get(f"{pool}/tasks?cursor={ID_MAX}", headers=operator)).json()["items"] == []
+
+
+async def test_huge_ids_in_opaque_cursors_are_400(app: Any, app_state: Any, lenient: Any) -> None:
+    async with pool_setup(app, app_state) as s:
+        too_big = encode_cursor(str(HUGE))
+        for url, headers, params in (
+            ("/v1/admin/audit", s.admin_headers, {"cursor": too_big}),
+            ("/v1/admin/payouts", s.admin_headers, {"cursor": too_big}),
+            (f"/v1/admin/pools/{s.pool_id}/members", s.headers, {"cursor": too_big}),
+            (f"/v1/admin/pools/{s.pool_id}/restem/iterations", s.headers, {"cursor": too_big}),
+            (f"/v1/pools/{s.pool_id}/rollouts", s.headers, {"after": encode_cursor(f"rollouts:{HUGE}")}),
+        ):
+            problem(await lenient.get(url, headers=headers, params=params), 400, "cursor_invalid")
