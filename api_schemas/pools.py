@@ -15,8 +15,11 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from api_schemas.common import KeyId, StrictModel
+from api_schemas.tasks import SAMPLES_MAX
 
 AMOUNT_MAX = 10**15  # the ledger's largest single amount
+# A result's reward (reward_per_sample x its correct samples, up to SAMPLES_MAX) is one transfer.
+REWARD_PER_SAMPLE_MAX = AMOUNT_MAX // SAMPLES_MAX
 DAY_S = 86_400
 
 # ------------------------------------------------------------------ enums
@@ -114,7 +117,13 @@ MinStake = Annotated[
     ),
 ]
 RewardPerSample = Annotated[
-    int, Field(ge=0, le=AMOUNT_MAX, description="Reward (integer, smallest unit) per accepted sample")
+    int,
+    Field(
+        ge=0,
+        le=REWARD_PER_SAMPLE_MAX,
+        description="Reward (integer, smallest unit) per accepted sample; at most 10^15 / 1024, so that "
+        "the reward of a result of up to 1024 samples fits the ledger's largest transfer (10^15)",
+    ),
 ]
 RewardHold = Annotated[
     int,

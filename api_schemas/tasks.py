@@ -13,6 +13,7 @@ from api_schemas.common import StrictModel
 
 SHA256 = r"^[0-9a-f]{64}$"
 MAX_PROOF_BYTES = 8 * 1024 * 1024
+SAMPLES_MAX = 1024  # samples per replica (Sampling.n)
 
 
 class Shard(StrictModel):
@@ -44,7 +45,7 @@ class Sampling(StrictModel):
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=-1, ge=-1, le=100_000, description="-1: no top-k")
     max_tokens: int = Field(ge=1, le=1_000_000)
-    n: int = Field(default=1, ge=1, le=1024, description="Samples per replica")
+    n: int = Field(default=1, ge=1, le=SAMPLES_MAX, description="Samples per replica")
 
 
 class TaskIn(StrictModel):

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+from sqlalchemy import update
 
+from orchestrator.pools.models import Pool
 from orchestrator.tasks.seeds import derive_seed
 from tests.conftest import make_token, problem
 from tests.tasks_helpers import pool_setup, task
@@ -102,6 +104,24 @@ async def test_enqueue_is_atomic_and_idempotent_by_batch_key(app: Any, app_state
             await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", params={"limit": 500}, headers=s.headers)
         ).json()
         assert len(listing["items"]) == 50
+
+
+async def test_enqueue_refuses_tasks_whose_reward_could_never_be_paid(app: Any, app_state: Any) -> None:
+    """A pool stored before reward_per_sample was bounded may pay more per sample than a result
+    of many samples can be paid in one ledger transfer (10^15): such tasks are refused when
+    they are enqueued, not decided never."""
+    async with pool_setup(app, app_state) as s:
+        async with app_state.sessionmaker() as session, session.begin():
+            await session.execute(
+                update(Pool).where(Pool.id == s.pool_id).values(reward_per_sample=10**15 // 2)
+            )
+        body = problem(
+            await s.enqueue([task(n=1), task(n=3), task(n=2)], key="b-1"), 409, "reward_exceeds_ledger_limit"
+        )
+        assert body["task_indexes"] == [1]
+        assert (await s.enqueue([task(n=2)], key="b-2")).status_code == 201
+        listing = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)).json()
+        assert len(listing["items"]) == 1  # only the batch that fits
 
 
 async def test_enqueue_refuses_more_than_10000_tasks(app: Any, app_state: Any) -> None:

@@ -56,6 +56,7 @@ from orchestrator.core.signing import SignedRequest
 from orchestrator.core.sql import is_postgres
 from orchestrator.identity.auth import banned_node, unknown_node
 from orchestrator.identity.models import NodeStatus
+from orchestrator.ledger.service import MAX_AMOUNT
 from orchestrator.pools.models import Pool
 from orchestrator.tasks.models import (
     Assignment,
@@ -145,6 +146,7 @@ async def enqueue(
         return await _same_batch(session, existing, digest)
     if pool.status == "completed":
         raise Conflict("the pool is completed", code="pool_completed")
+    _rewards_fit(pool, body)
     now = dt.datetime.now(dt.UTC)
     batch = TaskBatch(
         pool_id=pool.id,
@@ -210,6 +212,22 @@ async def enqueue(
     for start in range(0, len(replicas), INSERT_CHUNK):
         await session.execute(insert(TaskReplica), replicas[start : start + INSERT_CHUNK])
     return EnqueueResult(batch=batch, first_task_id=min(ids), created=True)
+
+
+def _rewards_fit(pool: Pool, body: TaskBatchIn) -> None:
+    """A result's reward (``reward_per_sample`` x its correct samples) is paid in one transfer,
+    which the ledger caps at ``MAX_AMOUNT``: a task whose full reward would exceed it could never
+    be decided. The pool settings bound ``reward_per_sample`` so that no task does; a pool
+    stored before that bound may still have a larger one, and its tasks are checked here."""
+    over = [i for i, t in enumerate(body.tasks) if pool.reward_per_sample * t.sampling.n > MAX_AMOUNT]
+    if over:
+        raise Conflict(
+            f"the pool's reward_per_sample ({pool.reward_per_sample}) times the samples (n) of "
+            f"{len(over)} task(s) exceeds the largest amount the ledger moves at once ({MAX_AMOUNT}); "
+            "lower the pool's reward_per_sample or the tasks' n",
+            code="reward_exceeds_ledger_limit",
+            extra={"task_indexes": over[:100], "max_amount": MAX_AMOUNT},
+        )
 
 
 async def _batch(session: AsyncSession, pool_id: str, key: str) -> TaskBatch | None:
