@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -184,4 +185,239 @@ def test_0012_gives_tasks_that_already_ended_their_end_reason(scratch_url: str) 
         (3, "iteration_expired"),
         (4, "cancelled"),
         (5, None),
+    ]
+
+
+async def _seed_forfeited_holds(url: str) -> None:
+    """What the code before 0013 left: node N's rewards v1 and v2 forfeited by fraud verdict f3
+    (one slash-pending transfer); v4 forfeited by fraud verdict f5, which an appeal reversed
+    (its slash-pending transfer reversed, the hold left forfeited); v6 held; v7 released."""
+    from orchestrator.identity.models import Node, Provider
+    from orchestrator.ledger.models import LedgerAccount, LedgerTransfer
+    from orchestrator.tasks.models import Assignment, Submission, TaskReplica
+    from orchestrator.verification.models import Verdict
+
+    engine = create_async_engine(url)
+    at = dt.datetime(2026, 11, 30, 12, tzinfo=dt.UTC)
+    node, provider = "N" * 43, "P" * 43
+    kinds = {1: "valid", 2: "valid", 3: "fraud", 4: "valid", 5: "fraud", 6: "valid", 7: "valid"}
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(Provider.__table__.insert(), [{"id": provider, "created_at": at}])
+            await conn.execute(
+                Node.__table__.insert(),
+                [
+                    {
+                        "id": node,
+                        "provider_id": provider,
+                        "attestation": "a",
+                        "gpu_count": 1,
+                        "gpu_memory_mb": 1,
+                        "cpu_cores": 1,
+                        "ram_mb": 1,
+                        "version": "1",
+                        "status": "healthy",
+                        "status_changed_at": at,
+                        "created_at": at,
+                        "updated_at": at,
+                    }
+                ],
+            )
+            await conn.execute(
+                TaskReplica.__table__.insert(),
+                [
+                    {
+                        "id": 1,
+                        "task_id": 5,
+                        "replica_index": 0,
+                        "seed": 1,
+                        "status": "leased",
+                        "leases_issued": 7,
+                        "expirations": 0,
+                    }
+                ],
+            )
+            common = {"task_id": 5, "pool_id": "pool-mig", "node_id": node, "provider_id": provider}
+            await conn.execute(
+                Assignment.__table__.insert(),
+                [
+                    {
+                        **common,
+                        "id": f"a{i}",
+                        "replica_id": 1,
+                        "fencing_token": i,
+                        "policy_step": 1,
+                        "status": "submitted",
+                        "lease_expires_at": at,
+                        "created_at": at,
+                    }
+                    for i in kinds
+                ],
+            )
+            await conn.execute(
+                Submission.__table__.insert(),
+                [
+                    {
+                        **common,
+                        "id": i,
+                        "assignment_id": f"a{i}",
+                        "replica_id": 1,
+                        "policy_step": 1,
+                        "policy_current_step": 1,
+                        "sample_count": 1,
+                        "status": "accepted",
+                        "body_sha256": "0" * 64,
+                        "body": b"{}",
+                        "method": "POST",
+                        "target_uri": "/",
+                        "signature_input": "s",
+                        "signature": "s",
+                        "response": {},
+                        "received_at": at,
+                    }
+                    for i in kinds
+                ],
+            )
+            await conn.execute(
+                Verdict.__table__.insert(),
+                [
+                    {
+                        **common,
+                        "id": i,
+                        "submission_id": i,
+                        "outcome": "accepted" if kind == "valid" else "rejected",
+                        "category": kind,
+                        "reason": "r",
+                        "verifier": "checks",
+                        "details": {},
+                        "paid_samples": 1,
+                        "reward_amount": 7 if kind == "valid" else 0,
+                        "slashed_amount": 0,
+                        "decided_at": at,
+                        "reversed_at": at if i == 5 else None,
+                    }
+                    for i, kind in kinds.items()
+                ],
+            )
+            await conn.execute(
+                LedgerAccount.__table__.insert(),
+                [
+                    {
+                        "id": 1,
+                        "owner_type": "provider",
+                        "owner_id": provider,
+                        "kind": "rewards_pending",
+                        "balance": 14,
+                        "allow_negative": False,
+                        "created_at": at,
+                    },
+                    {
+                        "id": 2,
+                        "owner_type": "system",
+                        "owner_id": "system/3",
+                        "kind": "slashed",
+                        "balance": 14,
+                        "allow_negative": True,
+                        "created_at": at,
+                    },
+                ],
+            )
+            transfer = {
+                "debit_account_id": 1,
+                "credit_account_id": 2,
+                "reason": "slash_pending_rewards",
+                "actor": "verifier",
+                "created_at": at,
+                "reference_type": "verdict",
+            }
+            await conn.execute(
+                LedgerTransfer.__table__.insert(),
+                [
+                    {
+                        **transfer,
+                        "id": 1,
+                        "idempotency_key": "submission:3:slash-pending",
+                        "amount": 14,
+                        "reference_id": "3",
+                    },
+                    {
+                        **transfer,
+                        "id": 2,
+                        "idempotency_key": "submission:5:slash-pending",
+                        "amount": 7,
+                        "reference_id": "5",
+                    },
+                    {
+                        **transfer,
+                        "id": 3,
+                        "idempotency_key": "verdict:5:reverse:2",
+                        "amount": 7,
+                        "reference_id": "5",
+                        "debit_account_id": 2,
+                        "credit_account_id": 1,
+                        "reverses_transfer_id": 2,
+                    },
+                ],
+            )
+    finally:
+        await engine.dispose()
+
+
+async def _seed_holds_before_0013(url: str) -> None:
+    engine = create_async_engine(url)
+    status = {1: "forfeited", 2: "forfeited", 4: "forfeited", 6: "held", 7: "released"}
+    try:
+        async with engine.begin() as conn:
+            for verdict, s in status.items():
+                await conn.execute(
+                    text(
+                        "INSERT INTO reward_holds (id, verdict_id, pool_id, node_id, provider_id, amount, "
+                        "release_at, status, created_at) VALUES (:id, :id, 'pool-mig', :node, :provider, 7, "
+                        ":at, :status, :at)"
+                    ),
+                    {
+                        "id": verdict,
+                        "node": "N" * 43,
+                        "provider": "P" * 43,
+                        "status": s,
+                        "at": dt.datetime(2026, 11, 30, 12, tzinfo=dt.UTC),
+                    },
+                )
+    finally:
+        await engine.dispose()
+
+
+async def _forfeits_and_holds(url: str) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            forfeits = await conn.execute(
+                text(
+                    "SELECT verdict_id, hold_id, amount, slashed_account_id, status FROM reward_forfeits ORDER BY hold_id"
+                )
+            )
+            holds = await conn.execute(
+                text("SELECT id, status, forfeited_amount FROM reward_holds ORDER BY id")
+            )
+            return [tuple(r) for r in forfeits], [tuple(r) for r in holds]
+    finally:
+        await engine.dispose()
+
+
+def test_0013_records_which_fraud_verdict_forfeited_each_hold(scratch_url: str) -> None:
+    upgrade(scratch_url)
+    asyncio.run(_seed_ended_tasks(scratch_url))
+    asyncio.run(_seed_forfeited_holds(scratch_url))
+    downgrade(scratch_url, "0012")
+    asyncio.run(_seed_holds_before_0013(scratch_url))
+    upgrade(scratch_url)
+    forfeits, holds = asyncio.run(_forfeits_and_holds(scratch_url))
+    assert forfeits == [(3, 1, 7, 2, "forfeited"), (3, 2, 7, 2, "forfeited"), (5, 4, 7, 2, "restored")]
+    # v4's fraud verdict was reversed and its money is back in pending: held again, released when due.
+    assert holds == [
+        (1, "forfeited", 7),
+        (2, "forfeited", 7),
+        (4, "held", 0),
+        (6, "held", 0),
+        (7, "released", 0),
     ]

@@ -8,11 +8,20 @@ import pytest
 from sqlalchemy import select, update
 
 from orchestrator.core.clock import FakeClock
+from orchestrator.ledger.models import LedgerTransfer
 from orchestrator.verification.jobs import release_once
 from orchestrator.verification.models import RewardHold
 from tests.tasks_helpers import pool_setup
 from tests.test_verification import ECON, one_lease
-from tests.verification_helpers import FixedDraw, balances, books_balance, submit, verify_all
+from tests.verification_helpers import (
+    FixedDraw,
+    balances,
+    books_balance,
+    pending_matches_holds,
+    submit,
+    verdicts,
+    verify_all,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -52,4 +61,51 @@ async def test_a_hold_that_cannot_be_released_does_not_block_the_others(
         clock.advance(31)  # the next tick tries it again, and still releases nothing twice
         assert await release_once(app_state) == 0
         assert await hold_statuses(app_state) == {broken.node_id: ["held"], fine.node_id: ["released"]}
+        await books_balance(app_state)
+
+
+# ------------------------------------------------------------------ forfeits
+
+
+async def reverse(s: Any, verdict_id: int) -> None:
+    r = await s.admin.post(
+        f"/v1/admin/verdicts/{verdict_id}/reverse", json={"reason": "appeal"}, headers=s.admin_headers
+    )
+    assert r.status_code == 200, r.text
+
+
+# ------------------------------------------------------------------ amounts beyond one transfer
+
+
+async def test_fraud_forfeits_rewards_on_hold_beyond_the_largest_transfer_in_parts(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    """Two results of 1024 samples at the largest reward per sample: 2 x 10^15 on hold, twice
+    what one ledger transfer may move. A fraud verdict forfeits it all, its appeal gives it
+    all back, and it is released."""
+    econ = {**ECON, "reward_per_sample": 10**15 // 1024}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        w = s.workers[0]
+        for _ in range(2):
+            await submit(w, await one_lease(s, w, n=1024), ["4"] * 1024)
+        await verify_all(app_state)
+        assert (await balances(client, w))["rewards_pending"] == 2 * 10**15
+        await submit(w, await one_lease(s, w), ["5"], claimed_reward=1.0)
+        await verify_all(app_state)
+        fraud = (await verdicts(s.admin, s.headers, s.pool_id))[-1]
+        assert (fraud["category"], fraud["slashed_amount"]) == ("fraud", 200 + 2 * 10**15)
+        assert (await balances(client, w))["rewards_pending"] == 0
+        async with app_state.sessionmaker() as session:
+            parts = (
+                await session.execute(
+                    select(LedgerTransfer.amount).where(LedgerTransfer.reason == "slash_pending_rewards")
+                )
+            ).scalars()
+            assert sorted(parts) == [10**15, 10**15]
+        await reverse(s, fraud["id"])
+        assert (await balances(client, w))["rewards_pending"] == 2 * 10**15
+        await pending_matches_holds(app_state)
+        clock.advance(3601)
+        assert await release_once(app_state) == 2
+        assert (await balances(client, w))["rewards_claimable"] == 2 * 10**15
         await books_balance(app_state)

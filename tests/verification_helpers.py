@@ -83,6 +83,33 @@ async def books_balance(app_state: Any) -> None:
     assert negative == 0
 
 
+async def pending_matches_holds(app_state: Any) -> None:
+    """Every provider's rewards_pending is exactly the provider's part of its rewards on hold:
+    what the release loop will move, no more and no less (no money stuck, none missing)."""
+    from orchestrator.verification.models import RewardHold
+
+    async with app_state.sessionmaker() as session:
+        pending = dict(
+            (
+                await session.execute(
+                    select(LedgerAccount.owner_id, LedgerAccount.balance).where(
+                        LedgerAccount.owner_type == "provider", LedgerAccount.kind == "rewards_pending"
+                    )
+                )
+            ).all()
+        )
+        held = dict(
+            (
+                await session.execute(
+                    select(RewardHold.provider_id, func.sum(RewardHold.amount - RewardHold.forfeited_amount))
+                    .where(RewardHold.status == "held")
+                    .group_by(RewardHold.provider_id)
+                )
+            ).all()
+        )
+    assert {p: int(b) for p, b in pending.items() if b} == {p: int(b) for p, b in held.items() if b}
+
+
 async def verdicts(admin: Any, headers: dict[str, str], pool_id: str) -> list[dict[str, Any]]:
     r = await admin.get(f"/v1/admin/pools/{pool_id}/verdicts", headers=headers)
     assert r.status_code == 200, r.text

@@ -171,6 +171,19 @@ async def _existing(session: AsyncSession, key: str) -> LedgerTransfer | None:
     ).scalar_one_or_none()
 
 
+async def by_key(session: AsyncSession, key: str) -> LedgerTransfer | None:
+    """The transfer made with idempotency key ``key``, if any."""
+    return await _existing(session, key)
+
+
+async def account_ref(session: AsyncSession, account_id: int) -> AccountRef:
+    """The account with this id, as a reference for ``transfer``."""
+    account = await session.get(LedgerAccount, account_id)
+    if account is None:
+        raise ValueError(f"no account {account_id}")
+    return AccountRef(account.owner_type, account.owner_id, account.kind)
+
+
 def _same(existing: LedgerTransfer, debit_id: int, credit_id: int, amount: int) -> LedgerTransfer:
     if (existing.debit_account_id, existing.credit_account_id, existing.amount) != (
         debit_id,
@@ -260,6 +273,43 @@ async def transfer(
             raise
         return TransferResult(_same(existing, debit_id, credit_id, amount), created=False)
     return TransferResult(row, created=True)
+
+
+async def transfer_in_parts(
+    session: AsyncSession,
+    *,
+    debit: AccountRef,
+    credit: AccountRef,
+    amount: int,
+    key: str,
+    reason: str,
+    actor: str,
+    memo: str | None = None,
+    reference: tuple[str, str] | None = None,
+) -> list[TransferResult]:
+    """Move ``amount``, which may exceed ``MAX_AMOUNT``, in transfers of at most ``MAX_AMOUNT``
+    keyed ``key``, ``key:1``, ``key:2``, ... (an amount that fits is one transfer keyed ``key``).
+    For sums of several amounts, such as every reward a node still has on hold."""
+    if amount <= 0:
+        raise ValueError("amount must be positive")
+    results: list[TransferResult] = []
+    while amount > 0:
+        part = min(amount, MAX_AMOUNT)
+        results.append(
+            await transfer(
+                session,
+                debit=debit,
+                credit=credit,
+                amount=part,
+                key=key if not results else f"{key}:{len(results)}",
+                reason=reason,
+                actor=actor,
+                memo=memo,
+                reference=reference,
+            )
+        )
+        amount -= part
+    return results
 
 
 async def reverse(

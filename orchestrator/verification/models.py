@@ -17,6 +17,7 @@ from sqlalchemy import (
     SmallInteger,
     String,
     Text,
+    UniqueConstraint,
     text,
 )
 from sqlalchemy.orm import Mapped, mapped_column
@@ -132,7 +133,15 @@ class NodeTrust(Base):
 
 
 class RewardHold(Base):
-    """A reward in ``rewards_pending`` until ``release_at``; forfeited if the node is slashed first."""
+    """A reward in ``rewards_pending`` until ``release_at``, when the release loop moves it to
+    ``rewards_claimable``. Verdicts against the node may forfeit it meanwhile (``RewardForfeit``):
+    a fraud verdict all of it. ``forfeited_amount`` is the
+    part forfeited now (it is in a system ``slashed`` account); the rest, ``amount -
+    forfeited_amount``, is the provider's. Statuses: ``held`` (the provider's part in pending),
+    ``forfeited`` (all of it forfeited), ``released`` (the provider's part went to claimable),
+    ``reversed`` (the rewarded verdict was reversed on appeal: the reward went back to the system).
+    An appeal against a forfeiting verdict gives its forfeit back: a forfeited hold is ``held``
+    again, and released when due."""
 
     __tablename__ = "reward_holds"
     __table_args__ = (
@@ -152,8 +161,42 @@ class RewardHold(Base):
     node_id: Mapped[str] = mapped_column(KEY_ID)
     provider_id: Mapped[str] = mapped_column(KEY_ID)
     amount: Mapped[int] = mapped_column(BigInteger)
+    forfeited_amount: Mapped[int] = mapped_column(
+        BigInteger,
+        default=0,
+        server_default="0",
+        doc="the part of amount forfeited now (sum of live forfeits)",
+    )
     release_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
     status: Mapped[str] = mapped_column(String(16), default="held")
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class RewardForfeit(Base):
+    """What one verdict took from one reward hold: a fraud verdict forfeits the whole of each of
+    the node's held rewards. The money went
+    from the provider's ``rewards_pending`` to ``slashed_account_id``.
+
+    ``forfeited`` while in force; ``restored`` when the forfeiting verdict was reversed (the
+    amount went back to the provider: to pending, or to claimable if the hold was released
+    meanwhile); ``returned`` when the rewarded verdict was reversed instead (the amount went
+    from the slashed account back to the system account that paid the reward, and a later
+    reversal of the forfeiting verdict has nothing to give back)."""
+
+    __tablename__ = "reward_forfeits"
+    __table_args__ = (
+        CheckConstraint("status IN ('forfeited', 'restored', 'returned')", name="status_known"),
+        CheckConstraint("amount > 0", name="amount_positive"),
+        UniqueConstraint("verdict_id", "hold_id"),
+        Index("ix_reward_forfeits_hold_id", "hold_id"),
+    )
+
+    id: Mapped[int] = mapped_column(ID, primary_key=True, autoincrement=True)
+    verdict_id: Mapped[int] = mapped_column(ID, ForeignKey("verdicts.id", ondelete="RESTRICT"))
+    hold_id: Mapped[int] = mapped_column(ID, ForeignKey("reward_holds.id", ondelete="RESTRICT"))
+    amount: Mapped[int] = mapped_column(BigInteger)
+    slashed_account_id: Mapped[int] = mapped_column(ID, ForeignKey("ledger_accounts.id", ondelete="RESTRICT"))
+    status: Mapped[str] = mapped_column(String(16), default="forfeited")
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 

@@ -24,6 +24,8 @@ cannot see.
 
 Every transfer's idempotency key is derived from the submission and the kind of entry, and
 each verdict row is unique per submission, so a verdict delivered twice moves money once.
+Each forfeit of a reward on hold is recorded (``RewardForfeit``: which verdict, which hold,
+how much), so that an appeal (``reverse_verdict``) gives back exactly what its verdict took.
 """
 
 from __future__ import annotations
@@ -61,12 +63,20 @@ from orchestrator.core.db import UTCDateTime
 from orchestrator.core.sql import is_postgres
 from orchestrator.identity.models import Node
 from orchestrator.ledger import service as ledger
+from orchestrator.ledger.models import LedgerTransfer
 from orchestrator.ledger.service import ProviderAccount, SystemAccount, provider_account, system_account
 from orchestrator.pools.models import Pool, PoolMembership
 from orchestrator.tasks.models import Assignment, Submission, Task, TaskReplica
 from orchestrator.tasks.seeds import derive_seed
 from orchestrator.verification import checks, rewards
-from orchestrator.verification.models import NodeTrust, RewardHold, ValidationJob, Verdict, VerificationJob
+from orchestrator.verification.models import (
+    NodeTrust,
+    RewardForfeit,
+    RewardHold,
+    ValidationJob,
+    Verdict,
+    VerificationJob,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -862,35 +872,16 @@ async def _punish(
         )
         membership.stake -= amount
         slashed += amount
-    holds = list(
-        (
-            await session.execute(
-                select(RewardHold)
-                .where(
-                    RewardHold.pool_id == pool.id,
-                    RewardHold.node_id == verdict.node_id,
-                    RewardHold.status == "held",
-                )
-                .with_for_update()
-            )
-        ).scalars()
+    holds = await _held(session, pool.id, verdict.node_id)
+    slashed += await _forfeit(
+        session,
+        verdict,
+        [(hold, hold.amount - hold.forfeited_amount) for hold in holds],  # every reward on hold
+        reason="slash_pending_rewards",
+        key=f"submission:{verdict.submission_id}:slash-pending",
+        memo=f"fraud: {verdict.reason}",
+        now=now,
     )
-    pending = sum(h.amount for h in holds)
-    if pending > 0:
-        await ledger.transfer(
-            session,
-            debit=provider_account(verdict.provider_id, ProviderAccount.rewards_pending),
-            credit=_system_account(session, SystemAccount.slashed),
-            amount=pending,
-            key=f"submission:{verdict.submission_id}:slash-pending",
-            reason="slash_pending_rewards",
-            actor="verifier",
-            reference=reference,
-            memo=f"fraud: {verdict.reason}",
-        )
-        for hold in holds:
-            hold.status = "forfeited"
-        slashed += pending
     verdict.slashed_amount = slashed
     if (
         membership is not None
@@ -916,6 +907,72 @@ async def _punish(
             reason=f"{provider_strikes} fraud strikes across its nodes",
             now=now,
         )
+
+
+async def _held(session: AsyncSession, pool_id: str, node_id: str) -> list[RewardHold]:
+    """The node's rewards still on hold in the pool, oldest first, locked (after the accounts)."""
+    return list(
+        (
+            await session.execute(
+                select(RewardHold)
+                .where(
+                    RewardHold.pool_id == pool_id,
+                    RewardHold.node_id == node_id,
+                    RewardHold.status == "held",
+                )
+                .order_by(RewardHold.release_at, RewardHold.id)
+                .with_for_update()
+                .execution_options(populate_existing=True)
+            )
+        ).scalars()
+    )
+
+
+async def _forfeit(
+    session: AsyncSession,
+    verdict: Verdict,
+    takes: list[tuple[RewardHold, int]],
+    *,
+    reason: str,
+    key: str,
+    memo: str,
+    now: dt.datetime,
+) -> int:
+    """Forfeit ``amount`` of each ``(hold, amount)`` for ``verdict``: the sum moves from the
+    provider's pending rewards to the slashed account (in parts of at most the ledger's largest
+    transfer: a node may have many rewards on hold), and each part is recorded as a
+    ``RewardForfeit``, so that an appeal gives back exactly these. Returns the sum."""
+    takes = [(hold, amount) for hold, amount in takes if amount > 0]
+    total = sum(amount for _, amount in takes)
+    if total <= 0:
+        return 0
+    moved = await ledger.transfer_in_parts(
+        session,
+        debit=provider_account(verdict.provider_id, ProviderAccount.rewards_pending),
+        credit=_system_account(session, SystemAccount.slashed),
+        amount=total,
+        key=key,
+        reason=reason,
+        actor="verifier",
+        reference=("verdict", str(verdict.id)),
+        memo=memo,
+    )
+    slashed_account_id = moved[0].transfer.credit_account_id
+    for hold, amount in takes:
+        session.add(
+            RewardForfeit(
+                verdict_id=verdict.id,
+                hold_id=hold.id,
+                amount=amount,
+                slashed_account_id=slashed_account_id,
+                status="forfeited",
+                created_at=now,
+            )
+        )
+        hold.forfeited_amount += amount
+        if hold.forfeited_amount >= hold.amount:
+            hold.status = "forfeited"
+    return total
 
 
 async def _maybe_complete(session: AsyncSession, task_id: int) -> None:
@@ -978,16 +1035,19 @@ async def release_due_rewards(session: AsyncSession, *, now: dt.datetime, limit:
 
 
 async def _release(session: AsyncSession, hold: RewardHold) -> None:
-    await ledger.transfer(
-        session,
-        debit=provider_account(hold.provider_id, ProviderAccount.rewards_pending),
-        credit=provider_account(hold.provider_id, ProviderAccount.rewards_claimable),
-        amount=hold.amount,
-        key=f"reward-hold:{hold.id}:release",
-        reason="reward_release",
-        actor="system",
-        reference=("verdict", str(hold.verdict_id)),
-    )
+    """The provider's part of the hold (what no forfeit in force took) becomes claimable."""
+    amount = hold.amount - hold.forfeited_amount
+    if amount > 0:
+        await ledger.transfer(
+            session,
+            debit=provider_account(hold.provider_id, ProviderAccount.rewards_pending),
+            credit=provider_account(hold.provider_id, ProviderAccount.rewards_claimable),
+            amount=amount,
+            key=f"reward-hold:{hold.id}:release",
+            reason="reward_release",
+            actor="system",
+            reference=("verdict", str(hold.verdict_id)),
+        )
     hold.status = "released"
     await session.flush()  # in the savepoint: a failure here rolls back the transfer with it
 
@@ -1017,60 +1077,234 @@ async def reverse_verdict(
     session: AsyncSession, verdict_id: int, *, reason: str, actor: str, now: dt.datetime
 ) -> Verdict:
     """Undo a verdict's money with compensating transfers that name the originals (never an
-    edit), and its strike. Idempotent: a reversed verdict stays as it is."""
+    edit), and its strike. Idempotent: a reversed verdict stays as it is.
+
+    * A reward: decided by the state of its hold, read under lock. ``held``: the provider's part
+      goes back from pending to the system; ``released``: the release is reversed first (the
+      provider's part back from claimable, ``reversal_impossible`` if it was withdrawn); what
+      other verdicts forfeited of it (``forfeited``: all of it) is in a slashed account and goes
+      from there back to the system, not from the provider; the hold is ``reversed`` and its
+      forfeits ``returned``, so that an appeal against the forfeiting verdict gives nothing back.
+    * A fraud verdict: the slashed stake back (locked again for a live membership, else free),
+      a strike less; and its forfeits still in force are given back: to pending, the hold
+      ``held`` again (released when due), or to claimable if the hold was released meanwhile.
+
+    Lock order: the verdict, the membership, then every account the appeal may touch, and only
+    then the holds and forfeits, whose state decides what moves: a reward release or a verdict
+    committing meanwhile holds those accounts, so it is either wholly before or wholly after."""
     from orchestrator.core.errors import Conflict, NotFound
-    from orchestrator.ledger.models import LedgerTransfer
 
     verdict = await session.get(Verdict, verdict_id, with_for_update=True)
     if verdict is None:
         raise NotFound("no verdict with this id", code="verdict_not_found")
     if verdict.reversed_at is not None:
         return verdict
-    originals = list(
-        (
-            await session.execute(
-                select(LedgerTransfer)
-                .where(
-                    LedgerTransfer.reference_type == "verdict",
-                    LedgerTransfer.reference_id == str(verdict.id),
-                    LedgerTransfer.reverses_transfer_id.is_(None),
-                )
-                .order_by(LedgerTransfer.id.desc())
-            )
-        ).scalars()
-    )
     fraud = verdict.category == "fraud"
     membership = await _membership(session, verdict.pool_id, verdict.node_id) if fraud else None
-    await ledger.lock_accounts(
-        session,
-        ledger.stake_accounts(verdict.provider_id) if fraud else [],
-        ids=[i for t in originals for i in (t.debit_account_id, t.credit_account_id)],
-    )
+    await _lock_for_appeal(session, verdict)
+    memo = f"appeal: {reason}"
     try:
-        for original in originals:  # newest first: a release is undone before its reward
-            await ledger.reverse(
-                session,
-                original.id,
-                key=f"verdict:{verdict.id}:reverse:{original.id}",
-                actor=actor,
-                memo=f"appeal: {reason}",
-            )
+        stake_back = await _reverse_stake_slash(session, verdict, actor=actor, memo=memo) if fraud else 0
+        await _give_back_forfeits(session, verdict, actor=actor, memo=memo)
+        await _reverse_reward(session, verdict, actor=actor, memo=memo)
     except ledger.InsufficientFunds as exc:
         raise Conflict(
             "the verdict's money has moved on (e.g. the reward was withdrawn); it cannot be reversed",
             code="reversal_impossible",
         ) from exc
-    hold = (
-        await session.execute(select(RewardHold).where(RewardHold.verdict_id == verdict.id))
-    ).scalar_one_or_none()
-    if hold is not None:
-        hold.status = "reversed"
     if fraud:
-        await _restore_after_fraud(session, verdict, originals, membership, actor=actor)
+        await _restore_after_fraud(session, verdict, stake_back, membership, actor=actor)
     verdict.reversed_at = now
     verdict.reversal_reason = reason
     await session.flush()
     return verdict
+
+
+async def _lock_for_appeal(session: AsyncSession, verdict: Verdict) -> None:
+    """Lock every account an appeal of ``verdict`` may move money between, in one statement:
+    the provider's reward (and, for fraud, stake) accounts; the system ``rewards`` and
+    ``slashed`` accounts its verdicts use (unsharded, and its verifier partition's); and any
+    other account that the verdict's transfers and the forfeits it is party to name (read
+    without a lock: they only add to the set)."""
+    provider = verdict.provider_id
+    refs = [
+        provider_account(provider, k)
+        for k in (ProviderAccount.rewards_pending, ProviderAccount.rewards_claimable)
+    ]
+    if verdict.category == "fraud":
+        refs += ledger.stake_accounts(provider)
+    for shard in sorted({0, partition_of(provider)}):
+        refs += [system_account(SystemAccount.rewards, shard), system_account(SystemAccount.slashed, shard)]
+    transfers = (
+        await session.execute(
+            select(LedgerTransfer.debit_account_id, LedgerTransfer.credit_account_id).where(
+                LedgerTransfer.reference_type == "verdict", LedgerTransfer.reference_id == str(verdict.id)
+            )
+        )
+    ).all()
+    hold_ids = select(RewardHold.id).where(RewardHold.verdict_id == verdict.id).scalar_subquery()
+    forfeits = (
+        await session.execute(
+            select(RewardForfeit.slashed_account_id).where(
+                or_(RewardForfeit.verdict_id == verdict.id, RewardForfeit.hold_id == hold_ids)
+            )
+        )
+    ).scalars()
+    await ledger.lock_accounts(session, refs, ids=[*(i for pair in transfers for i in pair), *forfeits])
+
+
+async def _reverse_stake_slash(session: AsyncSession, verdict: Verdict, *, actor: str, memo: str) -> int:
+    """The fraud verdict's stake slash, reversed; returns the amount (0 if it slashed none)."""
+    slash = await ledger.by_key(session, f"submission:{verdict.submission_id}:slash-stake")
+    if slash is None:
+        return 0
+    await ledger.reverse(
+        session, slash.id, key=f"verdict:{verdict.id}:reverse:{slash.id}", actor=actor, memo=memo
+    )
+    return slash.amount
+
+
+async def _give_back_forfeits(session: AsyncSession, verdict: Verdict, *, actor: str, memo: str) -> None:
+    """The verdict's forfeits still in force go back to the provider: to pending for a hold
+    still on hold (a wholly forfeited one is ``held`` again), to claimable for one released
+    meanwhile. A forfeit whose rewarded verdict was reversed since is ``returned`` already."""
+    forfeits = list(
+        (
+            await session.execute(
+                select(RewardForfeit)
+                .where(RewardForfeit.verdict_id == verdict.id, RewardForfeit.status == "forfeited")
+                .order_by(RewardForfeit.hold_id)
+                .with_for_update()
+                .execution_options(populate_existing=True)
+            )
+        ).scalars()
+    )
+    if not forfeits:
+        return
+    holds = await _holds_by_id(session, [f.hold_id for f in forfeits])
+    back: dict[tuple[int, ProviderAccount], int] = {}
+    for forfeit in forfeits:
+        hold = holds[forfeit.hold_id]
+        to = (
+            ProviderAccount.rewards_claimable
+            if hold.status == "released"
+            else ProviderAccount.rewards_pending
+        )
+        hold.forfeited_amount -= forfeit.amount
+        if hold.status == "forfeited":
+            hold.status = "held"
+        forfeit.status = "restored"
+        back[(forfeit.slashed_account_id, to)] = (
+            back.get((forfeit.slashed_account_id, to), 0) + forfeit.amount
+        )
+    for (slashed_account_id, to), amount in sorted(back.items()):
+        await ledger.transfer_in_parts(
+            session,
+            debit=await ledger.account_ref(session, slashed_account_id),
+            credit=provider_account(verdict.provider_id, to),
+            amount=amount,
+            key=f"verdict:{verdict.id}:reverse:restore:{slashed_account_id}:{to.value}",
+            reason="forfeit_restore",
+            actor=actor,
+            memo=memo,
+            reference=("verdict", str(verdict.id)),
+        )
+
+
+async def _reverse_reward(session: AsyncSession, verdict: Verdict, *, actor: str, memo: str) -> None:
+    """Take a rewarded verdict's reward back to the system account that paid it, from where
+    each part of it is now (see ``reverse_verdict``)."""
+    reward = await ledger.by_key(session, f"submission:{verdict.submission_id}:reward")
+    if reward is None:
+        return
+    hold = (
+        await session.execute(
+            select(RewardHold)
+            .where(RewardHold.verdict_id == verdict.id)
+            .with_for_update()
+            .execution_options(populate_existing=True)
+        )
+    ).scalar_one_or_none()
+    key = f"verdict:{verdict.id}:reverse"
+    if hold is None:  # every reward has its hold; without one, the reward is all in pending
+        await ledger.reverse(session, reward.id, key=f"{key}:{reward.id}", actor=actor, memo=memo)
+        return
+    provider = verdict.provider_id
+    pending = provider_account(provider, ProviderAccount.rewards_pending)
+    system_rewards = await ledger.account_ref(session, reward.debit_account_id)
+    share = hold.amount - hold.forfeited_amount  # the provider's part; 0 if wholly forfeited
+    if hold.status == "released" and share > 0:
+        release = await ledger.by_key(session, f"reward-hold:{hold.id}:release")
+        released = release.amount if release is not None else 0
+        if release is not None:
+            await ledger.reverse(session, release.id, key=f"{key}:{release.id}", actor=actor, memo=memo)
+        if share > released:  # forfeits given back to claimable after the release
+            await ledger.transfer(
+                session,
+                debit=provider_account(provider, ProviderAccount.rewards_claimable),
+                credit=pending,
+                amount=share - released,
+                key=f"{key}:claimable",
+                reason="reversal:forfeit_restore",
+                actor=actor,
+                memo=memo,
+                reference=("verdict", str(verdict.id)),
+            )
+    if hold.status in ("held", "released") and share > 0:
+        if share == reward.amount:
+            await ledger.reverse(session, reward.id, key=f"{key}:{reward.id}", actor=actor, memo=memo)
+        else:  # the rest of the reward was forfeited: only the provider's part is taken back
+            await ledger.transfer(
+                session,
+                debit=pending,
+                credit=system_rewards,
+                amount=share,
+                key=f"{key}:{reward.id}",
+                reason=f"reversal:{reward.reason}",
+                actor=actor,
+                memo=memo,
+                reference=("transfer", str(reward.id)),
+                reverses=reward.id,
+            )
+    for forfeit in await _live_forfeits_of(session, hold.id):
+        # Forfeited by another verdict: in a slashed account, not the provider's. It goes back
+        # to the system account that paid the reward; that verdict's appeal gives nothing back.
+        await ledger.transfer(
+            session,
+            debit=await ledger.account_ref(session, forfeit.slashed_account_id),
+            credit=system_rewards,
+            amount=forfeit.amount,
+            key=f"{key}:forfeit:{forfeit.id}",
+            reason="forfeit_return",
+            actor=actor,
+            memo=memo,
+            reference=("verdict", str(verdict.id)),
+        )
+        forfeit.status = "returned"
+    hold.forfeited_amount = 0
+    hold.status = "reversed"
+
+
+async def _holds_by_id(session: AsyncSession, ids: list[int]) -> dict[int, RewardHold]:
+    stmt = (
+        select(RewardHold)
+        .where(RewardHold.id.in_(ids))
+        .order_by(RewardHold.id)
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    )
+    return {h.id: h for h in (await session.execute(stmt)).scalars()}
+
+
+async def _live_forfeits_of(session: AsyncSession, hold_id: int) -> list[RewardForfeit]:
+    stmt = (
+        select(RewardForfeit)
+        .where(RewardForfeit.hold_id == hold_id, RewardForfeit.status == "forfeited")
+        .order_by(RewardForfeit.id)
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    )
+    return list((await session.execute(stmt)).scalars())
 
 
 async def _membership(session: AsyncSession, pool_id: str, node_id: str) -> PoolMembership | None:
@@ -1086,7 +1320,7 @@ async def _membership(session: AsyncSession, pool_id: str, node_id: str) -> Pool
 async def _restore_after_fraud(
     session: AsyncSession,
     verdict: Verdict,
-    originals: list[Any],
+    stake_back: int,
     membership: PoolMembership | None,
     *,
     actor: str,
@@ -1094,7 +1328,6 @@ async def _restore_after_fraud(
     trust = await _trust(session, verdict.pool_id, verdict.node_id, verdict.provider_id)
     trust.strikes = max(0, trust.strikes - 1)
     trust.fraud = max(0, trust.fraud - 1)
-    stake_back = sum(t.amount for t in originals if t.reason == "slash_stake")
     if stake_back <= 0:
         return
     if membership is not None and membership.status in ("active", "pending"):

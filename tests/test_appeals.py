@@ -1,0 +1,199 @@
+"""Appeals: reversing a verdict gives back exactly the money it moved, whatever happened since
+(rewards released or forfeited by later verdicts, appeals in either order, a release racing
+the appeal), and never takes money that belongs to another reward."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select, update
+
+from orchestrator.core.clock import FakeClock
+from orchestrator.ledger.models import LedgerAccount
+from orchestrator.payouts.service import request_withdrawal
+from orchestrator.verification import service
+from orchestrator.verification.jobs import release_once
+from orchestrator.verification.models import RewardHold
+from tests.conftest import postgres_only, problem
+from tests.tasks_helpers import pool_setup
+from tests.test_reward_holds import hold_statuses
+from tests.test_verification import ECON, one_lease
+from tests.verification_helpers import (
+    FixedDraw,
+    balances,
+    books_balance,
+    pending_matches_holds,
+    submit,
+    verdicts,
+    verify_all,
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_audits(app_state: Any) -> None:
+    app_state.rng = FixedDraw(1.0)
+
+
+async def reverse(s: Any, verdict_id: int, reason: str = "appeal") -> Any:
+    return await s.admin.post(
+        f"/v1/admin/verdicts/{verdict_id}/reverse", json={"reason": reason}, headers=s.admin_headers
+    )
+
+
+async def system(app_state: Any) -> dict[str, int]:
+    """The system's balance of each kind, over its shards."""
+    async with app_state.sessionmaker() as session:
+        rows = await session.execute(
+            select(LedgerAccount.kind, func.sum(LedgerAccount.balance))
+            .where(LedgerAccount.owner_type == "system")
+            .group_by(LedgerAccount.kind)
+        )
+        return {kind: int(total) for kind, total in rows.all()}
+
+
+async def honest(s: Any, w: Any, app_state: Any) -> dict[str, Any]:
+    await submit(w, await one_lease(s, w), ["4"])
+    await verify_all(app_state)
+    v = (await verdicts(s.admin, s.headers, s.pool_id))[-1]
+    assert v["category"] == "valid" and v["reward_amount"] == 7
+    return v
+
+
+async def fraud(s: Any, w: Any, app_state: Any) -> dict[str, Any]:
+    await submit(w, await one_lease(s, w), ["5"], claimed_reward=1.0)
+    await verify_all(app_state)
+    v = (await verdicts(s.admin, s.headers, s.pool_id))[-1]
+    assert v["category"] == "fraud"
+    return v
+
+
+async def test_a_reversed_fraud_verdict_gives_back_the_forfeited_rewards_which_are_then_released(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        await honest(s, w, app_state)
+        f = await fraud(s, w, app_state)
+        assert f["slashed_amount"] == 200 + 7
+        assert await hold_statuses(app_state) == {w.node_id: ["forfeited"]}
+        assert (await reverse(s, f["id"])).status_code == 200
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["stake_locked"]) == (7, 1000)
+        assert await hold_statuses(app_state) == {w.node_id: ["held"]}
+        await pending_matches_holds(app_state)
+        clock.advance(3601)
+        assert await release_once(app_state) == 1
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (0, 7)
+        assert (await system(app_state))["slashed"] == 0
+        await books_balance(app_state)
+
+
+async def test_reversing_a_reward_that_fraud_forfeited_takes_nothing_from_the_provider(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    """A's reward was forfeited by a later fraud verdict; B's is on hold. Reversing A must not
+    take A's amount again, out of B's; the forfeited amount goes from the slashed account back to
+    the system's rewards, and a later appeal against the fraud verdict does not restore it."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        a = await honest(s, w, app_state)
+        f = await fraud(s, w, app_state)
+        await honest(s, w, app_state)  # B
+        assert await system(app_state) == {"deposits": -1000, "rewards": -14, "slashed": 207}
+        assert (await reverse(s, a["id"])).status_code == 200
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (7, 0)
+        assert await hold_statuses(app_state) == {w.node_id: ["reversed", "held"]}
+        assert await system(app_state) == {"deposits": -1000, "rewards": -7, "slashed": 200}
+        await books_balance(app_state)
+
+        assert (await reverse(s, f["id"])).status_code == 200
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["stake_locked"]) == (7, 1000)  # A's reward is not restored
+        assert await hold_statuses(app_state) == {w.node_id: ["reversed", "held"]}
+        assert await system(app_state) == {"deposits": -1000, "rewards": -7, "slashed": 0}
+        await pending_matches_holds(app_state)
+        clock.advance(3601)
+        assert await release_once(app_state) == 1
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (0, 7)
+        await books_balance(app_state)
+
+
+async def test_reversing_the_fraud_verdict_first_then_the_reward_takes_the_reward_back_once(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        a = await honest(s, w, app_state)
+        f = await fraud(s, w, app_state)
+        await honest(s, w, app_state)  # B
+        assert (await reverse(s, f["id"])).status_code == 200
+        assert (await balances(client, w))["rewards_pending"] == 14  # A's back on hold, and B's
+        assert (await reverse(s, a["id"])).status_code == 200
+        assert (await balances(client, w))["rewards_pending"] == 7  # B's
+        assert await hold_statuses(app_state) == {w.node_id: ["reversed", "held"]}
+        assert await system(app_state) == {"deposits": -1000, "rewards": -7, "slashed": 0}
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+
+async def test_a_released_reward_is_taken_back_from_claimable_and_a_withdrawn_one_cannot_be(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        a = await honest(s, w, app_state)
+        c = await honest(s, w, app_state)
+        clock.advance(3601)
+        assert await release_once(app_state) == 2
+        assert (await reverse(s, a["id"])).status_code == 200
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (0, 7)  # C's
+
+        async with app_state.sessionmaker() as session, session.begin():
+            await request_withdrawal(session, w.contributor.provider_id, 7, "withdraw-c", now=clock.utcnow())
+        problem(await reverse(s, c["id"]), 409, "reversal_impossible")
+        b = await balances(client, w)
+        assert (b["rewards_claimable"], b["withdrawn"]) == (0, 7)
+        assert (await verdicts(s.admin, s.headers, s.pool_id))[-1]["reversed_at"] is None
+        assert await hold_statuses(app_state) == {w.node_id: ["reversed", "released"]}
+        await books_balance(app_state)
+
+
+@postgres_only
+async def test_an_appeal_waits_for_a_release_in_progress_and_reverses_what_it_released(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    """A's reward is being released (not yet committed) when its appeal comes in. The appeal
+    must wait for the release and then take A's reward back from claimable, not reverse only
+    the reward and so take B's reward, still on hold, out of pending."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        a = await honest(s, w, app_state)
+        await honest(s, w, app_state)  # B, due a day later
+        async with app_state.sessionmaker() as session, session.begin():
+            await session.execute(
+                update(RewardHold)
+                .where(RewardHold.verdict_id != a["id"])
+                .values(release_at=clock.utcnow() + dt.timedelta(days=1))
+            )
+        clock.advance(3601)  # A due, B not
+        async with app_state.sessionmaker() as session:
+            await session.begin()
+            assert await service.release_due_rewards(session, now=clock.utcnow()) == 1
+            appeal = asyncio.create_task(reverse(s, a["id"]))
+            await asyncio.sleep(1.0)
+            assert not appeal.done()  # waiting for the accounts the release holds
+            await session.commit()
+        r = await appeal
+        assert r.status_code == 200, r.text
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (7, 0)
+        assert await hold_statuses(app_state) == {w.node_id: ["reversed", "held"]}
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
