@@ -138,8 +138,10 @@ SoftPenalty = Annotated[
     Field(
         ge=0,
         le=AMOUNT_MAX,
-        description="Amount forfeited from the provider's pending rewards when a result is "
-        "soft-invalidated (beyond withholding its reward); 0 for none",
+        description="Amount forfeited from the node's rewards still on hold in this pool (oldest "
+        "first, at most what is on hold) when one of its results is invalid (an honest failure such "
+        "as a wrong answer), beyond withholding its reward; given back if the verdict is reversed on "
+        "appeal; 0 for none",
     ),
 ]
 FraudSlash = Annotated[

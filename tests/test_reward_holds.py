@@ -64,7 +64,24 @@ async def test_a_hold_that_cannot_be_released_does_not_block_the_others(
         await books_balance(app_state)
 
 
-# ------------------------------------------------------------------ forfeits
+# ------------------------------------------------------------------ soft-invalid penalty
+
+PENALTY = {**ECON, "soft_invalid_penalty": 3}
+
+
+async def honest(s: Any, w: Any, app_state: Any) -> dict[str, Any]:
+    await submit(w, await one_lease(s, w), ["4"])
+    await verify_all(app_state)
+    return (await verdicts(s.admin, s.headers, s.pool_id))[-1]
+
+
+async def wrong(s: Any, w: Any, app_state: Any) -> dict[str, Any]:
+    """An honest wrong answer: invalid, not fraud."""
+    await submit(w, await one_lease(s, w), ["5"], claimed_reward=0.0)
+    await verify_all(app_state)
+    v = (await verdicts(s.admin, s.headers, s.pool_id))[-1]
+    assert (v["category"], v["reason"]) == ("invalid", "wrong_answer")
+    return v
 
 
 async def reverse(s: Any, verdict_id: int) -> None:
@@ -72,6 +89,109 @@ async def reverse(s: Any, verdict_id: int) -> None:
         f"/v1/admin/verdicts/{verdict_id}/reverse", json={"reason": "appeal"}, headers=s.admin_headers
     )
     assert r.status_code == 200, r.text
+
+
+async def test_an_invalid_result_forfeits_the_soft_penalty_from_rewards_on_hold(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=PENALTY, stake=1000) as s:
+        w = s.workers[0]
+        await honest(s, w, app_state)
+        v = await wrong(s, w, app_state)
+        assert (v["reward_amount"], v["slashed_amount"]) == (0, 3)
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["stake_locked"]) == (4, 1000)  # no stake is slashed
+        await pending_matches_holds(app_state)
+        clock.advance(3601)
+        assert await release_once(app_state) == 1  # the rest of the reward, when due
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (0, 4)
+        await books_balance(app_state)
+
+
+async def test_the_penalty_takes_the_oldest_rewards_first_and_at_most_what_is_on_hold(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    async with pool_setup(
+        app, app_state, workers=2, economics={**ECON, "soft_invalid_penalty": 10}, stake=1000
+    ) as s:
+        w, other = s.workers
+        assert (await wrong(s, w, app_state))["slashed_amount"] == 0  # nothing on hold, nothing taken
+        await honest(s, w, app_state)
+        await honest(s, w, app_state)
+        await honest(s, other, app_state)
+        assert (await wrong(s, w, app_state))["slashed_amount"] == 10
+        assert (await balances(client, w))["rewards_pending"] == 4
+        assert (await balances(client, other))["rewards_pending"] == 7  # another node's rewards
+        assert await hold_statuses(app_state) == {w.node_id: ["forfeited", "held"], other.node_id: ["held"]}
+        assert (await wrong(s, w, app_state))["slashed_amount"] == 4  # what was left
+        assert (await balances(client, w))["rewards_pending"] == 0
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+
+async def test_reversing_an_invalid_verdict_gives_its_penalty_back(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=PENALTY, stake=1000) as s:
+        w = s.workers[0]
+        await honest(s, w, app_state)  # A: 7 on hold
+        first = await wrong(s, w, app_state)  # takes 3 of A's
+        await honest(s, w, app_state)  # B: 7 on hold
+        second = await wrong(s, w, app_state)  # takes 3 more of A's: A has 1 left
+        assert (await balances(client, w))["rewards_pending"] == 8
+        await reverse(s, second["id"])  # A still on hold: back to pending
+        assert (await balances(client, w))["rewards_pending"] == 11
+        await pending_matches_holds(app_state)
+        clock.advance(3601)
+        assert await release_once(app_state) == 2
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (0, 11)
+        await reverse(s, first["id"])  # A released meanwhile: straight to claimable
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (0, 14)
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+
+async def test_fraud_after_a_penalty_forfeits_the_rest_and_each_appeal_gives_back_its_own_part(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=PENALTY, stake=1000) as s:
+        w = s.workers[0]
+        await honest(s, w, app_state)
+        penalty = await wrong(s, w, app_state)
+        await submit(w, await one_lease(s, w), ["5"], claimed_reward=1.0)
+        await verify_all(app_state)
+        fraud = (await verdicts(s.admin, s.headers, s.pool_id))[-1]
+        assert (fraud["category"], fraud["slashed_amount"]) == ("fraud", 200 + 4)
+        assert await hold_statuses(app_state) == {w.node_id: ["forfeited"]}
+        await reverse(s, penalty["id"])
+        assert (await balances(client, w))["rewards_pending"] == 3  # the penalty's part only
+        assert await hold_statuses(app_state) == {w.node_id: ["held"]}
+        await reverse(s, fraud["id"])
+        assert (await balances(client, w))["rewards_pending"] == 7
+        clock.advance(3601)
+        assert await release_once(app_state) == 1
+        assert (await balances(client, w))["rewards_claimable"] == 7
+        await books_balance(app_state)
+
+
+async def test_reversing_a_partly_penalised_reward_takes_back_only_the_providers_part(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=PENALTY, stake=1000) as s:
+        w = s.workers[0]
+        a = await honest(s, w, app_state)
+        penalty = await wrong(s, w, app_state)
+        await honest(s, w, app_state)  # B
+        await reverse(s, a["id"])
+        assert (await balances(client, w))["rewards_pending"] == 7  # B's; A's 4 taken back
+        await reverse(s, penalty["id"])  # the 3 went back to the system with A's reward
+        assert (await balances(client, w))["rewards_pending"] == 7
+        assert await hold_statuses(app_state) == {w.node_id: ["reversed", "held"]}
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
 
 
 # ------------------------------------------------------------------ amounts beyond one transfer

@@ -135,7 +135,7 @@ class NodeTrust(Base):
 class RewardHold(Base):
     """A reward in ``rewards_pending`` until ``release_at``, when the release loop moves it to
     ``rewards_claimable``. Verdicts against the node may forfeit it meanwhile (``RewardForfeit``):
-    a fraud verdict all of it. ``forfeited_amount`` is the
+    a fraud verdict all of it, a soft-invalid penalty part of it. ``forfeited_amount`` is the
     part forfeited now (it is in a system ``slashed`` account); the rest, ``amount -
     forfeited_amount``, is the provider's. Statuses: ``held`` (the provider's part in pending),
     ``forfeited`` (all of it forfeited), ``released`` (the provider's part went to claimable),
@@ -174,7 +174,7 @@ class RewardHold(Base):
 
 class RewardForfeit(Base):
     """What one verdict took from one reward hold: a fraud verdict forfeits the whole of each of
-    the node's held rewards. The money went
+    the node's held rewards, a soft-invalid penalty parts of them, oldest first. The money went
     from the provider's ``rewards_pending`` to ``slashed_account_id``.
 
     ``forfeited`` while in force; ``restored`` when the forfeiting verdict was reversed (the

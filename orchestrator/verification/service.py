@@ -9,7 +9,9 @@ the server's own reward function, then either decides at once or waits for more 
   node's rewards still in the hold window, add a strike; eject the node after the pool's strike
   limit and blacklist the provider after the provider limit;
 * an invalid finding (wrong sample count, token overflow, bad finish reason, missing proof,
-  wrong answer) -> rejected as invalid: no reward, no slash, counted in the trust record;
+  wrong answer) -> rejected as invalid: no reward, no stake slashed, counted in the trust
+  record; the pool's ``soft_invalid_penalty`` is forfeited from the node's rewards still in the
+  hold window, oldest first, up to what is there;
 * a replicated task, or an audit drawn for this node -> quorum: when every replica has
   reported, a strict majority of canonical answers decides; the minority is fraud when the
   server cannot check answers itself, and an undecided vote adds a replica (BOINC semantics,
@@ -787,6 +789,8 @@ async def decide(
     else:
         trust.invalid += 1
         trust.consecutive_valid = 0
+        if decision.category == "invalid":
+            await _penalise(session, pool, verdict, now=now)
     await _maybe_complete(session, submission.task_id)
     await session.flush()
     log.info(
@@ -907,6 +911,31 @@ async def _punish(
             reason=f"{provider_strikes} fraud strikes across its nodes",
             now=now,
         )
+
+
+async def _penalise(session: AsyncSession, pool: Pool, verdict: Verdict, *, now: dt.datetime) -> None:
+    """An invalid (soft) verdict forfeits the pool's ``soft_invalid_penalty`` from the node's
+    rewards still on hold, oldest first (the part of a hold not taken stays held and is
+    released when due), up to what is on hold."""
+    left = pool.soft_invalid_penalty
+    if left <= 0:
+        return
+    takes: list[tuple[RewardHold, int]] = []
+    for hold in await _held(session, pool.id, verdict.node_id):
+        take = min(left, hold.amount - hold.forfeited_amount)
+        takes.append((hold, take))
+        left -= take
+        if left == 0:
+            break
+    verdict.slashed_amount = await _forfeit(
+        session,
+        verdict,
+        takes,
+        reason="soft_invalid_penalty",
+        key=f"submission:{verdict.submission_id}:soft-penalty",
+        memo=f"invalid: {verdict.reason}",
+        now=now,
+    )
 
 
 async def _held(session: AsyncSession, pool_id: str, node_id: str) -> list[RewardHold]:
@@ -1086,8 +1115,9 @@ async def reverse_verdict(
       from there back to the system, not from the provider; the hold is ``reversed`` and its
       forfeits ``returned``, so that an appeal against the forfeiting verdict gives nothing back.
     * A fraud verdict: the slashed stake back (locked again for a live membership, else free),
-      a strike less; and its forfeits still in force are given back: to pending, the hold
-      ``held`` again (released when due), or to claimable if the hold was released meanwhile.
+      a strike less; and, as for a soft-invalid penalty, its forfeits still in force are given
+      back: to pending, the hold ``held`` again (released when due), or to claimable if the
+      hold was released meanwhile.
 
     Lock order: the verdict, the membership, then every account the appeal may touch, and only
     then the holds and forfeits, whose state decides what moves: a reward release or a verdict
