@@ -228,7 +228,9 @@ class Sample(StrictModel):
 class ResultIn(StrictModel):
     fencing_token: int = Field(ge=1)
     policy_step: int = Field(ge=0, description="The policy step the samples were generated with")
-    seed: int = Field(description="The seed from the lease, echoed")
+    seed: int = Field(
+        ge=-(2**63), le=2**63 - 1, description="The seed from the lease, echoed (a signed 64-bit integer)"
+    )
     samples: list[Sample] = Field(min_length=1, max_length=1024)
     claimed_reward: float | None = Field(default=None, allow_inf_nan=False)
     proof: str | None = Field(

@@ -10,7 +10,8 @@ import pytest
 
 from orchestrator.core.pagination import ID_MAX, encode_cursor
 from tests.conftest import problem
-from tests.tasks_helpers import pool_setup
+from tests.tasks_helpers import pool_setup, task
+from tests.verification_helpers import answer_body
 
 HUGE = 2**64
 
@@ -64,3 +65,17 @@ async def test_huge_ids_in_opaque_cursors_are_400(app: Any, app_state: Any, leni
             (f"/v1/pools/{s.pool_id}/rollouts", s.headers, {"after": encode_cursor(f"rollouts:{HUGE}")}),
         ):
             problem(await lenient.get(url, headers=headers, params=params), 400, "cursor_invalid")
+
+
+async def test_a_result_echoing_a_seed_beyond_64_bits_is_422_and_not_recorded(
+    app: Any, app_state: Any
+) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        await s.enqueue([task()])
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        url = f"/v1/assignments/{lease['assignment_id']}/result"
+        auth = w.contributor.node_auth
+        r = await w.client.post(url, json=answer_body(lease, ["4"], seed=HUGE), auth=auth)
+        problem(r, 422, "validation_failed")
+        assert (await w.client.post(url, json=answer_body(lease, ["4"]), auth=auth)).status_code == 201
