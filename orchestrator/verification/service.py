@@ -876,7 +876,7 @@ async def _punish(
         )
         membership.stake -= amount
         slashed += amount
-    holds = await _held(session, pool.id, verdict.node_id)
+    holds = await _held(session, verdict)
     slashed += await _forfeit(
         session,
         verdict,
@@ -921,7 +921,7 @@ async def _penalise(session: AsyncSession, pool: Pool, verdict: Verdict, *, now:
     if left <= 0:
         return
     takes: list[tuple[RewardHold, int]] = []
-    for hold in await _held(session, pool.id, verdict.node_id):
+    for hold in await _held(session, verdict):
         take = min(left, hold.amount - hold.forfeited_amount)
         takes.append((hold, take))
         left -= take
@@ -938,15 +938,25 @@ async def _penalise(session: AsyncSession, pool: Pool, verdict: Verdict, *, now:
     )
 
 
-async def _held(session: AsyncSession, pool_id: str, node_id: str) -> list[RewardHold]:
-    """The node's rewards still on hold in the pool, oldest first, locked (after the accounts)."""
+async def _held(session: AsyncSession, verdict: Verdict) -> list[RewardHold]:
+    """The verdict's node's rewards still on hold in its pool, oldest first, locked after the
+    accounts a forfeit moves money between. (The verifier's batches have locked those already;
+    a verdict decided without them, such as one of a quorum wait that expired, takes them here,
+    so that it never holds a hold while it waits for an account the reward release holds.)"""
+    await ledger.lock_accounts(
+        session,
+        [
+            provider_account(verdict.provider_id, ProviderAccount.rewards_pending),
+            _system_account(session, SystemAccount.slashed),
+        ],
+    )
     return list(
         (
             await session.execute(
                 select(RewardHold)
                 .where(
-                    RewardHold.pool_id == pool_id,
-                    RewardHold.node_id == node_id,
+                    RewardHold.pool_id == verdict.pool_id,
+                    RewardHold.node_id == verdict.node_id,
                     RewardHold.status == "held",
                 )
                 .order_by(RewardHold.release_at, RewardHold.id)
