@@ -1,5 +1,6 @@
 """Ids in paths, queries and cursors above what a BIGINT column holds are refused as input
-(422, or 400 for an opaque cursor), never sent to the database to fail there (500)."""
+(the resource's 404 in a path, 400 in a query or an opaque cursor), never sent to the database
+to fail there (500)."""
 
 from __future__ import annotations
 
@@ -24,26 +25,35 @@ async def lenient(app: Any) -> Any:
         yield c
 
 
-async def test_huge_ids_in_paths_and_queries_are_422(app: Any, app_state: Any, lenient: Any) -> None:
+async def test_huge_ids_in_paths_are_404_and_in_queries_400(app: Any, app_state: Any, lenient: Any) -> None:
     async with pool_setup(app, app_state) as s:
         admin, operator = s.admin_headers, s.headers
         pool = f"/v1/admin/pools/{s.pool_id}"
-        for method, url, headers, body in (
-            ("POST", f"/v1/admin/verdicts/{HUGE}/reverse", admin, {"reason": "x"}),
-            ("POST", "/v1/admin/verdicts/0/reverse", admin, {"reason": "x"}),
+        for method, url, headers, body, status, code in (
+            ("POST", f"/v1/admin/verdicts/{HUGE}/reverse", admin, {"reason": "x"}, 404, "verdict_not_found"),
+            ("POST", "/v1/admin/verdicts/0/reverse", admin, {"reason": "x"}, 404, "verdict_not_found"),
             (
                 "POST",
                 f"/v1/validation/jobs/{HUGE}/verdict",
                 admin,
                 {"outcome": "valid", "reason": "ok", "fencing_token": 1, "evidence": {}},
+                404,
+                "validation_job_not_found",
             ),
-            ("GET", f"{pool}/tasks/{HUGE}", operator, None),
-            ("POST", f"{pool}/tasks/{HUGE}/cancel", operator, None),
-            ("GET", f"{pool}/tasks?cursor={HUGE}", operator, None),
-            ("GET", f"{pool}/verdicts?cursor={HUGE}", operator, None),
-            ("POST", f"/v1/admin/payouts/{HUGE}/mark-paid", admin, {"external_reference": "wire-1"}),
+            ("GET", f"{pool}/tasks/{HUGE}", operator, None, 404, "task_not_found"),
+            ("POST", f"{pool}/tasks/{HUGE}/cancel", operator, None, 404, "task_not_found"),
+            ("GET", f"{pool}/tasks?cursor={HUGE}", operator, None, 400, "invalid_query"),
+            ("GET", f"{pool}/verdicts?cursor={HUGE}", operator, None, 400, "invalid_query"),
+            (
+                "POST",
+                f"/v1/admin/payouts/{HUGE}/mark-paid",
+                admin,
+                {"external_reference": "wire-1"},
+                404,
+                "payout_not_found",
+            ),
         ):
-            problem(await lenient.request(method, url, headers=headers, json=body), 422, "validation_failed")
+            problem(await lenient.request(method, url, headers=headers, json=body), status, code)
         # The largest id is a fine id that names nothing.
         problem(
             await lenient.post(f"/v1/admin/verdicts/{ID_MAX}/reverse", headers=admin, json={"reason": "x"}),

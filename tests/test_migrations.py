@@ -421,3 +421,57 @@ def test_0013_records_which_fraud_verdict_forfeited_each_hold(scratch_url: str) 
         (6, "held", 0),
         (7, "released", 0),
     ]
+
+
+async def _seed_node_addresses(url: str, addresses: list[str]) -> None:
+    """Nodes as registered before revision 0014: the address as the client connected from."""
+    from orchestrator.identity.models import Node, Provider
+
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(Provider.__table__.insert(), [{"id": "p" * 43}])
+            await conn.execute(
+                Node.__table__.insert(),
+                [
+                    {
+                        "id": f"{i:043d}",
+                        "provider_id": "p" * 43,
+                        "attestation": "a" * 86,
+                        "gpu_count": 0,
+                        "gpu_memory_mb": 0,
+                        "cpu_cores": 1,
+                        "ram_mb": 512,
+                        "version": "t",
+                        "ip_address": address,
+                    }
+                    for i, address in enumerate(addresses)
+                ],
+            )
+    finally:
+        await engine.dispose()
+
+
+async def _node_addresses(url: str) -> list[str | None]:
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            return list((await conn.execute(text("SELECT ip_address FROM nodes ORDER BY id"))).scalars())
+    finally:
+        await engine.dispose()
+
+
+def test_0014_records_earlier_ipv6_addresses_as_their_64(scratch_url: str) -> None:
+    upgrade(scratch_url)
+    before = ["2001:db8:1:2::10", "2001:db8:1:2:ffff::1", "::ffff:192.0.2.7", "192.0.2.8", "unknown", None]
+    asyncio.run(_seed_node_addresses(scratch_url, before))  # type: ignore[arg-type]
+    downgrade(scratch_url, "0013")
+    upgrade(scratch_url)
+    assert asyncio.run(_node_addresses(scratch_url)) == [
+        "2001:db8:1:2::/64",
+        "2001:db8:1:2::/64",
+        "192.0.2.7",
+        "192.0.2.8",
+        "unknown",
+        None,
+    ]

@@ -2,7 +2,7 @@
 
 Revision ID: 0013
 Revises: 0012
-Create Date: 2026-12-01 09:00:00.000000
+Create Date: 2026-11-30 14:00:00.000000
 
 A fraud verdict forfeited the node's held rewards with one transfer and marked the holds
 ``forfeited``, recording nowhere which verdict did so. Reversing that verdict gave the money back
