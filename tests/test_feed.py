@@ -159,6 +159,19 @@ async def test_a_reversed_verdict_is_absent_on_a_re_read(app: Any, app_state: An
         # A cursor issued at the reversed verdict still works.
         page = await feed(s, after=before[1]["cursor"])
         assert [i["verdict_id"] for i in page["items"]] == [before[2]["verdict_id"]]
+        # A trainer scoped to the pool finds the reversal in the pool's verdicts; one scoped
+        # to another pool does not see them.
+        trainer = await trainer_headers(app_state, [s.pool_id])
+        verdicts = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/verdicts", headers=trainer)
+        assert verdicts.status_code == 200, verdicts.text
+        reversed_ = [v["id"] for v in verdicts.json()["items"] if v["reversed_at"] is not None]
+        assert reversed_ == [before[1]["verdict_id"]]
+        elsewhere = await trainer_headers(app_state, ["pool_elsewhere"])
+        problem(
+            await s.admin.get(f"/v1/admin/pools/{s.pool_id}/verdicts", headers=elsewhere),
+            404,
+            "pool_not_found",
+        )
 
 
 async def test_the_feed_is_scoped_to_the_pool(app: Any, app_state: Any) -> None:

@@ -35,6 +35,7 @@ validation_router = APIRouter(prefix="/v1/validation", tags=["validators"], resp
 
 Validator = Annotated[Principal, require_roles(Role.validator, Role.admin)]
 Operator = Annotated[Principal, require_roles(Role.admin, Role.operator)]
+Reader = Annotated[Principal, require_roles(Role.admin, Role.operator, Role.trainer)]
 Cursor = Annotated[int | None, Query(ge=0, le=ID_MAX, description="Last verdict id of the previous page")]
 VerdictId = Annotated[int, Path(ge=1, le=ID_MAX, description="Verdict id")]
 JobId = Annotated[int, Path(ge=1, le=ID_MAX, description="Validation job id")]
@@ -114,11 +115,21 @@ async def _operator_pool(
     return await pool_for(session, principal, pool_id)
 
 
+async def _reader_pool(
+    pool_id: Annotated[str, Path(max_length=40)], principal: Reader, session: Session
+) -> Pool:
+    return await pool_for(session, principal, pool_id)
+
+
 @admin_router.get(
-    "/pools/{pool_id}/verdicts", response_model=Page[VerdictOut], summary="A pool's verdicts, newest first"
+    "/pools/{pool_id}/verdicts",
+    response_model=Page[VerdictOut],
+    summary="A pool's verdicts, newest first",
+    description="Readable by the pool's operator, an admin, and trainer tokens scoped to the pool "
+    "(a trainer finds here the verdicts reversed after the feed served them: `reversed_at`).",
 )
 async def pool_verdicts(
-    pool: Annotated[Pool, Depends(_operator_pool)],
+    pool: Annotated[Pool, Depends(_reader_pool)],
     session: Session,
     cursor: Cursor = None,
     limit: Limit = 100,
