@@ -375,7 +375,13 @@ _PICK_LOCK = """
     SELECT t.id FROM tasks t WHERE {may_take}
      ORDER BY t.claim_rank, t.id LIMIT :room FOR UPDATE OF t SKIP LOCKED
 """
-_PICK_LOCKED_WHERE = "WHERE t.id = ANY(CAST(:task_ids AS bigint[])) AND {may_take}"
+# The locked tasks are read by primary key in a materialised CTE, and the rules re-applied to
+# them after: with the rules in the same WHERE as ``t.id = ANY(...)``, the planner could walk
+# the pool's whole claimable index instead (2 ms at 8,000 open tasks).
+_PICK_LOCKED = """
+    WITH locked AS MATERIALIZED (SELECT * FROM tasks WHERE id = ANY(CAST(:task_ids AS bigint[])))
+    {replicas}
+"""
 _PICK_COLUMNS = {"sampling": JSON(), "metadata": JSON()}
 
 
@@ -391,7 +397,8 @@ def _pick_statement(kind: str, ip_known: bool) -> TextualSelect:
     elif kind == "lock":
         sql = _PICK_LOCK.format(may_take=may_take)
     else:
-        sql = _REPLICAS_OF.format(tasks="tasks t", where=_PICK_LOCKED_WHERE.format(may_take=may_take))
+        replicas = _REPLICAS_OF.format(tasks="locked t", where=f"WHERE {may_take}")
+        sql = _PICK_LOCKED.format(replicas=replicas)
     stmt = text(sql).bindparams(bindparam("now", type_=UTCDateTime()))
     if kind == "lock":
         return stmt.columns(id=BigInteger())
