@@ -40,15 +40,36 @@ def _network_of(host: str) -> str:
 
 
 def upgrade() -> None:
+    # The old -> new pairs go to a temporary table first, so each table is rewritten in one
+    # statement (one scan), whatever the number of distinct addresses: assignments.ip_address
+    # has no index, and a statement per address would scan it once per address.
     conn = op.get_bind()
+    conn.execute(
+        sa.text(
+            "CREATE TEMPORARY TABLE ip_networks_0014 (old VARCHAR(64) PRIMARY KEY, new VARCHAR(64) NOT NULL)"
+        )
+    )
+    found: set[str] = set()
     for table in ("nodes", "assignments"):
-        found = conn.execute(
-            sa.text(f"SELECT DISTINCT ip_address FROM {table} WHERE ip_address LIKE '%:%'")  # noqa: S608
-        ).scalars()
-        changes = [(old, new) for old in found if (new := _network_of(old)) != old]
-        update = sa.text(f"UPDATE {table} SET ip_address = :new WHERE ip_address = :old")  # noqa: S608
-        for old, new in changes:
-            conn.execute(update, {"old": old, "new": new})
+        found.update(
+            conn.execute(
+                sa.text(f"SELECT DISTINCT ip_address FROM {table} WHERE ip_address LIKE '%:%'")  # noqa: S608
+            ).scalars()
+        )
+    pairs = [{"old": old, "new": new} for old in sorted(found) if (new := _network_of(old)) != old]
+    if pairs:
+        insert = sa.text("INSERT INTO ip_networks_0014 (old, new) VALUES (:old, :new)")
+        for start in range(0, len(pairs), 1000):
+            conn.execute(insert, pairs[start : start + 1000])
+        for table in ("nodes", "assignments"):
+            conn.execute(
+                sa.text(
+                    f"UPDATE {table} SET ip_address = "  # noqa: S608
+                    f"(SELECT m.new FROM ip_networks_0014 m WHERE m.old = {table}.ip_address) "
+                    "WHERE ip_address IN (SELECT old FROM ip_networks_0014)"
+                )
+            )
+    conn.execute(sa.text("DROP TABLE ip_networks_0014"))
 
 
 def downgrade() -> None:

@@ -623,8 +623,25 @@ async def expire_quorum_waits(
             .limit(limit)
         )
     ).scalars()
+    candidates = list(dict.fromkeys(task_ids))
+    if not candidates:
+        return 0
+    # The global lock order, as a verifier batch takes it: the memberships and accounts these
+    # verdicts may touch, up front, and only then each task (a batch holding a task's accounts
+    # and waiting for the task must not meet this transaction holding the task and waiting for
+    # the accounts).
+    waiting_submissions = list(
+        (
+            await session.execute(
+                select(Submission)
+                .join(VerificationJob, VerificationJob.submission_id == Submission.id)
+                .where(VerificationJob.task_id.in_(candidates), VerificationJob.stage == "quorum")
+            )
+        ).scalars()
+    )
+    await lock_for_verdicts(session, waiting_submissions)
     decided = 0
-    for task_id in dict.fromkeys(task_ids):
+    for task_id in candidates:
         decided += await _expire_wait(session, task_id, now=now, wait_s=wait_s, secret=secret)
     return decided
 
