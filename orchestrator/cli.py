@@ -62,7 +62,9 @@ def serve(
         port=port or settings.server.port,
         workers=n,
         proxy_headers=settings.server.trust_proxy_headers,
-        forwarded_allow_ips="*" if settings.server.trust_proxy_headers else None,
+        forwarded_allow_ips=settings.server.forwarded_allow_ips
+        if settings.server.trust_proxy_headers
+        else None,
         access_log=False,
         log_level=settings.log_level.lower(),
     )

@@ -151,6 +151,17 @@ class ServerSettings(BaseModel):
         default=True, description="Run the sweeper and other loops in this process."
     )
     trust_proxy_headers: bool = False
+    forwarded_allow_ips: str = Field(
+        default="*",
+        min_length=1,
+        description=(
+            "With trust_proxy_headers: the proxies (comma-separated addresses or CIDRs) whose "
+            "X-Forwarded-For and X-Forwarded-Proto are honoured. The client is then the rightmost "
+            "X-Forwarded-For address that is not one of them, so a proxy that appends to a "
+            "client-sent header is safe. '*' honours any sender and takes the leftmost address: "
+            "only for a proxy that overwrites the header and is the only way to the server."
+        ),
+    )
     public_scheme: Literal["http", "https"] | None = Field(
         default=None,
         description=(

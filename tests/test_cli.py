@@ -108,6 +108,29 @@ def test_serve_refuses_several_workers_without_redis() -> None:
     assert "ORCH_REDIS__URL" in result.output
 
 
+def test_serve_passes_the_trusted_proxies_to_uvicorn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import uvicorn
+
+    seen: list[dict[str, object]] = []
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: seen.append(kwargs))
+    env = {
+        "ORCH_DB__URL": f"sqlite+aiosqlite:///{tmp_path / 'p.db'}",
+        "ORCH_SERVER__MIGRATE_ON_START": "false",
+    }
+    for extra, proxy_headers, allowed in (
+        ({}, False, None),
+        ({"ORCH_SERVER__TRUST_PROXY_HEADERS": "true"}, True, "*"),
+        (
+            {"ORCH_SERVER__TRUST_PROXY_HEADERS": "true", "ORCH_SERVER__FORWARDED_ALLOW_IPS": "10.0.0.0/8"},
+            True,
+            "10.0.0.0/8",
+        ),
+    ):
+        get_settings.cache_clear()
+        assert runner.invoke(app, ["serve"], env={**env, **extra}).exit_code == 0
+        assert (seen[-1]["proxy_headers"], seen[-1]["forwarded_allow_ips"]) == (proxy_headers, allowed)
+
+
 def test_migrate_creates_the_schema(tmp_path: Path) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path / 'cli.db'}"
     result = runner.invoke(app, ["migrate"], env={"ORCH_DB__URL": url})
