@@ -80,6 +80,9 @@ class NodeOut(BaseModel):
     )
 
 
+RESERVED_METRICS = frozenset({"at"})
+
+
 class HeartbeatIn(StrictModel):
     metrics: dict[str, float] = Field(
         default_factory=dict,
@@ -95,6 +98,8 @@ class HeartbeatIn(StrictModel):
         for name in self.metrics:
             if not (1 <= len(name) <= 64 and name.replace("_", "").isalnum() and name.isascii()):
                 raise ValueError(f"metric name {name!r} must be 1-64 ASCII letters, digits or _")
+            if name in RESERVED_METRICS:
+                raise ValueError(f"metric name {name!r} is reserved (the time of the beat)")
         return self
 
 

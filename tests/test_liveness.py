@@ -212,4 +212,8 @@ async def test_heartbeat_rejects_bad_metrics(client: httpx.AsyncClient, contribu
     assert r.status_code == 422
     r = await contributor.beat(client, metrics={f"m{i}": i for i in range(40)})
     assert r.status_code == 422
+    # "at" is the beat's own time: a metric of that name could fake it (or, huge, break the
+    # node views that read it).
+    r = await contributor.beat(client, metrics={"at": 1e300})
+    assert r.status_code == 422 and "reserved" in r.json()["detail"]
     assert (await status_of(client, contributor)) == "waiting"

@@ -100,7 +100,7 @@ class RedisHotStore:
 
     async def record_beat(self, node_id: str, at: float, metrics: Mapping[str, str], ttl_s: int) -> None:
         hb = self._k("hb", node_id)
-        mapping: dict[Any, Any] = {"at": repr(at), **metrics}
+        mapping: dict[Any, Any] = {**metrics, "at": repr(at)}  # the beat's time is never a metric's
         async with self._r.pipeline(transaction=True) as pipe:
             pipe.zadd(self._k("live", HEALTHY), {node_id: at})
             pipe.zrem(self._k("live", UNHEALTHY), node_id)
