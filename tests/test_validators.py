@@ -125,3 +125,25 @@ async def test_only_pools_that_route_to_validators_make_validator_jobs(app: Any,
         await verify_all(app_state)
         v = await validator_headers(app_state, [s.pool_id])
         assert (await s.admin.post("/v1/validation/claim", json={}, headers=v)).json() == {"jobs": []}
+
+
+async def test_a_validator_verdict_keeps_the_servers_reward_per_sample_for_the_feed(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    from tests.test_feed import trainer_headers
+
+    app_state.rng = FixedDraw(0.0)  # every result audited
+    async with pool_setup(app, app_state, workers=1, audit_method="validator", audit_rate_floor=1.0) as s:
+        w = s.workers[0]
+        await s.enqueue([task(n=2)])
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        await submit(w, lease, ["4", "5"])  # one right, one wrong
+        await verify_all(app_state)
+        v = await validator_headers(app_state, [s.pool_id])
+        job = (await s.admin.post("/v1/validation/claim", json={}, headers=v)).json()["jobs"][0]
+        body = {"fencing_token": job["fencing_token"], "outcome": "valid", "reason": "ok", "evidence": GOOD}
+        r = await s.admin.post(f"/v1/validation/jobs/{job['job_id']}/verdict", json=body, headers=v)
+        assert r.status_code == 200, r.text
+        trainer = await trainer_headers(app_state, [s.pool_id])
+        [item] = (await s.admin.get(f"/v1/pools/{s.pool_id}/rollouts", headers=trainer)).json()["items"]
+        assert [x["reward"] for x in item["samples"]] == [1.0, 0.0]

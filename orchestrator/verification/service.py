@@ -274,6 +274,11 @@ async def _score_all(session: AsyncSession, jobs: list[VerificationJob]) -> dict
     return scored
 
 
+async def score(session: AsyncSession, job: VerificationJob) -> Scored:
+    """One job's result through its pool's reward function (in a worker thread)."""
+    return await _score(session, job)
+
+
 async def _score(session: AsyncSession, job: VerificationJob) -> Scored:
     submission = await session.get(Submission, job.submission_id)
     task = await session.get(Task, job.task_id)

@@ -119,10 +119,14 @@ async def post_verdict(
     ).scalar_one()
     submission = await session.get(Submission, job.submission_id)
     assert submission is not None
+    # The server's reward per sample, as the checks computed it (the job keeps only the mean):
+    # the feed serves it with each sample. Scored before any lock, as in a verifier batch.
+    scored = await service.score(session, vjob)
     await service.lock_for_verdicts(session, [submission])  # a fraud verdict makes several transfers
     details = {
         "findings": vjob.findings,
         "server_reward": vjob.server_reward,
+        "per_sample_rewards": scored.per_sample,
         "validator": posted,
         "validator_token_id": principal.token_id,
     }
