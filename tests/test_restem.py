@@ -391,3 +391,29 @@ async def test_iterations_are_scoped_to_the_pool(app: Any, app_state: Any) -> No
         trainer = {"Authorization": f"Bearer {here}"}
         r = await s.admin.get(f"{base(s)}/{it['id']}", headers=trainer)
         assert r.status_code == 200 and r.json()["id"] == it["id"]
+
+
+async def test_an_iteration_is_not_complete_while_a_cancelled_tasks_result_waits_for_its_verdict(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    from tests.test_validators import GOOD, validator_headers
+
+    app_state.rng = FixedDraw(0.0)  # the result goes to a validator
+    async with pool_setup(app, app_state, workers=1, audit_method="validator", audit_rate_floor=1.0) as s:
+        it = await create(s, problems=("p1",))
+        w = s.workers[0]
+        leases = await claim_all(w, s.pool_id, 1)
+        await submit(w, leases["p1"], ["4", "4", "1", "2"])
+        await verify_all(app_state)
+        task_id = leases["p1"]["task"]["task_id"]
+        r = await s.admin.post(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}/cancel", headers=s.headers)
+        assert r.status_code == 200, r.text
+        # The result's verdict is still to come: the iteration is not final yet.
+        assert (await get(s, it["id"]))["status"] == "running"
+        v = await validator_headers(app_state, [s.pool_id])
+        job = (await s.admin.post("/v1/validation/claim", json={}, headers=v)).json()["jobs"][0]
+        body = {"fencing_token": job["fencing_token"], "outcome": "valid", "reason": "ok", "evidence": GOOD}
+        r = await s.admin.post(f"/v1/validation/jobs/{job['job_id']}/verdict", json=body, headers=v)
+        assert r.status_code == 200, r.text
+        assert (await get(s, it["id"]))["status"] == "complete"
+        assert len((await dataset(s, it["id"])).splitlines()) == 2  # the two correct samples

@@ -40,7 +40,7 @@ from typing import Any, cast
 import anyio
 import orjson
 import structlog
-from sqlalchemy import Row, and_, func, insert, or_, select
+from sqlalchemy import Row, and_, exists, func, insert, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -240,7 +240,12 @@ async def advance(
 
 async def _settle(session: AsyncSession, iteration: RestemIteration, now: dt.datetime) -> bool:
     # A task the lease reaper failed at its deadline (the iteration's) counts as unfinished: the
-    # iteration expired there, whichever loop noticed first.
+    # iteration expired there, whichever loop noticed first. So does a task with a result still
+    # waiting for its verdict, even if the task was cancelled meanwhile: the verdict still comes
+    # (from the checks or a validator), and a complete iteration's dataset must not change.
+    undecided = exists().where(
+        Submission.task_id == Task.id, ~exists().where(Verdict.submission_id == Submission.id)
+    )
     unfinished = int(
         await session.scalar(
             select(func.count())
@@ -254,6 +259,7 @@ async def _settle(session: AsyncSession, iteration: RestemIteration, now: dt.dat
                         Task.status == "failed",
                         Task.end_reason == "deadline_passed",
                     ),
+                    undecided,
                 ),
             )
         )
