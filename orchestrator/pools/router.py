@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query, Response
@@ -25,8 +26,9 @@ from api_schemas.pools import (
     RejectIn,
 )
 from orchestrator.admin.tokens import Principal, Role, require_roles
+from orchestrator.core.errors import UnprocessableEntity
 from orchestrator.core.pagination import decode_cursor, decode_int_cursor, encode_cursor
-from orchestrator.core.state import Session, State
+from orchestrator.core.state import AppState, Session, State
 from orchestrator.identity.auth import CurrentNode
 from orchestrator.pools import service
 
@@ -133,8 +135,22 @@ async def leave_pool(pool_id: PoolId, node: CurrentNode, session: Session, state
 async def create_pool(
     body: PoolCreate, principal: OperatorOrAdmin, session: Session, state: State
 ) -> PoolOut:
+    _check_lease_duration(state, body.policy.lease_duration_s)
     pool = await service.create_pool(session, principal, body, now=state.clock.utcnow())
     return await service.pool_view(session, pool)
+
+
+def _check_lease_duration(state: AppState, seconds: int | None) -> None:
+    """A lease shorter than a few heartbeat intervals can run out between two beats of a
+    healthy node (heartbeats extend leases; the interval is the server's, told to workers)."""
+    least = math.ceil(3 * state.settings.heartbeat.interval_s)
+    if seconds is not None and seconds < least:
+        raise UnprocessableEntity(
+            f"policy.lease_duration_s must be at least {least} s, three heartbeat intervals "
+            f"(ORCH_HEARTBEAT__INTERVAL_S = {state.settings.heartbeat.interval_s:g} s): a shorter "
+            "lease can run out between two heartbeats of a node working on it",
+            extra={"errors": [{"loc": ["body", "policy", "lease_duration_s"], "msg": "too short"}]},
+        )
 
 
 @admin_router.get(
@@ -177,6 +193,7 @@ async def get_pool(pool_id: ScopedPoolId, principal: OperatorOrAdmin, session: S
 async def update_pool(
     pool_id: ScopedPoolId, body: PoolPatch, principal: OperatorOrAdmin, session: Session, state: State
 ) -> PoolOut:
+    _check_lease_duration(state, body.policy.lease_duration_s if body.policy else None)
     pool = await service.update_pool(session, principal, pool_id, body, now=state.clock.utcnow())
     return await service.pool_view(session, pool)
 
