@@ -1,5 +1,5 @@
-"""The background loops (sweeper, reaper, verifier, releases, ReST^EM barrier) and a process
-that runs only them.
+"""The background loops (liveness sweeper and reconciler, reaper, verifier, releases, ReST^EM
+barrier) and a process that runs only them.
 
 Every API process runs them by default (``ORCH_SERVER__BACKGROUND_LOOPS=true``); each tick is
 claimed once across processes, and the verifier shares its backlog with SKIP LOCKED. A larger
@@ -37,6 +37,7 @@ def loops(settings: Settings) -> list[tuple[str, float, Tick]]:
     """(name, interval in seconds, tick) of every background loop."""
     return [
         ("liveness-sweeper", settings.heartbeat.sweep_interval_s, liveness.sweep_once),
+        ("liveness-reconciler", liveness.RECONCILE_INTERVAL_S, liveness.reconcile_once),
         ("stake-release", ledger_jobs.INTERVAL_S, ledger_jobs.release_once),
         ("lease-reaper", task_jobs.INTERVAL_S, task_jobs.reap_once),
         ("verifier", verification_jobs.VERIFY_INTERVAL_S, verification_jobs.verify_once),
@@ -49,6 +50,7 @@ def loops(settings: Settings) -> list[tuple[str, float, Tick]]:
 # ago each last completed a tick, +Inf for one that never did.
 TICK_NAMES = (
     liveness.SWEEPER,
+    liveness.RECONCILER,
     ledger_jobs.STAKE_RELEASE,
     task_jobs.LEASE_REAPER,
     verification_jobs.VERIFIER,

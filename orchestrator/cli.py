@@ -77,8 +77,8 @@ def background_cmd(
         typer.Option(help="Rewrite this file every 5 s while the event loop runs, for `orchestrator alive`"),
     ] = None,
 ) -> None:
-    """Run only the background loops (liveness sweeper, lease reaper, verifier, reward and stake
-    releases, ReST^EM barrier), without serving HTTP. Start the API replicas with
+    """Run only the background loops (liveness sweeper and reconciler, lease reaper, verifier,
+    reward and stake releases, ReST^EM barrier), without serving HTTP. Start the API replicas with
     ORCH_SERVER__BACKGROUND_LOOPS=false and one or more of these beside them; each tick still runs
     once across processes, and verifiers share the backlog. Needs Redis and a shared database."""
     from orchestrator import background

@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -24,8 +24,11 @@ from orchestrator.core.errors import ServiceUnavailable
 MEMORY_STORE_MAX_KEYS = 500_000
 
 # Liveness stages, as sorted sets: member = node id, score = last beat (epoch seconds).
+# ``dying`` holds the nodes the sweeper is marking dead, until their SQL transition commits.
 HEALTHY = "healthy"
 UNHEALTHY = "unhealthy"
+DYING = "dying"
+STAGES = (HEALTHY, UNHEALTHY, DYING)
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,16 @@ class HotStore(Protocol):
         """Atomically move members of stage ``src`` last seen at or before ``cutoff``
         to stage ``dst`` (or drop them when ``dst`` is None); return their ids."""
 
+    async def stage_members(self, stage: str, limit: int) -> list[str]:
+        """Up to ``limit`` members of ``stage``, oldest first (read only)."""
+
+    async def drop(self, stage: str, node_ids: Sequence[str]) -> None:
+        """Remove ``node_ids`` from ``stage`` (absent ones are ignored)."""
+
+    async def watch_if_absent(self, node_ids: Sequence[str], stage: str, at: float) -> list[str]:
+        """Atomically add each of ``node_ids`` that is in no liveness stage to ``stage`` as if
+        last seen at ``at``; return the ids added. Their last-beat hash is not touched."""
+
     async def forget_node(self, node_id: str) -> None: ...
 
     async def hit(self, bucket: str, limit: int, window_s: int, now: float) -> RateDecision:
@@ -73,6 +86,26 @@ end
 return out
 """
 
+# KEYS: the stages; ARGV: the score, the index in KEYS of the stage to add to, then the ids.
+_WATCH_IF_ABSENT = """
+local out = {}
+local dst = KEYS[tonumber(ARGV[2])]
+for i = 3, #ARGV do
+  local seen = false
+  for k = 1, #KEYS do
+    if redis.call('ZSCORE', KEYS[k], ARGV[i]) then
+      seen = true
+      break
+    end
+  end
+  if not seen then
+    redis.call('ZADD', dst, ARGV[1], ARGV[i])
+    table.insert(out, ARGV[i])
+  end
+end
+return out
+"""
+
 
 class RedisHotStore:
     shared_across_processes = True
@@ -81,6 +114,7 @@ class RedisHotStore:
         self._r = client
         self._p = prefix
         self._move = client.register_script(_MOVE_STALE)
+        self._watch = client.register_script(_WATCH_IF_ABSENT)
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "orch:") -> RedisHotStore:
@@ -104,6 +138,7 @@ class RedisHotStore:
         async with self._r.pipeline(transaction=True) as pipe:
             pipe.zadd(self._k("live", HEALTHY), {node_id: at})
             pipe.zrem(self._k("live", UNHEALTHY), node_id)
+            pipe.zrem(self._k("live", DYING), node_id)
             pipe.hset(hb, mapping=mapping)
             pipe.expire(hb, ttl_s)
             await pipe.execute()
@@ -117,10 +152,24 @@ class RedisHotStore:
         result = await self._move(keys=keys, args=[repr(cutoff), limit])
         return [str(x) for x in result]
 
+    async def stage_members(self, stage: str, limit: int) -> list[str]:
+        return [str(x) for x in await self._r.zrange(self._k("live", stage), 0, limit - 1)]
+
+    async def drop(self, stage: str, node_ids: Sequence[str]) -> None:
+        if node_ids:
+            await self._r.zrem(self._k("live", stage), *node_ids)
+
+    async def watch_if_absent(self, node_ids: Sequence[str], stage: str, at: float) -> list[str]:
+        if not node_ids:
+            return []
+        keys = [self._k("live", s) for s in STAGES]
+        result = await self._watch(keys=keys, args=[repr(at), STAGES.index(stage) + 1, *node_ids])
+        return [str(x) for x in result]
+
     async def forget_node(self, node_id: str) -> None:
         async with self._r.pipeline(transaction=True) as pipe:
-            pipe.zrem(self._k("live", HEALTHY), node_id)
-            pipe.zrem(self._k("live", UNHEALTHY), node_id)
+            for stage in STAGES:
+                pipe.zrem(self._k("live", stage), node_id)
             pipe.delete(self._k("hb", node_id))
             await pipe.execute()
 
@@ -230,7 +279,7 @@ class MemoryHotStore:
     ) -> None:
         self._monotonic = monotonic
         self._nonces: _ExpiringMap[None] = _ExpiringMap("nonces", max_keys)
-        self._stages: dict[str, _Stage] = {HEALTHY: _Stage(), UNHEALTHY: _Stage()}
+        self._stages: dict[str, _Stage] = {stage: _Stage() for stage in STAGES}
         self._beats: dict[str, tuple[float, dict[str, str], float]] = {}
         self._counters: _ExpiringMap[int] = _ExpiringMap("rate-limit counters", max_keys)
 
@@ -248,6 +297,7 @@ class MemoryHotStore:
     async def record_beat(self, node_id: str, at: float, metrics: Mapping[str, str], ttl_s: int) -> None:
         self._stages[HEALTHY].add(node_id, at)
         self._stages[UNHEALTHY].remove(node_id)
+        self._stages[DYING].remove(node_id)
         self._beats[node_id] = (at, dict(metrics), self._monotonic() + ttl_s)
 
     async def last_beat(self, node_id: str) -> float | None:
@@ -262,6 +312,20 @@ class MemoryHotStore:
             for score, node in moved:
                 self._stages[dst].add(node, score)
         return [node for _, node in moved]
+
+    async def stage_members(self, stage: str, limit: int) -> list[str]:
+        scores = self._stages[stage].scores
+        return heapq.nsmallest(limit, scores, key=lambda node: (scores[node], node))
+
+    async def drop(self, stage: str, node_ids: Sequence[str]) -> None:
+        for node_id in node_ids:
+            self._stages[stage].remove(node_id)
+
+    async def watch_if_absent(self, node_ids: Sequence[str], stage: str, at: float) -> list[str]:
+        added = [n for n in node_ids if not any(n in s.scores for s in self._stages.values())]
+        for node_id in added:
+            self._stages[stage].add(node_id, at)
+        return added
 
     async def forget_node(self, node_id: str) -> None:
         for stage in self._stages.values():

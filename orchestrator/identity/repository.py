@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Mapping, Sequence
 
 from sqlalchemy import func, select, update
@@ -87,6 +88,20 @@ async def transition(
     )
     await session.flush()
     return list(moved)
+
+
+async def settled_node_ids(
+    session: AsyncSession, status: str, *, changed_before: dt.datetime, after: str, limit: int
+) -> list[str]:
+    """Ids after ``after``, in order, of nodes in ``status`` since before ``changed_before``
+    (a range of ``ix_nodes_status_id``)."""
+    stmt = (
+        select(Node.id)
+        .where(Node.status == status, Node.id > after, Node.status_changed_at < changed_before)
+        .order_by(Node.id)
+        .limit(limit)
+    )
+    return list((await session.execute(stmt)).scalars())
 
 
 async def status_history(session: AsyncSession, node_id: str, limit: int = 100) -> list[NodeStatusChange]:

@@ -1,1 +1,1 @@
-"""Heartbeats and the liveness sweeper: healthy -> unhealthy -> dead."""
+"""Heartbeats, the liveness sweeper (healthy -> unhealthy -> dead) and its reconciler."""

@@ -3,12 +3,20 @@
 A heartbeat writes only to the hot store (a sorted set of last beats per liveness stage
 and a per-node hash with a TTL); SQL is written only when the node's status changes.
 The sweeper moves, atomically in the hot store, the nodes whose last beat is older than
-the thresholds from the ``healthy`` set to the ``unhealthy`` set and from there out, so a
-tick reads only the nodes that changed, never the nodes that keep beating.
+the thresholds from the ``healthy`` set to the ``unhealthy`` set and from there to ``dying``,
+so a tick reads only the nodes that changed, never the nodes that keep beating. A node leaves
+``dying`` only once its dead transition has committed: each tick marks dead whatever is still
+there, so a tick whose transaction failed loses no node.
+
+The reconciler, much rarer, puts back under watch the nodes SQL says are healthy or unhealthy
+but the hot store has lost (a restart of the in-process store, a Redis flush), as if last seen
+at that moment: a node that beats again is healthy as ever, a node that does not dies after the
+usual ``dead_after_s``.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 from dataclasses import dataclass
 
@@ -17,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from api_schemas.identity import HeartbeatIn, HeartbeatOut
 from orchestrator.core import metrics
-from orchestrator.core.hotstore import HEALTHY, UNHEALTHY
+from orchestrator.core.hotstore import DYING, HEALTHY, UNHEALTHY
 from orchestrator.core.state import AppState
 from orchestrator.core.ticks import claim_tick
 from orchestrator.identity import repository as repo
@@ -29,6 +37,9 @@ log = structlog.get_logger(__name__)
 
 SWEEPER = "liveness_sweeper"
 SWEEP_BATCH = 5000
+RECONCILER = "liveness_reconciler"
+RECONCILE_INTERVAL_S = 60.0
+RECONCILE_PAGE = 1000
 REVIVABLE = (NodeStatus.waiting.value, NodeStatus.unhealthy.value, NodeStatus.dead.value)
 
 
@@ -81,8 +92,11 @@ async def sweep_once(state: AppState) -> SweepReport:
     async with state.sessionmaker() as session, session.begin():
         if not await claim_tick(session, SWEEPER, tick, state.instance_id):
             return SweepReport(tick=tick, ran=False)
-        stale = await state.hot_store.move_stale(HEALTHY, UNHEALTHY, now - hb.unhealthy_after_s, SWEEP_BATCH)
-        gone = await state.hot_store.move_stale(UNHEALTHY, None, now - hb.dead_after_s, SWEEP_BATCH)
+        store = state.hot_store
+        stale = await store.move_stale(HEALTHY, UNHEALTHY, now - hb.unhealthy_after_s, SWEEP_BATCH)
+        await store.move_stale(UNHEALTHY, DYING, now - hb.dead_after_s, SWEEP_BATCH)
+        # This tick's and any that a tick whose transaction failed left behind.
+        gone = await store.stage_members(DYING, SWEEP_BATCH)
         unhealthy = await repo.transition(
             session,
             stale,
@@ -99,6 +113,49 @@ async def sweep_once(state: AppState) -> SweepReport:
             reason=f"no heartbeat for {hb.dead_after_missed} intervals",
             actor="sweeper",
         )
+    # Only now that the dead transitions are committed (a node a concurrent beat revived was
+    # removed from ``dying`` by that beat).
+    await store.drop(DYING, gone)
     if unhealthy or dead:
         log.info("liveness_sweep", tick=tick, to_unhealthy=len(unhealthy), to_dead=len(dead))
     return SweepReport(tick=tick, ran=True, to_unhealthy=len(unhealthy), to_dead=len(dead))
+
+
+@dataclass(frozen=True)
+class ReconcileReport:
+    tick: int
+    ran: bool
+    watched: int = 0
+
+
+async def reconcile_once(state: AppState) -> ReconcileReport:
+    """One tick of the reconciler; a no-op if another process already ran this tick.
+
+    Pages through the nodes SQL says are healthy or unhealthy since more than ``dead_after_s``
+    and puts each one the hot store has in no liveness stage back in the stage of its status,
+    as if last seen now (its last-heartbeat time, shown to operators, is not touched). The
+    claim commits before the pages are read, so the scan holds no lock (on SQLite, the write
+    lock); a tick that fails part way is done again by the next one.
+    """
+    hb = state.settings.heartbeat
+    now = state.clock.now()
+    tick = int(now // RECONCILE_INTERVAL_S)
+    async with state.sessionmaker() as session, session.begin():
+        if not await claim_tick(session, RECONCILER, tick, state.instance_id):
+            return ReconcileReport(tick=tick, ran=False)
+    changed_before = state.clock.utcnow() - dt.timedelta(seconds=hb.dead_after_s)
+    watched: list[str] = []
+    for status, stage in ((NodeStatus.healthy.value, HEALTHY), (NodeStatus.unhealthy.value, UNHEALTHY)):
+        after = ""
+        while True:
+            async with state.sessionmaker() as session:
+                ids = await repo.settled_node_ids(
+                    session, status, changed_before=changed_before, after=after, limit=RECONCILE_PAGE
+                )
+            watched += await state.hot_store.watch_if_absent(ids, stage, now)
+            if len(ids) < RECONCILE_PAGE:
+                break
+            after = ids[-1]
+    if watched:
+        log.warning("liveness_reconciled", tick=tick, watched=len(watched), sample=watched[:10])
+    return ReconcileReport(tick=tick, ran=True, watched=len(watched))
