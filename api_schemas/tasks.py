@@ -14,6 +14,7 @@ from api_schemas.common import StrictModel
 SHA256 = r"^[0-9a-f]{64}$"
 MAX_PROOF_BYTES = 8 * 1024 * 1024
 SAMPLES_MAX = 1024  # samples per replica (Sampling.n)
+CLAIM_MAX_TASKS = 100  # leases one claim may ask for (ClaimIn.max_tasks)
 
 
 class Shard(StrictModel):
@@ -160,7 +161,7 @@ class TaskDetailOut(TaskOut):
 
 class ClaimIn(StrictModel):
     pool_id: str = Field(min_length=1, max_length=40)
-    max_tasks: int = Field(default=1, ge=1, le=100)
+    max_tasks: int = Field(default=1, ge=1, le=CLAIM_MAX_TASKS)
 
 
 class LeasedTask(BaseModel):

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import pytest
 
 from api_schemas.tasks import LeasedTask, PolicyRef, Sample
@@ -19,7 +21,7 @@ from orchestrator.worker.problems import arithmetic_tasks
 from orchestrator.worker.runner import WorkerConfig, WorkerStats, run_worker
 from tests.tasks_helpers import pool_setup
 from tests.verification_helpers import FixedDraw
-from tests.worker_helpers import BASE_URL, ECON, SPECS, FaultyTransport, app_transport
+from tests.worker_helpers import BASE_URL, ECON, SPECS, FaultyTransport, app_transport, requested
 
 
 @pytest.fixture(autouse=True)
@@ -221,3 +223,121 @@ async def test_a_refused_join_ends_the_run_with_the_problem(app: Any, app_state:
         with pytest.raises(OrchestratorAPIError) as exc:
             await asyncio.wait_for(run.task, 10)
         assert exc.value.code == "stake_insufficient"
+
+
+async def test_concurrency_above_the_claim_limit_fills_every_slot(
+    app: Any, app_state: Any, gate: asyncio.Event
+) -> None:
+    from api_schemas.tasks import CLAIM_MAX_TASKS
+
+    count = CLAIM_MAX_TASKS + 5
+    async with pool_setup(app, app_state, max_leases_per_node=200) as s:
+        assert (await s.enqueue(arithmetic_tasks(count, seed=3))).status_code == 201
+        wire = FaultyTransport(app_transport(app))
+        run = start(app, s.pool_id, transport=wire, backend="gated", concurrency=count)
+        await run.until(lambda st: st.in_flight == count)
+        # Each claim asks for no more than the server's limit per claim, and it claims again.
+        asked = [json.loads(c.body)["max_tasks"] for c in wire.to("/v1/assignments/claim")]
+        assert asked[:2] == [CLAIM_MAX_TASKS, 5] and max(asked) == CLAIM_MAX_TASKS
+        gate.set()
+        await run.until(lambda st: st.submitted == count)
+        stats = await run.finish()
+        assert (stats.claimed, stats.errors) == (count, 0)
+
+
+class MalformedBackend:
+    """Samples of the right count that do not make a valid result (a negative token count)."""
+
+    name = "malformed"
+
+    async def generate(self, task: LeasedTask, seed: int, policy: PolicyRef) -> list[Any]:
+        bad = {"completion": "1", "finish_reason": "stop", "prompt_tokens": -1, "completion_tokens": 1}
+        return [bad] * task.sampling.n
+
+
+async def test_invalid_backend_output_counts_an_error_and_releases_the_lease(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(registry.BUILT_IN, "malformed", lambda options: MalformedBackend())
+    async with pool_setup(app, app_state, workers=1) as s:
+        await s.enqueue(arithmetic_tasks(1, seed=2))
+        run = start(app, s.pool_id, backend="malformed", concurrency=1, max_tasks=1)
+        stats = await asyncio.wait_for(run.task, 10)
+        assert (stats.claimed, stats.errors, stats.released, stats.submitted) == (1, 1, 1, 0)
+        # Given back at once: another node leases the replica right away.
+        other = s.workers[0]
+        assert len((await other.claim(s.pool_id)).json()["leases"]) == 1
+
+
+async def test_a_refused_submission_releases_the_lease_at_once(
+    app: Any, app_state: Any, gate: asyncio.Event
+) -> None:
+    async with pool_setup(app, app_state, workers=1, max_async_level=0) as s:
+        await s.enqueue(arithmetic_tasks(1, seed=2))
+        run = start(app, s.pool_id, backend="gated", concurrency=1, max_tasks=1)
+        await run.until(lambda st: st.in_flight == 1)
+        assert (await s.publish(2)).status_code == 201  # the lease's policy is now too stale
+        gate.set()
+        stats = await asyncio.wait_for(run.task, 10)
+        assert (stats.tasks_done, stats.submitted, stats.errors, stats.released) == (1, 0, 1, 1)
+        other = s.workers[0]
+        assert len((await other.claim(s.pool_id)).json()["leases"]) == 1
+
+
+async def test_stop_ends_a_claim_waiting_for_retry_after_at_once(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state) as s:
+        wire = FaultyTransport(app_transport(app))
+        wire.fail("/v1/assignments/claim", *(["429:300"] * 6))  # the client would wait 5 x 300 s
+        run = start(app, s.pool_id, transport=wire)
+        await requested(wire, "/v1/assignments/claim")
+        started = time.monotonic()
+        stats = await run.finish(within=5)
+        assert time.monotonic() - started < 2
+        assert len(wire.to("/v1/assignments/claim")) == 1  # no attempt after the stop
+        assert (stats.state, stats.claimed) == ("stopped", 0)
+
+
+@dataclass
+class HeldClaims(httpx.AsyncBaseTransport):
+    """Claims reach the app only once ``gate`` is set (a slow server); other requests pass."""
+
+    inner: httpx.AsyncBaseTransport
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/assignments/claim":
+            self.arrived.set()
+            await self.gate.wait()
+        return await self.inner.handle_async_request(request)
+
+
+async def test_stop_gives_a_claim_with_the_server_the_grace_period_then_abandons_it(
+    app: Any, app_state: Any
+) -> None:
+    async with pool_setup(app, app_state) as s:
+        await s.enqueue(arithmetic_tasks(1, seed=2))
+        wire = HeldClaims(app_transport(app))
+        run = start(app, s.pool_id, transport=wire, grace_s=0.2)
+        await asyncio.wait_for(wire.arrived.wait(), 5)
+        started = time.monotonic()
+        stats = await run.finish(within=5)
+        assert 0.2 <= time.monotonic() - started < 2
+        assert (stats.state, stats.claimed, stats.errors) == ("stopped", 0, 0)
+
+
+async def test_a_claim_answered_within_the_grace_period_after_stop_is_given_back(
+    app: Any, app_state: Any
+) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        await s.enqueue(arithmetic_tasks(2, seed=2))
+        wire = HeldClaims(app_transport(app))
+        run = start(app, s.pool_id, transport=wire, concurrency=2, grace_s=10)
+        await asyncio.wait_for(wire.arrived.wait(), 5)
+        run.stop.set()
+        await asyncio.sleep(0.1)
+        wire.gate.set()  # the server answers the claim after the stop: both leases come back
+        stats = await run.finish(within=5)
+        assert (stats.claimed, stats.released, stats.submitted) == (2, 2, 0)
+        other = s.workers[0]
+        assert len((await other.claim(s.pool_id, max_tasks=2)).json()["leases"]) == 2

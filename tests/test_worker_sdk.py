@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import email.utils
 import time
@@ -19,7 +20,7 @@ from orchestrator.worker.errors import OrchestratorAPIError, ProviderKeyRequired
 from orchestrator.worker.problems import arithmetic_tasks
 from tests.tasks_helpers import pool_setup
 from tests.verification_helpers import FixedDraw
-from tests.worker_helpers import ECON, SPECS, faulty_client, new_client
+from tests.worker_helpers import ECON, SPECS, faulty_client, new_client, requested
 
 
 @pytest.fixture(autouse=True)
@@ -221,3 +222,24 @@ async def test_a_claim_is_retried_when_it_never_did_anything(app: Any, app_state
             await client.claim(s.pool_id)
         assert exc.value.status == 502 and exc.value.code == "http_502"
         assert [a.status for a in wire.to("/v1/assignments/claim")] == [None, 503, 200]
+
+
+async def test_a_claims_stop_event_ends_its_retry_wait_with_the_last_error(app: Any, app_state: Any) -> None:
+    client, wire = faulty_client(app)
+    async with pool_setup(app, app_state) as s, client:
+        await client.register(SPECS, "1")
+        await client.join(s.pool_id)
+        await client.heartbeat()
+        wire.fail("/v1/assignments/claim", "429:300", "429:300")
+        stop = asyncio.Event()
+        claim = asyncio.create_task(client.claim(s.pool_id, stop=stop))
+        await requested(wire, "/v1/assignments/claim")
+        await asyncio.sleep(0.05)
+        assert not claim.done()  # waiting the 300 s the server asked for
+        started = time.monotonic()
+        stop.set()
+        with pytest.raises(OrchestratorAPIError) as exc:
+            await asyncio.wait_for(claim, 2)
+        assert time.monotonic() - started < 1
+        assert (exc.value.status, exc.value.code) == (429, "rate_limited")
+        assert len(wire.to("/v1/assignments/claim")) == 1  # no attempt after the stop

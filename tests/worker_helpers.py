@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,3 +122,12 @@ def faulty_client(app: Any, **kwargs: Any) -> tuple[WorkerClient, FaultyTranspor
 
 
 SPECS = {"gpu_model": "NVIDIA L4", "gpu_count": 1, "gpu_memory_mb": 23034, "cpu_cores": 8, "ram_mb": 32768}
+
+
+async def requested(wire: FaultyTransport, path: str, within: float = 5.0) -> None:
+    """Wait until ``path`` was requested through ``wire``."""
+    for _ in range(int(within / 0.01)):
+        if wire.to(path):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no request to {path} within {within} s")

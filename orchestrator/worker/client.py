@@ -19,7 +19,9 @@ Errors the server answers are raised as ``OrchestratorAPIError`` with the proble
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import functools
 import json
 import random
 from collections.abc import Awaitable, Callable
@@ -32,7 +34,13 @@ import httpx
 import structlog
 from nacl.signing import SigningKey
 from pydantic import BaseModel
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+)
+from tenacity.stop import stop_base
 
 from api_schemas.identity import HeartbeatIn, HeartbeatOut, NodeOut, NodeRegister, NodeSpecs
 from api_schemas.ledger import Balances
@@ -203,15 +211,20 @@ class WorkerClient:
             HeartbeatOut, "POST", "/v1/nodes/me/heartbeat", body.model_dump(mode="json")
         )
 
-    async def claim(self, pool_id: str, max_tasks: int = 1) -> ClaimOut:
-        """Lease up to ``max_tasks`` replicas. With no work the list is empty and ``reason``
-        and ``retry_after_s`` say why and when to ask again.
+    async def claim(self, pool_id: str, max_tasks: int = 1, *, stop: asyncio.Event | None = None) -> ClaimOut:
+        """Lease up to ``max_tasks`` replicas (at most ``CLAIM_MAX_TASKS``, the server's limit
+        per claim). With no work the list is empty and ``reason`` and ``retry_after_s`` say
+        why and when to ask again.
 
         Not retried after a request may have reached the server (see the module docstring):
         a read timeout is raised to the caller, whose leases then expire on the server.
+        Once ``stop`` is set, no further attempt is made: a wait between attempts ends at once
+        and the failure that was being retried is raised.
         """
         body = ClaimIn(pool_id=pool_id, max_tasks=max_tasks).model_dump(mode="json")
-        response = await self._call("POST", "/v1/assignments/claim", body, retry=Retry.UNSENT_ONLY)
+        response = await self._call(
+            "POST", "/v1/assignments/claim", body, retry=Retry.UNSENT_ONLY, interrupt=stop
+        )
         out = ClaimOut.model_validate_json(response.content)
         if out.retry_after_s is None and not out.leases:
             header = response.headers.get("retry-after")
@@ -277,7 +290,10 @@ class WorkerClient:
         provider: bool = False,
         retry: Retry = Retry.IDEMPOTENT,
         params: dict[str, Any] | None = None,
+        interrupt: asyncio.Event | None = None,
     ) -> httpx.Response:
+        """One call, retried per ``retry``. Once ``interrupt`` is set there is no further
+        attempt: the wait before the next one ends at once and the last failure is raised."""
         if provider:
             if self._provider_auth is None:
                 raise ProviderKeyRequired(f"{method} {path} must be signed by the provider key")
@@ -289,25 +305,50 @@ class WorkerClient:
             json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode() if body is not None else None
         )
         headers = {"Content-Type": "application/json"} if content is not None else {}
+        stop: stop_base = stop_after_attempt(self.max_retries + 1)
+        sleep = self._sleep
+        if interrupt is not None:
+            stop = stop | _StopWhenSet(interrupt)
+            sleep = functools.partial(self._sleep_unless, interrupt)
         retrying = AsyncRetrying(
-            stop=stop_after_attempt(self.max_retries + 1),
+            stop=stop,
             wait=self._wait,
             retry=retry_if_exception(lambda exc: _retryable(exc, retry)),
-            sleep=self._sleep,
+            sleep=sleep,
             before_sleep=lambda state: _log_retry(method, path, state),
             reraise=True,
         )
+        last: BaseException | None = None
         async for attempt in retrying:
             with attempt:
+                if last is not None and interrupt is not None and interrupt.is_set():
+                    # Interrupted while waiting to retry: the failure being retried ends the call
+                    # (the stop condition now holds, so it is raised as it is).
+                    raise last
                 # A new request per attempt: SignatureAuth signs it with a fresh nonce.
                 request = self._http.build_request(
                     method, path, content=content, headers=headers, params=params
                 )
-                response = await self._http.send(request, auth=auth)
-                if response.is_error:
-                    raise OrchestratorAPIError.from_response(response)
+                try:
+                    response = await self._http.send(request, auth=auth)
+                    if response.is_error:
+                        raise OrchestratorAPIError.from_response(response)
+                except Exception as exc:
+                    last = exc
+                    raise
                 return response
         raise AssertionError("unreachable: tenacity either returns or reraises")  # pragma: no cover
+
+    async def _sleep_unless(self, interrupt: asyncio.Event, seconds: float) -> None:
+        """Sleep between attempts, waking at once when ``interrupt`` is set."""
+        sleeper = asyncio.ensure_future(self._sleep(seconds))
+        waiter = asyncio.ensure_future(interrupt.wait())
+        try:
+            await asyncio.wait({sleeper, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (sleeper, waiter):
+                task.cancel()
+            await asyncio.gather(sleeper, waiter, return_exceptions=True)
 
     def _wait(self, state: RetryCallState) -> float:
         exc = state.outcome.exception() if state.outcome is not None else None
@@ -315,6 +356,16 @@ class WorkerClient:
             return min(exc.retry_after, self.retry_after_cap_s)
         ceiling = min(self.backoff_max_s, self.backoff_base_s * 2 ** (state.attempt_number - 1))
         return random.uniform(0, ceiling)  # noqa: S311 - jitter, not a secret
+
+
+class _StopWhenSet(stop_base):
+    """Stop retrying once an asyncio event is set."""
+
+    def __init__(self, event: asyncio.Event) -> None:
+        self.event = event
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        return self.event.is_set()
 
 
 def _seg(value: str) -> str:

@@ -4,10 +4,16 @@
 registers the provider and node (idempotently), joins the pool, heartbeats in the background
 every ``next_heartbeat_in_s`` with the ids of the leases it holds (abandoning those the
 server names in ``drop_leases``), and keeps up to ``concurrency`` leases in flight, each run
-by the backend and submitted. A claim with no work waits for the server's ``Retry-After``.
+by the backend and submitted. A claim asks for at most ``CLAIM_MAX_TASKS`` leases (the
+server's limit); it claims again until ``concurrency`` leases are held. A claim with no work
+waits for the server's ``Retry-After``.
 
 On stop it claims nothing more, gives the leases it holds ``grace_s`` seconds to finish and
 releases the rest, so their replicas are reissued at once, then returns its ``WorkerStats``.
+A claim under way at the stop ends at once if it is waiting to be retried (429/503); one whose
+request is with the server gets the same ``grace_s`` to answer (its leases are then released)
+and is abandoned after that: leases the server may have granted it are never heard of and
+expire on the server, as after a read timeout.
 Signal handling belongs to the caller (the CLI installs SIGINT/SIGTERM handlers that set
 ``stop``). It never leaves the pool on stop: leaving would start unbonding the stake.
 """
@@ -31,7 +37,7 @@ import structlog
 from nacl.signing import SigningKey
 
 from api_schemas.identity import NodeSpecs
-from api_schemas.tasks import Lease, ResultIn
+from api_schemas.tasks import CLAIM_MAX_TASKS, ClaimOut, Lease, ResultIn
 from orchestrator import __version__
 from orchestrator.core.keys import read_key_file
 from orchestrator.worker.backends import Backend, BackendError, create_backend
@@ -197,6 +203,8 @@ class _Worker:
         self.dropped: set[str] = set()
         self.submissions: set[int] = set()
         self.outcomes: dict[int, str] = {}
+        #: When the stop was first seen (loop time): the grace period runs from it.
+        self.stopped_at: float | None = None
 
     # ------------------------------------------------------------------ top level
 
@@ -257,9 +265,13 @@ class _Worker:
             if free <= 0:
                 await self._wait_for_slot()
                 continue
-            want = free if c.max_tasks is None else min(free, c.max_tasks - self.stats.claimed)
+            want = min(free, CLAIM_MAX_TASKS)
+            if c.max_tasks is not None:
+                want = min(want, c.max_tasks - self.stats.claimed)
             try:
-                claim = await self.client.claim(c.pool_id, max_tasks=want)
+                claim = await self._claim(want)
+                if claim is None:  # stopped, the claim abandoned
+                    return
             except OrchestratorAPIError as exc:
                 if exc.status in FATAL_STATUSES and exc.code not in RETRYABLE_CODES:
                     log.error("claim_refused", status=exc.status, code=exc.code, detail=exc.detail)
@@ -292,6 +304,36 @@ class _Worker:
                 task.add_done_callback(functools.partial(self._forget, lease.assignment_id))
             self._emit()
 
+    async def _claim(self, want: int) -> ClaimOut | None:
+        """One claim, raced against the stop. On stop the client makes no further attempt
+        (a backoff ends at once); a request with the server gets the grace period to answer,
+        then it is cancelled and None returned."""
+        request = asyncio.create_task(self.client.claim(self.config.pool_id, max_tasks=want, stop=self.stop))
+        stopper = asyncio.create_task(self.stop.wait())
+        try:
+            await asyncio.wait([request, stopper], return_when=asyncio.FIRST_COMPLETED)
+            if not request.done():
+                await asyncio.wait([request], timeout=self._grace_left())
+            if not request.done():
+                request.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await request
+                # Leases the server may have granted are never heard of: they expire there.
+                log.warning("claim_abandoned", detail="stopped while a claim was with the server")
+                return None
+            return request.result()
+        finally:
+            stopper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stopper
+
+    def _grace_left(self) -> float:
+        """Seconds left of the grace period, which starts when the stop is first seen."""
+        now = asyncio.get_running_loop().time()
+        if self.stopped_at is None:
+            self.stopped_at = now
+        return max(0.0, self.config.grace_s - (now - self.stopped_at))
+
     def _backoff(self, failures: int) -> float:
         ceiling = min(self.config.max_error_backoff_s, 0.5 * 2**failures)
         return random.uniform(ceiling / 2, ceiling)  # noqa: S311 - jitter
@@ -320,6 +362,14 @@ class _Worker:
                 raise BackendError(
                     f"backend {self.backend.name} made {len(samples)} samples, {lease.task.sampling.n} asked"
                 )
+            # Samples that do not make a valid result (wrong types, negative counts, ...) are
+            # the backend's failure too.
+            result = ResultIn(
+                fencing_token=lease.fencing_token,
+                policy_step=lease.policy.step,
+                seed=lease.seed,
+                samples=samples,
+            )
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -327,9 +377,6 @@ class _Worker:
             self._error("backend_failed", assignment_id=aid, error=str(exc)[:300])
             await self._release(aid)
             return
-        result = ResultIn(
-            fencing_token=lease.fencing_token, policy_step=lease.policy.step, seed=lease.seed, samples=samples
-        )
         self.submitting.add(aid)
         try:
             out = await self.client.submit(lease, result)
@@ -341,6 +388,11 @@ class _Worker:
                 self._emit()
             else:
                 self._error("submit_refused", assignment_id=aid, status=exc.status, code=exc.code)
+                if exc.status not in FATAL_STATUSES:
+                    # The server answered without recording the result (or, after a 5xx, had
+                    # recorded it, and then a release changes nothing): give the lease back at
+                    # once rather than let it expire.
+                    await self._release(aid)
             return
         except httpx.HTTPError as exc:
             self.stats.tasks_done += 1
@@ -374,8 +426,10 @@ class _Worker:
         if not self.running:
             return
         held = dict(self.running)
-        log.info("finishing_leases", leases=len(held), grace_s=self.config.grace_s)
-        await asyncio.wait(held.values(), timeout=self.config.grace_s)
+        grace = self._grace_left()
+        log.info("finishing_leases", leases=len(held), grace_s=grace)
+        if grace > 0:
+            await asyncio.wait(held.values(), timeout=grace)
         # Still generating: stop and give back. Already submitting: let the submission end.
         late = {aid: t for aid, t in held.items() if not t.done() and aid not in self.submitting}
         for task in late.values():
