@@ -164,3 +164,80 @@ async def test_a_ban_and_its_ejections_commit_together(
         assert r.json()["status"] != "banned"
         assert await statuses(s, s.pool_id) == {w.node_id: "active"}
         assert (await balances(client, w))["stake_locked"] == 1000
+
+
+async def ban(s: Any, node_id: str) -> None:
+    r = await s.admin.post(f"/v1/admin/nodes/{node_id}/ban", json={"reason": "x"}, headers=s.admin_headers)
+    assert r.status_code == 200, r.text
+
+
+async def unban(s: Any, node_id: str) -> None:
+    r = await s.admin.post(f"/v1/admin/nodes/{node_id}/unban", headers=s.admin_headers)
+    assert r.status_code == 200, r.text
+
+
+async def test_an_operator_ejection_whose_reason_reads_like_a_bans_stays_final(
+    app: Any, app_state: Any
+) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        node = s.workers[0]
+        r = await s.admin.post(
+            f"/v1/admin/pools/{s.pool_id}/members/{node.node_id}/eject",
+            json={"reason": f"{pools_service.BAN_EJECTION_PREFIX}by me, for cheating"},
+            headers=s.headers,
+        )
+        assert r.status_code == 200, r.text
+        await ban(s, node.node_id)
+        await unban(s, node.node_id)
+        assert await statuses(s, s.pool_id) == {node.node_id: "ejected"}
+        assert await audit(s, "membership.reinstate") == []
+        assert (await node.beat()).status_code == 200
+        problem(await join(node.client, node.contributor, s.pool_id), 403, "node_ejected")
+
+
+async def test_an_operator_ejecting_a_node_its_ban_ejected_makes_the_ejection_final(
+    app: Any, app_state: Any
+) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        node = s.workers[0]
+        await ban(s, node.node_id)
+        r = await s.admin.post(
+            f"/v1/admin/pools/{s.pool_id}/members/{node.node_id}/eject",
+            json={"reason": "cheater, final"},
+            headers=s.headers,
+        )
+        assert r.status_code == 200 and r.json()["status"] == "ejected", r.text
+        [again, _] = await audit(s, "membership.eject")  # newest first: the operator's, the ban's
+        assert (again["before"], again["after"]["reason"]) == ({"status": "ejected"}, "cheater, final")
+        # A second operator ejection changes nothing more.
+        r = await s.admin.post(
+            f"/v1/admin/pools/{s.pool_id}/members/{node.node_id}/eject",
+            json={"reason": "again"},
+            headers=s.headers,
+        )
+        assert r.status_code == 200 and len(await audit(s, "membership.eject")) == 2
+        await unban(s, node.node_id)
+        assert await statuses(s, s.pool_id) == {node.node_id: "ejected"}
+        assert (await node.beat()).status_code == 200
+        problem(await join(node.client, node.contributor, s.pool_id), 403, "node_ejected")
+
+
+async def test_the_verifier_ejecting_a_node_its_ban_ejected_makes_the_ejection_final(
+    app: Any, app_state: Any
+) -> None:
+    from orchestrator.pools import repository as pools_repo
+
+    async with pool_setup(app, app_state, workers=1) as s:
+        node = s.workers[0]
+        await ban(s, node.node_id)
+        async with app_state.sessionmaker() as session, session.begin():
+            pool = await pools_repo.get_pool(session, s.pool_id, for_update=True)
+            [m] = (await pools_repo.memberships_for_update(session, node.node_id, [s.pool_id])).values()
+            assert pool is not None
+            await pools_service.eject_for_fraud(
+                session, pool, m, reason="3 fraud strikes", now=app_state.clock.utcnow()
+            )
+        await unban(s, node.node_id)
+        assert await statuses(s, s.pool_id) == {node.node_id: "ejected"}
+        [verifiers, _] = await audit(s, "membership.eject")  # newest first: the verifier's, the ban's
+        assert (verifiers["actor"], verifiers["before"]) == ("system", {"status": "ejected"})

@@ -475,3 +475,118 @@ def test_0014_records_earlier_ipv6_addresses_as_their_64(scratch_url: str) -> No
         "unknown",
         None,
     ]
+
+
+async def _seed_ejections(url: str, reasons: list[tuple[str, str | None]]) -> None:
+    """Memberships as the code before 0015 left them: a status and a reason, no ejected_by."""
+    from orchestrator.admin.models import ApiToken
+    from orchestrator.identity.models import Node, Provider
+    from orchestrator.pools.models import Pool, PoolMembership
+
+    engine = create_async_engine(url)
+    at = dt.datetime(2026, 12, 1, 9, tzinfo=dt.UTC)
+    provider = "P" * 43
+    pool = {
+        "id": "pool-mig",
+        "name": "mig",
+        "status": "active",
+        "owner_token_id": "tok-mig",
+        "admission": "open",
+        "requirements": {},
+        "min_stake_per_node": 0,
+        "reward_per_sample": 1,
+        "reward_hold_s": 0,
+        "soft_invalid_penalty": 0,
+        "fraud_slash_amount": 0,
+        "strikes_before_ejection": 3,
+        "strikes_before_provider_ban": 3,
+        "unbonding_period_s": 0,
+        "lease_duration_s": 60,
+        "max_attempts": 3,
+        "replication_factor": 1,
+        "audit_rate_floor": 0.0,
+        "max_async_level": 2,
+        "max_leases_per_node": 4,
+    }
+    nodes = [chr(ord("A") + i) * 43 for i in range(len(reasons))]
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                ApiToken.__table__.insert(),
+                [{"id": "tok-mig", "name": "m", "role": "admin", "token_hash": "0" * 64}],
+            )
+            await conn.execute(Pool.__table__.insert(), [pool])
+            await conn.execute(Provider.__table__.insert(), [{"id": provider, "created_at": at}])
+            await conn.execute(
+                Node.__table__.insert(),
+                [
+                    {
+                        "id": node,
+                        "provider_id": provider,
+                        "attestation": "a",
+                        "gpu_count": 1,
+                        "gpu_memory_mb": 1,
+                        "cpu_cores": 1,
+                        "ram_mb": 1,
+                        "version": "1",
+                        "status": "healthy",
+                        "status_changed_at": at,
+                        "created_at": at,
+                        "updated_at": at,
+                    }
+                    for node in nodes
+                ],
+            )
+            await conn.execute(
+                PoolMembership.__table__.insert(),
+                [
+                    {
+                        "id": i + 1,
+                        "pool_id": "pool-mig",
+                        "node_id": node,
+                        "provider_id": provider,
+                        "status": status,
+                        "reason": reason,
+                    }
+                    for i, (node, (status, reason)) in enumerate(zip(nodes, reasons, strict=True))
+                ],
+            )
+    finally:
+        await engine.dispose()
+
+
+async def _ejected_by(url: str) -> list[tuple[int, str | None]]:
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            rows = await conn.execute(text("SELECT id, ejected_by FROM pool_memberships ORDER BY id"))
+            return [tuple(r) for r in rows]  # type: ignore[misc]
+    finally:
+        await engine.dispose()
+
+
+def test_0015_records_who_ejected_earlier_ejections(scratch_url: str) -> None:
+    upgrade(scratch_url)
+    asyncio.run(
+        _seed_ejections(
+            scratch_url,
+            [
+                ("ejected", "node banned: sybil farm"),
+                ("ejected", "3 fraud strikes"),
+                ("ejected", "operator's call"),
+                ("ejected", "NODE BANNED: not the ban's text"),
+                ("left", "ban lifted"),
+                ("active", None),
+            ],
+        )
+    )
+    downgrade(scratch_url, "0014")
+    upgrade(scratch_url)
+    assert asyncio.run(_ejected_by(scratch_url)) == [
+        (1, "ban"),
+        (2, "verifier"),
+        (3, "operator"),
+        (4, "operator"),
+        (5, None),
+        (6, None),
+    ]

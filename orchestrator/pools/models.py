@@ -79,6 +79,11 @@ class Pool(Base):
     status_changed_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
+# Who ejected a membership (``PoolMembership.ejected_by``).
+EJECTED_BY = ("ban", "operator", "verifier")
+EJECTED_BY_SQL = "(" + ", ".join(f"'{v}'" for v in EJECTED_BY) + ")"
+
+
 class PoolMembership(Base):
     """One row per (pool, node); a node that joins again after leaving starts a new ``episode``."""
 
@@ -89,6 +94,7 @@ class PoolMembership(Base):
             "status IN ('pending', 'active', 'left', 'ejected', 'rejected')", name="status_known"
         ),
         CheckConstraint("stake >= 0", name="stake_not_negative"),
+        CheckConstraint(f"ejected_by IN {EJECTED_BY_SQL}", name="ejected_by_known"),
         Index("ix_pool_memberships_pool_id_status_provider_id", "pool_id", "status", "provider_id"),
         Index("ix_pool_memberships_node_id", "node_id"),
     )
@@ -101,6 +107,9 @@ class PoolMembership(Base):
     episode: Mapped[int] = mapped_column(Integer, default=1)
     stake: Mapped[int] = mapped_column(BigInteger, default=0, doc="locked by this episode's join")
     reason: Mapped[str | None] = mapped_column(Text)
+    #: Who ejected it (an ``ejected`` membership only): ``ban`` (an admin's ban of the node,
+    #: lifted by the unban), ``operator`` or ``verifier`` (final).
+    ejected_by: Mapped[str | None] = mapped_column(String(16))
     invite_id: Mapped[str | None] = mapped_column(
         String(32), ForeignKey("pool_invites.id", ondelete="RESTRICT")
     )

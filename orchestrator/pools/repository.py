@@ -115,15 +115,15 @@ async def live_pool_ids_of_node(session: AsyncSession, node_id: str) -> list[str
 
 
 async def ejections_for_update(
-    session: AsyncSession, node_id: str, *, reason_prefix: str
+    session: AsyncSession, node_id: str, *, ejected_by: str
 ) -> list[PoolMembership]:
-    """``node_id``'s ejected memberships whose reason starts with ``reason_prefix``, locked."""
+    """``node_id``'s memberships ejected by ``ejected_by`` (ban, operator, verifier), locked."""
     stmt = (
         select(PoolMembership)
         .where(
             PoolMembership.node_id == node_id,
             PoolMembership.status == "ejected",
-            PoolMembership.reason.startswith(reason_prefix, autoescape=True),
+            PoolMembership.ejected_by == ejected_by,
         )
         .order_by(PoolMembership.id)
         .with_for_update()

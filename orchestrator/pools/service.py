@@ -17,6 +17,9 @@ membership. Memberships (one row per pool and node)::
     any     --eject--> ejected           (unbonds if active, back at once if pending; no rejoin)
 
 An admin ban of a node ejects it from every pool it is a live member of (``eject_node``).
+``ejected_by`` records who ejected a membership: ``ban`` (lifted by an unban: the membership
+becomes ``left``), ``operator`` or ``verifier`` (final). An operator's or the verifier's
+ejection of a membership a ban ejected makes it theirs, and so final.
 
 Money: a join locks ``min_stake_per_node`` from the provider's free stake; the amount is kept
 on the membership, so later changes to the pool's minimum never unlock more or less than was
@@ -728,8 +731,13 @@ async def eject(
     """Any membership -> ejected (the node can never rejoin this pool). An active member's
     stake unbonds and its leases are released; a pending one's stake comes back at once."""
     pool, m = await _member_for(session, principal, pool_id, node_id)
-    await _eject(session, principal, pool, m, reason, now=now)
+    await _eject(session, principal, pool, m, reason, by=EJECTED_BY_OPERATOR, now=now)
     return m
+
+
+EJECTED_BY_BAN = "ban"
+EJECTED_BY_OPERATOR = "operator"
+EJECTED_BY_VERIFIER = "verifier"
 
 
 async def _eject(
@@ -739,12 +747,23 @@ async def _eject(
     m: PoolMembership,
     reason: str,
     *,
+    by: str,
     now: dt.datetime,
 ) -> None:
-    """Eject a locked membership (nothing if it already is), audited as ``membership.eject``."""
+    """Eject a locked membership, recording who did (``by``), audited as ``membership.eject``.
+    An ejected membership is left as it is, except that an operator's or the verifier's
+    ejection of one a ban ejected makes it theirs (so an unban does not lift it)."""
     if m.status == MembershipStatus.ejected.value:
+        if m.ejected_by != EJECTED_BY_BAN or by == EJECTED_BY_BAN:
+            return
+        m.ejected_by = by
+        m.reason = reason
+        m.updated_at = now
+        await session.flush()
+        await _audit_member(session, principal, "membership.eject", m, MembershipStatus.ejected.value, reason)
         return
     before = m.status
+    m.ejected_by = by
     await _end_membership(
         session,
         pool,
@@ -757,7 +776,7 @@ async def _eject(
     await _audit_member(session, principal, "membership.eject", m, before, reason)
 
 
-# The reason a ban's ejections carry; an unban lifts exactly these (``lift_ban_ejections``).
+# The reason a ban's ejections carry, for people (``ejected_by`` says who ejected, for machines).
 BAN_EJECTION_PREFIX = "node banned: "
 
 
@@ -767,9 +786,10 @@ async def lift_ban_ejections(
     """After an unban: the memberships the ban ejected become ``left``, so the node may join
     those pools again (a new episode, with new stake). Ejections by an operator or by the
     verifier stay final. Audited as ``membership.reinstate``. Returns the pools, by id."""
-    lifted = await repo.ejections_for_update(session, node_id, reason_prefix=BAN_EJECTION_PREFIX)
+    lifted = await repo.ejections_for_update(session, node_id, ejected_by=EJECTED_BY_BAN)
     for m in lifted:
         m.status = MembershipStatus.left.value
+        m.ejected_by = None
         m.reason = "ban lifted"
         m.updated_at = now
         await _audit_member(
@@ -795,7 +815,7 @@ async def eject_node(
     live = [(pool, m) for pool in pools if (m := members.get(pool.id)) is not None and m.status in LIVE]
     await _lock_stake(session, [m for _, m in live])
     for pool, m in live:
-        await _eject(session, principal, pool, m, reason, now=now)
+        await _eject(session, principal, pool, m, reason, by=EJECTED_BY_BAN, now=now)
     return [pool.id for pool, _ in live]
 
 
@@ -903,8 +923,9 @@ SYSTEM = Principal(token_id="system", name="verifier", role=Role.admin)  # noqa:
 async def eject_for_fraud(
     session: AsyncSession, pool: Pool, m: PoolMembership, *, reason: str, now: dt.datetime
 ) -> None:
-    """The verifier's ejection after the pool's strike limit (audited as actor ``system``)."""
-    await _eject(session, SYSTEM, pool, m, reason, now=now)
+    """The verifier's ejection after the pool's strike limit (audited as actor ``system``); of
+    a live membership, or of one a ban ejected, which it makes final."""
+    await _eject(session, SYSTEM, pool, m, reason, by=EJECTED_BY_VERIFIER, now=now)
 
 
 async def blacklist_for_fraud(

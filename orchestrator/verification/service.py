@@ -911,7 +911,8 @@ async def _punish(
     verdict.slashed_amount = slashed
     if (
         membership is not None
-        and membership.status in ("active", "pending")
+        # Live, or ejected by a ban (which an unban would lift): the verifier's ejection is final.
+        and (membership.status in ("active", "pending") or membership.ejected_by == "ban")
         and trust.strikes >= pool.strikes_before_ejection
     ):
         await pools_service.eject_for_fraud(
