@@ -225,6 +225,18 @@ async def test_a_refused_join_ends_the_run_with_the_problem(app: Any, app_state:
         assert exc.value.code == "stake_insufficient"
 
 
+@dataclass
+class Throttled(httpx.AsyncBaseTransport):
+    """Lets ``limit`` requests at a time through to ``inner``."""
+
+    inner: httpx.AsyncBaseTransport
+    limit: asyncio.Semaphore
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        async with self.limit:
+            return await self.inner.handle_async_request(request)
+
+
 async def test_concurrency_above_the_claim_limit_fills_every_slot(
     app: Any, app_state: Any, gate: asyncio.Event
 ) -> None:
@@ -233,7 +245,9 @@ async def test_concurrency_above_the_claim_limit_fills_every_slot(
     count = CLAIM_MAX_TASKS + 5
     async with pool_setup(app, app_state, max_leases_per_node=200) as s:
         assert (await s.enqueue(arithmetic_tasks(count, seed=3))).status_code == 201
-        wire = FaultyTransport(app_transport(app))
+        # At most 20 requests at once reach the in-process app: more than 100 concurrent ones
+        # would exhaust its Redis client's connection pool (100) in the PostgreSQL + Redis pass.
+        wire = FaultyTransport(Throttled(app_transport(app), asyncio.Semaphore(20)))
         run = start(app, s.pool_id, transport=wire, backend="gated", concurrency=count)
         await run.until(lambda st: st.in_flight == count)
         # Each claim asks for no more than the server's limit per claim, and it claims again.
