@@ -55,6 +55,16 @@ class RedisSettings(BaseModel):
     prefix: str = Field(
         default="orch:", description="Key prefix, so several deployments can share one Redis."
     )
+    max_connections: int = Field(
+        default=200,
+        ge=1,
+        le=10_000,
+        description=(
+            "Redis connections per process. A request that finds them all busy waits for one, up "
+            "to pool_timeout_s, then gets 503 hot_store_unavailable (with Retry-After)."
+        ),
+    )
+    pool_timeout_s: float = Field(default=5.0, gt=0, le=60, description="Wait for a free Redis connection.")
 
 
 class SignatureSettings(BaseModel):

@@ -15,7 +15,8 @@ The hierarchy::
     ├── UriTooLong (414)                 uri_too_long (a signed request's URL, refused before verifying)
     ├── UnprocessableEntity (422)        validation_failed (body does not parse or validate)
     ├── RateLimited (429)                rate_limited (with Retry-After)
-    └── ServiceUnavailable (503)         not_ready, hot_store_full, transient_conflict (with Retry-After)
+    └── ServiceUnavailable (503)         not_ready, hot_store_full, transient_conflict,
+                                         hot_store_unavailable (with Retry-After)
 
 Framework errors (unknown route, wrong method, request validation) and unhandled
 exceptions are rendered in the same format; a 500 never carries a stack trace. A transaction
@@ -32,6 +33,8 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -315,9 +318,26 @@ async def _database_error(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+async def _hot_store_error(request: Request, exc: Exception) -> JSONResponse:
+    """Redis did not answer (all of this process's connections busy past the pool's timeout,
+    or the server unreachable): the request is refused at the step that needed it."""
+    log.warning("hot_store_unavailable", path=request.url.path, error=type(exc).__name__)
+    return problem_response(
+        status=503,
+        code="hot_store_unavailable",
+        title="Service unavailable",
+        detail="The hot store (Redis) did not answer in time; the request was not completed. "
+        "Send the same request again.",
+        request=request,
+        headers={"Retry-After": str(TRANSIENT_RETRY_AFTER_S)},
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OrchestratorError, _orchestrator_error)
     app.add_exception_handler(DBAPIError, _database_error)
+    app.add_exception_handler(RedisConnectionError, _hot_store_error)
+    app.add_exception_handler(RedisTimeoutError, _hot_store_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _unhandled)

@@ -117,11 +117,22 @@ class RedisHotStore:
         self._watch = client.register_script(_WATCH_IF_ABSENT)
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = "orch:") -> RedisHotStore:
-        client = aioredis.Redis.from_url(
-            url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5, health_check_interval=30
+    def from_url(
+        cls, url: str, prefix: str = "orch:", *, max_connections: int = 200, pool_timeout_s: float = 5.0
+    ) -> RedisHotStore:
+        # A blocking pool: with every connection busy a request waits for one (up to
+        # pool_timeout_s) instead of failing at once, as redis-py's default pool does past its
+        # limit (a burst of concurrent requests was a 500).
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=pool_timeout_s,
+            decode_responses=True,
+            socket_timeout=5,
+            socket_connect_timeout=5,
+            health_check_interval=30,
         )
-        return cls(client, prefix)
+        return cls(aioredis.Redis.from_pool(pool), prefix)  # the client owns (and closes) the pool
 
     def _k(self, *parts: str) -> str:
         return self._p + ":".join(parts)
@@ -349,7 +360,11 @@ class MemoryHotStore:
         return None
 
 
-def make_hot_store(redis_url: str | None, prefix: str) -> HotStore:
+def make_hot_store(
+    redis_url: str | None, prefix: str, *, max_connections: int = 200, pool_timeout_s: float = 5.0
+) -> HotStore:
     if redis_url:
-        return RedisHotStore.from_url(redis_url, prefix)
+        return RedisHotStore.from_url(
+            redis_url, prefix, max_connections=max_connections, pool_timeout_s=pool_timeout_s
+        )
     return MemoryHotStore()

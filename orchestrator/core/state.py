@@ -44,7 +44,13 @@ def open_state(
         settings=settings,
         engine=engine,
         sessionmaker=make_sessionmaker(engine),
-        hot_store=hot_store or make_hot_store(settings.redis_url, settings.redis.prefix),
+        hot_store=hot_store
+        or make_hot_store(
+            settings.redis_url,
+            settings.redis.prefix,
+            max_connections=settings.redis.max_connections,
+            pool_timeout_s=settings.redis.pool_timeout_s,
+        ),
         clock=clock or SystemClock(),
     )
 
