@@ -62,7 +62,7 @@ PROCESSES = 3
 WORKERS_PER_PROCESS = 4
 SWEEP_INTERVAL_S = 1.0
 REAPER_INTERVAL_S = 5.0  # orchestrator.tasks.jobs.INTERVAL_S
-# The shortest lease the pool policy accepts (LeaseDuration, ge=10).
+# The shortest lease the pool policy accepts (LeaseDuration, ge=10; and three heartbeat intervals).
 LEASE_DURATION_S = 10
 REGISTRATION_PER_IP = 5
 PHASE_TASKS = 90
@@ -119,8 +119,11 @@ def _server_env(db_url: str, redis_url: str, prefix: str) -> dict[str, str]:
             "ORCH_SERVER__BACKGROUND_LOOPS": "true",
             "ORCH_SERVER__TRUST_PROXY_HEADERS": "true",
             "ORCH_HEARTBEAT__SWEEP_INTERVAL_S": str(SWEEP_INTERVAL_S),
-            # Long enough that no worker turns unhealthy during the run (the sweeper still ticks).
-            "ORCH_HEARTBEAT__INTERVAL_S": "60",
+            # No worker turns unhealthy during the run (60 s without a beat; the sweeper still
+            # ticks), while the pool's 10 s lease stays above three heartbeat intervals.
+            "ORCH_HEARTBEAT__INTERVAL_S": "3",
+            "ORCH_HEARTBEAT__UNHEALTHY_AFTER_MISSED": "20",
+            "ORCH_HEARTBEAT__DEAD_AFTER_MISSED": "40",
             "ORCH_LIMITS__REGISTRATION_PER_IP": str(REGISTRATION_PER_IP),
             # One fixed window for the whole run, so no window boundary falls inside the test.
             "ORCH_LIMITS__REGISTRATION_WINDOW_S": str(10**9),
