@@ -83,35 +83,47 @@ def test_models_and_migrations_do_not_drift(scratch_url: str) -> None:
     assert diff == [], f"autogenerate would emit: {diff}"
 
 
-async def _seed_ended_tasks(url: str) -> None:
-    """Tasks that ended before revision 0012, each with the failure_reason its path wrote then."""
+# A pool as the migrations' backfill tests need it (with the token that owns it), inserted
+# with Core so that it does not depend on the models' Python defaults.
+POOL_ROW = {
+    "id": "pool-mig",
+    "name": "mig",
+    "status": "active",
+    "owner_token_id": "tok-mig",
+    "admission": "open",
+    "requirements": {},
+    "min_stake_per_node": 0,
+    "reward_per_sample": 1,
+    "reward_hold_s": 0,
+    "soft_invalid_penalty": 0,
+    "fraud_slash_amount": 0,
+    "strikes_before_ejection": 3,
+    "strikes_before_provider_ban": 3,
+    "unbonding_period_s": 0,
+    "lease_duration_s": 60,
+    "max_attempts": 3,
+    "replication_factor": 1,
+    "audit_rate_floor": 0.0,
+    "max_async_level": 2,
+    "max_leases_per_node": 4,
+}
+
+
+async def _seed_pool(conn: Any) -> None:
     from orchestrator.admin.models import ApiToken
     from orchestrator.pools.models import Pool
+
+    await conn.execute(
+        ApiToken.__table__.insert(), [{"id": "tok-mig", "name": "m", "role": "admin", "token_hash": "0" * 64}]
+    )
+    await conn.execute(Pool.__table__.insert(), [POOL_ROW])
+
+
+async def _seed_ended_tasks(url: str) -> None:
+    """Tasks that ended before revision 0012, each with the failure_reason its path wrote then."""
     from orchestrator.tasks.models import Task, TaskBatch
 
     engine = create_async_engine(url)
-    pool = {
-        "id": "pool-mig",
-        "name": "mig",
-        "status": "active",
-        "owner_token_id": "tok-mig",
-        "admission": "open",
-        "requirements": {},
-        "min_stake_per_node": 0,
-        "reward_per_sample": 1,
-        "reward_hold_s": 0,
-        "soft_invalid_penalty": 0,
-        "fraud_slash_amount": 0,
-        "strikes_before_ejection": 3,
-        "strikes_before_provider_ban": 3,
-        "unbonding_period_s": 0,
-        "lease_duration_s": 60,
-        "max_attempts": 3,
-        "replication_factor": 1,
-        "audit_rate_floor": 0.0,
-        "max_async_level": 2,
-        "max_leases_per_node": 4,
-    }
     ended = [
         ("failed", "deadline passed at 2026-11-30T10:00:00+00:00"),
         ("failed", "replica 0 expired 3 times (max attempts)"),
@@ -121,11 +133,7 @@ async def _seed_ended_tasks(url: str) -> None:
     ]
     try:
         async with engine.begin() as conn:
-            await conn.execute(
-                ApiToken.__table__.insert(),
-                [{"id": "tok-mig", "name": "m", "role": "admin", "token_hash": "0" * 64}],
-            )
-            await conn.execute(Pool.__table__.insert(), [pool])
+            await _seed_pool(conn)
             await conn.execute(
                 TaskBatch.__table__.insert(),
                 [
@@ -479,43 +487,16 @@ def test_0014_records_earlier_ipv6_addresses_as_their_64(scratch_url: str) -> No
 
 async def _seed_ejections(url: str, reasons: list[tuple[str, str | None]]) -> None:
     """Memberships as the code before 0015 left them: a status and a reason, no ejected_by."""
-    from orchestrator.admin.models import ApiToken
     from orchestrator.identity.models import Node, Provider
-    from orchestrator.pools.models import Pool, PoolMembership
+    from orchestrator.pools.models import PoolMembership
 
     engine = create_async_engine(url)
     at = dt.datetime(2026, 12, 1, 9, tzinfo=dt.UTC)
     provider = "P" * 43
-    pool = {
-        "id": "pool-mig",
-        "name": "mig",
-        "status": "active",
-        "owner_token_id": "tok-mig",
-        "admission": "open",
-        "requirements": {},
-        "min_stake_per_node": 0,
-        "reward_per_sample": 1,
-        "reward_hold_s": 0,
-        "soft_invalid_penalty": 0,
-        "fraud_slash_amount": 0,
-        "strikes_before_ejection": 3,
-        "strikes_before_provider_ban": 3,
-        "unbonding_period_s": 0,
-        "lease_duration_s": 60,
-        "max_attempts": 3,
-        "replication_factor": 1,
-        "audit_rate_floor": 0.0,
-        "max_async_level": 2,
-        "max_leases_per_node": 4,
-    }
     nodes = [chr(ord("A") + i) * 43 for i in range(len(reasons))]
     try:
         async with engine.begin() as conn:
-            await conn.execute(
-                ApiToken.__table__.insert(),
-                [{"id": "tok-mig", "name": "m", "role": "admin", "token_hash": "0" * 64}],
-            )
-            await conn.execute(Pool.__table__.insert(), [pool])
+            await _seed_pool(conn)
             await conn.execute(Provider.__table__.insert(), [{"id": provider, "created_at": at}])
             await conn.execute(
                 Node.__table__.insert(),
