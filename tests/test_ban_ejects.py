@@ -12,7 +12,7 @@ from orchestrator.core.clock import FakeClock
 from orchestrator.ledger.models import LedgerTransfer, StakeUnbonding
 from orchestrator.pools import service as pools_service
 from orchestrator.tasks.models import Assignment
-from tests.conftest import problem
+from tests.conftest import postgres_only, problem
 from tests.pools_helpers import active_pool, join
 from tests.tasks_helpers import pool_setup, task
 from tests.verification_helpers import balances, books_balance
@@ -241,3 +241,31 @@ async def test_the_verifier_ejecting_a_node_its_ban_ejected_makes_the_ejection_f
         assert await statuses(s, s.pool_id) == {node.node_id: "ejected"}
         [verifiers, _] = await audit(s, "membership.eject")  # newest first: the verifier's, the ban's
         assert (verifiers["actor"], verifiers["before"]) == ("system", {"status": "ejected"})
+
+
+@postgres_only
+async def test_a_join_racing_a_ban_of_its_node_is_refused_not_left_live(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    import asyncio
+
+    from orchestrator.admin import service as admin_service
+    from orchestrator.admin.tokens import Principal, Role
+
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        other = await active_pool(s.admin, s.headers, economics={"min_stake_per_node": 0})
+        admin = Principal(token_id="tok_test_admin", name="admin", role=Role.admin)
+
+        async def ban_slowly() -> None:
+            async with app_state.sessionmaker() as session, session.begin():
+                await admin_service.ban(session, app_state, w.node_id, "sybil", principal=admin)
+                await asyncio.sleep(0.5)  # the ban has ended the memberships it saw; not committed
+
+        async def join_meanwhile() -> Any:
+            await asyncio.sleep(0.15)
+            return await w.client.post(f"/v1/pools/{other['id']}/join", json={}, auth=w.contributor.node_auth)
+
+        _, joined = await asyncio.gather(ban_slowly(), join_meanwhile())
+        problem(joined, 403, "node_banned")
+        assert w.node_id not in await statuses(s, other["id"])

@@ -31,9 +31,10 @@ UPDATE`` on PostgreSQL; SQLite has one writer), so the cap counts a join reads c
 before it commits, and locks are always taken in the order pool -> membership -> ledger
 accounts -> the node's row (taken when its leases are given back, to exclude a concurrent
 claim). A change that ends several memberships locks all their stake accounts up front
-(``ledger.lock_accounts``) before the first transfer. A ban locks the node first; a ban racing
-a leave or an ejection of the same node can deadlock, which PostgreSQL resolves by refusing one
-of them (503 ``transient_conflict``, nothing recorded).
+(``ledger.lock_accounts``) before the first transfer. A join and a ban lock the node's row
+first (so a join never commits a membership that a concurrent ban did not see); a ban or a
+join racing a leave or an ejection of the same node can deadlock, which PostgreSQL resolves by
+refusing one of them (503 ``transient_conflict``, nothing recorded).
 
 Scoping: an operator administers the pools its token created, an admin every pool; a pool
 the caller may not administer is reported exactly like a missing one (404 ``pool_not_found``).
@@ -68,8 +69,9 @@ from api_schemas.pools import (
 from orchestrator.admin.tokens import Principal, Role
 from orchestrator.audit.service import record
 from orchestrator.core.errors import Conflict, Forbidden, NotFound, UnprocessableEntity
+from orchestrator.core.sql import is_postgres
 from orchestrator.identity import repository as identity_repo
-from orchestrator.identity.models import Node
+from orchestrator.identity.models import Node, NodeStatus
 from orchestrator.ledger import service as ledger
 from orchestrator.pools import repository as repo
 from orchestrator.pools.models import Pool, PoolInvite, PoolMembership, PoolProviderBlacklist
@@ -556,6 +558,13 @@ async def join(
 ) -> tuple[PoolMembership, bool]:
     """Join (or ask to join) a pool. Returns the membership and whether this call created it;
     joining while already active or pending returns the membership unchanged."""
+    if is_postgres(session):
+        # A ban locks the node's row, then ends its memberships in the pools it reads: a join
+        # must not commit a membership the ban did not see. Lock the row first, as the ban
+        # does, and read the status again (the signer check read it before any lock).
+        await session.refresh(node, ["status"], with_for_update={"key_share": True})
+        if node.status == NodeStatus.banned:
+            raise Forbidden("this node is banned", code="node_banned")
     pool = await repo.get_pool(session, pool_id, for_update=True)
     if pool is None:
         raise NotFound("no pool with this id", code="pool_not_found")
