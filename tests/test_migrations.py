@@ -109,6 +109,25 @@ POOL_ROW = {
 }
 
 
+def node_row(node_id: str, provider_id: str, at: dt.datetime, **values: Any) -> dict[str, Any]:
+    """A healthy node's row, inserted with Core (no model defaults)."""
+    return {
+        "id": node_id,
+        "provider_id": provider_id,
+        "attestation": "a",
+        "gpu_count": 1,
+        "gpu_memory_mb": 1,
+        "cpu_cores": 1,
+        "ram_mb": 1,
+        "version": "1",
+        "status": "healthy",
+        "status_changed_at": at,
+        "created_at": at,
+        "updated_at": at,
+        **values,
+    }
+
+
 async def _seed_pool(conn: Any) -> None:
     from orchestrator.admin.models import ApiToken
     from orchestrator.pools.models import Pool
@@ -214,22 +233,7 @@ async def _seed_forfeited_holds(url: str) -> None:
             await conn.execute(Provider.__table__.insert(), [{"id": provider, "created_at": at}])
             await conn.execute(
                 Node.__table__.insert(),
-                [
-                    {
-                        "id": node,
-                        "provider_id": provider,
-                        "attestation": "a",
-                        "gpu_count": 1,
-                        "gpu_memory_mb": 1,
-                        "cpu_cores": 1,
-                        "ram_mb": 1,
-                        "version": "1",
-                        "status": "healthy",
-                        "status_changed_at": at,
-                        "created_at": at,
-                        "updated_at": at,
-                    }
-                ],
+                [node_row(node, provider, at)],
             )
             await conn.execute(
                 TaskReplica.__table__.insert(),
@@ -438,21 +442,12 @@ async def _seed_node_addresses(url: str, addresses: list[str]) -> None:
     engine = create_async_engine(url)
     try:
         async with engine.begin() as conn:
-            await conn.execute(Provider.__table__.insert(), [{"id": "p" * 43}])
+            at = dt.datetime(2026, 11, 30, 12, tzinfo=dt.UTC)
+            await conn.execute(Provider.__table__.insert(), [{"id": "p" * 43, "created_at": at}])
             await conn.execute(
                 Node.__table__.insert(),
                 [
-                    {
-                        "id": f"{i:043d}",
-                        "provider_id": "p" * 43,
-                        "attestation": "a" * 86,
-                        "gpu_count": 0,
-                        "gpu_memory_mb": 0,
-                        "cpu_cores": 1,
-                        "ram_mb": 512,
-                        "version": "t",
-                        "ip_address": address,
-                    }
+                    node_row(f"{i:043d}", "p" * 43, at, ip_address=address)
                     for i, address in enumerate(addresses)
                 ],
             )
@@ -500,23 +495,7 @@ async def _seed_ejections(url: str, reasons: list[tuple[str, str | None]]) -> No
             await conn.execute(Provider.__table__.insert(), [{"id": provider, "created_at": at}])
             await conn.execute(
                 Node.__table__.insert(),
-                [
-                    {
-                        "id": node,
-                        "provider_id": provider,
-                        "attestation": "a",
-                        "gpu_count": 1,
-                        "gpu_memory_mb": 1,
-                        "cpu_cores": 1,
-                        "ram_mb": 1,
-                        "version": "1",
-                        "status": "healthy",
-                        "status_changed_at": at,
-                        "created_at": at,
-                        "updated_at": at,
-                    }
-                    for node in nodes
-                ],
+                [node_row(node, provider, at) for node in nodes],
             )
             await conn.execute(
                 PoolMembership.__table__.insert(),
