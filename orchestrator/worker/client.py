@@ -40,7 +40,6 @@ from tenacity import (
     retry_if_exception,
     stop_after_attempt,
 )
-from tenacity.stop import stop_base
 
 from api_schemas.identity import HeartbeatIn, HeartbeatOut, NodeOut, NodeRegister, NodeSpecs
 from api_schemas.ledger import Balances
@@ -305,13 +304,9 @@ class WorkerClient:
             json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode() if body is not None else None
         )
         headers = {"Content-Type": "application/json"} if content is not None else {}
-        stop: stop_base = stop_after_attempt(self.max_retries + 1)
-        sleep = self._sleep
-        if interrupt is not None:
-            stop = stop | _StopWhenSet(interrupt)
-            sleep = functools.partial(self._sleep_unless, interrupt)
+        sleep = self._sleep if interrupt is None else functools.partial(self._sleep_unless, interrupt)
         retrying = AsyncRetrying(
-            stop=stop,
+            stop=stop_after_attempt(self.max_retries + 1),
             wait=self._wait,
             retry=retry_if_exception(lambda exc: _retryable(exc, retry)),
             sleep=sleep,
@@ -320,11 +315,11 @@ class WorkerClient:
         )
         last: BaseException | None = None
         async for attempt in retrying:
+            if last is not None and interrupt is not None and interrupt.is_set():
+                # Interrupted before or while waiting to retry (the wait ends at once): the
+                # failure being retried ends the call, outside tenacity (no further attempt).
+                raise last
             with attempt:
-                if last is not None and interrupt is not None and interrupt.is_set():
-                    # Interrupted while waiting to retry: the failure being retried ends the call
-                    # (the stop condition now holds, so it is raised as it is).
-                    raise last
                 # A new request per attempt: SignatureAuth signs it with a fresh nonce.
                 request = self._http.build_request(
                     method, path, content=content, headers=headers, params=params
@@ -356,16 +351,6 @@ class WorkerClient:
             return min(exc.retry_after, self.retry_after_cap_s)
         ceiling = min(self.backoff_max_s, self.backoff_base_s * 2 ** (state.attempt_number - 1))
         return random.uniform(0, ceiling)  # noqa: S311 - jitter, not a secret
-
-
-class _StopWhenSet(stop_base):
-    """Stop retrying once an asyncio event is set."""
-
-    def __init__(self, event: asyncio.Event) -> None:
-        self.event = event
-
-    def __call__(self, retry_state: RetryCallState) -> bool:
-        return self.event.is_set()
 
 
 def _seg(value: str) -> str:
