@@ -9,7 +9,7 @@ half-way with ``SQLITE_BUSY`` when it upgrades. WAL mode keeps readers going mea
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from sqlalchemy import DateTime, MetaData, event
@@ -113,6 +113,11 @@ async def session_scope(sessionmaker: async_sessionmaker[AsyncSession]) -> Async
     """One session, one transaction: committed on success, rolled back on any error."""
     async with sessionmaker() as session, session.begin():
         yield session
+
+
+def one_of(column: str, values: Iterable[str]) -> str:
+    """The SQL of a check that ``column`` holds one of ``values`` (constant identifiers)."""
+    return f"{column} IN (" + ", ".join(f"'{v}'" for v in values) + ")"
 
 
 def utcnow() -> dt.datetime:

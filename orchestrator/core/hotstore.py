@@ -13,11 +13,14 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import redis.asyncio as aioredis
 
 from orchestrator.core.errors import ServiceUnavailable
+
+if TYPE_CHECKING:
+    from orchestrator.settings import RedisSettings
 
 # The in-process store's limit on live nonces, and separately on live rate-limit counters
 # (about 250 bytes each: some 125 MB of nonces when full).
@@ -360,11 +363,11 @@ class MemoryHotStore:
         return None
 
 
-def make_hot_store(
-    redis_url: str | None, prefix: str, *, max_connections: int = 200, pool_timeout_s: float = 5.0
-) -> HotStore:
-    if redis_url:
+def make_hot_store(url: str | None, redis: RedisSettings) -> HotStore:
+    """Redis at ``url`` (``Settings.redis_url``) with ``redis``'s prefix and pool; without a
+    URL, the in-process store."""
+    if url:
         return RedisHotStore.from_url(
-            redis_url, prefix, max_connections=max_connections, pool_timeout_s=pool_timeout_s
+            url, redis.prefix, max_connections=redis.max_connections, pool_timeout_s=redis.pool_timeout_s
         )
     return MemoryHotStore()

@@ -44,13 +44,7 @@ def open_state(
         settings=settings,
         engine=engine,
         sessionmaker=make_sessionmaker(engine),
-        hot_store=hot_store
-        or make_hot_store(
-            settings.redis_url,
-            settings.redis.prefix,
-            max_connections=settings.redis.max_connections,
-            pool_timeout_s=settings.redis.pool_timeout_s,
-        ),
+        hot_store=hot_store or make_hot_store(settings.redis_url, settings.redis),
         clock=clock or SystemClock(),
     )
 

@@ -25,7 +25,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
-from orchestrator.core.db import Base, UTCDateTime, utcnow
+from orchestrator.core.db import Base, UTCDateTime, one_of, utcnow
 
 ID = BigInteger().with_variant(Integer, "sqlite")
 KEY_ID = String(43)
@@ -81,7 +81,6 @@ class Pool(Base):
 
 # Who ejected a membership (``PoolMembership.ejected_by``).
 EJECTED_BY = ("ban", "operator", "verifier")
-EJECTED_BY_SQL = "(" + ", ".join(f"'{v}'" for v in EJECTED_BY) + ")"
 
 
 class PoolMembership(Base):
@@ -94,7 +93,7 @@ class PoolMembership(Base):
             "status IN ('pending', 'active', 'left', 'ejected', 'rejected')", name="status_known"
         ),
         CheckConstraint("stake >= 0", name="stake_not_negative"),
-        CheckConstraint(f"ejected_by IN {EJECTED_BY_SQL}", name="ejected_by_known"),
+        CheckConstraint(one_of("ejected_by", EJECTED_BY), name="ejected_by_known"),
         Index("ix_pool_memberships_pool_id_status_provider_id", "pool_id", "status", "provider_id"),
         Index("ix_pool_memberships_node_id", "node_id"),
     )

@@ -24,7 +24,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, mapped_column
 
 from api_schemas.tasks import EndReason
-from orchestrator.core.db import Base, UTCDateTime, utcnow
+from orchestrator.core.db import Base, UTCDateTime, one_of, utcnow
 
 ID = BigInteger().with_variant(Integer, "sqlite")
 KEY_ID = String(43)
@@ -74,7 +74,6 @@ class TaskBatch(Base):
 # Why a task ended ``failed`` or ``cancelled``, for machines (``failure_reason`` says it for people):
 # an operator's cancel, a replica out of attempts, the task's deadline, its ReST^EM iteration's end.
 END_REASONS: tuple[str, ...] = get_args(EndReason)
-END_REASONS_SQL = "(" + ", ".join(f"'{r}'" for r in END_REASONS) + ")"
 
 
 class Task(Base):
@@ -85,7 +84,7 @@ class Task(Base):
         ),
         CheckConstraint("available_replicas >= 0", name="available_not_negative"),
         CheckConstraint("replication >= 1", name="replication_positive"),
-        CheckConstraint(f"end_reason IN {END_REASONS_SQL}", name="end_reason_known"),
+        CheckConstraint(one_of("end_reason", END_REASONS), name="end_reason_known"),
         # The claim path: open tasks with a replica to lease, best priority first, then oldest.
         Index(
             "ix_tasks_claimable",

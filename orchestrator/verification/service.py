@@ -268,7 +268,7 @@ async def _score_all(session: AsyncSession, jobs: list[VerificationJob]) -> dict
     scored: dict[int, Scored] = {}
     for job in jobs:
         try:
-            scored[job.id] = await _score(session, job)
+            scored[job.id] = await score(session, job)
         except Exception:
             log.exception("verification_failed", job_id=job.id, submission_id=job.submission_id)
     return scored
@@ -276,10 +276,6 @@ async def _score_all(session: AsyncSession, jobs: list[VerificationJob]) -> dict
 
 async def score(session: AsyncSession, job: VerificationJob) -> Scored:
     """One job's result through its pool's reward function (in a worker thread)."""
-    return await _score(session, job)
-
-
-async def _score(session: AsyncSession, job: VerificationJob) -> Scored:
     submission = await session.get(Submission, job.submission_id)
     task = await session.get(Task, job.task_id)
     pool = await session.get(Pool, job.pool_id)
