@@ -91,13 +91,14 @@ async def _flaky_dead_transition(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(liveness.repo, "transition", flaky)
 
 
-async def test_a_sweep_whose_dead_transition_failed_is_caught_up_by_the_next_tick(
+async def _dead_transition_fails_once(
     client: httpx.AsyncClient,
     contributor: Contributor,
     app_state: Any,
     clock: FakeClock,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The node beats once, turns unhealthy, and the tick that should mark it dead fails."""
     await _beat(client, contributor, clock)
     clock.advance(31)
     await sweep_once(app_state)
@@ -107,6 +108,16 @@ async def test_a_sweep_whose_dead_transition_failed_is_caught_up_by_the_next_tic
         await _flaky_dead_transition(m)
         with pytest.raises(RuntimeError):
             await sweep_once(app_state)
+
+
+async def test_a_sweep_whose_dead_transition_failed_is_caught_up_by_the_next_tick(
+    client: httpx.AsyncClient,
+    contributor: Contributor,
+    app_state: Any,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    await _dead_transition_fails_once(client, contributor, app_state, clock, monkeypatch)
     # The node waits in ``dying`` until its transition commits.
     assert await app_state.hot_store.stage_members(DYING, 10) == [contributor.node_id]
     clock.advance(5)
@@ -127,14 +138,7 @@ async def test_a_node_that_beats_while_dying_after_a_failed_tick_stays_healthy(
     clock: FakeClock,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    await _beat(client, contributor, clock)
-    clock.advance(31)
-    await sweep_once(app_state)
-    clock.advance(60)
-    with monkeypatch.context() as m:
-        await _flaky_dead_transition(m)
-        with pytest.raises(RuntimeError):
-            await sweep_once(app_state)
+    await _dead_transition_fails_once(client, contributor, app_state, clock, monkeypatch)
     assert await _beat(client, contributor, clock) == "healthy"
     assert await app_state.hot_store.stage_members(DYING, 10) == []
     clock.advance(5)

@@ -93,6 +93,18 @@ async def test_a_tick_stops_taking_batches_when_its_budget_is_spent(app: Any, ap
         assert await decided(app_state) == (5, Counter(done=5))
 
 
+def poison(monkeypatch: Any, submission_id: int) -> None:
+    """The verdict on this submission fails (as a bad result would), the others are decided."""
+    real_decide = service.decide
+
+    async def decide(session: Any, job: Any, submission: Any, *args: Any, **kwargs: Any) -> Any:
+        if submission.id == submission_id:
+            raise ValueError("a bad result")
+        return await real_decide(session, job, submission, *args, **kwargs)
+
+    monkeypatch.setattr(service, "decide", decide)
+
+
 async def test_a_job_that_fails_does_not_hold_up_its_batch(
     app: Any, app_state: Any, monkeypatch: Any
 ) -> None:
@@ -103,12 +115,7 @@ async def test_a_job_that_fails_does_not_hold_up_its_batch(
         async with app_state.sessionmaker() as session:
             poisoned = (await session.execute(select(VerificationJob.submission_id).limit(1))).scalar_one()
 
-        async def decide(session: Any, job: Any, submission: Any, *args: Any, **kwargs: Any) -> Any:
-            if submission.id == poisoned:
-                raise ValueError("a bad result")
-            return await real_decide(session, job, submission, *args, **kwargs)
-
-        monkeypatch.setattr(service, "decide", decide)
+        poison(monkeypatch, poisoned)
         assert await verify_batches(app_state, budget_s=math.inf) == 2
         assert await decided(app_state) == (2, Counter(done=2, checks=1))
         monkeypatch.setattr(service, "decide", real_decide)
@@ -135,12 +142,7 @@ async def test_a_batch_whose_last_job_fails_still_commits_the_others_verdicts(
                 .first()
             )
 
-        async def decide(session: Any, job: Any, submission: Any, *args: Any, **kwargs: Any) -> Any:
-            if submission.id == poisoned:
-                raise ValueError("a bad result")
-            return await real_decide(session, job, submission, *args, **kwargs)
-
-        monkeypatch.setattr(service, "decide", decide)
+        poison(monkeypatch, poisoned)
         assert await verify_batches(app_state, budget_s=math.inf) == 2
         assert await decided(app_state) == (2, Counter(done=2, checks=1))
         assert (await balances(client, s.workers[0]))["rewards_pending"] == 14
