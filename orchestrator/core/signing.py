@@ -118,6 +118,9 @@ class SignedRequest:
     signature: str
     content_digest: str | None
     body: bytes
+    # Each header line the signature covers, lower-cased name and value, as received: the
+    # evidence a later check needs besides Signature-Input and Signature.
+    signed_fields: tuple[tuple[str, str], ...] = ()
 
 
 def _fail(code: str, detail: str) -> Unauthorized:
@@ -327,6 +330,9 @@ def verify_request(
         signature=", ".join(sig),
         content_digest=digest,
         body=body,
+        signed_fields=tuple(
+            (name.lower(), value) for name, value in header_lines if name.lower() in parsed.components
+        ),
     )
 
 
@@ -378,9 +384,15 @@ class SignatureAuth(httpx.Auth):
         body = request.content
         for name in ("Signature-Input", "Signature", "Content-Digest"):
             request.headers.pop(name, None)
+        covered = {name: value for name, value in request.headers.items() if name in self.components}
         request.headers.update(
             sign_headers(
-                self.key, method=request.method, url=str(request.url), body=body, components=self.components
+                self.key,
+                method=request.method,
+                url=str(request.url),
+                body=body,
+                headers=covered,
+                components=self.components,
             )
         )
         yield request
