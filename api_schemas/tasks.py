@@ -159,6 +159,52 @@ class TaskDetailOut(TaskOut):
     assignments: list[AssignmentOut]
 
 
+class EvidenceOut(BaseModel):
+    """The exact signed request a result came in, as stored."""
+
+    method: str
+    target_uri: str
+    signature_input: str
+    signature: str
+    signed_fields: list[tuple[str, str]] = Field(
+        description="Each header line the signature covers, [name, value], as received"
+    )
+    body_sha256: str
+    body_base64: str
+
+
+class EvidenceCheckOut(BaseModel):
+    """The stored request verified again, as at its receipt (the nonce aside)."""
+
+    valid: bool
+    keyid: str | None = Field(description="The signing key (the node id) when the signature verifies")
+    code: str | None = Field(
+        description="Why not: a signature error code, body_altered or signer_mismatch; null when valid"
+    )
+    detail: str | None
+
+
+class SubmissionOut(BaseModel):
+    id: int
+    assignment_id: str
+    replica_index: int
+    node_id: str
+    provider_id: str
+    policy_step: int
+    seed_echoed: int | None
+    claimed_reward: float | None
+    sample_count: int
+    status: str
+    received_at: dt.datetime
+    evidence: EvidenceOut
+    check: EvidenceCheckOut
+
+
+class TaskSubmissionsOut(BaseModel):
+    task_id: int
+    submissions: list[SubmissionOut]
+
+
 class ClaimIn(StrictModel):
     pool_id: str = Field(min_length=1, max_length=40)
     max_tasks: int = Field(default=1, ge=1, le=CLAIM_MAX_TASKS)

@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import json
 from typing import Any
 
 from sqlalchemy import func, select
 
 from orchestrator.core.clock import FakeClock
-from orchestrator.core.signing import MAX_TARGET_URI_LENGTH
+from orchestrator.core.signing import DEFAULT_COMPONENTS, MAX_TARGET_URI_LENGTH, SignatureAuth
 from orchestrator.tasks.jobs import reap_once
 from orchestrator.tasks.models import Assignment, Submission, Task, TaskReplica
 from orchestrator.verification.models import VerificationJob
@@ -179,6 +181,73 @@ async def test_the_signed_request_is_kept_as_evidence(app: Any, app_state: Any) 
             window_s=300,
         )
         assert checked.keyid == w.node_id
+
+
+async def submissions_of(s: Any, task_id: int) -> list[dict[str, Any]]:
+    r = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}/submissions", headers=s.headers)
+    assert r.status_code == 200, r.text
+    assert r.json()["task_id"] == task_id
+    return list(r.json()["submissions"])
+
+
+async def test_operators_recheck_a_results_evidence(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        task_id = (await s.enqueue([task()])).json()["first_task_id"]
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        sent = (await w.submit(lease)).request
+        (sub,) = await submissions_of(s, task_id)
+        assert sub["check"] == {"valid": True, "keyid": w.node_id, "code": None, "detail": None}
+        assert sub["assignment_id"] == lease["assignment_id"] and sub["node_id"] == w.node_id
+        assert base64.b64decode(sub["evidence"]["body_base64"]) == sent.content
+        assert sub["evidence"]["signed_fields"] == [["content-digest", sent.headers["content-digest"]]]
+
+        # Evidence altered after the fact no longer checks out, and says how.
+        async with app_state.sessionmaker() as session, session.begin():
+            row = (await session.execute(select(Submission))).scalar_one()
+            row.body = row.body.replace(b"answer 0", b"answer 9")
+        assert (await submissions_of(s, task_id))[0]["check"]["code"] == "body_altered"
+        async with app_state.sessionmaker() as session, session.begin():
+            row = (await session.execute(select(Submission))).scalar_one()
+            row.body_sha256 = hashlib.sha256(row.body).hexdigest()
+        assert (await submissions_of(s, task_id))[0]["check"]["code"] == "digest_mismatch"
+        async with app_state.sessionmaker() as session, session.begin():
+            row = (await session.execute(select(Submission))).scalar_one()
+            row.body, row.body_sha256 = sent.content, hashlib.sha256(sent.content).hexdigest()
+            row.target_uri = row.target_uri.replace("/result", "/release")
+        assert (await submissions_of(s, task_id))[0]["check"]["code"] == "signature_invalid"
+
+        problem(
+            await s.admin.get(
+                f"/v1/admin/pools/{s.pool_id}/tasks/{task_id + 1}/submissions", headers=s.headers
+            ),
+            404,
+            "task_not_found",
+        )
+
+
+async def test_evidence_keeps_every_signed_field(app: Any, app_state: Any) -> None:
+    """PROTOCOL.md lets a signature cover more fields than content-digest (here content-type and
+    a header of the client's own): the stored evidence must still verify on its own, later."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        task_id = (await s.enqueue([task()])).json()["first_task_id"]
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        auth = SignatureAuth(w.contributor.node_key, (*DEFAULT_COMPONENTS, "content-type", "x-run"))
+        r = await w.client.post(
+            f"/v1/assignments/{lease['assignment_id']}/result",
+            json=result_body(lease),
+            headers={"x-run": "run-7"},
+            auth=auth,
+        )
+        assert r.status_code == 201, r.text
+        (sub,) = await submissions_of(s, task_id)
+        assert sub["check"]["valid"], sub["check"]
+        assert dict(sub["evidence"]["signed_fields"]) == {
+            "content-digest": r.request.headers["content-digest"],
+            "content-type": "application/json",
+            "x-run": "run-7",
+        }
 
 
 async def test_a_task_is_submitted_when_all_replicas_are(app: Any, app_state: Any) -> None:

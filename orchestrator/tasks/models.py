@@ -235,6 +235,9 @@ class Submission(Base):
     signature_input: Mapped[str] = mapped_column(Text)
     signature: Mapped[str] = mapped_column(Text)
     content_digest: Mapped[str | None] = mapped_column(Text)
+    signed_fields: Mapped[list[list[str]] | None] = mapped_column(
+        JSON, doc="every header line the signature covers, [name, value], as received"
+    )
     response: Mapped[dict[str, Any]] = mapped_column(
         JSON, doc="what the node was told, for idempotent replays"
     )

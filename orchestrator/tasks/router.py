@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query, Response
@@ -12,6 +14,8 @@ from api_schemas.tasks import (
     AssignmentOut,
     ClaimIn,
     ClaimOut,
+    EvidenceCheckOut,
+    EvidenceOut,
     LeaseStatsOut,
     PolicyIn,
     PolicyOut,
@@ -20,10 +24,12 @@ from api_schemas.tasks import (
     ResultOut,
     Sampling,
     Shard,
+    SubmissionOut,
     TaskBatchIn,
     TaskBatchOut,
     TaskDetailOut,
     TaskOut,
+    TaskSubmissionsOut,
 )
 from orchestrator.admin.tokens import Principal, Role, require_roles
 from orchestrator.audit.service import record
@@ -33,9 +39,9 @@ from orchestrator.core.pagination import ID_MAX
 from orchestrator.core.state import Session, State
 from orchestrator.identity.auth import CurrentNode, Signed
 from orchestrator.pools.models import Pool, PoolMembership
-from orchestrator.tasks import service
+from orchestrator.tasks import evidence, service
 from orchestrator.tasks.access import pool_for
-from orchestrator.tasks.models import Assignment, PolicyVersion, Task, TaskReplica
+from orchestrator.tasks.models import Assignment, PolicyVersion, Submission, Task, TaskReplica
 
 router = APIRouter(prefix="/v1", tags=["tasks"], responses=PROBLEM_RESPONSES)
 admin_router = APIRouter(prefix="/v1/admin", tags=["admin: tasks"], responses=PROBLEM_RESPONSES)
@@ -345,6 +351,56 @@ async def get_task(pool: PublisherPool, task_id: TaskId, session: Session) -> Ta
             )
             for a in assignments
         ],
+    )
+
+
+@admin_router.get(
+    "/pools/{pool_id}/tasks/{task_id}/submissions",
+    response_model=TaskSubmissionsOut,
+    summary="A task's signed results, each with its stored evidence verified again",
+)
+async def task_submissions(
+    pool: PublisherPool, task_id: TaskId, session: Session, state: State
+) -> TaskSubmissionsOut:
+    await _task(session, pool, task_id)
+    rows = (
+        await session.execute(
+            select(Submission, TaskReplica.replica_index)
+            .join(TaskReplica, TaskReplica.id == Submission.replica_id)
+            .where(Submission.task_id == task_id)
+            .order_by(Submission.id)
+        )
+    ).all()
+    return TaskSubmissionsOut(
+        task_id=task_id,
+        submissions=[_submission_out(sub, index, state.settings.signature.window_s) for sub, index in rows],
+    )
+
+
+def _submission_out(sub: Submission, replica_index: int, window_s: int) -> SubmissionOut:
+    checked = evidence.recheck(sub, window_s=window_s)
+    return SubmissionOut(
+        id=sub.id,
+        assignment_id=sub.assignment_id,
+        replica_index=replica_index,
+        node_id=sub.node_id,
+        provider_id=sub.provider_id,
+        policy_step=sub.policy_step,
+        seed_echoed=sub.seed_echoed,
+        claimed_reward=sub.claimed_reward,
+        sample_count=sub.sample_count,
+        status=sub.status,
+        received_at=sub.received_at,
+        evidence=EvidenceOut(
+            method=sub.method,
+            target_uri=sub.target_uri,
+            signature_input=sub.signature_input,
+            signature=sub.signature,
+            signed_fields=evidence.signed_lines(sub)[2:],
+            body_sha256=sub.body_sha256,
+            body_base64=base64.b64encode(sub.body).decode(),
+        ),
+        check=EvidenceCheckOut(**dataclasses.asdict(checked)),
     )
 
 

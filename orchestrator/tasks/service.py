@@ -1023,6 +1023,7 @@ async def submit_result(
         "signature_input": signed.signature_input,
         "signature": signed.signature,
         "content_digest": signed.content_digest,
+        "signed_fields": [list(line) for line in signed.signed_fields],
         "response": {**told, "received_at": now.isoformat()},
         "received_at": now,
     }

@@ -1,0 +1,59 @@
+"""A result's evidence checked again: the exact signed request, verified as it was received.
+
+Every accepted result keeps the request's method, URL, body and every signed header field, so
+anyone may later check that the node holding the lease signed exactly this body for exactly
+this URL, without trusting this server's word (PROTOCOL.md; ``docs/architecture.md``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from orchestrator.core.errors import Unauthorized
+from orchestrator.core.signing import verify_request
+from orchestrator.tasks.models import Submission
+
+
+@dataclass(frozen=True)
+class EvidenceCheck:
+    valid: bool
+    keyid: str | None = None
+    code: str | None = None
+    detail: str | None = None
+
+
+def signed_lines(sub: Submission) -> list[tuple[str, str]]:
+    """The signature's header lines as stored: Signature-Input, Signature and each covered field
+    (results stored before the covered fields were kept have only their Content-Digest)."""
+    lines = [("signature-input", sub.signature_input), ("signature", sub.signature)]
+    if sub.signed_fields is not None:
+        lines += [(name, value) for name, value in sub.signed_fields]
+    elif sub.content_digest is not None:
+        lines.append(("content-digest", sub.content_digest))
+    return lines
+
+
+def recheck(sub: Submission, *, window_s: int) -> EvidenceCheck:
+    """Verify ``sub``'s stored request again, at the time it was received (the nonce aside: it
+    was spent then), and that its key is the node's that held the lease."""
+    if hashlib.sha256(sub.body).hexdigest() != sub.body_sha256:
+        return EvidenceCheck(False, code="body_altered", detail="the stored body does not match its SHA-256")
+    try:
+        signed = verify_request(
+            method=sub.method,
+            url=sub.target_uri,
+            query=urlsplit(sub.target_uri).query,
+            headers=signed_lines(sub),
+            body=sub.body,
+            now=sub.received_at.timestamp(),
+            window_s=window_s,
+        )
+    except Unauthorized as exc:
+        return EvidenceCheck(False, code=exc.code, detail=exc.detail)
+    if signed.keyid != sub.node_id:
+        return EvidenceCheck(
+            False, keyid=signed.keyid, code="signer_mismatch", detail="signed by a key other than the node's"
+        )
+    return EvidenceCheck(True, keyid=signed.keyid)
