@@ -150,6 +150,24 @@ class VerifierSettings(BaseModel):
             "the quorum rule without it, and an undecided vote is inconclusive (quorum_timeout)."
         ),
     )
+    reward_timeout_s: float = Field(
+        default=10,
+        gt=0,
+        le=600,
+        description=(
+            "Longest the pool's reward function may take over one result (all its samples); past "
+            "it the scoring process is killed and the result is invalid (reward_unscorable)."
+        ),
+    )
+    reward_memory_mb: int = Field(
+        default=1024,
+        ge=256,
+        le=1_048_576,
+        description="Address-space cap of each scoring process; a result needing more is invalid.",
+    )
+    reward_processes: int = Field(
+        default=1, ge=1, le=64, description="Scoring processes per server or background process."
+    )
 
 
 class ServerSettings(BaseModel):

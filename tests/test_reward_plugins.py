@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from importlib.metadata import EntryPoint
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from orchestrator.verification import rewards
+from orchestrator.verification import rewards, scoring
 
 
 @dataclass(frozen=True)
@@ -28,15 +28,20 @@ class ShortAnswer:
 
 
 @pytest.fixture
-def plugin_installed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    ep = EntryPoint(name="short_answer", value=f"{__name__}:ShortAnswer", group=rewards.ENTRY_POINT_GROUP)
-
-    def fake_entry_points(*, group: str) -> list[EntryPoint]:
-        return [ep] if group == rewards.ENTRY_POINT_GROUP else []
-
-    monkeypatch.setattr(rewards, "entry_points", fake_entry_points)
+def plugin_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A package that declares ``short_answer`` in ``orchestrator.rewards``, installed on the
+    path (a ``.dist-info`` with its entry points), where the scoring processes find it too."""
+    info = tmp_path / "short_answer_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: short-answer-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        f"[{rewards.ENTRY_POINT_GROUP}]\nshort_answer = {__name__}:ShortAnswer\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
     rewards._plugins.cache_clear()
+    scoring.close_pools()  # the next scoring processes start with the plugin on their path
     yield
+    scoring.close_pools()
     rewards._plugins.cache_clear()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from typing import Any
 
 import pytest
@@ -193,6 +194,28 @@ async def test_math_answers_are_checked_for_equivalence(app: Any, app_state: Any
         right, wrong = await verdicts(s.admin, s.headers, s.pool_id)
         assert right["category"] == "valid" and right["server_reward"] == 1.0
         assert (wrong["category"], wrong["reason"]) == ("invalid", "wrong_answer")
+
+
+async def test_an_answer_too_costly_to_score_is_invalid_and_holds_up_nothing(
+    app: Any, app_state: Any
+) -> None:
+    """SymPy would compute 9^(9^9) for minutes: the scoring process is killed at the limit, the
+    result is invalid (no reward, no slash), and the honest result behind it is decided too."""
+    app_state.settings.verifier.reward_timeout_s = 2
+    async with pool_setup(app, app_state, workers=1, reward_function="math", economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        lease = await one_lease(s, w, prompt="What is 6 * 7?", verification={"answer": "42"})
+        await submit(w, lease, ["The answer is $\\boxed{9^{9^{9}}}$"], claimed_reward=0.0)
+        lease = await one_lease(s, w, prompt="What is 1/2?", verification={"answer": "\\frac{1}{2}"})
+        await submit(w, lease, ["The answer is $\\boxed{0.5}$"], claimed_reward=1.0)
+        started = time.monotonic()
+        assert await verify_all(app_state) == 2
+        assert time.monotonic() - started < 30
+        bomb, honest = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (bomb["category"], bomb["reason"]) == ("invalid", "reward_unscorable")
+        assert "longer than 2 s" in bomb["details"]["findings"][0]["detail"]
+        assert honest["category"] == "valid" and honest["server_reward"] == 1.0
+        assert (await balances(s.admin, w))["stake_locked"] == 1000  # nothing slashed
 
 
 async def test_unknown_reward_functions_are_refused(app: Any, app_state: Any) -> None:

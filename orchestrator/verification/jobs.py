@@ -16,6 +16,7 @@ import structlog
 from orchestrator.core.state import AppState
 from orchestrator.core.ticks import claim_tick
 from orchestrator.verification import service, validators
+from orchestrator.verification.scoring import scorer_for
 
 log = structlog.get_logger(__name__)
 
@@ -69,6 +70,7 @@ async def verify_batches(state: AppState, *, budget_s: float) -> int:
     processed."""
     size = state.settings.verifier.batch_size
     secret = state.settings.seed_key
+    scorer = scorer_for(state.settings.verifier)
     deadline = time.monotonic() + budget_s
     partitions: list[int | None] = [None]  # SQLite: one writer, one backlog
     if state.engine.dialect.name == "postgresql":
@@ -85,6 +87,7 @@ async def verify_batches(state: AppState, *, budget_s: float) -> int:
                     secret=secret,
                     rng=state.rng,
                     now=state.clock.utcnow(),
+                    scorer=scorer,
                     limit=size,
                     after_id=after,
                     partition=partition,

@@ -107,6 +107,13 @@ def _plugins() -> dict[str, RewardFunction]:
     return found
 
 
+def preload() -> None:
+    """Import the reward functions' dependencies now rather than on first use."""
+    import math_verify  # noqa: F401
+
+    _plugins()
+
+
 def available() -> list[str]:
     return sorted({*BUILT_IN, *_plugins()})
 

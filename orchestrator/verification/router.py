@@ -28,6 +28,7 @@ from orchestrator.tasks.access import pool_for
 from orchestrator.tasks.models import Task
 from orchestrator.verification import service, validators
 from orchestrator.verification.models import Verdict
+from orchestrator.verification.scoring import scorer_for
 
 router = APIRouter(prefix="/v1", tags=["verification"], responses=PROBLEM_RESPONSES)
 admin_router = APIRouter(prefix="/v1/admin", tags=["admin: verification"], responses=PROBLEM_RESPONSES)
@@ -222,5 +223,7 @@ async def claim(
 async def post_verdict(
     job_id: JobId, body: ValidatorVerdictIn, principal: Validator, session: Session, state: State
 ) -> ValidatorVerdictOut:
-    job, verdict = await validators.post_verdict(session, principal, job_id, body, now=state.clock.utcnow())
+    job, verdict = await validators.post_verdict(
+        session, principal, job_id, body, now=state.clock.utcnow(), scorer=scorer_for(state.settings.verifier)
+    )
     return ValidatorVerdictOut(job_id=job.id, verdict=verdict_out(verdict))

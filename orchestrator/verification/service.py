@@ -40,7 +40,6 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import structlog
 from sqlalchemy import (
     BigInteger,
@@ -70,7 +69,7 @@ from orchestrator.ledger.service import ProviderAccount, SystemAccount, provider
 from orchestrator.pools.models import Pool, PoolMembership
 from orchestrator.tasks.models import Assignment, Submission, Task, TaskReplica
 from orchestrator.tasks.seeds import derive_seed
-from orchestrator.verification import checks, rewards
+from orchestrator.verification import checks
 from orchestrator.verification.models import (
     NodeTrust,
     RewardForfeit,
@@ -79,6 +78,7 @@ from orchestrator.verification.models import (
     Verdict,
     VerificationJob,
 )
+from orchestrator.verification.scoring import Scorer, Unscorable
 
 log = structlog.get_logger(__name__)
 
@@ -171,6 +171,8 @@ class Scored:
     result: dict[str, Any]
     per_sample: list[float | None]
     canonical: list[str]
+    # Set when the reward function could not score the result within its limits.
+    unscorable: checks.Finding | None = None
 
 
 async def process_pending(
@@ -179,6 +181,7 @@ async def process_pending(
     secret: bytes,
     rng: random.Random,
     now: dt.datetime,
+    scorer: Scorer,
     limit: int = 20,
     after_id: int = 0,
     partition: int | None = None,
@@ -212,7 +215,7 @@ async def process_pending(
     # The session's identity map holds its rows weakly: ``loaded`` keeps the batch's rows in it
     # until the batch ends, so that the per-job ``session.get`` calls find them there.
     submissions, loaded = await _load(session, jobs)
-    scored = await _score_all(session, jobs)
+    scored = await _score_all(session, jobs, scorer)
     await lock_for_verdicts(session, submissions)
     loaded += await _lock_replicated_tasks(session, {j.task_id for j in jobs})
     # A rolled-back savepoint expires the rows it changed (a failed job, and the siblings its
@@ -262,20 +265,21 @@ async def _load(session: AsyncSession, jobs: list[VerificationJob]) -> tuple[lis
     return submissions, loaded
 
 
-async def _score_all(session: AsyncSession, jobs: list[VerificationJob]) -> dict[int, Scored]:
-    """Each job's result through its pool's reward function (in a worker thread). A job whose
-    result cannot be scored is logged and left for a later tick."""
+async def _score_all(session: AsyncSession, jobs: list[VerificationJob], scorer: Scorer) -> dict[int, Scored]:
+    """Each job's result through its pool's reward function (in a scoring process). A job whose
+    reward function failed is logged and left for a later tick."""
     scored: dict[int, Scored] = {}
     for job in jobs:
         try:
-            scored[job.id] = await score(session, job)
+            scored[job.id] = await score(session, job, scorer)
         except Exception:
             log.exception("verification_failed", job_id=job.id, submission_id=job.submission_id)
     return scored
 
 
-async def score(session: AsyncSession, job: VerificationJob) -> Scored:
-    """One job's result through its pool's reward function (in a worker thread)."""
+async def score(session: AsyncSession, job: VerificationJob, scorer: Scorer) -> Scored:
+    """One job's result through its pool's reward function (in a scoring process; a result it
+    cannot score within the limits has no rewards and an ``invalid`` finding)."""
     submission = await session.get(Submission, job.submission_id)
     task = await session.get(Task, job.task_id)
     pool = await session.get(Pool, job.pool_id)
@@ -283,14 +287,13 @@ async def score(session: AsyncSession, job: VerificationJob) -> Scored:
     assert task is not None
     assert pool is not None
     result = json.loads(submission.body)
-    fn = rewards.get(pool.reward_function)
     completions = [s.get("completion") or "" for s in result.get("samples", [])]
     spec = task.verification or {}
-
-    def score() -> tuple[list[float | None], list[str]]:
-        return [fn.reward(c, spec) for c in completions], [fn.canonical(c) for c in completions]
-
-    per_sample, canonical = await anyio.to_thread.run_sync(score)
+    try:
+        per_sample, canonical = await scorer.score(pool.reward_function, completions, spec)
+    except Unscorable as exc:
+        n = len(completions)
+        return Scored(result, [None] * n, [""] * n, checks.Finding("reward_unscorable", "invalid", str(exc)))
     return Scored(result, per_sample, canonical)
 
 
@@ -395,6 +398,8 @@ async def _run_checks(
         require_proof=pool.require_proof,
     )
     findings = checks.sanity(result, expect)
+    if scored.unscorable is not None:
+        findings.append(scored.unscorable)
     forged = checks.forged_claim(result.get("claimed_reward"), server_reward)
     if forged is not None:
         findings.append(forged)

@@ -23,6 +23,7 @@ from orchestrator.core.sql import is_postgres
 from orchestrator.tasks.models import Submission, Task, TaskReplica
 from orchestrator.verification import service
 from orchestrator.verification.models import ValidationJob, Verdict, VerificationJob
+from orchestrator.verification.scoring import Scorer
 
 LEASE_S = 300
 TOPLOC_MIN_EXPONENT_MATCHES = 90
@@ -85,7 +86,13 @@ def _contradicted(body: ValidatorVerdictIn) -> str | None:
 
 
 async def post_verdict(
-    session: AsyncSession, principal: Principal, job_id: int, body: ValidatorVerdictIn, *, now: dt.datetime
+    session: AsyncSession,
+    principal: Principal,
+    job_id: int,
+    body: ValidatorVerdictIn,
+    *,
+    now: dt.datetime,
+    scorer: Scorer,
 ) -> tuple[ValidationJob, Verdict]:
     job = (
         await session.execute(select(ValidationJob).where(ValidationJob.id == job_id).with_for_update())
@@ -121,7 +128,7 @@ async def post_verdict(
     assert submission is not None
     # The server's reward per sample, as the checks computed it (the job keeps only the mean):
     # the feed serves it with each sample. Scored before any lock, as in a verifier batch.
-    scored = await service.score(session, vjob)
+    scored = await service.score(session, vjob, scorer)
     await service.lock_for_verdicts(session, [submission])  # a fraud verdict makes several transfers
     details = {
         "findings": vjob.findings,

@@ -1,0 +1,113 @@
+"""Reward functions run in worker processes, within a time and a memory limit.
+
+A result's completions are a stranger's text, and what a reward function costs can depend on
+that text without bound: ``math`` hands a final answer such as ``\\boxed{9^{9^{9}}}`` to SymPy,
+which computes the power, for minutes and gigabytes, in one C call that no signal or thread can
+interrupt. Run in a thread of the verifier, one such result would hold up its batch, the
+batch's locks and every later result for good. So the reward functions run in a pool of worker
+processes (``pebble``), one pool per server process, started on first use: scoring a result
+that takes longer than ``timeout_s`` kills its worker (a new one takes its place), and each
+worker's address space is capped at ``memory_mb``. Such a result is ``Unscorable``; the
+verifier judges it ``invalid`` (``reward_unscorable``: no reward, no slash).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import multiprocessing
+import resource
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+from pebble import ProcessExpired, ProcessPool
+
+from orchestrator.settings import VerifierSettings
+from orchestrator.verification import rewards
+
+Scores = tuple[list[float | None], list[str]]
+
+
+class Unscorable(Exception):
+    """The reward function ran out of time or memory on a result, or its process died."""
+
+
+def _start_worker(memory_mb: int) -> None:
+    """Cap the worker's memory, then import what the reward functions use (math-verify, SymPy,
+    plugins), so that a worker's start does not count against a result's time limit."""
+    limit = memory_mb * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    rewards.preload()
+
+
+def _score(reward_function: str, completions: Sequence[str], spec: Mapping[str, Any]) -> Scores:
+    """In a worker: each completion's reward and canonical answer."""
+    fn = rewards.get(reward_function)
+    return [fn.reward(c, spec) for c in completions], [fn.canonical(c) for c in completions]
+
+
+_pools: dict[tuple[int, int], ProcessPool] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(processes: int, memory_mb: int) -> ProcessPool:
+    with _pools_lock:
+        pool = _pools.get((processes, memory_mb))
+        if pool is None or not pool.active:
+            # spawn, not fork: the server's threads (the pool's own among them) may hold locks.
+            pool = ProcessPool(
+                max_workers=processes,
+                initializer=_start_worker,
+                initargs=(memory_mb,),
+                context=multiprocessing.get_context("spawn"),
+            )
+            _pools[(processes, memory_mb)] = pool
+        return pool
+
+
+@atexit.register
+def close_pools() -> None:
+    """Stop every scoring worker (at exit; tests may call it)."""
+    with _pools_lock:
+        pools = list(_pools.values())
+        _pools.clear()
+    for pool in pools:
+        pool.stop()  # type: ignore[no-untyped-call]
+        pool.join(timeout=5)
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """The verifier's limits on scoring one result (``VerifierSettings``)."""
+
+    timeout_s: float = 10.0
+    memory_mb: int = 1024
+    processes: int = 1
+
+    async def score(
+        self, reward_function: str, completions: Sequence[str], spec: Mapping[str, Any]
+    ) -> Scores:
+        """Each completion's reward and canonical answer; ``Unscorable`` past the limits. Any
+        other error of the reward function is raised as it is."""
+        future = _pool(self.processes, self.memory_mb).schedule(
+            _score, args=(reward_function, list(completions), dict(spec)), timeout=self.timeout_s
+        )
+        try:
+            return await asyncio.wrap_future(future)
+        except FutureTimeout as exc:
+            raise Unscorable(f"scoring took longer than {self.timeout_s:g} s") from exc
+        except MemoryError as exc:
+            raise Unscorable(f"scoring needed more than {self.memory_mb} MB") from exc
+        except ProcessExpired as exc:
+            raise Unscorable(f"the scoring process died (exit code {exc.exitcode})") from exc
+
+
+def scorer_for(settings: VerifierSettings) -> Scorer:
+    return Scorer(
+        timeout_s=settings.reward_timeout_s,
+        memory_mb=settings.reward_memory_mb,
+        processes=settings.reward_processes,
+    )
