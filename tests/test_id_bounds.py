@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
+from orchestrator.core.keys import b64u_encode
 from orchestrator.core.pagination import ID_MAX, encode_cursor
 from tests.conftest import problem
 from tests.tasks_helpers import pool_setup, task
@@ -89,3 +90,25 @@ async def test_a_result_echoing_a_seed_beyond_64_bits_is_422_and_not_recorded(
         r = await w.client.post(url, json=answer_body(lease, ["4"], seed=HUGE), auth=auth)
         problem(r, 422, "validation_failed")
         assert (await w.client.post(url, json=answer_body(lease, ["4"]), auth=auth)).status_code == 201
+
+
+async def test_forged_cursors_that_are_not_text_are_400_on_every_paginated_route(
+    app: Any, app_state: Any, lenient: Any
+) -> None:
+    """A cursor decodes to bytes: bytes that are not UTF-8, or text holding a NUL (which
+    PostgreSQL cannot compare), are a forged cursor like any other, not a 500."""
+    async with pool_setup(app, app_state) as s:
+        forged = [b64u_encode(b"k1:\xff\xfe"), encode_cursor("pool_\x00"), encode_cursor("1\x00")]
+        for cursor in forged:
+            for url, headers, param in (
+                ("/v1/pools", {}, "cursor"),
+                ("/v1/admin/pools", s.headers, "cursor"),
+                ("/v1/admin/nodes", s.admin_headers, "cursor"),
+                ("/v1/admin/audit", s.admin_headers, "cursor"),
+                ("/v1/admin/payouts", s.admin_headers, "cursor"),
+                (f"/v1/admin/pools/{s.pool_id}/members", s.headers, "cursor"),
+                (f"/v1/admin/pools/{s.pool_id}/restem/iterations", s.headers, "cursor"),
+                (f"/v1/pools/{s.pool_id}/rollouts", s.headers, "after"),
+            ):
+                r = await lenient.get(url, headers=headers, params={param: cursor})
+                problem(r, 400, "cursor_invalid")

@@ -15,15 +15,18 @@ def encode_cursor(last_key: str) -> str:
 
 
 def decode_cursor(cursor: str | None) -> str | None:
+    """The key a cursor wraps; 400 ``cursor_invalid`` for anything ``encode_cursor`` does not
+    make, including bytes that are not UTF-8 and a NUL (which PostgreSQL cannot compare)."""
     if cursor is None:
         return None
     try:
         raw = b64u_decode(cursor)
-    except ValueError:
-        raw = b""
-    if not raw.startswith(b"k1:"):
+        key = raw[3:].decode("utf-8") if raw.startswith(b"k1:") else None
+    except ValueError:  # UnicodeDecodeError included
+        key = None
+    if key is None or "\x00" in key:
         raise BadRequest("the cursor is not one this API issued", code="cursor_invalid")
-    return raw[3:].decode("utf-8", errors="strict")
+    return key
 
 
 def decode_int_cursor(cursor: str | None) -> int | None:
