@@ -15,10 +15,11 @@ router = APIRouter(prefix="/v1", tags=["contributors"], responses=PROBLEM_RESPON
 
 
 async def _limit_registration(state: State, request: Request, keyid: str) -> None:
+    """Per address (an IPv6 /64 counts as one, as for the pools' per-IP rules) and per key."""
     limits = state.settings.limits
     await ratelimit.enforce(
         state,
-        f"ip:register:{client_ip(request)}",
+        f"ip:register:{service.network_of(client_ip(request))}",
         limit=limits.registration_per_ip,
         window_s=limits.registration_window_s,
     )
