@@ -11,12 +11,13 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select, update
 
+from orchestrator.audit.models import AuditEntry
 from orchestrator.core.clock import FakeClock
 from orchestrator.ledger.models import LedgerAccount
 from orchestrator.payouts.service import request_withdrawal
 from orchestrator.verification import service
 from orchestrator.verification.jobs import release_once
-from orchestrator.verification.models import RewardHold
+from orchestrator.verification.models import RewardHold, Verdict
 from tests.conftest import postgres_only, problem
 from tests.tasks_helpers import pool_setup
 from tests.test_reward_holds import hold_statuses
@@ -196,4 +197,28 @@ async def test_an_appeal_waits_for_a_release_in_progress_and_reverses_what_it_re
         assert (b["rewards_pending"], b["rewards_claimable"]) == (7, 0)
         assert await hold_statuses(app_state) == {w.node_id: ["reversed", "held"]}
         await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+
+@postgres_only
+async def test_two_appeals_of_one_verdict_at_once_reverse_it_and_are_audited_once(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    """Both appeals read the verdict unreversed and then queue for its lock: the second finds
+    it reversed and changes nothing, so the audit log says it was reversed once."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        v = await honest(s, w, app_state)
+        async with app_state.sessionmaker() as session, session.begin():
+            await session.execute(select(Verdict).where(Verdict.id == v["id"]).with_for_update())
+            appeals = [asyncio.create_task(reverse(s, v["id"])) for _ in range(2)]
+            await asyncio.sleep(1.0)
+            assert not any(a.done() for a in appeals)  # both wait for the verdict
+        assert [(await a).status_code for a in appeals] == [200, 200]
+        assert (await balances(client, w))["rewards_pending"] == 0
+        async with app_state.sessionmaker() as session:
+            actions = (
+                await session.scalars(select(AuditEntry.action).where(AuditEntry.target_type == "verdict"))
+            ).all()
+        assert actions == ["verdict.reverse"]
         await books_balance(app_state)

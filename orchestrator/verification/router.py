@@ -161,12 +161,10 @@ async def pool_stats(pool: Annotated[Pool, Depends(_operator_pool)], session: Se
 async def reverse(
     verdict_id: VerdictId, body: ReverseIn, principal: AdminOnly, session: Session, state: State
 ) -> VerdictOut:
-    before = await session.get(Verdict, verdict_id)
-    was_reversed = before is not None and before.reversed_at is not None
-    verdict = await service.reverse_verdict(
+    verdict, reversed_now = await service.reverse_verdict(
         session, verdict_id, reason=body.reason, actor=principal.token_id, now=state.clock.utcnow()
     )
-    if not was_reversed:
+    if reversed_now:
         await record(
             session,
             principal,

@@ -1138,9 +1138,11 @@ async def pool_stats(session: AsyncSession, pool_id: str) -> dict[str, Any]:
 
 async def reverse_verdict(
     session: AsyncSession, verdict_id: int, *, reason: str, actor: str, now: dt.datetime
-) -> Verdict:
+) -> tuple[Verdict, bool]:
     """Undo a verdict's money with compensating transfers that name the originals (never an
-    edit), and its strike. Idempotent: a reversed verdict stays as it is.
+    edit), and its strike; returns (verdict, whether this call reversed it). Idempotent: a
+    reversed verdict stays as it is (decided under the verdict's lock, so of two appeals at
+    once exactly one reverses it).
 
     * A reward: decided by the state of its hold, read under lock. ``held``: the provider's part
       goes back from pending to the system; ``released``: the release is reversed first (the
@@ -1162,7 +1164,7 @@ async def reverse_verdict(
     if verdict is None:
         raise NotFound("no verdict with this id", code="verdict_not_found")
     if verdict.reversed_at is not None:
-        return verdict
+        return verdict, False
     fraud = verdict.category == "fraud"
     membership = await _membership(session, verdict.pool_id, verdict.node_id) if fraud else None
     await _lock_for_appeal(session, verdict)
@@ -1181,7 +1183,7 @@ async def reverse_verdict(
     verdict.reversed_at = now
     verdict.reversal_reason = reason
     await session.flush()
-    return verdict
+    return verdict, True
 
 
 async def _lock_for_appeal(session: AsyncSession, verdict: Verdict) -> None:
