@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
-from sqlalchemy import update
+from sqlalchemy import select, update
 
+from orchestrator.audit.models import AuditEntry
 from orchestrator.pools.models import Pool
+from orchestrator.tasks.models import TaskReplica
 from orchestrator.tasks.seeds import derive_seed
-from tests.conftest import make_token, problem
+from tests.conftest import make_token, postgres_only, problem
 from tests.tasks_helpers import pool_setup, task
 
 
@@ -165,3 +168,27 @@ async def test_operators_can_cancel_a_task(app: Any, app_state: Any) -> None:
             await s.admin.get("/v1/admin/audit", params={"pool_id": s.pool_id}, headers=s.headers)
         ).json()
         assert "task.cancel" in {e["action"] for e in audit["items"]}
+
+
+@postgres_only
+async def test_two_cancels_of_one_task_at_once_cancel_it_and_are_audited_once(
+    app: Any, app_state: Any
+) -> None:
+    """Both cancels find the task open and then wait (here for its replica, which another
+    transaction holds): the second must find it cancelled and change nothing, so the audit log
+    says it was cancelled once."""
+    async with pool_setup(app, app_state) as s:
+        task_id = (await s.enqueue([task()])).json()["first_task_id"]
+        url = f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}/cancel"
+        async with app_state.sessionmaker() as session, session.begin():
+            await session.execute(select(TaskReplica).where(TaskReplica.task_id == task_id).with_for_update())
+            cancels = [asyncio.create_task(s.admin.post(url, headers=s.headers)) for _ in range(2)]
+            await asyncio.sleep(1.0)
+            assert not any(c.done() for c in cancels)
+        responses = [await c for c in cancels]
+        assert [(r.status_code, r.json()["status"]) for r in responses] == [(200, "cancelled")] * 2
+        async with app_state.sessionmaker() as session:
+            actions = (
+                await session.scalars(select(AuditEntry.action).where(AuditEntry.target_type == "task"))
+            ).all()
+        assert actions == ["task.cancel"]

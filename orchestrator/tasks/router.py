@@ -296,8 +296,8 @@ async def list_tasks(
     return Page[TaskOut](items=[task_out(t) for t in rows], next_cursor=str(rows[-1].id) if more else None)
 
 
-async def _task(session: Session, pool: Pool, task_id: int) -> Task:
-    task = await session.get(Task, task_id)
+async def _task(session: Session, pool: Pool, task_id: int, *, for_update: bool = False) -> Task:
+    task = await session.get(Task, task_id, with_for_update=for_update)
     if task is None or task.pool_id != pool.id:
         raise NotFound("no task with this id in this pool", code="task_not_found")
     return task
@@ -410,7 +410,9 @@ def _submission_out(sub: Submission, replica_index: int, window_s: int) -> Submi
     summary="Cancel a task; its live leases are dropped",
 )
 async def cancel(pool: OperatorPool, task_id: TaskId, principal: Operator, session: Session) -> TaskOut:
-    task = await _task(session, pool, task_id)
+    # Locked, as the reaper does before it fails a task: of two cancels at once, the second
+    # finds the task cancelled, changes nothing and is not audited.
+    task = await _task(session, pool, task_id, for_update=True)
     before = task.status
     task = await service.cancel_task(session, task, f"cancelled by {principal.token_id}")
     if before != task.status:
