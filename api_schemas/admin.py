@@ -6,7 +6,7 @@ import datetime as dt
 
 from pydantic import BaseModel, Field
 
-from api_schemas.common import StrictModel
+from api_schemas.common import StrictModel, Text
 from api_schemas.identity import NodeOut
 
 
@@ -28,7 +28,7 @@ class NodeDetailOut(NodeOut):
 
 
 class BanIn(StrictModel):
-    reason: str = Field(min_length=1, max_length=500, description="Why; kept in the status history")
+    reason: Text = Field(min_length=1, max_length=500, description="Why; kept in the status history")
 
 
 class TokenOut(BaseModel):

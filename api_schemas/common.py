@@ -17,6 +17,19 @@ def _check_key_id(value: str) -> str:
     return value
 
 
+def _check_no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("must not contain a NUL character (U+0000)")
+    return value
+
+
+Text = Annotated[str, AfterValidator(_check_no_nul)]
+"""Free text that is stored or compared in SQL: PostgreSQL text cannot hold a NUL, so one is
+refused as bad input (422 in a body) instead of failing in the database (500)."""
+
+NO_NUL = r"^[^\x00]*$"
+"""The same rule as a pattern, for path and query parameters (Path(pattern=...), Query(...))."""
+
 KeyId = Annotated[
     str,
     Field(min_length=43, max_length=43, examples=["Q2FsbWx5IGFuZCBjYXJlZnVsbHkgc2lnbmVkIGtleSE"]),

@@ -6,7 +6,7 @@ import datetime as dt
 
 from pydantic import BaseModel, Field
 
-from api_schemas.common import StrictModel
+from api_schemas.common import StrictModel, Text
 
 AMOUNT_DOC = "Integer amount in the smallest unit (no fractions)"
 
@@ -25,7 +25,7 @@ class Balances(BaseModel):
 
 class DepositIn(StrictModel):
     amount: int = Field(gt=0, le=10**15, strict=True, description=AMOUNT_DOC)
-    reference: str | None = Field(
+    reference: Text | None = Field(
         default=None,
         min_length=1,
         max_length=200,

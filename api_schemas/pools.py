@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from api_schemas.common import KeyId, StrictModel
+from api_schemas.common import KeyId, StrictModel, Text
 from api_schemas.tasks import SAMPLES_MAX
 
 AMOUNT_MAX = 10**15  # the ledger's largest single amount
@@ -224,7 +224,9 @@ AuditMethod = Annotated[
 PoolName = Annotated[
     str, Field(min_length=1, max_length=100, pattern=r"^[\x20-\x7e]+$", description="Printable ASCII name")
 ]
-PoolDescription = Annotated[str | None, Field(max_length=2000, description="Free text shown to contributors")]
+PoolDescription = Annotated[
+    Text | None, Field(max_length=2000, description="Free text shown to contributors")
+]
 AdmissionField = Annotated[
     Admission,
     Field(
@@ -447,11 +449,11 @@ class RefusalReason(BaseModel):
 
 
 class ReasonIn(StrictModel):
-    reason: str = Field(min_length=1, max_length=500, description="Why; kept on the membership and audited")
+    reason: Text = Field(min_length=1, max_length=500, description="Why; kept on the membership and audited")
 
 
 class RejectIn(StrictModel):
-    reason: str | None = Field(
+    reason: Text | None = Field(
         default=None, min_length=1, max_length=500, description="Why; kept on the membership and audited"
     )
 
@@ -471,7 +473,7 @@ class InviteOut(BaseModel):
 
 class BlacklistIn(StrictModel):
     provider_id: KeyId = Field(description="The provider to shut out of the pool")
-    reason: str = Field(min_length=1, max_length=500, description="Why; audited")
+    reason: Text = Field(min_length=1, max_length=500, description="Why; audited")
 
 
 class BlacklistOut(BaseModel):

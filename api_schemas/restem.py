@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, Field, model_validator
 
-from api_schemas.common import StrictModel
+from api_schemas.common import StrictModel, Text
 
 IterationStatus = Literal["running", "complete", "expired"]
 
@@ -23,9 +23,9 @@ class RestemSampling(StrictModel):
 
 
 class ProblemIn(StrictModel):
-    problem_id: str = Field(min_length=1, max_length=200, description="Your id; unique in the iteration")
-    prompt: str | None = Field(default=None, min_length=1, max_length=1_000_000)
-    problem_ref: str | None = Field(default=None, min_length=1, max_length=500)
+    problem_id: Text = Field(min_length=1, max_length=200, description="Your id; unique in the iteration")
+    prompt: Text | None = Field(default=None, min_length=1, max_length=1_000_000)
+    problem_ref: Text | None = Field(default=None, min_length=1, max_length=500)
     verification: dict[str, Any] = Field(
         min_length=1,
         description='How the server checks a sample (e.g. {"answer": "4"}); never shown to workers',
@@ -42,7 +42,7 @@ class ProblemIn(StrictModel):
 
 
 class IterationIn(StrictModel):
-    name: str = Field(min_length=1, max_length=100, description="Unique in the pool")
+    name: Text = Field(min_length=1, max_length=100, description="Unique in the pool")
     problems: list[ProblemIn] = Field(min_length=1, max_length=10_000)
     samples_per_problem: int = Field(
         default=32, ge=1, le=1024, description="N: samples per problem (the paper: 32 for MATH)"

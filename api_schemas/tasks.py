@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from api_schemas.common import StrictModel
+from api_schemas.common import StrictModel, Text
 
 SHA256 = r"^[0-9a-f]{64}$"
 MAX_PROOF_BYTES = 8 * 1024 * 1024
@@ -18,14 +18,14 @@ CLAIM_MAX_TASKS = 100  # leases one claim may ask for (ClaimIn.max_tasks)
 
 
 class Shard(StrictModel):
-    uri: str = Field(min_length=1, max_length=2048)
+    uri: Text = Field(min_length=1, max_length=2048)
     sha256: str = Field(pattern=SHA256)
     bytes: int = Field(gt=0, le=10**13)
 
 
 class PolicyIn(StrictModel):
     step: int = Field(ge=0, le=10**12, description="Training step; must be greater than the current step")
-    uri: str = Field(min_length=1, max_length=2048, description="Where workers fetch the checkpoint")
+    uri: Text = Field(min_length=1, max_length=2048, description="Where workers fetch the checkpoint")
     sha256: str = Field(pattern=SHA256, description="SHA-256 of the whole checkpoint, lowercase hex")
     size: int = Field(gt=0, le=10**13, description="Checkpoint size in bytes")
     shards: list[Shard] | None = Field(default=None, max_length=10_000, description="Optional shard manifest")
@@ -50,8 +50,8 @@ class Sampling(StrictModel):
 
 
 class TaskIn(StrictModel):
-    prompt: str | None = Field(default=None, min_length=1, max_length=1_000_000)
-    problem_ref: str | None = Field(
+    prompt: Text | None = Field(default=None, min_length=1, max_length=1_000_000)
+    problem_ref: Text | None = Field(
         default=None,
         min_length=1,
         max_length=500,

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from api_schemas.common import StrictModel
+from api_schemas.common import StrictModel, Text
 
 
 class VerdictOut(BaseModel):
@@ -37,7 +37,7 @@ class VerdictOut(BaseModel):
 
 
 class ReverseIn(StrictModel):
-    reason: str = Field(min_length=1, max_length=500, description="Why the verdict is reversed (kept)")
+    reason: Text = Field(min_length=1, max_length=500, description="Why the verdict is reversed (kept)")
 
 
 class PoolStatsOut(BaseModel):

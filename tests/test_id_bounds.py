@@ -112,3 +112,95 @@ async def test_forged_cursors_that_are_not_text_are_400_on_every_paginated_route
             ):
                 r = await lenient.get(url, headers=headers, params={param: cursor})
                 problem(r, 400, "cursor_invalid")
+
+
+async def test_a_nul_character_in_operator_input_is_refused_as_bad_input(
+    app: Any, app_state: Any, lenient: Any
+) -> None:
+    """PostgreSQL cannot store or compare a NUL (U+0000) in text, so free text, path ids and
+    query filters holding one are refused like any other bad input (the body's 422, the query's
+    400, the resource's 404), never sent to the database to fail there (500), and on SQLite
+    not stored either."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        admin, operator, w = s.admin_headers, s.headers, s.workers[0]
+        pool = f"/v1/admin/pools/{s.pool_id}"
+        node, provider = w.node_id, w.contributor.provider_id
+        batch = {"batch_key": "nul", "tasks": [task()]}
+        for method, url, headers, body in (
+            ("POST", "/v1/admin/pools", operator, {"name": "p", "description": "a\x00b"}),
+            ("PATCH", pool, operator, {"description": "\x00"}),
+            ("POST", f"/v1/admin/nodes/{node}/ban", admin, {"reason": "a\x00"}),
+            ("POST", f"{pool}/members/{node}/eject", operator, {"reason": "a\x00"}),
+            ("POST", f"{pool}/members/{node}/reject", operator, {"reason": "a\x00"}),
+            ("POST", f"{pool}/blacklist", operator, {"provider_id": provider, "reason": "a\x00"}),
+            (
+                "POST",
+                f"{pool}/policies",
+                operator,
+                {"step": 2, "uri": "s3://\x00", "sha256": "a" * 64, "size": 1},
+            ),
+            (
+                "POST",
+                f"{pool}/policies",
+                operator,
+                {
+                    "step": 2,
+                    "uri": "s3://x",
+                    "sha256": "a" * 64,
+                    "size": 1,
+                    "shards": [{"uri": "s3://\x00", "sha256": "a" * 64, "bytes": 1}],
+                },
+            ),
+            ("POST", f"{pool}/tasks", operator, {**batch, "tasks": [task(prompt="2+2\x00")]}),
+            (
+                "POST",
+                f"{pool}/tasks",
+                operator,
+                {**batch, "tasks": [{**task(), "prompt": None, "problem_ref": "a\x00"}]},
+            ),
+            (
+                "POST",
+                f"{pool}/restem/iterations",
+                operator,
+                {
+                    "name": "it\x00",
+                    "policy_step": 1,
+                    "problems": [{"problem_id": "q\x00", "prompt": "p\x00", "verification": {"answer": "4"}}],
+                },
+            ),
+            ("POST", "/v1/admin/verdicts/1/reverse", admin, {"reason": "a\x00"}),
+        ):
+            r = await lenient.request(method, url, headers=headers, json=body)
+            body_problem = problem(r, 422, "validation_failed")
+            assert "NUL" in body_problem["detail"], (url, body_problem)
+        r = await lenient.post(
+            f"/v1/admin/providers/{provider}/deposits",
+            headers={**admin, "Idempotency-Key": "nul-deposit-1"},
+            json={"amount": 5, "reference": "wire\x00"},
+        )
+        problem(r, 422, "validation_failed")
+        for url, headers, params in (
+            ("/v1/admin/audit", admin, {"actor": "tok_\x00"}),
+            ("/v1/admin/audit", operator, {"pool_id": "pool_\x00"}),
+            ("/v1/admin/payouts", admin, {"provider_id": "\x00"}),
+        ):
+            problem(await lenient.get(url, headers=headers, params=params), 400, "invalid_query")
+        for url in (
+            "/v1/admin/pools/pool_%00",
+            "/v1/admin/pools/pool_%00/members",
+            "/v1/admin/pools/pool_%00/tasks",
+            "/v1/admin/pools/pool_%00/verdicts",
+            "/v1/admin/pools/pool_%00/restem/iterations",
+            "/v1/pools/pool_%00/rollouts",
+        ):
+            problem(await lenient.get(url, headers=operator), 404, "pool_not_found")
+        node_auth = w.contributor.node_auth
+        problem(await lenient.post("/v1/pools/pool_%00/join", json={}, auth=node_auth), 404, "pool_not_found")
+        problem(await lenient.get("/v1/pools/pool_%00/policy", auth=node_auth), 404, "pool_not_found")
+        r = await lenient.post("/v1/assignments/asg_%00/release", auth=node_auth)
+        problem(r, 404, "assignment_not_found")
+        nothing_changed = (await lenient.get(f"/v1/admin/nodes/{node}", headers=admin)).json()
+        assert nothing_changed["status"] != "banned"
+        assert (await lenient.get("/v1/providers/me/balance", auth=w.contributor.provider_auth)).json()[
+            "stake_free"
+        ] == 0

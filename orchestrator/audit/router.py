@@ -14,7 +14,7 @@ from sqlalchemy import or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from api_schemas.audit import AuditEntryOut
-from api_schemas.common import PROBLEM_RESPONSES, Page
+from api_schemas.common import NO_NUL, PROBLEM_RESPONSES, Page
 from orchestrator.admin.tokens import Principal, Role, require_roles
 from orchestrator.audit.models import AuditEntry
 from orchestrator.core.pagination import decode_int_cursor, encode_cursor
@@ -72,8 +72,12 @@ def _entry_out(e: AuditEntry) -> AuditEntryOut:
 async def list_audit(
     principal: OperatorOrAdmin,
     session: Session,
-    pool_id: Annotated[str | None, Query(max_length=40, description="Only entries about this pool")] = None,
-    actor: Annotated[str | None, Query(max_length=100, description="Only entries by this token id")] = None,
+    pool_id: Annotated[
+        str | None, Query(max_length=40, pattern=NO_NUL, description="Only entries about this pool")
+    ] = None,
+    actor: Annotated[
+        str | None, Query(max_length=100, pattern=NO_NUL, description="Only entries by this token id")
+    ] = None,
     cursor: Annotated[
         str | None, Query(max_length=200, description="next_cursor of the previous page")
     ] = None,

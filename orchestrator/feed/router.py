@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Query
 from fastapi.responses import StreamingResponse
 
-from api_schemas.common import PROBLEM_RESPONSES
+from api_schemas.common import NO_NUL, PROBLEM_RESPONSES
 from api_schemas.feed import RolloutPage
 from orchestrator.admin.tokens import Principal, Role, require_roles
 from orchestrator.core.state import Session, State
@@ -17,7 +17,7 @@ from orchestrator.tasks.access import pool_for
 
 router = APIRouter(prefix="/v1", tags=["trainer feed"], responses=PROBLEM_RESPONSES)
 
-PoolId = Annotated[str, Path(min_length=1, max_length=40)]
+PoolId = Annotated[str, Path(min_length=1, max_length=40, pattern=NO_NUL)]
 Reader = Annotated[Principal, require_roles(Role.admin, Role.operator, Role.trainer)]
 After = Annotated[
     str | None,

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query, Response
 from fastapi.responses import StreamingResponse
 
-from api_schemas.common import PROBLEM_RESPONSES, Page
+from api_schemas.common import NO_NUL, PROBLEM_RESPONSES, Page
 from api_schemas.ledger import Balances
 from api_schemas.payouts import (
     AdminPayoutOut,
@@ -132,7 +132,7 @@ async def list_payouts(
     session: Session,
     status: StatusFilter = None,
     provider_id: Annotated[
-        str | None, Query(max_length=43, description="Only payouts to this provider")
+        str | None, Query(max_length=43, pattern=NO_NUL, description="Only payouts to this provider")
     ] = None,
     cursor: Cursor = None,
     limit: Limit = 100,

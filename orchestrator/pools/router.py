@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query, Response
 
-from api_schemas.common import PROBLEM_RESPONSES, KeyId, Page, Problem
+from api_schemas.common import NO_NUL, PROBLEM_RESPONSES, KeyId, Page, Problem
 from api_schemas.pools import (
     BlacklistIn,
     BlacklistOut,
@@ -36,7 +36,9 @@ router = APIRouter(prefix="/v1", tags=["pools"], responses=PROBLEM_RESPONSES)
 admin_router = APIRouter(prefix="/v1/admin", tags=["admin: pools"], responses=PROBLEM_RESPONSES)
 
 OperatorOrAdmin = Annotated[Principal, require_roles(Role.admin, Role.operator)]
-PoolId = Annotated[str, Path(min_length=1, max_length=40, description="Pool id ('pool_' + 16 hex)")]
+PoolId = Annotated[
+    str, Path(min_length=1, max_length=40, pattern=NO_NUL, description="Pool id ('pool_' + 16 hex)")
+]
 Cursor = Annotated[str | None, Query(max_length=200, description="next_cursor of the previous page")]
 Limit = Annotated[int, Query(ge=1, le=500, description="Page size")]
 

@@ -7,7 +7,7 @@ from typing import Annotated, cast
 from fastapi import APIRouter, Depends, Path, Query, Response
 from fastapi.responses import StreamingResponse
 
-from api_schemas.common import PROBLEM_RESPONSES, Page
+from api_schemas.common import NO_NUL, PROBLEM_RESPONSES, Page
 from api_schemas.restem import IterationIn, IterationOut, IterationReport, IterationStatus
 from orchestrator.admin.tokens import Principal, Role, require_roles
 from orchestrator.audit.service import record
@@ -20,7 +20,7 @@ from orchestrator.tasks.access import pool_for
 
 admin_router = APIRouter(prefix="/v1/admin", tags=["admin: rest-em"], responses=PROBLEM_RESPONSES)
 
-PoolId = Annotated[str, Path(min_length=1, max_length=40)]
+PoolId = Annotated[str, Path(min_length=1, max_length=40, pattern=NO_NUL)]
 IterationId = Annotated[int, Path(ge=1, le=ID_MAX, description="Iteration id")]
 # Trainers too: they enqueue tasks and publish policies already, and fine-tune on the dataset.
 Runner = Annotated[Principal, require_roles(Role.admin, Role.operator, Role.trainer)]

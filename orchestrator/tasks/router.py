@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Query, Response
 from sqlalchemy import func, select
 
-from api_schemas.common import PROBLEM_RESPONSES, Page
+from api_schemas.common import NO_NUL, PROBLEM_RESPONSES, Page
 from api_schemas.tasks import (
     AssignmentOut,
     ClaimIn,
@@ -46,7 +46,7 @@ from orchestrator.tasks.models import Assignment, PolicyVersion, Submission, Tas
 router = APIRouter(prefix="/v1", tags=["tasks"], responses=PROBLEM_RESPONSES)
 admin_router = APIRouter(prefix="/v1/admin", tags=["admin: tasks"], responses=PROBLEM_RESPONSES)
 
-PoolId = Annotated[str, Path(min_length=1, max_length=40)]
+PoolId = Annotated[str, Path(min_length=1, max_length=40, pattern=NO_NUL)]
 TaskId = Annotated[int, Path(ge=1, le=ID_MAX, description="Task id")]
 TaskCursor = Annotated[int | None, Query(ge=0, le=ID_MAX, description="Last task id of the previous page")]
 Publisher = Annotated[Principal, require_roles(Role.admin, Role.operator, Role.trainer)]
@@ -128,7 +128,7 @@ async def claim(
     responses={200: {"model": ResultOut, "description": "The same result again"}},
 )
 async def submit_result(
-    assignment_id: Annotated[str, Path(max_length=40)],
+    assignment_id: Annotated[str, Path(max_length=40, pattern=NO_NUL)],
     body: ResultIn,
     signed: Signed,
     session: Session,
@@ -149,7 +149,10 @@ async def submit_result(
     summary="Give a lease back so the replica is reissued at once",
 )
 async def release(
-    assignment_id: Annotated[str, Path(max_length=40)], node: CurrentNode, session: Session, state: State
+    assignment_id: Annotated[str, Path(max_length=40, pattern=NO_NUL)],
+    node: CurrentNode,
+    session: Session,
+    state: State,
 ) -> AssignmentOut:
     a = await service.release(session, node.id, assignment_id, now=state.clock.utcnow())
     return await _assignment_out(session, a)

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Query
 from sqlalchemy import func, select
 
-from api_schemas.common import PROBLEM_RESPONSES, KeyId, Page
+from api_schemas.common import NO_NUL, PROBLEM_RESPONSES, KeyId, Page
 from api_schemas.verification import (
     PoolStatsOut,
     ReverseIn,
@@ -111,13 +111,13 @@ async def provider_verdicts(
 
 
 async def _operator_pool(
-    pool_id: Annotated[str, Path(max_length=40)], principal: Operator, session: Session
+    pool_id: Annotated[str, Path(max_length=40, pattern=NO_NUL)], principal: Operator, session: Session
 ) -> Pool:
     return await pool_for(session, principal, pool_id)
 
 
 async def _reader_pool(
-    pool_id: Annotated[str, Path(max_length=40)], principal: Reader, session: Session
+    pool_id: Annotated[str, Path(max_length=40, pattern=NO_NUL)], principal: Reader, session: Session
 ) -> Pool:
     return await pool_for(session, principal, pool_id)
 
