@@ -36,6 +36,20 @@ async def test_a_body_that_does_not_parse_is_a_422_problem(
     assert body["errors"]
 
 
+async def test_a_json_body_that_is_not_utf8_is_a_422_problem(
+    client: httpx.AsyncClient, admin_headers: dict[str, str]
+) -> None:
+    """JSON is UTF-8 (RFC 8259): other bytes are a body that does not parse, like any other."""
+    r = await client.post(
+        "/v1/admin/pools",
+        content=b'{"name": "caf\xe9"}',
+        headers={**admin_headers, "content-type": "application/json"},
+    )
+    body = problem(r, 422, "validation_failed")
+    assert body["errors"][0]["loc"] == ["body"]
+    assert (await client.get("/v1/admin/pools", headers=admin_headers)).json()["items"] == []
+
+
 async def test_a_path_parameter_that_cannot_be_an_id_is_the_same_404_as_an_unknown_id(
     client: httpx.AsyncClient, contributor: Contributor, admin_headers: dict[str, str]
 ) -> None:
