@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -31,8 +32,28 @@ class BanIn(StrictModel):
     reason: Text = Field(min_length=1, max_length=500, description="Why; kept in the status history")
 
 
+class TokenIn(StrictModel):
+    role: Literal["admin", "operator", "validator", "trainer"]
+    name: Text = Field(min_length=1, max_length=100, description="Who or what the token is for")
+    pool_ids: list[Text] = Field(
+        default_factory=list,
+        max_length=100,
+        description="Validator and trainer tokens: the pools they may act on (at least one, existing)",
+    )
+    expires_in_s: int | None = Field(
+        default=None, ge=60, le=10 * 365 * 86_400, description="Lifetime; null: until revoked"
+    )
+
+
 class TokenOut(BaseModel):
     id: str
     name: str
     role: str
+    pool_ids: list[str]
     created_at: dt.datetime
+    expires_at: dt.datetime | None
+    revoked_at: dt.datetime | None
+
+
+class TokenCreatedOut(TokenOut):
+    token: str = Field(description="The bearer token, shown only in this answer (only its hash is kept)")

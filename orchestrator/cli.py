@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.table import Table
 
 from orchestrator.settings import Settings, get_settings
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+T = TypeVar("T")
 
 app = typer.Typer(help="Coordinator for permissionless compute pools.", no_args_is_help=True)
 admin_app = typer.Typer(help="Operator tokens and other admin tasks.", no_args_is_help=True)
@@ -139,11 +146,12 @@ class NoSchema(Exception):
     """The configured database has no orchestrator schema (or, on SQLite, no file)."""
 
 
-async def _create_token(role: str, name: str, pools: list[str]) -> tuple[str, str]:
+async def _with_token_table(work: Callable[[AsyncSession], Awaitable[T]]) -> T:
+    """Run ``work`` in one transaction on the configured database, once it is known to hold
+    the schema (``NoSchema`` otherwise: an empty database is not changed)."""
     from sqlalchemy import inspect
     from sqlalchemy.engine import make_url
 
-    from orchestrator.admin.tokens import Role, create_token
     from orchestrator.core.db import make_engine, make_sessionmaker
 
     settings = get_settings().db
@@ -153,33 +161,23 @@ async def _create_token(role: str, name: str, pools: list[str]) -> tuple[str, st
             if not await conn.run_sync(lambda sync: inspect(sync).has_table("api_tokens")):
                 raise NoSchema(f"the database {make_url(settings.url)!r} has no orchestrator schema")
         async with make_sessionmaker(engine)() as session, session.begin():
-            token, row = await create_token(session, role=Role(role), name=name, pool_ids=pools)
-            return token, row.id
+            return await work(session)
     finally:
         await engine.dispose()
 
 
-@admin_app.command("create-token")
-def create_token_cmd(
-    role: Annotated[str, typer.Option(help="admin | operator | validator | trainer")],
-    name: Annotated[str, typer.Option(help="Who or what the token is for")] = "cli",
-    pool: Annotated[
-        list[str] | None, typer.Option(help="A pool a validator or trainer token may act on (repeatable)")
-    ] = None,
-) -> None:
-    """Create an API token and print it once (only its hash is stored)."""
-    if role not in {"admin", "operator", "validator", "trainer"}:
-        raise typer.BadParameter("role must be admin, operator, validator or trainer", param_hint="--role")
-    if role in {"validator", "trainer"} and not pool:
-        raise typer.BadParameter("validator and trainer tokens need at least one --pool", param_hint="--pool")
+def _run_on_tokens(work: Callable[[AsyncSession], Awaitable[T]]) -> T:
+    """``_with_token_table``, with the CLI's answers to a missing schema and refused input."""
     from sqlalchemy.engine import make_url
+
+    from orchestrator.core.errors import OrchestratorError
 
     settings = get_settings().db
     database = make_url(settings.url).database
     try:
         if settings.is_sqlite and database and database != ":memory:" and not Path(database).exists():
             raise NoSchema(f"there is no database file {database}")  # connecting would create it
-        token, token_id = asyncio.run(_create_token(role, name, list(pool or [])))
+        return asyncio.run(_with_token_table(work))
     except NoSchema as exc:
         console.print(
             f"[red]{exc}.[/red] Run this where `orchestrator serve` runs (the embedded default is "
@@ -187,8 +185,94 @@ def create_token_cmd(
             "server's database, or create the schema with `orchestrator migrate`."
         )
         raise typer.Exit(2) from None
-    console.print(f"created {role} token {token_id}; it is shown only now:")
+    except OrchestratorError as exc:
+        console.print(f"[red]{exc.detail}[/red]")
+        raise typer.Exit(2) from None
+
+
+@admin_app.command("create-token")
+def create_token_cmd(
+    role: Annotated[str, typer.Option(help="admin | operator | validator | trainer")],
+    name: Annotated[str, typer.Option(help="Who or what the token is for")] = "cli",
+    pool: Annotated[
+        list[str] | None,
+        typer.Option(help="A pool a validator or trainer token may act on (repeatable; it must exist)"),
+    ] = None,
+    expires_in_days: Annotated[
+        float | None, typer.Option(min=0.001, max=3650, help="Lifetime in days; default: until revoked")
+    ] = None,
+) -> None:
+    """Create an API token and print it once (only its hash is stored)."""
+    from orchestrator.admin.tokens import Role, check_scope, create_token
+    from orchestrator.core.db import utcnow
+
+    if role not in {"admin", "operator", "validator", "trainer"}:
+        raise typer.BadParameter("role must be admin, operator, validator or trainer", param_hint="--role")
+    if role in {"validator", "trainer"} and not pool:
+        raise typer.BadParameter("validator and trainer tokens need at least one --pool", param_hint="--pool")
+    if role in {"admin", "operator"} and pool:
+        raise typer.BadParameter(
+            "--pool applies to validator and trainer tokens only (an operator acts on the pools it creates)",
+            param_hint="--pool",
+        )
+
+    async def work(session: AsyncSession) -> tuple[str, str, Any]:
+        await check_scope(session, Role(role), list(pool or []))
+        now = utcnow()
+        expires_at = now + dt.timedelta(days=expires_in_days) if expires_in_days is not None else None
+        token, row = await create_token(
+            session, role=Role(role), name=name, pool_ids=list(pool or []), expires_at=expires_at, now=now
+        )
+        return token, row.id, row.expires_at
+
+    token, token_id, expires_at = _run_on_tokens(work)
+    until = f", valid until {expires_at:%Y-%m-%d %H:%M} UTC" if expires_at is not None else ""
+    console.print(f"created {role} token {token_id}{until}; it is shown only now:")
     typer.echo(token)
+
+
+@admin_app.command("list-tokens")
+def list_tokens_cmd() -> None:
+    """List the API tokens (never their secrets): id, role, name, pools, created, expires, revoked."""
+    from sqlalchemy import select
+
+    from orchestrator.admin.models import ApiToken
+
+    async def work(session: AsyncSession) -> list[ApiToken]:
+        return list(
+            (await session.execute(select(ApiToken).order_by(ApiToken.created_at, ApiToken.id))).scalars()
+        )
+
+    table = Table("id", "role", "name", "pools", "created", "expires", "revoked")
+    for row in _run_on_tokens(work):
+        table.add_row(
+            row.id,
+            row.role,
+            row.name,
+            ", ".join(row.pool_ids or ()),
+            f"{row.created_at:%Y-%m-%d %H:%M}",
+            f"{row.expires_at:%Y-%m-%d %H:%M}" if row.expires_at else "",
+            f"{row.revoked_at:%Y-%m-%d %H:%M}" if row.revoked_at else "",
+        )
+    Console().print(table)
+
+
+@admin_app.command("revoke-token")
+def revoke_token_cmd(
+    token_id: Annotated[str, typer.Argument(help="The token's id (tok_...), not its secret")],
+) -> None:
+    """Revoke an API token at once and for good (every request with it is then 401)."""
+    from orchestrator.admin.tokens import revoke_token
+
+    async def work(session: AsyncSession) -> tuple[bool, Any]:
+        row = await revoke_token(session, token_id)
+        return row is not None, row.revoked_at if row is not None else None
+
+    found, revoked_at = _run_on_tokens(work)
+    if not found:
+        console.print(f"[red]no token {token_id}[/red] (see `orchestrator admin list-tokens`)")
+        raise typer.Exit(1)
+    console.print(f"token {token_id} revoked (at {revoked_at:%Y-%m-%d %H:%M:%S} UTC)")
 
 
 @keys_app.command("generate")

@@ -153,3 +153,79 @@ async def test_ban_needs_a_reason(
     r = await client.post(f"/v1/admin/nodes/{contributor.node_id}/ban", json={}, headers=admin_headers)
     problem(r, 422, "validation_failed")
     assert (await client.get("/v1/nodes/me", auth=contributor.node_auth)).status_code == 200
+
+
+async def test_admins_create_list_and_revoke_tokens_over_the_api(
+    app: Any, client: httpx.AsyncClient, app_state: Any, admin_headers: dict[str, str]
+) -> None:
+    from tests.tasks_helpers import pool_setup
+
+    async with pool_setup(app, app_state) as s:
+        r = await client.post(
+            "/v1/admin/tokens",
+            json={"role": "trainer", "name": "rl-run-7", "pool_ids": [s.pool_id]},
+            headers=admin_headers,
+        )
+        assert r.status_code == 201, r.text
+        created = r.json()
+        trainer = {"Authorization": f"Bearer {created['token']}"}
+        assert (created["role"], created["pool_ids"], created["expires_at"]) == ("trainer", [s.pool_id], None)
+        assert (await client.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=trainer)).status_code == 200
+
+        listed = (await client.get("/v1/admin/tokens", headers=admin_headers)).json()["items"]
+        mine = next(t for t in listed if t["id"] == created["id"])
+        assert "token" not in mine and mine["name"] == "rl-run-7" and mine["revoked_at"] is None
+        assert created["token"] not in str(listed)
+
+        for _ in range(2):  # revoking again changes nothing
+            r = await client.post(f"/v1/admin/tokens/{created['id']}/revoke", headers=admin_headers)
+            assert r.status_code == 200 and r.json()["revoked_at"] is not None
+        problem(await client.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=trainer), 401, "token_invalid")
+        audit = (await client.get("/v1/admin/audit", headers=admin_headers)).json()["items"]
+        actions = [e["action"] for e in audit if e["target_id"] == created["id"]]
+        assert sorted(actions) == ["token.create", "token.revoke"]
+        assert created["token"] not in str(audit)
+        problem(
+            await client.post("/v1/admin/tokens/tok_0000/revoke", headers=admin_headers),
+            404,
+            "token_not_found",
+        )
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        ({"role": "trainer", "name": "t"}, "needs at least one pool"),
+        ({"role": "validator", "name": "v", "pool_ids": ["pool_nope"]}, "no pool pool_nope"),
+        ({"role": "operator", "name": "o", "pool_ids": ["pool_nope"]}, "only validator and trainer"),
+    ],
+)
+async def test_a_token_scope_that_cannot_work_is_refused(
+    client: httpx.AsyncClient, admin_headers: dict[str, str], body: dict[str, Any], why: str
+) -> None:
+    r = await client.post("/v1/admin/tokens", json=body, headers=admin_headers)
+    assert why in problem(r, 422, "token_scope_invalid")["detail"]
+    assert (
+        len((await client.get("/v1/admin/tokens", headers=admin_headers)).json()["items"]) == 1
+    )  # the admin's
+
+
+async def test_only_admins_manage_tokens(client: httpx.AsyncClient, operator_headers: dict[str, str]) -> None:
+    problem(await client.get("/v1/admin/tokens", headers=operator_headers), 403, "role_forbidden")
+    r = await client.post("/v1/admin/tokens", json={"role": "admin", "name": "me"}, headers=operator_headers)
+    problem(r, 403, "role_forbidden")
+
+
+async def test_an_expired_token_is_refused(
+    client: httpx.AsyncClient, app_state: Any, admin_headers: dict[str, str]
+) -> None:
+    r = await client.post(
+        "/v1/admin/tokens", json={"role": "admin", "name": "short", "expires_in_s": 60}, headers=admin_headers
+    )
+    assert r.status_code == 201, r.text
+    short = {"Authorization": f"Bearer {r.json()['token']}"}
+    assert (await client.get("/v1/admin/nodes", headers=short)).status_code == 200
+    app_state.clock.advance(61)
+    r = await client.get("/v1/admin/nodes", headers=short)
+    problem(r, 401, "token_expired")
+    assert (await client.get("/v1/admin/nodes", headers=admin_headers)).status_code == 200

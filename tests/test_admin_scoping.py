@@ -32,6 +32,7 @@ SAMPLE_BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/v1/admin/pools/{pool_id}/invites"): {"expires_in_s": 3600},
     ("POST", "/v1/admin/pools/{pool_id}/blacklist"): {"provider_id": "{provider_id}", "reason": "mine now"},
     ("POST", "/v1/admin/nodes/{node_id}/ban"): {"reason": "mine now"},
+    ("POST", "/v1/admin/tokens"): {"role": "admin", "name": "intruder"},
     ("POST", "/v1/admin/providers/{provider_id}/deposits"): {"amount": 1},
     ("POST", "/v1/admin/verdicts/{verdict_id}/reverse"): {"reason": "mine now"},
     ("POST", "/v1/admin/payouts/{payout_id}/mark-paid"): {"external_reference": "mine now"},
@@ -173,6 +174,7 @@ async def test_no_admin_route_serves_or_changes_another_owners_pool(
         "verdict_id": verdict_id,
         "payout_id": payout_id,
         "iteration_id": iteration_id,
+        "token_id": owner_token_id,
     }
     secrets = [pool["id"], owner_token_id, node.node_id, node.provider_id]
     before = await _owner_view(client, owner, pool["id"], node)

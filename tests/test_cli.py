@@ -138,3 +138,52 @@ def test_migrate_creates_the_schema(tmp_path: Path) -> None:
     assert (tmp_path / "cli.db").exists()
     again = runner.invoke(app, ["migrate"], env={"ORCH_DB__URL": url})
     assert again.exit_code == 0
+
+
+def test_tokens_are_listed_and_revoked_from_the_command_line(database_url: str) -> None:
+    env = {"ORCH_DB__URL": database_url, "COLUMNS": "200"}
+    made = runner.invoke(
+        app, ["admin", "create-token", "--role", "admin", "--name", "ci", "--expires-in-days", "2"], env=env
+    )
+    assert made.exit_code == 0, made.output
+    token = made.stdout.strip().splitlines()[-1]
+    assert "valid until" in made.output
+
+    listed = runner.invoke(app, ["admin", "list-tokens"], env=env)
+    assert listed.exit_code == 0, listed.output
+    token_id = next(word for word in listed.stdout.split() if word.startswith("tok_"))
+    assert "ci" in listed.stdout and token not in listed.output
+
+    revoked = runner.invoke(app, ["admin", "revoke-token", token_id], env=env)
+    assert revoked.exit_code == 0, revoked.output
+    assert f"token {token_id} revoked" in revoked.output
+
+    async def stored() -> tuple[object, object]:
+        engine = create_async_engine(database_url)
+        try:
+            async with engine.connect() as conn:
+                row = (await conn.execute(select(ApiToken.revoked_at, ApiToken.expires_at))).one()
+                return row.revoked_at, row.expires_at
+        finally:
+            await engine.dispose()
+
+    revoked_at, expires_at = asyncio.run(stored())
+    assert revoked_at is not None and expires_at is not None
+
+    missing = runner.invoke(app, ["admin", "revoke-token", "tok_0000"], env=env)
+    assert missing.exit_code == 1 and "no token tok_0000" in missing.output
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (["--role", "operator", "--pool", "pool_x"], "validator and trainer tokens only"),
+        (["--role", "trainer", "--pool", "pool_nope"], "no pool pool_nope"),
+    ],
+)
+def test_create_token_refuses_a_scope_that_cannot_work(database_url: str, args: list[str], why: str) -> None:
+    result = runner.invoke(
+        app, ["admin", "create-token", *args], env={"ORCH_DB__URL": database_url, "COLUMNS": "200"}
+    )
+    assert result.exit_code == 2
+    assert why in result.output

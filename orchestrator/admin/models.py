@@ -25,3 +25,4 @@ class ApiToken(Base):
     )
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     revoked_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    expires_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), doc="null: never")

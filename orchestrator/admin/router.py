@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Path, Query
+from sqlalchemy import select
 
-from api_schemas.admin import BanIn, NodeDetailOut, StatusChangeOut
+from api_schemas.admin import BanIn, NodeDetailOut, StatusChangeOut, TokenCreatedOut, TokenIn, TokenOut
 from api_schemas.common import PROBLEM_RESPONSES, KeyId, Page
 from api_schemas.identity import NodeOut
-from orchestrator.admin import service
-from orchestrator.admin.tokens import AdminOnly
+from orchestrator.admin import service, tokens
+from orchestrator.admin.models import ApiToken
+from orchestrator.admin.tokens import AdminOnly, Role
+from orchestrator.audit.service import record
+from orchestrator.core.errors import NotFound
 from orchestrator.core.pagination import decode_cursor, encode_cursor
 from orchestrator.core.state import Session, State
 from orchestrator.identity import repository as repo
@@ -88,3 +93,76 @@ async def _detail(session: Session, state: State, node_id: str, node: Node) -> N
             for h in history
         ],
     )
+
+
+# ---------------------------------------------------------------- API tokens
+
+TokenId = Annotated[str, Path(min_length=1, max_length=32, pattern=r"^tok_[0-9a-f]+$")]
+
+
+def token_out(row: ApiToken) -> TokenOut:
+    return TokenOut(
+        id=row.id,
+        name=row.name,
+        role=row.role,
+        pool_ids=list(row.pool_ids or ()),
+        created_at=row.created_at,
+        expires_at=row.expires_at,
+        revoked_at=row.revoked_at,
+    )
+
+
+@router.get("/tokens", response_model=Page[TokenOut], summary="List API tokens (never their secrets), by id")
+async def list_tokens(
+    _: AdminOnly,
+    session: Session,
+    cursor: Annotated[str | None, Query(max_length=200)] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 100,
+) -> Page[TokenOut]:
+    stmt = select(ApiToken).order_by(ApiToken.id).limit(limit + 1)
+    if (after := decode_cursor(cursor)) is not None:
+        stmt = stmt.where(ApiToken.id > after)
+    rows = list((await session.execute(stmt)).scalars())
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return Page[TokenOut](
+        items=[token_out(r) for r in rows], next_cursor=encode_cursor(rows[-1].id) if more else None
+    )
+
+
+@router.post(
+    "/tokens",
+    response_model=TokenCreatedOut,
+    status_code=201,
+    summary="Create an API token; its secret is in this answer only",
+)
+async def create_token(
+    body: TokenIn, principal: AdminOnly, session: Session, state: State
+) -> TokenCreatedOut:
+    role = Role(body.role)
+    await tokens.check_scope(session, role, body.pool_ids)
+    now = state.clock.utcnow()
+    expires_at = now + dt.timedelta(seconds=body.expires_in_s) if body.expires_in_s is not None else None
+    secret, row = await tokens.create_token(
+        session, role=role, name=body.name, pool_ids=body.pool_ids, expires_at=expires_at, now=now
+    )
+    out = token_out(row)
+    await record(
+        session, principal, "token.create", target_type="token", target_id=row.id, after=out.model_dump()
+    )
+    return TokenCreatedOut(**out.model_dump(), token=secret)
+
+
+@router.post("/tokens/{token_id}/revoke", response_model=TokenOut, summary="Revoke an API token, for good")
+async def revoke_token(token_id: TokenId, principal: AdminOnly, session: Session, state: State) -> TokenOut:
+    before = await session.get(ApiToken, token_id)
+    was_revoked = before is not None and before.revoked_at is not None
+    row = await tokens.revoke_token(session, token_id, now=state.clock.utcnow())
+    if row is None:
+        raise NotFound("no token with this id", code="token_not_found")
+    out = token_out(row)
+    if not was_revoked and row.revoked_at is not None:
+        await record(
+            session, principal, "token.revoke", target_type="token", target_id=row.id, after=out.model_dump()
+        )
+    return out

@@ -6,6 +6,7 @@ needed against guessing); the plaintext is shown once, at creation.
 
 from __future__ import annotations
 
+import datetime as dt
 import enum
 import hashlib
 import hmac
@@ -21,8 +22,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from orchestrator.admin.models import ApiToken
 from orchestrator.core.db import utcnow
-from orchestrator.core.errors import Forbidden, Unauthorized
-from orchestrator.core.state import Session
+from orchestrator.core.errors import Forbidden, Unauthorized, UnprocessableEntity
+from orchestrator.core.state import Session, State
+from orchestrator.pools.models import Pool
 
 TOKEN_PREFIX = "orch_"  # noqa: S105 - a prefix, not a secret
 
@@ -50,8 +52,32 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
+async def check_scope(session: AsyncSession, role: Role, pool_ids: list[str]) -> None:
+    """Validator and trainer tokens act on the pools named at creation, which must exist; admin
+    and operator tokens take none (an operator acts on the pools it creates)."""
+    if role in (Role.validator, Role.trainer):
+        if not pool_ids:
+            raise UnprocessableEntity(
+                f"a {role.value} token needs at least one pool", code="token_scope_invalid"
+            )
+        known = set((await session.execute(select(Pool.id).where(Pool.id.in_(pool_ids)))).scalars())
+        if missing := sorted(set(pool_ids) - known):
+            raise UnprocessableEntity(f"no pool {', '.join(missing)}", code="token_scope_invalid")
+    elif pool_ids:
+        raise UnprocessableEntity(
+            f"only validator and trainer tokens are scoped to pools, not {role.value} tokens",
+            code="token_scope_invalid",
+        )
+
+
 async def create_token(
-    session: AsyncSession, *, role: Role, name: str, pool_ids: list[str] | None = None
+    session: AsyncSession,
+    *,
+    role: Role,
+    name: str,
+    pool_ids: list[str] | None = None,
+    expires_at: dt.datetime | None = None,
+    now: dt.datetime | None = None,
 ) -> tuple[str, ApiToken]:
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     row = ApiToken(
@@ -60,20 +86,26 @@ async def create_token(
         role=role.value,
         token_hash=hash_token(token),
         pool_ids=sorted(set(pool_ids)) if pool_ids else None,
-        created_at=utcnow(),
+        created_at=now or utcnow(),
+        expires_at=expires_at,
     )
     session.add(row)
     await session.flush()
     return token, row
 
 
-async def revoke_token(session: AsyncSession, token_id: str) -> bool:
-    row = await session.get(ApiToken, token_id)
-    if row is None or row.revoked_at is not None:
-        return False
-    row.revoked_at = utcnow()
-    await session.flush()
-    return True
+async def revoke_token(
+    session: AsyncSession, token_id: str, *, now: dt.datetime | None = None
+) -> ApiToken | None:
+    """Revoke a token (locked, so two revocations record one time); None if there is none.
+    A revoked token stays revoked: revoking it again changes nothing."""
+    row = (
+        await session.execute(select(ApiToken).where(ApiToken.id == token_id).with_for_update())
+    ).scalar_one_or_none()
+    if row is not None and row.revoked_at is None:
+        row.revoked_at = now or utcnow()
+        await session.flush()
+    return row
 
 
 bearer_scheme = HTTPBearer(
@@ -85,7 +117,9 @@ bearer_scheme = HTTPBearer(
 
 
 async def authenticate(
-    session: Session, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer_scheme)]
+    session: Session,
+    state: State,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer_scheme)],
 ) -> Principal:
     if credentials is None or credentials.scheme.lower() != "bearer":
         raise Unauthorized(
@@ -96,6 +130,10 @@ async def authenticate(
     if row is None or row.revoked_at is not None or not hmac.compare_digest(row.token_hash, digest):
         raise Unauthorized(
             "the bearer token is not valid", code="token_invalid", headers={"WWW-Authenticate": "Bearer"}
+        )
+    if row.expires_at is not None and row.expires_at <= state.clock.utcnow():
+        raise Unauthorized(
+            "the bearer token has expired", code="token_expired", headers={"WWW-Authenticate": "Bearer"}
         )
     structlog.contextvars.bind_contextvars(token_id=row.id)
     return Principal(
