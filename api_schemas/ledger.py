@@ -16,7 +16,8 @@ class Balances(BaseModel):
     stake_free: int = Field(description="Stake available to lock")
     stake_locked: int = Field(description="Stake locked by pool memberships")
     stake_unbonding: int = Field(
-        description="Stake released by a leave or ejection, waiting out the unbonding period"
+        description="Stake released by a leave or ejection, waiting out the unbonding period "
+        "(a fraud verdict can still slash it)"
     )
     rewards_pending: int = Field(description="Rewards inside the hold window (can still be slashed)")
     rewards_claimable: int = Field(description="Rewards that can be withdrawn")

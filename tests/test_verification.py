@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy import select
 
 from orchestrator.core.clock import FakeClock
+from orchestrator.ledger.jobs import release_once as stake_release_once
 from orchestrator.ledger.models import LedgerTransfer
 from orchestrator.tasks.models import Submission
 from orchestrator.verification import service
@@ -395,6 +396,55 @@ async def test_fraud_strikes_eject_the_node_and_then_ban_the_provider(
         b = await balances(client, w)
         assert b["stake_locked"] == 0 and b["stake_unbonding"] == 800
     await books_balance(app_state)
+
+
+async def test_leaving_before_the_verdict_does_not_escape_the_stake_slash(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    """The unbonding period is when stake can still be slashed: a node that submits a forged
+    result and leaves before the verifier decides it loses its slash from the stake unbonding,
+    and gets only the rest back when the period ends."""
+    econ = {**ECON, "unbonding_period_s": 86_400}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        w = s.workers[0]
+        await submit(w, await one_lease(s, w), ["5"], claimed_reward=1.0)
+        r = await w.client.post(f"/v1/pools/{s.pool_id}/leave", json={}, auth=w.contributor.node_auth)
+        assert r.status_code == 200, r.text
+        assert (await balances(client, w))["stake_unbonding"] == 1000
+        await verify_all(app_state)
+        [v] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (v["category"], v["reason"], v["slashed_amount"]) == ("fraud", "reward_forged", 200)
+        b = await balances(client, w)
+        assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (0, 800, 0)
+        clock.advance(86_401)
+        assert (await stake_release_once(app_state)).released == 1
+        b = await balances(client, w)
+        assert (b["stake_unbonding"], b["stake_free"]) == (0, 800)
+        await books_balance(app_state)
+
+
+async def test_an_appeal_gives_back_stake_slashed_while_it_was_unbonding(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    econ = {**ECON, "fraud_slash_amount": 1000, "unbonding_period_s": 86_400}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        w = s.workers[0]
+        await submit(w, await one_lease(s, w), ["4"], seed=99)
+        r = await w.client.post(f"/v1/pools/{s.pool_id}/leave", json={}, auth=w.contributor.node_auth)
+        assert r.status_code == 200, r.text
+        await verify_all(app_state)
+        [v] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (v["category"], v["slashed_amount"]) == ("fraud", 1000)
+        assert (await balances(client, w))["stake_unbonding"] == 0
+        clock.advance(86_401)
+        assert (await stake_release_once(app_state)).released == 0  # nothing left to release
+        r = await s.admin.post(
+            f"/v1/admin/verdicts/{v['id']}/reverse", json={"reason": "seed bug"}, headers=s.admin_headers
+        )
+        assert r.status_code == 200, r.text
+        b = await balances(client, w)
+        assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (0, 0, 1000)
+        await books_balance(app_state)
 
 
 async def test_an_appeal_reverses_a_fraud_verdict_with_compensating_transfers(

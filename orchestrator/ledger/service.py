@@ -473,6 +473,63 @@ async def start_unbonding(
     return unbonding
 
 
+async def slash_unbonding(
+    session: AsyncSession,
+    start_key: str,
+    amount: int,
+    *,
+    now: dt.datetime,
+    credit: AccountRef,
+    key: str,
+    actor: str,
+    memo: str | None = None,
+    reference: tuple[str, str] | None = None,
+) -> int:
+    """Slash up to ``amount`` of the stake still unbonding from the unbonding that the transfer
+    keyed ``start_key`` started (``stake_unbonding -> credit``), if it is not yet due: the
+    unbonding period is when stake that left a pool can still be slashed. The unbonding keeps
+    the rest, released when due; one slashed wholly is marked released (nothing is left to
+    release). Returns the amount slashed: 0 if there is no such unbonding, it is due or
+    released, or the release job holds it right now (taken ``SKIP LOCKED``: the release job
+    locks unbondings before their accounts, so a caller holding the accounts must not wait)."""
+    start = await _existing(session, start_key)
+    if start is None:
+        return 0
+    unbonding = (
+        await session.execute(
+            select(StakeUnbonding)
+            .where(
+                StakeUnbonding.start_transfer_id == start.id,
+                StakeUnbonding.released.is_(False),
+                StakeUnbonding.release_at > now,
+            )
+            .with_for_update(skip_locked=True)
+            .execution_options(populate_existing=True)
+        )
+    ).scalar_one_or_none()
+    if unbonding is None:
+        return 0
+    take = min(amount, unbonding.amount)
+    result = await transfer(
+        session,
+        debit=provider_account(unbonding.provider_id, ProviderAccount.stake_unbonding),
+        credit=credit,
+        amount=take,
+        key=key,
+        reason="slash_stake",
+        actor=actor,
+        memo=memo,
+        reference=reference,
+    )
+    if result.created:
+        if take == unbonding.amount:
+            unbonding.released = True
+        else:
+            unbonding.amount -= take
+        await session.flush()
+    return result.transfer.amount
+
+
 async def release_due_unbondings(session: AsyncSession, now: dt.datetime, *, limit: int = 500) -> int:
     """Move every unbonding whose time has come back to free stake; returns how many."""
     stmt = (

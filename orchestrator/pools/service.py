@@ -382,6 +382,12 @@ def _key(m: PoolMembership, what: str) -> str:
     return f"membership:{m.id}:{m.episode}:{what}"
 
 
+def unbonding_key(m: PoolMembership) -> str:
+    """The ledger key of the transfer that started the unbonding of ``m``'s stake when its
+    latest episode ended (no such transfer if that episode never became active)."""
+    return _key(m, "unbond")
+
+
 async def _end_membership(
     session: AsyncSession,
     pool: Pool,

@@ -883,15 +883,16 @@ async def _punish(
     membership = await _membership(session, pool.id, verdict.node_id)
     slashed = 0
     live = membership is not None and membership.status in ("active", "pending")
+    slash_key = f"submission:{verdict.submission_id}:slash-stake"
     if membership is not None and live and pool.fraud_slash_amount > 0 and membership.stake > 0:
-        # Only a live membership still has its stake locked; an ended one has unbonded it.
+        # A live membership has its stake locked.
         amount = min(pool.fraud_slash_amount, membership.stake)
         await ledger.transfer(
             session,
             debit=provider_account(verdict.provider_id, ProviderAccount.stake_locked),
             credit=_system_account(session, SystemAccount.slashed),
             amount=amount,
-            key=f"submission:{verdict.submission_id}:slash-stake",
+            key=slash_key,
             reason="slash_stake",
             actor="verifier",
             reference=reference,
@@ -899,6 +900,20 @@ async def _punish(
         )
         membership.stake -= amount
         slashed += amount
+    elif membership is not None and not live and pool.fraud_slash_amount > 0:
+        # An ended one (left, ejected, its pool completed) has its stake unbonding: slashable
+        # until the unbonding period ends, so that leaving before the verdict escapes nothing.
+        slashed += await ledger.slash_unbonding(
+            session,
+            pools_service.unbonding_key(membership),
+            pool.fraud_slash_amount,
+            now=now,
+            credit=_system_account(session, SystemAccount.slashed),
+            key=slash_key,
+            actor="verifier",
+            memo=f"fraud: {verdict.reason}",
+            reference=reference,
+        )
     holds = await _held(session, verdict)
     slashed += await _forfeit(
         session,
@@ -1170,7 +1185,9 @@ async def reverse_verdict(
     await _lock_for_appeal(session, verdict)
     memo = f"appeal: {reason}"
     try:
-        stake_back = await _reverse_stake_slash(session, verdict, actor=actor, memo=memo) if fraud else 0
+        stake_back, unbonding = (
+            await _reverse_stake_slash(session, verdict, actor=actor, memo=memo) if fraud else (0, False)
+        )
         await _give_back_forfeits(session, verdict, actor=actor, memo=memo)
         await _reverse_reward(session, verdict, actor=actor, memo=memo)
     except ledger.InsufficientFunds as exc:
@@ -1179,7 +1196,7 @@ async def reverse_verdict(
             code="reversal_impossible",
         ) from exc
     if fraud:
-        await _restore_after_fraud(session, verdict, stake_back, membership, actor=actor)
+        await _restore_after_fraud(session, verdict, stake_back, unbonding, membership, actor=actor)
     verdict.reversed_at = now
     verdict.reversal_reason = reason
     await session.flush()
@@ -1219,15 +1236,19 @@ async def _lock_for_appeal(session: AsyncSession, verdict: Verdict) -> None:
     await ledger.lock_accounts(session, refs, ids=[*(i for pair in transfers for i in pair), *forfeits])
 
 
-async def _reverse_stake_slash(session: AsyncSession, verdict: Verdict, *, actor: str, memo: str) -> int:
-    """The fraud verdict's stake slash, reversed; returns the amount (0 if it slashed none)."""
+async def _reverse_stake_slash(
+    session: AsyncSession, verdict: Verdict, *, actor: str, memo: str
+) -> tuple[int, bool]:
+    """The fraud verdict's stake slash, reversed; returns the amount (0 if it slashed none) and
+    whether it was slashed from stake unbonding (it is back there now) rather than locked."""
     slash = await ledger.by_key(session, f"submission:{verdict.submission_id}:slash-stake")
     if slash is None:
-        return 0
+        return 0, False
     await ledger.reverse(
         session, slash.id, key=f"verdict:{verdict.id}:reverse:{slash.id}", actor=actor, memo=memo
     )
-    return slash.amount
+    debit = await ledger.account_ref(session, slash.debit_account_id)
+    return slash.amount, debit.kind == ProviderAccount.stake_unbonding.value
 
 
 async def _give_back_forfeits(session: AsyncSession, verdict: Verdict, *, actor: str, memo: str) -> None:
@@ -1387,6 +1408,7 @@ async def _restore_after_fraud(
     session: AsyncSession,
     verdict: Verdict,
     stake_back: int,
+    unbonding: bool,
     membership: PoolMembership | None,
     *,
     actor: str,
@@ -1396,7 +1418,18 @@ async def _restore_after_fraud(
     trust.fraud = max(0, trust.fraud - 1)
     if stake_back <= 0:
         return
-    if membership is not None and membership.status in ("active", "pending"):
+    if unbonding:  # slashed from an ended membership's unbonding: free at once, like a release
+        await ledger.transfer(
+            session,
+            debit=provider_account(verdict.provider_id, ProviderAccount.stake_unbonding),
+            credit=provider_account(verdict.provider_id, ProviderAccount.stake_free),
+            amount=stake_back,
+            key=f"verdict:{verdict.id}:reverse:release",
+            reason="stake_release",
+            actor=actor,
+            reference=("verdict", str(verdict.id)),
+        )
+    elif membership is not None and membership.status in ("active", "pending"):
         membership.stake += stake_back  # locked again for the membership it was slashed from
     else:  # the membership is over: the restored stake is free
         await ledger.unlock_stake(
