@@ -269,3 +269,47 @@ async def test_a_join_racing_a_ban_of_its_node_is_refused_not_left_live(
         _, joined = await asyncio.gather(ban_slowly(), join_meanwhile())
         problem(joined, 403, "node_banned")
         assert w.node_id not in await statuses(s, other["id"])
+
+
+@postgres_only
+async def test_a_join_racing_the_verifiers_provider_ban_is_refused_not_left_live(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """The verifier bans a provider from a pool (its strike limit) in a verdict's transaction,
+    which ends the provider's live memberships there: a sibling node joining meanwhile waits
+    for it and is refused, instead of becoming a live member the ban never saw."""
+    import asyncio
+
+    from orchestrator.pools.models import Pool
+    from orchestrator.tasks.models import Submission
+    from orchestrator.verification import service as verification
+    from tests.conftest import new_contributor
+    from tests.tasks_helpers import client_for
+    from tests.verification_helpers import submit
+
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        await s.enqueue([task()], key="one")
+        await submit(w, (await w.claim(s.pool_id)).json()["leases"][0], ["4"], seed=1)
+        sibling = new_contributor(w.contributor.provider_key)
+        async with client_for(app) as c:
+            await sibling.register(c)
+
+            async def ban_slowly() -> None:
+                async with app_state.sessionmaker() as session, session.begin():
+                    submission = (await session.execute(select(Submission))).scalar_one()
+                    await verification.lock_for_verdicts(session, [submission])
+                    pool = await session.get(Pool, s.pool_id)
+                    assert pool is not None
+                    await pools_service.blacklist_for_fraud(
+                        session, pool, w.contributor.provider_id, reason="strikes", now=clock.utcnow()
+                    )
+                    await asyncio.sleep(0.5)  # the ban ended the memberships it saw; not committed
+
+            async def join_meanwhile() -> Any:
+                await asyncio.sleep(0.15)
+                return await c.post(f"/v1/pools/{s.pool_id}/join", json={}, auth=sibling.node_auth)
+
+            _, joined = await asyncio.gather(ban_slowly(), join_meanwhile())
+        problem(joined, 403, "provider_blacklisted")
+        assert await statuses(s, s.pool_id) == {w.node_id: "left"}

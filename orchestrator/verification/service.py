@@ -331,14 +331,24 @@ async def _submissions(session: AsyncSession, jobs: list[VerificationJob]) -> li
 
 
 async def lock_for_verdicts(session: AsyncSession, submissions: list[Submission]) -> None:
-    """Take up front, in the global lock order, what verdicts on ``submissions`` may lock: the
-    memberships of the providers concerned in those pools (by provider, then id, as pools lock
-    them), then every ledger account the verdicts may move money between (rewards, slashes,
-    ejections and blacklistings end memberships). The providers concerned are those of every
-    result for the same tasks, since a quorum decides them together. A transaction deciding
-    several verdicts calls this once, before the first."""
+    """Take up front, in the global lock order, what verdicts on ``submissions`` may lock: their
+    pools (shared), the memberships of the providers concerned in those pools (by provider,
+    then id, as pools lock them), then every ledger account the verdicts may move money
+    between (rewards, slashes, ejections and blacklistings end memberships). The providers
+    concerned are those of every result for the same tasks, since a quorum decides them
+    together. A transaction deciding several verdicts calls this once, before the first."""
     if not submissions:
         return
+    # First the pools, shared (batches do not wait for each other; a join, leave or ejection,
+    # which locks its pool for update, waits): a provider ban a verdict decides ends the
+    # provider's memberships in the pool, and a sibling node's join must not commit meanwhile
+    # a membership the ban did not see.
+    await session.execute(
+        select(Pool.id)
+        .where(Pool.id.in_({s.pool_id for s in submissions}))
+        .order_by(Pool.id)
+        .with_for_update(read=True)
+    )
     task_ids = {s.task_id for s in submissions}
     providers = set(
         (
