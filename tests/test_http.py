@@ -116,6 +116,54 @@ async def test_unhandled_errors_are_a_500_problem_without_internals(
     assert "do-not-log-me" not in logged
 
 
+# A statement the database refuses (a trigger stands in for a lost connection, a statement
+# timeout or a value the column cannot hold): the request fails with a 500 and is logged.
+_REFUSE_TASKS = {
+    "sqlite": [
+        "CREATE TRIGGER refuse_tasks BEFORE INSERT ON tasks BEGIN SELECT RAISE(ABORT, 'refused'); END"
+    ],
+    "postgresql": [
+        "CREATE FUNCTION refuse_tasks() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$ BEGIN RAISE EXCEPTION 'refused'; END $$",
+        "CREATE TRIGGER refuse_tasks BEFORE INSERT ON tasks FOR EACH ROW EXECUTE FUNCTION refuse_tasks()",
+    ],
+}
+_ALLOW_TASKS = {
+    "sqlite": ["DROP TRIGGER refuse_tasks"],
+    "postgresql": ["DROP TRIGGER refuse_tasks ON tasks", "DROP FUNCTION refuse_tasks()"],
+}
+
+
+async def test_a_database_error_is_logged_without_the_values_of_the_statement(
+    settings: Settings, clock: FakeClock, hot_store: HotStore, capsys: Any
+) -> None:
+    from sqlalchemy import text
+
+    from tests.tasks_helpers import pool_setup, task
+
+    app = create_app(settings, clock=clock, hot_store=hot_store)
+    async with LifespanManager(app), pool_setup(app, app.state.orch) as setup:
+        engine = app.state.orch.engine
+        dialect = engine.dialect.name
+        async with engine.begin() as conn:
+            for sql in _REFUSE_TASKS[dialect]:
+                await conn.execute(text(sql))
+        try:
+            body = {"batch_key": "b1", "tasks": [task(verification={"expected_answer": "answer-key-4217"})]}
+            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as c:
+                r = await c.post(f"/v1/admin/pools/{setup.pool_id}/tasks", json=body, headers=setup.headers)
+        finally:
+            async with engine.begin() as conn:
+                for sql in _ALLOW_TASKS[dialect]:
+                    await conn.execute(text(sql))
+    problem(r, 500, "internal_error")
+    logged = capsys.readouterr().out
+    assert "unhandled_error" in logged and "INSERT INTO tasks" in logged
+    # The task's answer key (and, elsewhere, signed bodies and signatures) stay out of the logs.
+    assert "answer-key-4217" not in logged
+
+
 async def _limited_app(settings: Settings, clock: FakeClock, hot_store: HotStore) -> Any:
     limited = settings.model_copy(
         update={"limits": LimitSettings(max_body_bytes=2048, max_result_body_bytes=4096)}

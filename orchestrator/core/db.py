@@ -74,10 +74,13 @@ def _sqlite_pragmas(engine: AsyncEngine) -> None:
 
 
 def make_engine(settings: DatabaseSettings) -> AsyncEngine:
+    # hide_parameters: a failed statement's error (logged with its traceback) and the echo log
+    # show the SQL without its values, which hold answer keys, signed bodies and signatures.
     if settings.is_sqlite:
         engine = create_async_engine(
             settings.url,
             echo=settings.echo,
+            hide_parameters=True,
             connect_args={"timeout": 30},
         )
         _sqlite_pragmas(engine)
@@ -85,6 +88,7 @@ def make_engine(settings: DatabaseSettings) -> AsyncEngine:
     return create_async_engine(
         settings.url,
         echo=settings.echo,
+        hide_parameters=True,
         pool_size=settings.pool_size,
         max_overflow=settings.max_overflow,
         # No pre-ping by default: it costs three round trips per checkout. A connection that
