@@ -222,7 +222,8 @@ class Settings(BaseSettings):
     )
 
     env: Literal["dev", "test", "prod"] = "dev"
-    log_level: str = "INFO"
+    # The level names that both uvicorn and structlog know.
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     log_json: bool = True
     seed_secret: SecretStr = Field(
         default=SecretStr(DEV_SEED_SECRET),
@@ -235,6 +236,11 @@ class Settings(BaseSettings):
     heartbeat: HeartbeatSettings = HeartbeatSettings()
     verifier: VerifierSettings = VerifierSettings()
     server: ServerSettings = ServerSettings()
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper_case_level(cls, level: object) -> object:
+        return level.strip().upper() if isinstance(level, str) else level
 
     @model_validator(mode="after")
     def _no_placeholder_secrets_in_prod(self) -> Settings:

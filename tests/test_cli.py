@@ -131,6 +131,18 @@ def test_serve_passes_the_trusted_proxies_to_uvicorn(tmp_path: Path, monkeypatch
         assert (seen[-1]["proxy_headers"], seen[-1]["forwarded_allow_ips"]) == (proxy_headers, allowed)
 
 
+def test_serve_refuses_an_unknown_log_level_before_starting(monkeypatch: pytest.MonkeyPatch) -> None:
+    import uvicorn
+
+    started: list[object] = []
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: started.append(kwargs))
+    result = runner.invoke(
+        app, ["serve"], env={"ORCH_LOG_LEVEL": "verbose", "ORCH_SERVER__MIGRATE_ON_START": "false"}
+    )
+    assert result.exit_code != 0 and not started
+    assert "log_level" in str(result.exception)
+
+
 def test_migrate_creates_the_schema(tmp_path: Path) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path / 'cli.db'}"
     result = runner.invoke(app, ["migrate"], env={"ORCH_DB__URL": url})

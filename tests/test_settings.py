@@ -79,3 +79,15 @@ def test_allowed_hosts_are_a_json_list_compared_in_lower_case(monkeypatch: pytes
     assert Settings().server.allowed_hosts == []
     monkeypatch.setenv("ORCH_SERVER__ALLOWED_HOSTS", '["API.example.org", " api2.example.org "]')
     assert Settings().server.allowed_hosts == ["api.example.org", "api2.example.org"]
+
+
+def test_an_unknown_log_level_is_refused_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    # uvicorn and structlog know different level names: one either does not know is refused
+    # here, naming the setting, instead of crashing inside uvicorn (KeyError: 'verbose') or at
+    # the first log line.
+    for level in ("verbose", "trace", "warn", "notset"):
+        monkeypatch.setenv("ORCH_LOG_LEVEL", level)
+        with pytest.raises(ValidationError, match="log_level"):
+            Settings()
+    monkeypatch.setenv("ORCH_LOG_LEVEL", "warning")
+    assert Settings().log_level == "WARNING"
