@@ -1,4 +1,4 @@
-"""Alembic environment: async engine, batch mode on SQLite, type comparison on."""
+"""Alembic environment: async engine, batch mode on SQLite, type and server default comparison on."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def _configure(connection: Connection | None = None, url: str | None = None) -> 
         url=url,
         target_metadata=target_metadata,
         compare_type=True,
+        compare_server_default=True,
         render_as_batch=is_sqlite,
         literal_binds=connection is None,
     )

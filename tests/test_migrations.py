@@ -55,7 +55,9 @@ async def _inspect(url: str) -> tuple[set[str], list[Any]]:
 
             def read(sync_conn: Any) -> tuple[set[str], list[Any]]:
                 tables = set(inspect(sync_conn).get_table_names())
-                ctx = MigrationContext.configure(sync_conn, opts={"compare_type": True})
+                ctx = MigrationContext.configure(
+                    sync_conn, opts={"compare_type": True, "compare_server_default": True}
+                )
                 return tables, compare_metadata(ctx, Base.metadata)
 
             return await conn.run_sync(read)

@@ -22,6 +22,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -70,9 +71,12 @@ class Pool(Base):
     audit_rate_floor: Mapped[float] = mapped_column(Float)
     max_async_level: Mapped[int] = mapped_column(Integer)
     max_leases_per_node: Mapped[int] = mapped_column(Integer)
-    reward_function: Mapped[str] = mapped_column(String(64), default="exact_match")
-    require_proof: Mapped[bool] = mapped_column(Boolean, default=False)
-    audit_method: Mapped[str] = mapped_column(String(16), default="replicate")
+    # The server defaults are migration 0006's, which added these columns to existing pools.
+    reward_function: Mapped[str] = mapped_column(
+        String(64), default="exact_match", server_default="exact_match"
+    )
+    require_proof: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    audit_method: Mapped[str] = mapped_column(String(16), default="replicate", server_default="replicate")
 
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
