@@ -128,18 +128,29 @@ def alive_cmd(
 
 @app.command("migrate")
 def migrate_cmd(
-    revision: Annotated[str, typer.Option(help="Target revision")] = "head",
-    downgrade: Annotated[bool, typer.Option(help="Downgrade to --revision instead")] = False,
+    revision: Annotated[
+        str | None, typer.Option(help="Target revision (upgrade: default head; downgrade: required)")
+    ] = None,
+    downgrade: Annotated[
+        bool, typer.Option(help="Downgrade to --revision (e.g. -1, 0014, or base: every table dropped)")
+    ] = False,
 ) -> None:
     """Upgrade (or downgrade) the database schema."""
     from orchestrator.core import migrate
 
     url = get_settings().db.url
     if downgrade:
-        migrate.downgrade(url, "base" if revision == "head" else revision)
+        if revision is None or revision == "head":
+            raise typer.BadParameter(
+                "a downgrade needs the revision to go down to: -1 (one step), a revision id such as "
+                "0014, or base (drops every table and its data)",
+                param_hint="--revision",
+            )
+        migrate.downgrade(url, revision)
     else:
+        revision = revision or "head"
         migrate.upgrade(url, revision)
-    console.print(f"[green]schema at {revision if not downgrade else 'requested revision'}[/green]")
+    console.print(f"[green]schema {'downgraded to' if downgrade else 'at'} {revision}[/green]")
 
 
 class NoSchema(Exception):

@@ -199,3 +199,32 @@ def test_create_token_refuses_a_scope_that_cannot_work(database_url: str, args: 
     )
     assert result.exit_code == 2
     assert why in result.output
+
+
+def test_a_downgrade_needs_an_explicit_revision(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'down.db'}"
+    assert runner.invoke(app, ["migrate"], env={"ORCH_DB__URL": url}).exit_code == 0
+    # `--downgrade` alone used to mean "down to base": every table dropped, data and all.
+    result = runner.invoke(app, ["migrate", "--downgrade"], env={"ORCH_DB__URL": url})
+    assert result.exit_code == 2 and "--revision" in result.output
+    assert "api_tokens" in _tables(url)
+    result = runner.invoke(app, ["migrate", "--downgrade", "--revision", "-1"], env={"ORCH_DB__URL": url})
+    assert result.exit_code == 0, result.output
+    assert "api_tokens" in _tables(url)
+    result = runner.invoke(app, ["migrate", "--downgrade", "--revision", "base"], env={"ORCH_DB__URL": url})
+    assert result.exit_code == 0, result.output
+    assert "api_tokens" not in _tables(url)
+
+
+def _tables(url: str) -> set[str]:
+    from sqlalchemy import inspect
+
+    async def read() -> set[str]:
+        engine = create_async_engine(url)
+        try:
+            async with engine.connect() as conn:
+                return set(await conn.run_sync(lambda sync: inspect(sync).get_table_names()))
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(read())
