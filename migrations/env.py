@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from alembic import context
+from sqlalchemy import event
 from sqlalchemy.engine import Connection
 
 from orchestrator.all_models import Base
@@ -42,6 +44,22 @@ def _run_sync(connection: Connection) -> None:
     _configure(connection=connection)
     with context.begin_transaction():
         context.run_migrations()
+        if connection.dialect.name == "sqlite":
+            broken = connection.exec_driver_sql("PRAGMA foreign_key_check").all()
+            if broken:
+                raise RuntimeError(
+                    f"the migrations left rows whose foreign keys point nowhere: {broken[:10]}"
+                )
+
+
+def _foreign_keys_off(dbapi_conn: Any, _record: Any) -> None:
+    # SQLite's recipe for altering a table (https://sqlite.org/lang_altertable.html): batch mode
+    # rebuilds it (copy, DROP, rename), and with foreign keys enforced the DROP of a table that
+    # other rows refer to fails. So they are off while migrating (the pragma is a no-op inside a
+    # transaction: this runs on connect, before it), and foreign_key_check runs at the end.
+    cursor = dbapi_conn.cursor()
+    cursor.execute("PRAGMA foreign_keys=OFF")
+    cursor.close()
 
 
 async def run_migrations_online() -> None:
@@ -50,6 +68,8 @@ async def run_migrations_online() -> None:
         await connection.run_sync(_run_sync)
         return
     engine = make_engine(DatabaseSettings(url=_url()))
+    if engine.dialect.name == "sqlite":
+        event.listen(engine.sync_engine, "connect", _foreign_keys_off)  # after make_engine's pragmas
     try:
         async with engine.connect() as conn:
             await conn.run_sync(_run_sync)

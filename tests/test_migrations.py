@@ -552,3 +552,109 @@ def test_0015_records_who_ejected_earlier_ejections(scratch_url: str) -> None:
         (5, None),
         (6, None),
     ]
+
+
+async def _seed_task_in_progress(url: str) -> None:
+    """A task with a leased replica: rows of other tables (replicas, leases) refer to it."""
+    from orchestrator.identity.models import Node, Provider
+    from orchestrator.tasks.models import Assignment, Task, TaskBatch, TaskReplica
+
+    at = dt.datetime(2026, 11, 30, 12, tzinfo=dt.UTC)
+    node, provider = "N" * 43, "P" * 43
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as conn:
+            await _seed_pool(conn)
+            await conn.execute(Provider.__table__.insert(), [{"id": provider, "created_at": at}])
+            await conn.execute(Node.__table__.insert(), [node_row(node, provider, at)])
+            await conn.execute(
+                TaskBatch.__table__.insert(),
+                [
+                    {
+                        "id": 1,
+                        "pool_id": "pool-mig",
+                        "batch_key": "b",
+                        "body_sha256": "0" * 64,
+                        "task_count": 1,
+                        "created_by": "t",
+                    }
+                ],
+            )
+            await conn.execute(
+                Task.__table__.insert(),
+                [
+                    {
+                        "id": 1,
+                        "pool_id": "pool-mig",
+                        "batch_id": 1,
+                        "batch_index": 0,
+                        "prompt": "p",
+                        "sampling": {},
+                        "replication": 1,
+                        "min_quorum": 1,
+                        "claim_rank": 0,
+                        "status": "open",
+                        "available_replicas": 0,
+                    }
+                ],
+            )
+            await conn.execute(
+                TaskReplica.__table__.insert(),
+                [
+                    {
+                        "id": 1,
+                        "task_id": 1,
+                        "replica_index": 0,
+                        "seed": 1,
+                        "status": "leased",
+                        "leases_issued": 1,
+                    }
+                ],
+            )
+            await conn.execute(
+                Assignment.__table__.insert(),
+                [
+                    {
+                        "id": "a1",
+                        "task_id": 1,
+                        "replica_id": 1,
+                        "pool_id": "pool-mig",
+                        "node_id": node,
+                        "provider_id": provider,
+                        "fencing_token": 1,
+                        "policy_step": 1,
+                        "status": "active",
+                        "lease_expires_at": at,
+                        "created_at": at,
+                    }
+                ],
+            )
+    finally:
+        await engine.dispose()
+
+
+async def _counts(url: str) -> dict[str, int]:
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            return {
+                table: (await conn.execute(text(f"SELECT count(*) FROM {table}"))).scalar_one()
+                for table in ("tasks", "task_replicas", "assignments")
+            }
+    finally:
+        await engine.dispose()
+
+
+def test_migrations_rebuild_tables_without_losing_or_refusing_the_rows_that_refer_to_them(
+    scratch_url: str,
+) -> None:
+    # On SQLite, batch mode rebuilds a table to alter it (0006 and 0012 rebuild tasks): copy,
+    # DROP, rename. With foreign keys enforced, that DROP of a table other rows refer to failed
+    # ("FOREIGN KEY constraint failed"), so a database with tasks could neither be upgraded past
+    # those revisions nor downgraded below them.
+    upgrade(scratch_url)
+    asyncio.run(_seed_task_in_progress(scratch_url))
+    downgrade(scratch_url, "0005")
+    assert asyncio.run(_counts(scratch_url)) == {"tasks": 1, "task_replicas": 1, "assignments": 1}
+    upgrade(scratch_url)
+    assert asyncio.run(_counts(scratch_url)) == {"tasks": 1, "task_replicas": 1, "assignments": 1}
