@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 import httpx
+from pydantic import SecretStr
 from sqlalchemy import select, update
 
 from orchestrator.audit.models import AuditEntry
@@ -14,6 +15,9 @@ from orchestrator.tasks.models import TaskReplica
 from orchestrator.tasks.seeds import derive_seed
 from tests.conftest import make_token, postgres_only, problem
 from tests.tasks_helpers import pool_setup, task
+from tests.verification_helpers import FixedDraw, submit, verdicts, verify_all
+
+ECON = {"min_stake_per_node": 1000, "reward_per_sample": 7, "fraud_slash_amount": 200}
 
 
 async def test_policy_steps_must_increase(app: Any, app_state: Any) -> None:
@@ -153,6 +157,26 @@ async def test_seeds_are_assigned_by_the_server_per_replica(app: Any, app_state:
         assert seeds == [derive_seed(secret, task_id, i) for i in range(3)]
         assert len(set(seeds)) == 3
         assert derive_seed(b"another secret", task_id, 0) != seeds[0]
+
+
+async def test_a_seed_secret_change_keeps_the_seeds_already_handed_out(app: Any, app_state: Any) -> None:
+    """The seeds are recorded with the replicas: after ORCH_SEED_SECRET changes (a rotation, or
+    a background process started with another one), a result echoing the seed its lease gave is
+    still the assigned seed, not fraud; replicas made afterwards get seeds of the new secret."""
+    app_state.rng = FixedDraw(1.0)  # no audit
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        await s.enqueue([task()], key="before")
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        await submit(w, lease, ["4"])
+        app_state.settings = app_state.settings.model_copy(update={"seed_secret": SecretStr("rotated")})
+        await verify_all(app_state)
+        [v] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (v["outcome"], v["category"], v["reason"]) == ("accepted", "valid", "verified")
+        assert v["slashed_amount"] == 0 and v["reward_amount"] == 7
+        after = (await s.enqueue([task()], key="after")).json()["first_task_id"]
+        detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{after}", headers=s.headers)).json()
+        assert detail["replicas"][0]["seed"] == derive_seed(b"rotated", after, 0)
 
 
 async def test_operators_can_cancel_a_task(app: Any, app_state: Any) -> None:

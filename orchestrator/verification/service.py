@@ -400,7 +400,7 @@ async def _run_checks(
     correct = sum(1 for r in per_sample if r) if checkable else len(per_sample)
 
     expect = checks.Expectations(
-        seed=derive_seed(secret, task.id, replica.replica_index),
+        seed=replica.seed,  # as recorded when the replica was made, whatever the secret is now
         n=int(task.sampling.get("n", 1)),
         max_tokens=int(task.sampling["max_tokens"]),
         current_step=submission.policy_current_step,
