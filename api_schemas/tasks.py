@@ -7,7 +7,7 @@ import datetime as dt
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import AwareDatetime, BaseModel, Field, field_validator, model_validator
 
 from api_schemas.common import StrictModel, Text
 
@@ -73,9 +73,9 @@ class TaskIn(StrictModel):
         default=False,
         description="A task with a known answer that workers cannot tell apart; a wrong answer is fraud",
     )
-    deadline_at: dt.datetime | None = Field(
+    deadline_at: AwareDatetime | None = Field(
         default=None,
-        description="After it the task is no longer leased, its results are refused "
+        description="With a UTC offset. After it the task is no longer leased, its results are refused "
         "(409 deadline_passed) and the lease reaper fails it",
     )
 

@@ -64,3 +64,13 @@ async def test_a_result_after_the_deadline_is_refused_and_the_reaper_fails_the_t
         # The reaper does it once.
         clock.advance(10)
         assert (await reap_once(app_state)).past_deadline == 0
+
+
+async def test_a_deadline_without_a_utc_offset_is_refused(app: Any, app_state: Any) -> None:
+    """A deadline without an offset names no instant: 422, and the batch is not enqueued."""
+    async with pool_setup(app, app_state) as s:
+        r = await s.enqueue([task("whenever"), task("naive", deadline_at="2030-01-01T00:00:00")])
+        body = problem(r, 422, "validation_failed")
+        assert body["errors"][0]["loc"] == ["body", "tasks", 1, "deadline_at"]
+        listing = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)).json()
+        assert listing["items"] == []
