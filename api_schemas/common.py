@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Generic, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -35,6 +36,24 @@ KeyId = Annotated[
     Field(min_length=43, max_length=43, examples=["Q2FsbWx5IGFuZCBjYXJlZnVsbHkgc2lnbmVkIGtleSE"]),
     AfterValidator(_check_key_id),
 ]
+
+
+def _finite_json(value: dict[str, Any]) -> dict[str, Any]:
+    stack: list[Any] = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ValueError("NaN and Infinity are not JSON numbers")
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return value
+
+
+# A JSON object kept in a JSON column: Python's JSON parser accepts the bare words NaN and
+# Infinity, which PostgreSQL's json type refuses (a 500) and SQLite's would serve back as null.
+JsonObject = Annotated[dict[str, Any], AfterValidator(_finite_json)]
 
 
 class StrictModel(BaseModel):

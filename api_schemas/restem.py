@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import AwareDatetime, BaseModel, Field, model_validator
 
-from api_schemas.common import StrictModel, Text
+from api_schemas.common import JsonObject, StrictModel, Text
 
 IterationStatus = Literal["running", "complete", "expired"]
 
@@ -26,11 +26,11 @@ class ProblemIn(StrictModel):
     problem_id: Text = Field(min_length=1, max_length=200, description="Your id; unique in the iteration")
     prompt: Text | None = Field(default=None, min_length=1, max_length=1_000_000)
     problem_ref: Text | None = Field(default=None, min_length=1, max_length=500)
-    verification: dict[str, Any] = Field(
+    verification: JsonObject = Field(
         min_length=1,
         description='How the server checks a sample (e.g. {"answer": "4"}); never shown to workers',
     )
-    metadata: dict[str, Any] | None = Field(
+    metadata: JsonObject | None = Field(
         default=None, description="Shown to workers, kept with the tasks; `restem` is added by the server"
     )
 

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, Field, field_validator, model_validator
 
-from api_schemas.common import StrictModel, Text
+from api_schemas.common import JsonObject, StrictModel, Text
 
 SHA256 = r"^[0-9a-f]{64}$"
 MAX_PROOF_BYTES = 8 * 1024 * 1024
@@ -58,13 +58,11 @@ class TaskIn(StrictModel):
         description="Reference into a problem set the workers can resolve",
     )
     sampling: Sampling
-    verification: dict[str, Any] | None = Field(
+    verification: JsonObject | None = Field(
         default=None,
         description="How the server checks results (e.g. expected answer); never shown to workers",
     )
-    metadata: dict[str, Any] | None = Field(
-        default=None, description="Opaque to the server, shown to workers"
-    )
+    metadata: JsonObject | None = Field(default=None, description="Opaque to the server, shown to workers")
     replication: int | None = Field(
         default=None, ge=1, le=16, description="Default: the pool's replication factor"
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import math
 from typing import Any
 
 import pytest
@@ -417,3 +418,23 @@ async def test_an_iteration_is_not_complete_while_a_cancelled_tasks_result_waits
         assert r.status_code == 200, r.text
         assert (await get(s, it["id"]))["status"] == "complete"
         assert len((await dataset(s, it["id"])).splitlines()) == 2  # the two correct samples
+
+
+async def test_problems_with_nul_text_or_nan_json_are_refused(app: Any, app_state: Any) -> None:
+    """As for tasks: a NUL character in text or NaN in JSON cannot be stored (PostgreSQL) and
+    is a 422 naming the problem, with no iteration started."""
+    async with pool_setup(app, app_state) as s:
+        for i, bad in enumerate(({"prompt": "2+2\u0000?"}, {"metadata": {"x": math.nan}})):
+            body = iteration_body(name=f"it-{i}")
+            body["problems"][1] |= bad
+            content = json.dumps(body).encode()  # NaN as the bare word, which Python parses
+            r = await s.admin.post(
+                base(s), content=content, headers={**s.headers, "Content-Type": "application/json"}
+            )
+            assert problem(r, 422, "validation_failed")["errors"][0]["loc"][:4] == [
+                "body",
+                "problems",
+                1,
+                next(iter(bad)),
+            ]
+        assert (await s.admin.get(base(s), headers=s.headers)).json()["items"] == []

@@ -113,6 +113,39 @@ async def test_enqueue_is_atomic_and_idempotent_by_batch_key(app: Any, app_state
         assert len(listing["items"]) == 50
 
 
+async def test_text_with_nul_and_json_with_nan_are_refused_not_stored(app: Any, app_state: Any) -> None:
+    """PostgreSQL stores neither a NUL character in text nor NaN or Infinity in JSON (Python's
+    JSON parser accepts the bare words), and SQLite would serve NaN back to workers as null:
+    such a policy or batch is a 422 naming the field, and nothing is recorded."""
+    async with pool_setup(app, app_state, step=None) as s:
+        policies = f"/v1/admin/pools/{s.pool_id}/policies"
+        version = {"step": 1, "uri": "s3://ckpt/step-1", "sha256": "a" * 64, "size": 2}
+        shard = {"uri": "s3://ckpt/step-1/0", "sha256": "b" * 64, "bytes": 2}
+        for bad in ({"uri": "s3://ckpt/\u0000"}, {"shards": [{**shard, "uri": "s3://\u0000"}]}):
+            r = await s.admin.post(policies, headers=s.headers, json={**version, **bad})
+            problem(r, 422, "validation_failed")
+        assert (await s.admin.get(policies, headers=s.headers)).json() == []
+
+        good = '{"prompt": "What is 2+2?", "sampling": {"max_tokens": 8}'
+        for i, bad_task in enumerate(
+            (
+                '{"prompt": "2+2\\u0000?", "sampling": {"max_tokens": 8}}',
+                '{"problem_ref": "math/\\u0000", "sampling": {"max_tokens": 8}}',
+                good + ', "metadata": {"difficulty": NaN}}',
+                good + ', "verification": {"answer": "4", "tolerance": [Infinity]}}',
+            )
+        ):
+            body = f'{{"batch_key": "b-{i}", "tasks": [{good}}}, {bad_task}]}}'
+            r = await s.admin.post(
+                f"/v1/admin/pools/{s.pool_id}/tasks",
+                content=body.encode(),
+                headers={**s.headers, "Content-Type": "application/json"},
+            )
+            assert problem(r, 422, "validation_failed")["errors"][0]["loc"][:3] == ["body", "tasks", 1]
+        listing = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)).json()
+        assert listing["items"] == []
+
+
 async def test_enqueue_refuses_tasks_whose_reward_could_never_be_paid(app: Any, app_state: Any) -> None:
     """A pool stored before reward_per_sample was bounded may pay more per sample than a result
     of many samples can be paid in one ledger transfer (10^15): such tasks are refused when
