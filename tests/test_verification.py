@@ -15,7 +15,7 @@ from orchestrator.ledger.jobs import release_once as stake_release_once
 from orchestrator.ledger.models import LedgerTransfer
 from orchestrator.tasks.models import Submission
 from orchestrator.verification import service
-from orchestrator.verification.jobs import release_once
+from orchestrator.verification.jobs import release_once, verify_once
 from orchestrator.verification.models import Verdict, VerificationJob
 from tests.tasks_helpers import pool_setup, task
 from tests.verification_helpers import (
@@ -558,3 +558,44 @@ async def test_results_waiting_for_a_quorum_that_can_never_meet_are_inconclusive
         [v] = await verdicts(s.admin, s.headers, s.pool_id)
         assert (v["outcome"], v["category"], v["reason"]) == ("rejected", "inconclusive", "task_abandoned")
         assert v["reward_amount"] == 0 and v["slashed_amount"] == 0
+
+
+async def test_a_result_checked_after_its_task_was_cancelled_is_still_decided(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A result of a replicated task that came in before the operator cancelled the task, but
+    was checked after, cannot meet its siblings (their replicas are cancelled): it is decided as
+    one waiting at the cancel is, not left without a verdict for ever."""
+    async with pool_setup(app, app_state, workers=2, replication_factor=2) as s:
+        r = await s.enqueue([{"prompt": "Name a colour.", "sampling": {"max_tokens": 8}}])
+        task_id = r.json()["first_task_id"]
+        first = (await s.workers[0].claim(s.pool_id)).json()["leases"][0]
+        assert (await s.workers[1].claim(s.pool_id)).json()["leases"]  # then never answers
+        await submit(s.workers[0], first, ["red"])
+        cancel = await s.admin.post(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}/cancel", headers=s.headers)
+        assert cancel.json()["status"] == "cancelled"
+        await verify_all(app_state)
+        clock.advance(app_state.settings.verifier.quorum_wait_s + 60)
+        await verify_once(app_state)
+        [v] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (v["outcome"], v["category"], v["reason"]) == ("rejected", "inconclusive", "task_abandoned")
+        assert v["reward_amount"] == 0 and v["slashed_amount"] == 0
+
+
+async def test_a_result_of_a_cancelled_task_is_not_audited_by_a_replica(app: Any, app_state: Any) -> None:
+    """A cancelled task is never leased again, so an audit replica of it could never be answered
+    and the audited result would wait for ever: the audit is skipped and the result decided on
+    its checks, with the reason in the verdict."""
+    app_state.rng = FixedDraw(0.0)  # every result is drawn for an audit
+    async with pool_setup(app, app_state, workers=2) as s:
+        r = await s.enqueue([{"prompt": "Name the capital of France.", "sampling": {"max_tokens": 64}}])
+        task_id = r.json()["first_task_id"]
+        lease = (await s.workers[0].claim(s.pool_id)).json()["leases"][0]
+        await submit(s.workers[0], lease, ["Paris"])
+        cancel = await s.admin.post(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}/cancel", headers=s.headers)
+        assert cancel.json()["status"] == "cancelled"
+        await verify_all(app_state)
+        [v] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (v["outcome"], v["category"]) == ("accepted", "valid")
+        assert "audit_skipped" in v["details"]
+        assert (await s.workers[1].claim(s.pool_id)).json()["reason"] == "no_tasks"

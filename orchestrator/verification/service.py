@@ -82,6 +82,7 @@ from orchestrator.verification.scoring import Scorer, Unscorable
 
 log = structlog.get_logger(__name__)
 
+ENDED = ("cancelled", "failed")  # task statuses that are never leased again
 MAX_EXTRA_REPLICAS = 2  # an undecided quorum may add this many replicas before it is inconclusive
 # On PostgreSQL the verifier's backlog is split by provider into PARTITIONS, each worked by one
 # batch at a time (a transaction-scoped advisory lock on (VERIFIER_LOCK, partition)): a
@@ -463,15 +464,20 @@ async def _run_checks(
             )
             await session.flush()
             return
-        if await _can_repeat(session, pool.id, submission):
+        if task.status not in ENDED and await _can_repeat(session, pool.id, submission):
             job.stage = "quorum"
             task.min_quorum = max(task.min_quorum, 2)
             await _add_replica(session, task, secret=secret, now=now)
             return
-        # Nobody could take the replica (the placement rule wants another provider and address),
+        # Nobody could take the replica (the task was cancelled or failed and is never leased
+        # again, or the placement rule wants another provider and address that the pool lacks),
         # so it would wait forever, and this result with it. Decided on its checks instead.
         job.audited = False
-        details["audit_skipped"] = "no healthy member of another provider and address can repeat it"
+        details["audit_skipped"] = (
+            f"the task is {task.status}"
+            if task.status in ENDED
+            else "no healthy member of another provider and address can repeat it"
+        )
     decision = by_reward(checkable, correct, details, "reward")
     await decide(session, job, submission, decision, now=now, trust=trust)
 
@@ -550,8 +556,12 @@ async def try_quorum(
             )
         ).scalars()
     )
-    if len(jobs) < task.replication or any(j.stage == "checks" for j in jobs):
-        return  # replicas still out, or results not yet checked
+    if any(j.stage == "checks" for j in jobs):
+        return  # results not yet checked: the last one checked decides
+    if len(jobs) < task.replication:
+        if task.status in ENDED:  # cancelled or failed: the replicas still out never report
+            await settle_abandoned(session, task.id, now=now)
+        return  # replicas still out
     waiting = [j for j in jobs if j.stage == "quorum"]
     if not waiting:
         return
@@ -579,7 +589,11 @@ async def try_quorum(
                 decision = Decision("rejected", "fraud", "quorum_minority", "quorum", details)
             await decide(session, job, submission, decision, now=now)
         return
-    if timeout_note is None and task.replication < task.min_quorum + MAX_EXTRA_REPLICAS:
+    if (
+        timeout_note is None
+        and task.status not in ENDED
+        and task.replication < task.min_quorum + MAX_EXTRA_REPLICAS
+    ):
         await _add_replica(session, task, secret=secret, now=now)
         return
     reason = "no_quorum" if timeout_note is None else "quorum_timeout"
@@ -726,8 +740,9 @@ async def _expire_wait(
 
 
 async def settle_abandoned(session: AsyncSession, task_id: int, *, now: dt.datetime) -> int:
-    """A task that was cancelled or failed while results waited for their quorum: those results
-    can never be compared, so they are decided as inconclusive (no reward, no slash)."""
+    """A task that was cancelled or failed while results waited for their quorum (or before
+    their checks, which then call this through ``try_quorum``): those results can never be
+    compared, so they are decided as inconclusive (no reward, no slash)."""
     waiting = list(
         (
             await session.execute(
