@@ -74,3 +74,25 @@ async def test_a_deadline_without_a_utc_offset_is_refused(app: Any, app_state: A
         assert body["errors"][0]["loc"] == ["body", "tasks", 1, "deadline_at"]
         listing = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)).json()
         assert listing["items"] == []
+
+
+async def test_a_deadline_already_past_is_refused_but_a_replay_is_not(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A task whose deadline has passed could never be leased: the batch is refused (422
+    deadline_passed, naming the tasks) rather than accepted and failed by the reaper. A batch
+    accepted in time and sent again once its deadline passed is still the same batch (200)."""
+    async with pool_setup(app, app_state) as s:
+        r = await s.enqueue(
+            [task("timely", deadline_at=at(clock, 60)), task("late", deadline_at=at(clock, 0))]
+        )
+        assert problem(r, 422, "deadline_passed")["task_indexes"] == [1]
+        listing = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)).json()
+        assert listing["items"] == []
+
+        tasks = [task("timely", deadline_at=at(clock, 60))]
+        first = await s.enqueue(tasks, key="in-time")
+        assert first.status_code == 201
+        clock.advance(61)
+        again = await s.enqueue(tasks, key="in-time")
+        assert again.status_code == 200 and again.json()["batch_id"] == first.json()["batch_id"]

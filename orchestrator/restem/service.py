@@ -178,7 +178,7 @@ async def create(
             for p in body.problems
         ],
     )
-    result = await tasks_service.enqueue(session, pool, batch, secret=secret, actor=actor)
+    result = await tasks_service.enqueue(session, pool, batch, secret=secret, actor=actor, now=now)
     task_ids = {
         row.batch_index: row.id
         for row in (

@@ -254,6 +254,7 @@ async def enqueue(
         body,
         secret=state.settings.seed_key,
         actor=principal.token_id,
+        now=state.clock.utcnow(),
     )
     if result.created:
         await record(

@@ -51,7 +51,7 @@ from api_schemas.tasks import (
     TaskBatchIn,
 )
 from orchestrator.core.db import UTCDateTime
-from orchestrator.core.errors import Conflict, NotFound, ServiceUnavailable
+from orchestrator.core.errors import Conflict, NotFound, ServiceUnavailable, UnprocessableEntity
 from orchestrator.core.signing import SignedRequest
 from orchestrator.core.sql import is_postgres
 from orchestrator.identity.auth import banned_node, unknown_node
@@ -137,7 +137,7 @@ class EnqueueResult:
 
 
 async def enqueue(
-    session: AsyncSession, pool: Pool, body: TaskBatchIn, *, secret: bytes, actor: str
+    session: AsyncSession, pool: Pool, body: TaskBatchIn, *, secret: bytes, actor: str, now: dt.datetime
 ) -> EnqueueResult:
     """Insert a batch of tasks and their replicas atomically; idempotent by ``batch_key``."""
     digest = hashlib.sha256(body.model_dump_json().encode()).hexdigest()
@@ -147,7 +147,13 @@ async def enqueue(
     if pool.status == "completed":
         raise Conflict("the pool is completed", code="pool_completed")
     _rewards_fit(pool, body)
-    now = dt.datetime.now(dt.UTC)
+    past = [i for i, t in enumerate(body.tasks) if t.deadline_at is not None and t.deadline_at <= now]
+    if past:
+        raise UnprocessableEntity(
+            f"the deadline_at of {len(past)} task(s) is already past; such a task could never be leased",
+            code="deadline_passed",
+            extra={"task_indexes": past[:100]},
+        )
     batch = TaskBatch(
         pool_id=pool.id,
         batch_key=body.batch_key,
