@@ -164,6 +164,26 @@ async def test_enqueue_refuses_tasks_whose_reward_could_never_be_paid(app: Any, 
         assert len(listing["items"]) == 1  # only the batch that fits
 
 
+async def test_enqueue_refuses_more_replicas_than_the_pool_admits_nodes(app: Any, app_state: Any) -> None:
+    """Replicas of a task go to different nodes; a pool capped at max_nodes can never lease
+    more replicas of one task than that (its replication_factor is held to the cap already),
+    so a task asking for more would stay open for ever: refused, naming the tasks."""
+    async with pool_setup(app, app_state) as s:
+        r = await s.admin.patch(
+            f"/v1/admin/pools/{s.pool_id}", json={"caps": {"max_nodes": 2}}, headers=s.headers
+        )
+        assert r.status_code == 200, r.text
+        body = problem(
+            await s.enqueue([task(replication=2), task(replication=3)], key="b-1"),
+            409,
+            "replication_exceeds_max_nodes",
+        )
+        assert body["task_indexes"] == [1] and body["max_nodes"] == 2
+        assert (await s.enqueue([task(replication=2)], key="b-2")).status_code == 201
+        listing = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)).json()
+        assert [t["replication"] for t in listing["items"]] == [2]
+
+
 async def test_enqueue_refuses_more_than_10000_tasks(app: Any, app_state: Any) -> None:
     async with pool_setup(app, app_state) as s:
         body = {"batch_key": "big", "tasks": [task()] * 10_001}

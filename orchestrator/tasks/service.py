@@ -147,6 +147,7 @@ async def enqueue(
     if pool.status == "completed":
         raise Conflict("the pool is completed", code="pool_completed")
     _rewards_fit(pool, body)
+    _replicas_fit(pool, body)
     past = [i for i, t in enumerate(body.tasks) if t.deadline_at is not None and t.deadline_at <= now]
     if past:
         raise UnprocessableEntity(
@@ -233,6 +234,23 @@ def _rewards_fit(pool: Pool, body: TaskBatchIn) -> None:
             "lower the pool's reward_per_sample or the tasks' n",
             code="reward_exceeds_ledger_limit",
             extra={"task_indexes": over[:100], "max_amount": MAX_AMOUNT},
+        )
+
+
+def _replicas_fit(pool: Pool, body: TaskBatchIn) -> None:
+    """A task's replicas go to different nodes, so a pool capped at ``max_nodes`` leases at most
+    that many of one task (its ``replication_factor`` is held to the cap by the pool settings);
+    a task asking for more would stay open for ever."""
+    cap = pool.max_nodes
+    if cap is None:
+        return
+    over = [i for i, t in enumerate(body.tasks) if (t.replication or pool.replication_factor) > cap]
+    if over:
+        raise Conflict(
+            f"{len(over)} task(s) ask for more replicas than the pool admits nodes (caps.max_nodes "
+            f"{cap}); replicas go to different nodes, so such a task could never be done",
+            code="replication_exceeds_max_nodes",
+            extra={"task_indexes": over[:100], "max_nodes": cap},
         )
 
 
