@@ -658,3 +658,119 @@ def test_migrations_rebuild_tables_without_losing_or_refusing_the_rows_that_refe
     assert asyncio.run(_counts(scratch_url)) == {"tasks": 1, "task_replicas": 1, "assignments": 1}
     upgrade(scratch_url)
     assert asyncio.run(_counts(scratch_url)) == {"tasks": 1, "task_replicas": 1, "assignments": 1}
+
+
+async def _seed_payouts(url: str) -> None:
+    """Three payouts of one provider, each with its withdrawal: requested, paid and rejected."""
+    from orchestrator.identity.models import Provider
+    from orchestrator.ledger.models import LedgerAccount, LedgerTransfer
+    from orchestrator.payouts.models import Payout
+
+    at = dt.datetime(2026, 12, 1, 12, tzinfo=dt.UTC)
+    provider = "P" * 43
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(Provider.__table__.insert(), [{"id": provider, "created_at": at}])
+            await conn.execute(
+                LedgerAccount.__table__.insert(),
+                [
+                    {
+                        "id": i,
+                        "owner_type": "provider",
+                        "owner_id": provider,
+                        "kind": kind,
+                        "balance": 0,
+                        "allow_negative": False,
+                        "created_at": at,
+                    }
+                    for i, kind in ((1, "rewards_claimable"), (2, "withdrawn"))
+                ],
+            )
+            keys = {i: f"withdrawal:{provider}:key-{i}" for i in (1, 2, 3)}
+            await conn.execute(
+                LedgerTransfer.__table__.insert(),
+                [
+                    {
+                        "id": i,
+                        "idempotency_key": keys[i],
+                        "debit_account_id": 1,
+                        "credit_account_id": 2,
+                        "amount": 10 * i,
+                        "reason": "withdrawal",
+                        "actor": "test",
+                        "created_at": at,
+                    }
+                    for i in keys
+                ],
+            )
+            # Every row names every column: an executemany takes its columns from the first row.
+            unset = dict.fromkeys(
+                ("paid_at", "paid_by", "external_reference", "rejected_at", "rejected_by", "rejection_reason")
+            )
+            rows = [
+                {"status": "requested"},
+                {"status": "paid", "paid_at": at, "paid_by": "tok-admin", "external_reference": "wire-2"},
+                {
+                    "status": "rejected",
+                    "rejected_at": at,
+                    "rejected_by": "tok-admin",
+                    "rejection_reason": "bad destination",
+                },
+            ]
+            await conn.execute(
+                Payout.__table__.insert(),
+                [
+                    {
+                        "id": i,
+                        "provider_id": provider,
+                        "amount": 10 * i,
+                        "idempotency_key": keys[i],
+                        "transfer_id": i,
+                        "requested_at": at,
+                        **unset,
+                        **row,
+                    }
+                    for i, row in enumerate(rows, start=1)
+                ],
+            )
+    finally:
+        await engine.dispose()
+
+
+async def _payouts_and_revision(url: str, sql: str | None = None) -> tuple[list[Any], str]:
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as conn:
+            if sql is not None:
+                await conn.execute(text(sql))
+            payouts = (
+                await conn.execute(
+                    text("SELECT id, status, amount, external_reference FROM payouts ORDER BY id")
+                )
+            ).all()
+            revision = (await conn.execute(text("SELECT version_num FROM alembic_version"))).scalar_one()
+            return [tuple(p) for p in payouts], revision
+    finally:
+        await engine.dispose()
+
+
+def test_0018_downgrade_refuses_to_drop_rejected_payouts_and_keeps_the_others(scratch_url: str) -> None:
+    # 0017 has no rejected status: as a requested payout, a rejected one (whose money went back
+    # to claimable rewards) would be paid again, so the downgrade refuses while one exists.
+    upgrade(scratch_url)
+    asyncio.run(_seed_payouts(scratch_url))
+    everything = [(1, "requested", 10, None), (2, "paid", 20, "wire-2"), (3, "rejected", 30, None)]
+    with pytest.raises(RuntimeError, match="1 payouts are rejected"):
+        downgrade(scratch_url, "0017")
+    assert asyncio.run(_payouts_and_revision(scratch_url)) == (everything, "0018")
+
+    kept = everything[:2]
+    assert asyncio.run(_payouts_and_revision(scratch_url, "DELETE FROM payouts WHERE id = 3")) == (
+        kept,
+        "0018",
+    )
+    downgrade(scratch_url, "0017")
+    assert asyncio.run(_payouts_and_revision(scratch_url)) == (kept, "0017")
+    upgrade(scratch_url)
+    assert asyncio.run(_payouts_and_revision(scratch_url)) == (kept, "0018")

@@ -1,7 +1,9 @@
-"""Tables for payouts: one row per withdrawal, settled off-chain and then marked paid.
+"""Tables for payouts: one row per withdrawal, settled off-chain and then marked paid, or rejected.
 
 The money moved when the payout was requested (``rewards_claimable -> withdrawn``, the ledger
-transfer named by ``transfer_id``); this row tracks the settlement of that money outside.
+transfer named by ``transfer_id``); this row tracks the settlement of that money outside. A
+rejected payout's money went back (``withdrawn -> rewards_claimable``, the transfer that
+reverses ``transfer_id``).
 """
 
 from __future__ import annotations
@@ -17,19 +19,25 @@ ID = BigInteger().with_variant(Integer, "sqlite")
 KEY_ID = String(43)
 TOKEN_ID = String(32)
 
+STATUS_KNOWN = "status IN ('requested', 'paid', 'rejected')"
+_UNPAID = "paid_at IS NULL AND paid_by IS NULL AND external_reference IS NULL"
+_UNREJECTED = "rejected_at IS NULL AND rejected_by IS NULL AND rejection_reason IS NULL"
+FIELDS_MATCH_STATUS = (
+    f"(status = 'requested' AND {_UNPAID} AND {_UNREJECTED})"
+    " OR (status = 'paid' AND paid_at IS NOT NULL AND paid_by IS NOT NULL"
+    f" AND external_reference IS NOT NULL AND {_UNREJECTED})"
+    " OR (status = 'rejected' AND rejected_at IS NOT NULL AND rejected_by IS NOT NULL"
+    f" AND rejection_reason IS NOT NULL AND {_UNPAID})"
+)
+
 
 class Payout(Base):
     __tablename__ = "payouts"
     __table_args__ = (
         UniqueConstraint("provider_id", "idempotency_key"),
         CheckConstraint("amount > 0", name="amount_positive"),
-        CheckConstraint("status IN ('requested', 'paid')", name="status_known"),
-        CheckConstraint(
-            "(status = 'requested' AND paid_at IS NULL AND paid_by IS NULL AND external_reference IS NULL)"
-            " OR (status = 'paid' AND paid_at IS NOT NULL AND paid_by IS NOT NULL"
-            " AND external_reference IS NOT NULL)",
-            name="paid_fields_match_status",
-        ),
+        CheckConstraint(STATUS_KNOWN, name="status_known"),
+        CheckConstraint(FIELDS_MATCH_STATUS, name="fields_match_status"),
         Index("ix_payouts_provider_id_id", "provider_id", "id"),
         Index("ix_payouts_status_id", "status", "id"),
     )
@@ -48,3 +56,6 @@ class Payout(Base):
     requested_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     paid_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
     paid_by: Mapped[str | None] = mapped_column(TOKEN_ID, doc="Token id of whoever marked it paid")
+    rejected_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    rejected_by: Mapped[str | None] = mapped_column(TOKEN_ID, doc="Token id of whoever rejected it")
+    rejection_reason: Mapped[str | None] = mapped_column(String(500))
