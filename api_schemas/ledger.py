@@ -21,7 +21,10 @@ class Balances(BaseModel):
     )
     rewards_pending: int = Field(description="Rewards inside the hold window (can still be slashed)")
     rewards_claimable: int = Field(description="Rewards that can be withdrawn")
-    withdrawn: int = Field(description="Rewards withdrawn so far")
+    withdrawn: int = Field(
+        description="Rewards withdrawn into payouts, requested or paid (a rejected payout's amount "
+        "went back to rewards_claimable)"
+    )
 
 
 class DepositIn(StrictModel):

@@ -7,13 +7,14 @@ import enum
 
 from pydantic import BaseModel, Field
 
-from api_schemas.common import StrictModel
+from api_schemas.common import StrictModel, Text
 from api_schemas.ledger import AMOUNT_DOC, Balances
 
 
 class PayoutStatus(enum.StrEnum):
     requested = "requested"
     paid = "paid"
+    rejected = "rejected"
 
 
 class ExportFormat(enum.StrEnum):
@@ -32,7 +33,8 @@ class PayoutOut(BaseModel):
     provider_id: str = Field(description="The provider being paid")
     amount: int = Field(description=AMOUNT_DOC)
     status: PayoutStatus = Field(
-        description="requested: withdrawn from the ledger, waiting for settlement; paid: settled"
+        description="requested: withdrawn from the ledger, waiting for settlement; paid: settled; "
+        "rejected: not settled, the amount went back to the provider's claimable rewards"
     )
     transfer_id: int = Field(description="The ledger transfer that moved claimable rewards to withdrawn")
     requested_at: dt.datetime = Field(description="When the withdrawal was requested")
@@ -40,10 +42,13 @@ class PayoutOut(BaseModel):
     external_reference: str | None = Field(
         description="The settlement's reference outside this service (e.g. a bank or chain transaction)"
     )
+    rejected_at: dt.datetime | None = Field(description="When an admin rejected it")
+    rejection_reason: str | None = Field(description="Why an admin rejected it")
 
 
 class AdminPayoutOut(PayoutOut):
     paid_by: str | None = Field(description="Token id of the admin who marked it paid")
+    rejected_by: str | None = Field(description="Token id of the admin who rejected it")
 
 
 class WithdrawalOut(BaseModel):
@@ -58,4 +63,13 @@ class MarkPaidIn(StrictModel):
         pattern=r"^[^\x00-\x1f\x7f]+$",
         description="Reference of the off-chain settlement (no control characters). Marking a paid "
         "payout again with the same reference changes nothing; another reference is refused (409).",
+    )
+
+
+class RejectPayoutIn(StrictModel):
+    reason: Text = Field(
+        min_length=1,
+        max_length=500,
+        description="Why the payout cannot be settled (kept on the payout, shown to the provider, "
+        "audited). Rejecting a rejected payout again changes nothing and keeps the first reason.",
     )

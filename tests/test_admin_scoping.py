@@ -36,6 +36,7 @@ SAMPLE_BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/v1/admin/providers/{provider_id}/deposits"): {"amount": 1},
     ("POST", "/v1/admin/verdicts/{verdict_id}/reverse"): {"reason": "mine now"},
     ("POST", "/v1/admin/payouts/{payout_id}/mark-paid"): {"external_reference": "mine now"},
+    ("POST", "/v1/admin/payouts/{payout_id}/reject"): {"reason": "mine now"},
     ("POST", "/v1/admin/pools/{pool_id}/restem/iterations"): {
         "name": "intruder",
         "policy_step": 1,

@@ -1,4 +1,5 @@
-"""Withdrawals of claimable rewards, payouts marked paid by an admin, and the settlement export."""
+"""Withdrawals of claimable rewards, payouts marked paid or rejected by an admin, and the settlement
+export."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from orchestrator.ledger.service import ProviderAccount, SystemAccount, provider
 from orchestrator.payouts import export
 from orchestrator.payouts import service as payouts
 from orchestrator.payouts.models import Payout
-from tests.conftest import Contributor, make_token, new_contributor, problem
+from tests.conftest import Contributor, make_token, new_contributor, postgres_only, problem
+from tests.verification_helpers import books_balance
 
 EXPORT_COLUMNS = [
     "payout_id",
@@ -30,6 +32,8 @@ EXPORT_COLUMNS = [
     "requested_at",
     "paid_at",
     "external_reference",
+    "rejected_at",
+    "rejection_reason",
 ]
 
 
@@ -76,6 +80,34 @@ async def mark_paid(
     return await client.post(
         f"/v1/admin/payouts/{payout_id}/mark-paid", json={"external_reference": reference}, headers=headers
     )
+
+
+async def reject(
+    client: httpx.AsyncClient, headers: dict[str, str], payout_id: int, reason: Any
+) -> httpx.Response:
+    return await client.post(
+        f"/v1/admin/payouts/{payout_id}/reject", json={"reason": reason}, headers=headers
+    )
+
+
+async def api_balances(client: httpx.AsyncClient, who: Contributor) -> dict[str, int]:
+    r = await client.get("/v1/providers/me/balance", auth=who.provider_auth)
+    assert r.status_code == 200, r.text
+    body: dict[str, int] = r.json()
+    return body
+
+
+async def audit_actions(app_state: Any, payout_id: int) -> list[str]:
+    async with app_state.sessionmaker() as session:
+        return list(
+            (
+                await session.scalars(
+                    select(AuditEntry.action)
+                    .where(AuditEntry.target_type == "payout", AuditEntry.target_id == str(payout_id))
+                    .order_by(AuditEntry.id)
+                )
+            ).all()
+        )
 
 
 def claimable_and_withdrawn(b: dict[str, int]) -> tuple[int, int]:
@@ -349,7 +381,12 @@ async def test_payout_administration_is_for_admins_only(
         problem(await client.get("/v1/admin/payouts", headers=headers), 403, "role_forbidden")
         problem(await client.get("/v1/admin/payouts/export", headers=headers), 403, "role_forbidden")
         problem(await mark_paid(client, headers, payout_id, "wire-1"), 403, "role_forbidden")
+        problem(await reject(client, headers, payout_id, "bad destination"), 403, "role_forbidden")
     problem(await client.get("/v1/admin/payouts"), 401, "token_missing")
+    r = await client.post(f"/v1/admin/payouts/{payout_id}/reject", json={"reason": "bad destination"})
+    problem(r, 401, "token_missing")
+    assert claimable_and_withdrawn(await api_balances(client, contributor)) == (0, 10)
+    assert await audit_actions(app_state, payout_id) == []
     problem(await client.get("/v1/admin/payouts/export?format=jsonl"), 401, "token_missing")
     mine = (await client.get("/v1/providers/me/payouts", auth=contributor.provider_auth)).json()["items"]
     assert [p["status"] for p in mine] == ["requested"]
@@ -397,13 +434,220 @@ async def test_a_provider_sees_only_its_own_payouts_newest_first(
     assert [p["id"] for p in filtered.json()["items"]] == [theirs["id"]]
 
 
+# ------------------------------------------------------------------ rejections
+
+
+async def test_rejecting_a_payout_gives_its_amount_back_to_claimable_once(
+    client: httpx.AsyncClient, app_state: Any, contributor: Contributor, admin_headers: dict[str, str]
+) -> None:
+    await give_claimable(app_state, contributor.provider_id, 1000)
+    requested = (await withdraw(client, contributor, 300, "withdraw-0011")).json()["payout"]
+    assert claimable_and_withdrawn(await api_balances(client, contributor)) == (700, 300)
+
+    r = await reject(client, admin_headers, requested["id"], "the IBAN does not exist")
+    assert r.status_code == 200, r.text
+    rejected = r.json()
+    assert rejected["status"] == "rejected"
+    assert rejected["rejection_reason"] == "the IBAN does not exist"
+    assert rejected["rejected_at"] is not None and rejected["rejected_by"].startswith("tok_")
+    assert (rejected["paid_at"], rejected["paid_by"], rejected["external_reference"]) == (None, None, None)
+    assert {k: rejected[k] for k in ("id", "amount", "transfer_id", "requested_at")} == {
+        k: requested[k] for k in ("id", "amount", "transfer_id", "requested_at")
+    }
+    assert claimable_and_withdrawn(await api_balances(client, contributor)) == (1000, 0)
+    await books_balance(app_state)
+
+    # The transfer that gave it back is keyed by the payout and reverses the withdrawal.
+    async with app_state.sessionmaker() as session:
+        back = await ledger.by_key(session, payouts.reject_key(requested["id"]))
+    assert back is not None
+    assert (back.amount, back.reason, back.reverses_transfer_id) == (
+        300,
+        "payout_rejected",
+        requested["transfer_id"],
+    )
+    assert (back.reference_type, back.reference_id) == ("payout", str(requested["id"]))
+
+    # Again (a retry, or another admin with another reason): the same answer, nothing moves.
+    for reason in ("the IBAN does not exist", "another reason"):
+        again = await reject(client, admin_headers, requested["id"], reason)
+        assert again.status_code == 200 and again.json() == rejected
+    assert claimable_and_withdrawn(await api_balances(client, contributor)) == (1000, 0)
+    assert await count(app_state, LedgerTransfer, LedgerTransfer.reason == "payout_rejected") == 1
+    assert await audit_actions(app_state, requested["id"]) == ["payout.reject"]
+    async with app_state.sessionmaker() as session:
+        entry = (
+            await session.execute(select(AuditEntry).where(AuditEntry.action == "payout.reject"))
+        ).scalar_one()
+    assert (entry.actor, entry.before) == (rejected["rejected_by"], {"status": "requested"})
+    assert entry.after == {
+        "status": "rejected",
+        "reason": "the IBAN does not exist",
+        "provider_id": contributor.provider_id,
+        "amount": 300,
+        "transfer_id": back.id,
+    }
+
+    # Both views show it, the provider's without the admin's token id.
+    mine = (await client.get("/v1/providers/me/payouts", auth=contributor.provider_auth)).json()["items"]
+    assert mine == [{k: v for k, v in rejected.items() if k not in ("paid_by", "rejected_by")}]
+    listed = (await client.get("/v1/admin/payouts?status=rejected", headers=admin_headers)).json()["items"]
+    assert listed == [rejected]
+    assert (await client.get("/v1/admin/payouts?status=requested", headers=admin_headers)).json()[
+        "items"
+    ] == []
+
+
+async def test_the_money_of_a_rejected_payout_can_be_withdrawn_again(
+    client: httpx.AsyncClient, app_state: Any, contributor: Contributor, admin_headers: dict[str, str]
+) -> None:
+    await give_claimable(app_state, contributor.provider_id, 500)
+    first = (await withdraw(client, contributor, 500, "withdraw-0012")).json()["payout"]
+    assert (await reject(client, admin_headers, first["id"], "provider asked to cancel")).status_code == 200
+
+    # A retry of the first withdrawal's key is still that (rejected) withdrawal: nothing moves.
+    retry = await withdraw(client, contributor, 500, "withdraw-0012")
+    assert retry.status_code == 200, retry.text
+    assert (retry.json()["payout"]["id"], retry.json()["payout"]["status"]) == (first["id"], "rejected")
+    assert claimable_and_withdrawn(retry.json()["balances"]) == (500, 0)
+
+    second = await withdraw(client, contributor, 500, "withdraw-0013")
+    assert second.status_code == 201, second.text
+    assert claimable_and_withdrawn(second.json()["balances"]) == (0, 500)
+    second_id = second.json()["payout"]["id"]
+    assert (await mark_paid(client, admin_headers, second_id, "wire-0013")).status_code == 200
+    mine = (await client.get("/v1/providers/me/payouts", auth=contributor.provider_auth)).json()["items"]
+    assert [(p["id"], p["status"]) for p in mine] == [(second_id, "paid"), (first["id"], "rejected")]
+    problem(await withdraw(client, contributor, 1, "withdraw-0014"), 409, "insufficient_funds")
+    assert claimable_and_withdrawn(await api_balances(client, contributor)) == (0, 500)
+    await books_balance(app_state)
+
+
+async def test_a_paid_payout_cannot_be_rejected_nor_a_rejected_one_paid(
+    client: httpx.AsyncClient, app_state: Any, contributor: Contributor, admin_headers: dict[str, str]
+) -> None:
+    await give_claimable(app_state, contributor.provider_id, 100)
+    paid_id = (await withdraw(client, contributor, 60, "withdraw-0015")).json()["payout"]["id"]
+    rejected_id = (await withdraw(client, contributor, 40, "withdraw-0016")).json()["payout"]["id"]
+    paid = (await mark_paid(client, admin_headers, paid_id, "wire-0015")).json()
+    rejected = (await reject(client, admin_headers, rejected_id, "sanctions hold")).json()
+
+    body = problem(await reject(client, admin_headers, paid_id, "too late"), 409, "payout_already_paid")
+    assert body["external_reference"] == "wire-0015"
+    body = problem(await mark_paid(client, admin_headers, rejected_id, "wire-0016"), 409, "payout_rejected")
+    assert body["rejection_reason"] == "sanctions hold"
+
+    listed = {
+        p["id"]: p for p in (await client.get("/v1/admin/payouts", headers=admin_headers)).json()["items"]
+    }
+    assert listed == {paid_id: paid, rejected_id: rejected}
+    assert claimable_and_withdrawn(await api_balances(client, contributor)) == (40, 60)
+    assert await audit_actions(app_state, paid_id) == ["payout.mark_paid"]
+    assert await audit_actions(app_state, rejected_id) == ["payout.reject"]
+    await books_balance(app_state)
+
+
+async def test_reject_refuses_unknown_payouts_and_bad_reasons(
+    client: httpx.AsyncClient, app_state: Any, contributor: Contributor, admin_headers: dict[str, str]
+) -> None:
+    for unknown in ("999999", "0", "not-a-number", str(2**63)):
+        r = await client.post(
+            f"/v1/admin/payouts/{unknown}/reject", json={"reason": "no such payout"}, headers=admin_headers
+        )
+        problem(r, 404, "payout_not_found")
+    await give_claimable(app_state, contributor.provider_id, 10)
+    payout_id = (await withdraw(client, contributor, 10, "withdraw-0017")).json()["payout"]["id"]
+    for bad in ("", "x" * 501, "nul\x00inside", None, 7):
+        problem(await reject(client, admin_headers, payout_id, bad), 422, "validation_failed")
+    url = f"/v1/admin/payouts/{payout_id}/reject"
+    for body in ({}, {"reason": "ok", "refund": True}):
+        problem(await client.post(url, json=body, headers=admin_headers), 422, "validation_failed")
+    problem(await client.post(url, headers=admin_headers), 422, "validation_failed")
+    listed = (await client.get("/v1/admin/payouts", headers=admin_headers)).json()["items"]
+    assert [p["status"] for p in listed] == ["requested"]
+    assert claimable_and_withdrawn(await api_balances(client, contributor)) == (0, 10)
+    assert await audit_actions(app_state, payout_id) == []
+    # The longest reason is kept whole.
+    r = await reject(client, admin_headers, payout_id, "é" * 500)
+    assert r.status_code == 200 and r.json()["rejection_reason"] == "é" * 500
+
+
+async def _held(app_state: Any, payout_id: int, *requests: Any) -> list[httpx.Response]:
+    """Start ``requests`` (one after another, 0.2 s apart) while another transaction holds the
+    payout's row lock, so that they all read the payout before any of them settles it."""
+    async with app_state.sessionmaker() as session, session.begin():
+        await session.execute(select(Payout).where(Payout.id == payout_id).with_for_update())
+        started = []
+        for request in requests:
+            started.append(asyncio.create_task(request))
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1.0)
+        assert not any(t.done() for t in started)
+    return list(await asyncio.wait_for(asyncio.gather(*started), timeout=60))
+
+
+@postgres_only
+@pytest.mark.parametrize("first", ["reject", "mark-paid"])
+async def test_a_reject_racing_a_mark_paid_settles_the_payout_one_way(
+    client: httpx.AsyncClient,
+    app_state: Any,
+    contributor: Contributor,
+    admin_headers: dict[str, str],
+    first: str,
+) -> None:
+    await give_claimable(app_state, contributor.provider_id, 100)
+    payout_id = (await withdraw(client, contributor, 100, "withdraw-0018")).json()["payout"]["id"]
+    other_admin = {"Authorization": f"Bearer {await make_token(app_state, 'admin', 'second')}"}
+    rejecting = reject(client, admin_headers, payout_id, "bad destination")
+    paying = mark_paid(client, other_admin, payout_id, "wire-0018")
+    ordered = (rejecting, paying) if first == "reject" else (paying, rejecting)
+    responses = await _held(app_state, payout_id, *ordered)
+    rejected, paid = responses if first == "reject" else reversed(responses)
+
+    assert sorted([rejected.status_code, paid.status_code]) == [200, 409], [rejected.text, paid.text]
+    listed = (await client.get("/v1/admin/payouts", headers=admin_headers)).json()["items"]
+    if rejected.status_code == 200:
+        problem(paid, 409, "payout_rejected")
+        assert listed == [rejected.json()]
+        assert claimable_and_withdrawn(await api_balances(client, contributor)) == (100, 0)
+        assert await audit_actions(app_state, payout_id) == ["payout.reject"]
+    else:
+        problem(rejected, 409, "payout_already_paid")
+        assert listed == [paid.json()]
+        assert claimable_and_withdrawn(await api_balances(client, contributor)) == (0, 100)
+        assert await audit_actions(app_state, payout_id) == ["payout.mark_paid"]
+    await books_balance(app_state)
+
+
+@postgres_only
+async def test_two_rejects_at_once_give_the_money_back_once_and_are_audited_once(
+    client: httpx.AsyncClient, app_state: Any, contributor: Contributor, admin_headers: dict[str, str]
+) -> None:
+    await give_claimable(app_state, contributor.provider_id, 100)
+    payout_id = (await withdraw(client, contributor, 100, "withdraw-0019")).json()["payout"]["id"]
+    other_admin = {"Authorization": f"Bearer {await make_token(app_state, 'admin', 'second')}"}
+    a, b = await _held(
+        app_state,
+        payout_id,
+        reject(client, admin_headers, payout_id, "bad destination"),
+        reject(client, other_admin, payout_id, "sanctions hold"),
+    )
+    assert (a.status_code, b.status_code) == (200, 200), [a.text, b.text]
+    assert a.json() == b.json()
+    assert claimable_and_withdrawn(await api_balances(client, contributor)) == (100, 0)
+    assert await count(app_state, LedgerTransfer, LedgerTransfer.reason == "payout_rejected") == 1
+    assert await audit_actions(app_state, payout_id) == ["payout.reject"]
+    await books_balance(app_state)
+
+
 # ------------------------------------------------------------------ export
 
 
 async def _settlement_fixture(
     client: httpx.AsyncClient, app_state: Any, admin_headers: dict[str, str], contributor: Contributor
 ) -> list[dict[str, Any]]:
-    """Five payouts from two providers, two of them paid; returns the admin view, oldest first."""
+    """Five payouts from two providers, two of them paid and one rejected; returns the admin view,
+    oldest first."""
     other = new_contributor()
     await other.register(client)
     await give_claimable(app_state, contributor.provider_id, 1000)
@@ -414,6 +658,9 @@ async def _settlement_fixture(
     oldest_first = list(reversed(listed))
     for p, ref in ((oldest_first[1], 'bank "A", batch 7'), (oldest_first[3], "0xabc=1+2")):
         assert (await mark_paid(client, admin_headers, p["id"], ref)).status_code == 200
+    assert (
+        await reject(client, admin_headers, oldest_first[2]["id"], 'bad IBAN, "DE00"\n')
+    ).status_code == 200
     return list(reversed((await client.get("/v1/admin/payouts", headers=admin_headers)).json()["items"]))
 
 
@@ -426,6 +673,8 @@ def _expected(p: dict[str, Any]) -> dict[str, Any]:
         "requested_at": dt.datetime.fromisoformat(p["requested_at"]),
         "paid_at": dt.datetime.fromisoformat(p["paid_at"]) if p["paid_at"] else None,
         "external_reference": p["external_reference"],
+        "rejected_at": dt.datetime.fromisoformat(p["rejected_at"]) if p["rejected_at"] else None,
+        "rejection_reason": p["rejection_reason"],
     }
 
 
@@ -437,6 +686,8 @@ def _parsed(record: dict[str, Any]) -> dict[str, Any]:
         "requested_at": dt.datetime.fromisoformat(record["requested_at"]),
         "paid_at": dt.datetime.fromisoformat(record["paid_at"]) if record["paid_at"] else None,
         "external_reference": record["external_reference"] or None,
+        "rejected_at": dt.datetime.fromisoformat(record["rejected_at"]) if record["rejected_at"] else None,
+        "rejection_reason": record["rejection_reason"] or None,
     }
 
 
@@ -466,6 +717,11 @@ async def test_the_csv_export_parses_back_to_the_payouts(
     rows = [_parsed(row) for row in csv.DictReader(io.StringIO(paid.text, newline=""))]
     assert rows == [_expected(p) for p in payouts if p["status"] == "paid"]
     assert [row["external_reference"] for row in rows] == ['bank "A", batch 7', "0xabc=1+2"]
+
+    rejected = await client.get("/v1/admin/payouts/export?status=rejected", headers=admin_headers)
+    rows = [_parsed(row) for row in csv.DictReader(io.StringIO(rejected.text, newline=""))]
+    assert rows == [_expected(p) for p in payouts if p["status"] == "rejected"]
+    assert [row["rejection_reason"] for row in rows] == ['bad IBAN, "DE00"\n']
 
 
 @pytest.mark.parametrize("chunk_size", [2, 500])

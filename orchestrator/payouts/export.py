@@ -3,7 +3,8 @@
 Each chunk is read in its own short transaction, so a slow download holds no connection and no
 lock while the client reads (on SQLite every transaction takes the write lock). The export is
 bounded by the newest payout id when it started, so new withdrawals cannot make it run on; a
-payout marked paid while the export runs appears with whichever status its chunk saw.
+payout marked paid or rejected while the export runs appears with whichever status its chunk saw.
+The rejection columns come last, so a reader of the earlier columns by position reads them as before.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ COLUMNS = (
     "requested_at",
     "paid_at",
     "external_reference",
+    "rejected_at",
+    "rejection_reason",
 )
 CHUNK_SIZE = 500
 
@@ -51,6 +54,8 @@ def export_record(p: Payout) -> dict[str, Any]:
         "requested_at": _timestamp(p.requested_at),
         "paid_at": _timestamp(p.paid_at),
         "external_reference": p.external_reference,
+        "rejected_at": _timestamp(p.rejected_at),
+        "rejection_reason": p.rejection_reason,
     }
 
 

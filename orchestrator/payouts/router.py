@@ -15,6 +15,7 @@ from api_schemas.payouts import (
     MarkPaidIn,
     PayoutOut,
     PayoutStatus,
+    RejectPayoutIn,
     WithdrawalIn,
     WithdrawalOut,
 )
@@ -47,6 +48,8 @@ def _fields(p: Payout) -> dict[str, object]:
         "requested_at": p.requested_at,
         "paid_at": p.paid_at,
         "external_reference": p.external_reference,
+        "rejected_at": p.rejected_at,
+        "rejection_reason": p.rejection_reason,
     }
 
 
@@ -55,7 +58,7 @@ def _out(p: Payout) -> PayoutOut:
 
 
 def _admin_out(p: Payout) -> AdminPayoutOut:
-    return AdminPayoutOut.model_validate({**_fields(p), "paid_by": p.paid_by})
+    return AdminPayoutOut.model_validate({**_fields(p), "paid_by": p.paid_by, "rejected_by": p.rejected_by})
 
 
 async def _page(
@@ -150,8 +153,8 @@ async def list_payouts(
     responses={
         200: {
             "description": "One record per payout with the columns payout_id, provider_id, amount, "
-            "status, requested_at, paid_at, external_reference (CSV: a header row, empty cells for "
-            "null). Covers the payouts that existed when the export started.",
+            "status, requested_at, paid_at, external_reference, rejected_at, rejection_reason (CSV: a "
+            "header row, empty cells for null). Covers the payouts that existed when the export started.",
             "content": {"text/csv": {}, "application/x-ndjson": {}},
         }
     },
@@ -192,4 +195,17 @@ async def mark_paid(
     payout, _ = await service.mark_paid(
         session, principal, payout_id, body.external_reference, now=state.clock.utcnow()
     )
+    return _admin_out(payout)
+
+
+@admin_router.post(
+    "/payouts/{payout_id}/reject",
+    response_model=AdminPayoutOut,
+    summary="Reject a requested payout: its amount goes back to the provider's claimable rewards "
+    "(idempotent)",
+)
+async def reject(
+    payout_id: PayoutId, body: RejectPayoutIn, principal: AdminOnly, session: Session, state: State
+) -> AdminPayoutOut:
+    payout, _ = await service.reject(session, principal, payout_id, body.reason, now=state.clock.utcnow())
     return _admin_out(payout)

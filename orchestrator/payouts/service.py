@@ -5,7 +5,15 @@ provider's ``Idempotency-Key``, plus a payout row naming that transfer. The mone
 ledger's business (its unique key means one transfer per key, even under races); the payout
 row is unique per transfer, so a retried or concurrent request finds the same payout instead
 of making a second one. An admin then settles the payout off-chain and marks it paid with an
-external reference: ``requested -> paid``, once.
+external reference: ``requested -> paid``, once. Or the admin cannot settle it and rejects it:
+``requested -> rejected``, once, with a transfer ``withdrawn -> rewards_claimable`` keyed by the
+payout (and reversing its withdrawal transfer, which the ledger lets be reversed once only).
+
+Both settle a payout under its row lock, taken first: a mark-paid and a reject of one payout
+queue on it, and the second finds the first's status. A reject then locks the provider's
+``withdrawn`` and ``rewards_claimable`` accounts (one transfer); no transaction locks a payout
+after a ledger account (a withdrawal inserts its payout and locks none), so this order cannot
+deadlock (docs/architecture.md, "Lock order").
 """
 
 from __future__ import annotations
@@ -33,9 +41,18 @@ class PayoutAlreadyPaid(Conflict):
     code = "payout_already_paid"
 
 
+class PayoutRejected(Conflict):
+    code = "payout_rejected"
+
+
 def ledger_key(provider_id: str, idempotency_key: str) -> str:
     """The client's key, namespaced so two providers (or a deposit) never share one."""
     return f"withdrawal:{provider_id}:{idempotency_key}"
+
+
+def reject_key(payout_id: int) -> str:
+    """The idempotency key of the transfer that gives a rejected payout's money back: one per payout."""
+    return f"payout-reject:{payout_id}"
 
 
 async def request_withdrawal(
@@ -96,6 +113,11 @@ async def mark_paid(
     payout = await repo.get(session, payout_id, for_update=True)
     if payout is None:
         raise PayoutNotFound("no payout with this id")
+    if payout.status == PayoutStatus.rejected.value:
+        raise PayoutRejected(
+            "this payout was rejected and its amount given back to the provider; it cannot be paid",
+            extra={"payout_id": payout.id, "rejection_reason": payout.rejection_reason},
+        )
     if payout.status == PayoutStatus.paid.value:
         if payout.external_reference == external_reference:
             return payout, False
@@ -120,6 +142,65 @@ async def mark_paid(
             "external_reference": external_reference,
             "provider_id": payout.provider_id,
             "amount": payout.amount,
+        },
+    )
+    return payout, True
+
+
+async def reject(
+    session: AsyncSession,
+    principal: Principal,
+    payout_id: int,
+    reason: str,
+    *,
+    now: dt.datetime,
+) -> tuple[Payout, bool]:
+    """``requested -> rejected``, giving the amount back (``withdrawn -> rewards_claimable``);
+    returns (payout, changed).
+
+    Rejecting it again changes nothing (whatever the reason: the first is kept); a paid payout
+    is refused (``payout_already_paid``), since its money has left.
+    """
+    payout = await repo.get(session, payout_id, for_update=True)
+    if payout is None:
+        raise PayoutNotFound("no payout with this id")
+    if payout.status == PayoutStatus.rejected.value:
+        return payout, False
+    if payout.status == PayoutStatus.paid.value:
+        raise PayoutAlreadyPaid(
+            "this payout is already marked paid; it cannot be rejected",
+            extra={"payout_id": payout.id, "external_reference": payout.external_reference},
+        )
+    returned = await ledger.transfer(
+        session,
+        debit=provider_account(payout.provider_id, ProviderAccount.withdrawn),
+        credit=provider_account(payout.provider_id, ProviderAccount.rewards_claimable),
+        amount=payout.amount,
+        key=reject_key(payout.id),
+        reason="payout_rejected",
+        actor=principal.token_id,
+        memo=reason,
+        reference=("payout", str(payout.id)),
+        reverses=payout.transfer_id,
+    )
+    payout.status = PayoutStatus.rejected.value
+    payout.rejected_at = now
+    payout.rejected_by = principal.token_id
+    payout.rejection_reason = reason
+    await session.flush()
+    await record(
+        session,
+        principal,
+        "payout.reject",
+        target_type="payout",
+        target_id=str(payout.id),
+        before={"status": PayoutStatus.requested.value},
+        after={
+            "status": payout.status,
+            "reason": reason,
+            "provider_id": payout.provider_id,
+            "amount": payout.amount,
+            "transfer_id": returned.transfer.id,
         },
     )
     return payout, True
