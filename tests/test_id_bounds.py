@@ -53,6 +53,7 @@ async def test_huge_ids_in_paths_are_404_and_in_queries_400(app: Any, app_state:
                 404,
                 "payout_not_found",
             ),
+            ("POST", f"/v1/admin/payouts/{HUGE}/reject", admin, {"reason": "x"}, 404, "payout_not_found"),
         ):
             problem(await lenient.request(method, url, headers=headers, json=body), status, code)
         # The largest id is a fine id that names nothing.
@@ -169,6 +170,7 @@ async def test_a_nul_character_in_operator_input_is_refused_as_bad_input(
                 },
             ),
             ("POST", "/v1/admin/verdicts/1/reverse", admin, {"reason": "a\x00"}),
+            ("POST", "/v1/admin/payouts/1/reject", admin, {"reason": "a\x00"}),
         ):
             r = await lenient.request(method, url, headers=headers, json=body)
             body_problem = problem(r, 422, "validation_failed")
