@@ -5,9 +5,17 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AwareDatetime, BaseModel, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from api_schemas.common import JsonObject, StrictModel, Text
 
@@ -17,18 +25,61 @@ SAMPLES_MAX = 1024  # samples per replica (Sampling.n)
 CLAIM_MAX_TASKS = 100  # leases one claim may ask for (ClaimIn.max_tasks)
 
 
+def _check_uri(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must not be blank")
+    if value != value.strip():
+        raise ValueError("must not begin or end with whitespace")
+    return value
+
+
+# Where workers fetch a checkpoint or shard from: handed to every worker as given.
+Uri = Annotated[Text, Field(min_length=1, max_length=2048), AfterValidator(_check_uri)]
+
+
 class Shard(StrictModel):
-    uri: Text = Field(min_length=1, max_length=2048)
+    uri: Uri
     sha256: str = Field(pattern=SHA256)
     bytes: int = Field(gt=0, le=10**13)
 
 
 class PolicyIn(StrictModel):
     step: int = Field(ge=0, le=10**12, description="Training step; must be greater than the current step")
-    uri: Text = Field(min_length=1, max_length=2048, description="Where workers fetch the checkpoint")
+    uri: Uri = Field(description="Where workers fetch the checkpoint")
     sha256: str = Field(pattern=SHA256, description="SHA-256 of the whole checkpoint, lowercase hex")
     size: int = Field(gt=0, le=10**13, description="Checkpoint size in bytes")
-    shards: list[Shard] | None = Field(default=None, max_length=10_000, description="Optional shard manifest")
+    shards: list[Shard] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=10_000,
+        description="Optional shard manifest: distinct URIs whose bytes add up to size",
+    )
+
+    @field_validator("shards")
+    @classmethod
+    def _shards_make_the_checkpoint(
+        cls, shards: list[Shard] | None, info: ValidationInfo
+    ) -> list[Shard] | None:
+        if shards is None:
+            return None
+        seen: set[str] = set()
+        for i, shard in enumerate(shards):
+            if shard.uri in seen:
+                raise ValueError(f"shard {i} repeats the URI of an earlier shard")
+            seen.add(shard.uri)
+        size = info.data.get("size")  # absent when size itself did not validate
+        total = sum(shard.bytes for shard in shards)
+        if size is not None and total != size:
+            raise ValueError(f"the shards' bytes add up to {total}, not to size {size}")
+        return shards
+
+
+class ShardOut(BaseModel):
+    """A stored manifest's shard, as published (one published before the rules above still lists)."""
+
+    uri: str
+    sha256: str
+    bytes: int
 
 
 class PolicyOut(BaseModel):
@@ -37,7 +88,7 @@ class PolicyOut(BaseModel):
     uri: str
     sha256: str
     size: int
-    shards: list[Shard] | None
+    shards: list[ShardOut] | None
     created_at: dt.datetime
 
 

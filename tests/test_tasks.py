@@ -36,6 +36,42 @@ async def test_policy_steps_must_increase(app: Any, app_state: Any) -> None:
         problem(bad, 422, "validation_failed")
 
 
+async def test_a_blank_uri_or_a_shard_manifest_that_is_not_the_checkpoint_is_refused(
+    app: Any, app_state: Any
+) -> None:
+    """Workers fetch the checkpoint from uri and check it against the manifest: a blank or
+    padded URI, shards whose bytes do not add up to the size, or one shard listed twice would
+    reach every worker's claims as published. Each is a 422 naming the field; nothing is
+    recorded, and a manifest that adds up is still published."""
+    async with pool_setup(app, app_state, step=None) as s:
+        policies = f"/v1/admin/pools/{s.pool_id}/policies"
+        version = {"step": 1, "uri": "s3://ckpt/step-1", "sha256": "a" * 64, "size": 10}
+        shard = {"uri": "s3://ckpt/step-1/0", "sha256": "b" * 64, "bytes": 5}
+        other = {"uri": "s3://ckpt/step-1/1", "sha256": "c" * 64, "bytes": 5}
+        for bad, field in (
+            ({"uri": " "}, "body.uri"),
+            ({"uri": "\t\n"}, "body.uri"),
+            ({"uri": " s3://ckpt/step-1"}, "body.uri"),
+            ({"shards": [{**shard, "uri": "  "}, other]}, "body.shards.0.uri"),
+            ({"shards": [shard]}, "body.shards"),
+            ({"shards": [shard, other, {**other, "uri": "s3://ckpt/step-1/2"}]}, "body.shards"),
+            ({"shards": []}, "body.shards"),
+            ({"shards": [shard, {**other, "uri": shard["uri"]}]}, "body.shards"),
+        ):
+            body = problem(
+                await s.admin.post(policies, headers=s.headers, json={**version, **bad}),
+                422,
+                "validation_failed",
+            )
+            assert body["detail"].startswith(field + ":"), (bad, body["detail"])
+        assert (await s.admin.get(policies, headers=s.headers)).json() == []
+
+        ok = await s.admin.post(policies, headers=s.headers, json={**version, "shards": [shard, other]})
+        assert ok.status_code == 201, ok.text
+        listed = (await s.admin.get(policies, headers=s.headers)).json()
+        assert [(p["uri"], p["size"], len(p["shards"])) for p in listed] == [("s3://ckpt/step-1", 10, 2)]
+
+
 async def test_members_see_the_current_policy(app: Any, app_state: Any) -> None:
     async with pool_setup(app, app_state, workers=1, step=3) as s:
         w = s.workers[0]

@@ -23,7 +23,7 @@ from api_schemas.tasks import (
     ResultIn,
     ResultOut,
     Sampling,
-    Shard,
+    ShardOut,
     SubmissionOut,
     TaskBatchIn,
     TaskBatchOut,
@@ -74,7 +74,7 @@ def policy_out(p: PolicyVersion) -> PolicyOut:
         uri=p.uri,
         sha256=p.sha256,
         size=p.size_bytes,
-        shards=[Shard(**s) for s in p.shards] if p.shards is not None else None,
+        shards=[ShardOut(**s) for s in p.shards] if p.shards is not None else None,
         created_at=p.created_at,
     )
 
