@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from orchestrator.settings import Settings, get_settings
@@ -61,7 +62,8 @@ def serve(
     if migrate if migrate is not None else settings.server.migrate_on_start:
         from orchestrator.core.migrate import upgrade
 
-        upgrade(settings.db.url)
+        with _database_errors(settings.db.url):
+            upgrade(settings.db.url)
     uvicorn.run(
         "orchestrator.app:create_app",
         factory=True,
@@ -146,15 +148,82 @@ def migrate_cmd(
                 "0014, or base (drops every table and its data)",
                 param_hint="--revision",
             )
-        migrate.downgrade(url, revision)
+        with _database_errors(url):
+            migrate.downgrade(url, revision)
     else:
         revision = revision or "head"
-        migrate.upgrade(url, revision)
+        with _database_errors(url):
+            migrate.upgrade(url, revision)
     console.print(f"[green]schema {'downgraded to' if downgrade else 'at'} {revision}[/green]")
 
 
 class NoSchema(Exception):
     """The configured database has no orchestrator schema (or, on SQLite, no file)."""
+
+
+def _connect_failure(url: str, exc: BaseException) -> str | None:
+    """One line saying why the database at ``url`` could not be used and what to do, if ``exc``
+    is a failure to reach it or to be let in; None for any other error (which keeps its
+    traceback). The URL is shown without its password."""
+    import socket
+    import sqlite3
+
+    from sqlalchemy.engine import make_url
+
+    where = make_url(url).render_as_string(hide_password=True)
+    causes: list[BaseException] = []
+    cause: BaseException | None = exc
+    while cause is not None and cause not in causes:
+        causes.append(cause)
+        orig = getattr(cause, "orig", None)  # sqlalchemy's DBAPIError wraps the driver's error
+        cause = orig if isinstance(orig, BaseException) else cause.__cause__ or cause.__context__
+    fix = "or set ORCH_DB__URL to the server's database"
+    reach = f"cannot reach the database {where}"
+    for c in causes:
+        # PostgreSQL's SQLSTATE, as asyncpg's errors (InvalidCatalogNameError, ...) carry it
+        sqlstate = getattr(c, "sqlstate", None)
+        if sqlstate == "3D000":  # invalid_catalog_name: no such database
+            return (
+                f"cannot use the database {where}: {c}. Create it (createdb {make_url(url).database}) "
+                f"and run `orchestrator migrate`, {fix}."
+            )
+        if sqlstate in {"28000", "28P01"}:  # invalid_authorization_specification, invalid_password
+            return (
+                f"cannot use the database {where}: the server refused the login ({c}). Check the user "
+                "and password in ORCH_DB__URL."
+            )
+        if isinstance(c, ConnectionRefusedError):
+            return (
+                f"{reach}: connection refused. Start the database server (or check the host and port), {fix}."
+            )
+        if isinstance(c, socket.gaierror):
+            return f"{reach}: its host name does not resolve ({c}). Check the host, {fix}."
+        if isinstance(c, TimeoutError):
+            return f"{reach}: the connection timed out. Check the server and the network, {fix}."
+        if isinstance(c, OSError):
+            return f"{reach}: {c}. Check the server and the network, {fix}."
+        if isinstance(c, sqlite3.OperationalError) and "unable to open database file" in str(c):
+            return (
+                f"cannot open the database {where}: unable to open the database file. Check that its "
+                f"directory exists and is writable, {fix}."
+            )
+    return None
+
+
+@contextmanager
+def _database_errors(url: str) -> Iterator[None]:
+    """A database that cannot be reached (or does not exist, or refuses the login) is one line
+    and exit 2, naming the URL without its password, rather than a traceback."""
+    from sqlalchemy.exc import DBAPIError
+
+    try:
+        yield
+    except (OSError, DBAPIError) as exc:
+        message = _connect_failure(url, exc)
+        if message is None:
+            raise
+        console.print(escape(message), style="red", soft_wrap=True)
+        raise typer.Exit(2) from None
 
 
 async def _with_token_table(work: Callable[[AsyncSession], Awaitable[T]]) -> T:
@@ -188,7 +257,8 @@ def _run_on_tokens(work: Callable[[AsyncSession], Awaitable[T]]) -> T:
     try:
         if settings.is_sqlite and database and database != ":memory:" and not Path(database).exists():
             raise NoSchema(f"there is no database file {database}")  # connecting would create it
-        return asyncio.run(_with_token_table(work))
+        with _database_errors(settings.url):
+            return asyncio.run(_with_token_table(work))
     except NoSchema as exc:
         console.print(
             f"[red]{exc}.[/red] Run this where `orchestrator serve` runs (the embedded default is "

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from sqlalchemy import select
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 from typer.testing import CliRunner
 
@@ -17,6 +19,7 @@ from orchestrator.admin.tokens import hash_token
 from orchestrator.cli import app
 from orchestrator.core.keys import key_id_of, read_key_file
 from orchestrator.settings import get_settings
+from tests.conftest import DATABASE_URL, postgres_only
 
 runner = CliRunner()
 
@@ -228,3 +231,45 @@ def _tables(url: str) -> set[str]:
             await engine.dispose()
 
     return asyncio.run(read())
+
+
+DATABASE_COMMANDS = [
+    ["admin", "create-token", "--role", "admin"],
+    ["admin", "list-tokens"],
+    ["admin", "revoke-token", "tok_0000"],
+    ["migrate"],
+    ["migrate", "--downgrade", "--revision", "-1"],
+    ["serve", "--migrate"],
+]
+
+
+def _one_line_exit_2(args: list[str], url: str) -> str:
+    result = runner.invoke(app, args, env={"ORCH_DB__URL": url, "COLUMNS": "80"})
+    assert result.exit_code == 2, (result.exit_code, result.output[-2000:])
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output[-2000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("args", DATABASE_COMMANDS, ids=" ".join)
+def test_a_database_server_that_cannot_be_reached_is_one_line_and_exit_2(args: list[str]) -> None:
+    """A closed port used to print some 490 lines of traceback and exit 1; the password in the
+    URL must not be printed."""
+    with socket.socket() as bound:  # bound, never listening: connections to it are refused
+        bound.bind(("127.0.0.1", 0))
+        port = bound.getsockname()[1]
+        url = f"postgresql+asyncpg://postgres:s3cret-pw@127.0.0.1:{port}/x"
+        line = _one_line_exit_2(args, url)
+    assert f"postgresql+asyncpg://postgres:***@127.0.0.1:{port}/x" in line
+    assert "s3cret-pw" not in line
+    assert "connection refused" in line and "ORCH_DB__URL" in line
+
+
+@postgres_only
+@pytest.mark.parametrize("args", DATABASE_COMMANDS, ids=" ".join)
+def test_a_database_that_does_not_exist_is_one_line_and_exit_2(args: list[str]) -> None:
+    url = make_url(DATABASE_URL).set(database="orch_no_such_db")
+    line = _one_line_exit_2(args, url.render_as_string(hide_password=False))
+    assert url.render_as_string(hide_password=True) in line
+    assert url.password is None or str(url.password) not in line
+    assert 'database "orch_no_such_db" does not exist' in line and "createdb" in line
