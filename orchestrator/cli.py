@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from orchestrator.settings import Settings, get_settings
+from orchestrator.settings import LOG_LEVELS, Settings, get_settings
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -545,6 +545,14 @@ def worker_register(
     typer.echo(json.dumps({"provider_id": node.provider_id, "node_id": node.id, "status": node.status}))
 
 
+def _log_level(value: str) -> str:
+    """--log-level: the names ORCH_LOG_LEVEL takes, in any case; any other is a usage error."""
+    level = value.strip().upper()
+    if level not in LOG_LEVELS:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(LOG_LEVELS)} (in any case)")
+    return level
+
+
 @worker_app.command("run")
 def worker_run(
     pool: Annotated[str, typer.Option("--pool", help="The pool to work for")],
@@ -576,7 +584,9 @@ def worker_run(
     grace_s: Annotated[
         float, typer.Option(min=0, help="On stop, seconds held leases get to finish before release")
     ] = 30.0,
-    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR")] = "INFO",
+    log_level: Annotated[
+        str, typer.Option(callback=_log_level, help="DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)")
+    ] = "INFO",
 ) -> None:
     """Run a worker: register, join the pool, then claim, generate and submit until stopped.
 

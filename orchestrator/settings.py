@@ -7,7 +7,7 @@ Nested groups use a double underscore: ``ORCH_DB__URL``, ``ORCH_REDIS__URL``,
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -216,14 +216,18 @@ class ServerSettings(BaseModel):
         return [host.strip().lower() for host in hosts if host.strip()]
 
 
+# The level names that both uvicorn and structlog know (ORCH_LOG_LEVEL, `worker run --log-level`).
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="ORCH_", env_nested_delimiter="__", env_file=None, extra="ignore"
     )
 
     env: Literal["dev", "test", "prod"] = "dev"
-    # The level names that both uvicorn and structlog know.
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
+    log_level: LogLevel = "INFO"
     log_json: bool = True
     seed_secret: SecretStr = Field(
         default=SecretStr(DEV_SEED_SECRET),

@@ -47,6 +47,12 @@ def test_bad_worker_arguments_are_refused_before_anything_runs(tmp_path: Path) -
         (["--specs", '{"gpu_count": 1, "gpu_memory_mb": 1, "cpu_cores": 1, "ram_mb": 512}'], "gpu_model"),
         (["--specs", "{}", "--cpu-cores", "4"], "either --specs"),
         (["--gpu-count", "2"], "gpu_model"),
+        # The names ORCH_LOG_LEVEL takes; 'verbose' used to crash in structlog (KeyError).
+        (["--log-level", "verbose"], "Invalid value for '--log-level'"),
+        (["--log-level", "verbose"], "'verbose' is not one of DEBUG, INFO,"),
+        (["--log-level", "trace"], "Invalid value for '--log-level'"),
+        # In any case: accepted, so the next check is the one to refuse.
+        (["--log-level", "warning", "--backend", "quantum"], "unknown backend"),
     ]
     for extra, message in cases:
         result = runner.invoke(app, [*base, *extra])
