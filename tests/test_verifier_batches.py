@@ -9,13 +9,15 @@ from collections import Counter
 from typing import Any
 
 import pytest
+import structlog
 from sqlalchemy import func, select, text
 
+from orchestrator.core.ticks import tick_runs
 from orchestrator.ledger.models import LedgerTransfer
 from orchestrator.settings import VerifierSettings
 from orchestrator.tasks.models import Submission
 from orchestrator.verification import service
-from orchestrator.verification.jobs import verify_batches, verify_once
+from orchestrator.verification.jobs import VERIFIER, verify_batches, verify_once
 from orchestrator.verification.models import Verdict, VerificationJob
 from tests.conftest import postgres_only
 from tests.tasks_helpers import pool_setup, task
@@ -82,6 +84,39 @@ async def test_verdicts_are_committed_batch_by_batch(app: Any, app_state: Any, m
         report = await verify_once(app_state)
         assert report.processed == 3
         assert await decided(app_state) == (5, Counter(done=5))
+
+
+async def test_a_failing_housekeeping_does_not_stop_the_verdicts(
+    app: Any, app_state: Any, monkeypatch: Any
+) -> None:
+    """The once-per-tick housekeeping failing (here its quorum-wait expiry, after the tick claim
+    and the validator lease expiry), as it would every tick on one bad task, used to end the tick
+    before its batches ran: no result was decided any more while the loop looked alive. It is
+    logged as a failed tick of the verifier, its transaction rolls back as a whole (the claim
+    too, so the loop's last-run age grows), and the waiting result gets its verdict all the same."""
+    real_expire = service.expire_quorum_waits
+
+    async def failing(*args: Any, **kwargs: Any) -> int:
+        await real_expire(*args, **kwargs)
+        raise RuntimeError("one bad task")
+
+    monkeypatch.setattr(service, "expire_quorum_waits", failing)
+    async with pool_setup(app, app_state, workers=1) as s:
+        await results(s, 1)
+        with structlog.testing.capture_logs() as logs:
+            report = await verify_once(app_state)
+        assert (report.ran, report.processed) == (False, 1)
+        assert await decided(app_state) == (1, Counter(done=1))
+        failed = [e for e in logs if e["event"] == "background_tick_failed"]
+        assert [(e["loop"], e["log_level"], e.get("exc_info")) for e in failed] == [
+            ("verifier", "error", True)
+        ]
+        async with app_state.sessionmaker() as session:
+            assert await tick_runs(session, VERIFIER) == 0
+
+        # The same tick, not taken by the failed attempt, is claimed by the next one.
+        monkeypatch.setattr(service, "expire_quorum_waits", real_expire)
+        assert (await verify_once(app_state)).ran
 
 
 async def test_a_tick_stops_taking_batches_when_its_budget_is_spent(app: Any, app_state: Any) -> None:

@@ -29,7 +29,7 @@ RELEASE_INTERVAL_S = 30.0
 @dataclass(frozen=True)
 class VerifyReport:
     tick: int
-    ran: bool  # this process claimed the tick and did its housekeeping
+    ran: bool  # this process claimed the tick and did its housekeeping (committed)
     processed: int = 0
     validator_leases_expired: int = 0
     quorum_waits_expired: int = 0
@@ -38,9 +38,19 @@ class VerifyReport:
 async def verify_once(state: AppState) -> VerifyReport:
     """One tick: the once-per-tick housekeeping (expired validator leases back to open, replicas
     nobody took within ``verifier.quorum_wait_s`` withdrawn) if this process claims the tick;
-    then, in every process, waiting results in small batches."""
+    then, in every process, waiting results in small batches.
+
+    A failed housekeeping does not keep the batches from running: one that fails every tick
+    (one bad task) would otherwise stop every verdict while the loop looks alive. It is logged
+    as any failed tick (``core.loops``), and its transaction, tick claim included, rolls back,
+    so ``orchestrator_loop_last_run_age_seconds{loop="verifier"}`` grows and the next tick
+    tries it again."""
     tick = int(state.clock.now() // VERIFY_INTERVAL_S)
-    ran, expired, waits = await _housekeeping(state, tick)
+    try:
+        ran, expired, waits = await _housekeeping(state, tick)
+    except Exception:
+        log.exception("background_tick_failed", loop=VERIFIER, part="housekeeping")
+        ran, expired, waits = False, 0, 0
     processed = await verify_batches(state, budget_s=state.settings.verifier.tick_budget_s)
     return VerifyReport(
         tick=tick, ran=ran, processed=processed, validator_leases_expired=expired, quorum_waits_expired=waits
