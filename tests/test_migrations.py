@@ -140,10 +140,36 @@ async def _seed_pool(conn: Any) -> None:
     await conn.execute(Pool.__table__.insert(), [POOL_ROW])
 
 
-async def _seed_ended_tasks(url: str) -> None:
-    """Tasks that ended before revision 0012, each with the failure_reason its path wrote then."""
+async def _seed_tasks(conn: Any, statuses: list[tuple[str, str | None]]) -> None:
+    """One batch of the pool's tasks, ids 1.., each with (status, failure_reason); no replicas."""
     from orchestrator.tasks.models import Task, TaskBatch
 
+    batch = {"id": 1, "pool_id": "pool-mig", "batch_key": "b", "body_sha256": "0" * 64, "created_by": "t"}
+    await conn.execute(TaskBatch.__table__.insert(), [{**batch, "task_count": len(statuses)}])
+    await conn.execute(
+        Task.__table__.insert(),
+        [
+            {
+                "id": i + 1,
+                "pool_id": "pool-mig",
+                "batch_id": 1,
+                "batch_index": i,
+                "prompt": "p",
+                "sampling": {},
+                "replication": 1,
+                "min_quorum": 1,
+                "claim_rank": 0,
+                "status": status,
+                "available_replicas": 0,
+                "failure_reason": reason,
+            }
+            for i, (status, reason) in enumerate(statuses)
+        ],
+    )
+
+
+async def _seed_ended_tasks(url: str) -> None:
+    """Tasks that ended before revision 0012, each with the failure_reason its path wrote then."""
     engine = create_async_engine(url)
     ended = [
         ("failed", "deadline passed at 2026-11-30T10:00:00+00:00"),
@@ -155,39 +181,7 @@ async def _seed_ended_tasks(url: str) -> None:
     try:
         async with engine.begin() as conn:
             await _seed_pool(conn)
-            await conn.execute(
-                TaskBatch.__table__.insert(),
-                [
-                    {
-                        "id": 1,
-                        "pool_id": "pool-mig",
-                        "batch_key": "b",
-                        "body_sha256": "0" * 64,
-                        "task_count": 5,
-                        "created_by": "t",
-                    }
-                ],
-            )
-            await conn.execute(
-                Task.__table__.insert(),
-                [
-                    {
-                        "id": i + 1,
-                        "pool_id": "pool-mig",
-                        "batch_id": 1,
-                        "batch_index": i,
-                        "prompt": "p",
-                        "sampling": {},
-                        "replication": 1,
-                        "min_quorum": 1,
-                        "claim_rank": 0,
-                        "status": status,
-                        "available_replicas": 0,
-                        "failure_reason": reason,
-                    }
-                    for i, (status, reason) in enumerate(ended)
-                ],
-            )
+            await _seed_tasks(conn, ended)
     finally:
         await engine.dispose()
 
@@ -557,7 +551,7 @@ def test_0015_records_who_ejected_earlier_ejections(scratch_url: str) -> None:
 async def _seed_task_in_progress(url: str) -> None:
     """A task with a leased replica: rows of other tables (replicas, leases) refer to it."""
     from orchestrator.identity.models import Node, Provider
-    from orchestrator.tasks.models import Assignment, Task, TaskBatch, TaskReplica
+    from orchestrator.tasks.models import Assignment, TaskReplica
 
     at = dt.datetime(2026, 11, 30, 12, tzinfo=dt.UTC)
     node, provider = "N" * 43, "P" * 43
@@ -567,37 +561,7 @@ async def _seed_task_in_progress(url: str) -> None:
             await _seed_pool(conn)
             await conn.execute(Provider.__table__.insert(), [{"id": provider, "created_at": at}])
             await conn.execute(Node.__table__.insert(), [node_row(node, provider, at)])
-            await conn.execute(
-                TaskBatch.__table__.insert(),
-                [
-                    {
-                        "id": 1,
-                        "pool_id": "pool-mig",
-                        "batch_key": "b",
-                        "body_sha256": "0" * 64,
-                        "task_count": 1,
-                        "created_by": "t",
-                    }
-                ],
-            )
-            await conn.execute(
-                Task.__table__.insert(),
-                [
-                    {
-                        "id": 1,
-                        "pool_id": "pool-mig",
-                        "batch_id": 1,
-                        "batch_index": 0,
-                        "prompt": "p",
-                        "sampling": {},
-                        "replication": 1,
-                        "min_quorum": 1,
-                        "claim_rank": 0,
-                        "status": "open",
-                        "available_replicas": 0,
-                    }
-                ],
-            )
+            await _seed_tasks(conn, [("open", None)])
             await conn.execute(
                 TaskReplica.__table__.insert(),
                 [
