@@ -346,7 +346,7 @@ def revoke_token_cmd(
     from orchestrator.admin.tokens import revoke_token
 
     async def work(session: AsyncSession) -> tuple[bool, Any]:
-        row = await revoke_token(session, token_id)
+        row, _ = await revoke_token(session, token_id)
         return row is not None, row.revoked_at if row is not None else None
 
     found, revoked_at = _run_on_tokens(work)

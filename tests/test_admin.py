@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import select
 
+from orchestrator.admin.models import ApiToken
 from orchestrator.admin.tokens import revoke_token
-from tests.conftest import Contributor, make_token, new_contributor, problem
+from orchestrator.audit.models import AuditEntry
+from tests.conftest import Contributor, make_token, new_contributor, postgres_only, problem
 
 
 async def test_admin_routes_need_a_valid_bearer_token(client: httpx.AsyncClient) -> None:
@@ -37,12 +41,9 @@ async def test_a_revoked_token_is_refused(client: httpx.AsyncClient, app_state: 
     headers = {"Authorization": f"Bearer {token}"}
     assert (await client.get("/v1/admin/nodes", headers=headers)).status_code == 200
     async with app_state.sessionmaker() as session, session.begin():
-        from sqlalchemy import select
-
-        from orchestrator.admin.models import ApiToken
-
         token_id = (await session.execute(select(ApiToken.id))).scalar_one()
-        assert await revoke_token(session, token_id)
+        row, revoked = await revoke_token(session, token_id)
+        assert row is not None and revoked
     problem(await client.get("/v1/admin/nodes", headers=headers), 401, "token_invalid")
 
 
@@ -229,3 +230,28 @@ async def test_an_expired_token_is_refused(
     r = await client.get("/v1/admin/nodes", headers=short)
     problem(r, 401, "token_expired")
     assert (await client.get("/v1/admin/nodes", headers=admin_headers)).status_code == 200
+
+
+@postgres_only
+async def test_two_revocations_of_one_token_at_once_are_audited_once(
+    client: httpx.AsyncClient, app_state: Any, admin_headers: dict[str, str]
+) -> None:
+    """Both revocations read the token unrevoked and then wait for its row (here held by another
+    transaction): the second must find it revoked, keep the first's time and not audit again."""
+    r = await client.post("/v1/admin/tokens", json={"role": "admin", "name": "leaked"}, headers=admin_headers)
+    assert r.status_code == 201, r.text
+    token_id = r.json()["id"]
+    url = f"/v1/admin/tokens/{token_id}/revoke"
+    async with app_state.sessionmaker() as session, session.begin():
+        await session.execute(select(ApiToken).where(ApiToken.id == token_id).with_for_update())
+        revokes = [asyncio.create_task(client.post(url, headers=admin_headers)) for _ in range(2)]
+        await asyncio.sleep(1.0)
+        assert not any(t.done() for t in revokes)
+    responses = [await t for t in revokes]
+    assert [r.status_code for r in responses] == [200, 200]
+    assert responses[0].json()["revoked_at"] == responses[1].json()["revoked_at"]
+    async with app_state.sessionmaker() as session:
+        actions = (
+            await session.scalars(select(AuditEntry.action).where(AuditEntry.target_id == token_id))
+        ).all()
+    assert sorted(actions) == ["token.create", "token.revoke"]

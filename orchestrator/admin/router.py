@@ -155,13 +155,11 @@ async def create_token(
 
 @router.post("/tokens/{token_id}/revoke", response_model=TokenOut, summary="Revoke an API token, for good")
 async def revoke_token(token_id: TokenId, principal: AdminOnly, session: Session, state: State) -> TokenOut:
-    before = await session.get(ApiToken, token_id)
-    was_revoked = before is not None and before.revoked_at is not None
-    row = await tokens.revoke_token(session, token_id, now=state.clock.utcnow())
+    row, revoked_now = await tokens.revoke_token(session, token_id, now=state.clock.utcnow())
     if row is None:
         raise NotFound("no token with this id", code="token_not_found")
     out = token_out(row)
-    if not was_revoked and row.revoked_at is not None:
+    if revoked_now:
         await record(
             session, principal, "token.revoke", target_type="token", target_id=row.id, after=out.model_dump()
         )

@@ -96,16 +96,24 @@ async def create_token(
 
 async def revoke_token(
     session: AsyncSession, token_id: str, *, now: dt.datetime | None = None
-) -> ApiToken | None:
-    """Revoke a token (locked, so two revocations record one time); None if there is none.
-    A revoked token stays revoked: revoking it again changes nothing."""
+) -> tuple[ApiToken | None, bool]:
+    """Revoke a token; returns (its row, None if there is none; whether this call revoked it).
+    A revoked token stays revoked: revoking it again changes nothing. Decided under the row's
+    lock, read afresh (``populate_existing``: a row read earlier in the session may be stale),
+    so of two revocations at once exactly one revokes it and records its time."""
     row = (
-        await session.execute(select(ApiToken).where(ApiToken.id == token_id).with_for_update())
+        await session.execute(
+            select(ApiToken)
+            .where(ApiToken.id == token_id)
+            .with_for_update()
+            .execution_options(populate_existing=True)
+        )
     ).scalar_one_or_none()
-    if row is not None and row.revoked_at is None:
-        row.revoked_at = now or utcnow()
-        await session.flush()
-    return row
+    if row is None or row.revoked_at is not None:
+        return row, False
+    row.revoked_at = now or utcnow()
+    await session.flush()
+    return row, True
 
 
 bearer_scheme = HTTPBearer(
