@@ -10,7 +10,10 @@ from pydantic import BaseModel, Field
 
 class AuditEntryOut(BaseModel):
     id: int = Field(description="Increasing entry id; pages run from newest to oldest")
-    actor: str = Field(description="Token id of whoever acted (or 'system')")
+    actor: str = Field(
+        description="Token id of whoever acted (or 'system', the verifier; or 'cli', the "
+        "orchestrator admin commands)"
+    )
     actor_role: str = Field(description="The actor's role at the time: admin, operator, ...")
     action: str = Field(description="What was done, e.g. pool.create, membership.eject, node.ban")
     target_type: str = Field(description="Kind of thing acted on: pool, node, provider, invite")

@@ -271,6 +271,19 @@ def _run_on_tokens(work: Callable[[AsyncSession], Awaitable[T]]) -> T:
         raise typer.Exit(2) from None
 
 
+async def _audit_token(session: AsyncSession, action: str, row: Any) -> None:
+    """Audit a token's creation or revocation as the admin API does, by the actor ``cli``: whoever
+    can run this command on the server's database (the first admin token has no other)."""
+    from orchestrator.admin.router import token_out
+    from orchestrator.admin.tokens import Principal, Role
+    from orchestrator.audit.service import record
+
+    cli = Principal(token_id="cli", name="command line", role=Role.admin)  # noqa: S106 - an actor, not a secret
+    await record(
+        session, cli, action, target_type="token", target_id=row.id, after=token_out(row).model_dump()
+    )
+
+
 @admin_app.command("create-token")
 def create_token_cmd(
     role: Annotated[str, typer.Option(help="admin | operator | validator | trainer")],
@@ -304,6 +317,7 @@ def create_token_cmd(
         token, row = await create_token(
             session, role=Role(role), name=name, pool_ids=list(pool or []), expires_at=expires_at, now=now
         )
+        await _audit_token(session, "token.create", row)
         return token, row.id, row.expires_at
 
     token, token_id, expires_at = _run_on_tokens(work)
@@ -346,7 +360,9 @@ def revoke_token_cmd(
     from orchestrator.admin.tokens import revoke_token
 
     async def work(session: AsyncSession) -> tuple[bool, Any]:
-        row, _ = await revoke_token(session, token_id)
+        row, revoked_now = await revoke_token(session, token_id)
+        if row is not None and revoked_now:
+            await _audit_token(session, "token.revoke", row)
         return row is not None, row.revoked_at if row is not None else None
 
     found, revoked_at = _run_on_tokens(work)

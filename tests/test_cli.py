@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from orchestrator.admin.models import ApiToken
 from orchestrator.admin.tokens import hash_token
+from orchestrator.audit.models import AuditEntry
 from orchestrator.cli import app
 from orchestrator.core.keys import key_id_of, read_key_file
 from orchestrator.settings import get_settings
@@ -173,17 +174,29 @@ def test_tokens_are_listed_and_revoked_from_the_command_line(database_url: str) 
     assert revoked.exit_code == 0, revoked.output
     assert f"token {token_id} revoked" in revoked.output
 
-    async def stored() -> tuple[object, object]:
+    async def stored() -> tuple[object, object, list[tuple[str, str, str]]]:
         engine = create_async_engine(database_url)
         try:
             async with engine.connect() as conn:
                 row = (await conn.execute(select(ApiToken.revoked_at, ApiToken.expires_at))).one()
-                return row.revoked_at, row.expires_at
+                audit = (
+                    await conn.execute(
+                        select(AuditEntry.action, AuditEntry.actor, AuditEntry.actor_role)
+                        .where(AuditEntry.target_id == token_id)
+                        .order_by(AuditEntry.id)
+                    )
+                ).all()
+                return row.revoked_at, row.expires_at, [tuple(a) for a in audit]
         finally:
             await engine.dispose()
 
-    revoked_at, expires_at = asyncio.run(stored())
+    revoked_at, expires_at, audit = asyncio.run(stored())
     assert revoked_at is not None and expires_at is not None
+    # As over the API, creations and revocations are audited; the actor is the command line.
+    assert audit == [("token.create", "cli", "admin"), ("token.revoke", "cli", "admin")]
+    again = runner.invoke(app, ["admin", "revoke-token", token_id], env=env)
+    assert again.exit_code == 0, again.output
+    assert len(asyncio.run(stored())[2]) == 2  # revoking again changes nothing
 
     missing = runner.invoke(app, ["admin", "revoke-token", "tok_0000"], env=env)
     assert missing.exit_code == 1 and "no token tok_0000" in missing.output

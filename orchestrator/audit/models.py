@@ -21,7 +21,9 @@ class AuditEntry(Base):
     id: Mapped[int] = mapped_column(
         BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
     )
-    actor: Mapped[str] = mapped_column(String(100), doc="token id, or 'system'")
+    actor: Mapped[str] = mapped_column(
+        String(100), doc="token id, 'system' (the verifier) or 'cli' (orchestrator admin)"
+    )
     actor_role: Mapped[str] = mapped_column(String(16))
     action: Mapped[str] = mapped_column(String(64), doc="e.g. pool.create, node.ban, ledger.deposit")
     target_type: Mapped[str] = mapped_column(String(32))
