@@ -156,7 +156,7 @@ class VerifierSettings(BaseModel):
         le=600,
         description=(
             "Longest the pool's reward function may take over one result (all its samples); past "
-            "it the scoring process is killed and the result is invalid (reward_unscorable)."
+            "it the scoring process is killed and the result is inconclusive (reward_unscorable)."
         ),
     )
     reward_memory_mb: int = Field(

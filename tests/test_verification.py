@@ -197,14 +197,20 @@ async def test_math_answers_are_checked_for_equivalence(app: Any, app_state: Any
         assert (wrong["category"], wrong["reason"]) == ("invalid", "wrong_answer")
 
 
-async def test_an_answer_too_costly_to_score_is_invalid_and_holds_up_nothing(
+async def test_an_answer_too_costly_to_score_is_inconclusive_and_holds_up_nothing(
     app: Any, app_state: Any
 ) -> None:
     """SymPy would compute 9^(9^9) for minutes: the scoring process is killed at the limit, the
-    result is invalid (no reward, no slash), and the honest result behind it is decided too."""
+    result is inconclusive (no reward, no penalty: the limit may be the verifier's own, under
+    load), and the honest result behind it is decided too."""
     app_state.settings.verifier.reward_timeout_s = 2
-    async with pool_setup(app, app_state, workers=1, reward_function="math", economics=ECON, stake=1000) as s:
+    econ = {**ECON, "soft_invalid_penalty": 5}
+    async with pool_setup(app, app_state, workers=1, reward_function="math", economics=econ, stake=1000) as s:
         w = s.workers[0]
+        lease = await one_lease(s, w, prompt="What is 6 * 7?", verification={"answer": "42"})
+        await submit(w, lease, ["The answer is $\\boxed{42}$"], claimed_reward=1.0)
+        assert await verify_all(app_state) == 1
+        assert (await balances(s.admin, w))["rewards_pending"] == 7
         lease = await one_lease(s, w, prompt="What is 6 * 7?", verification={"answer": "42"})
         await submit(w, lease, ["The answer is $\\boxed{9^{9^{9}}}$"], claimed_reward=0.0)
         lease = await one_lease(s, w, prompt="What is 1/2?", verification={"answer": "\\frac{1}{2}"})
@@ -212,11 +218,32 @@ async def test_an_answer_too_costly_to_score_is_invalid_and_holds_up_nothing(
         started = time.monotonic()
         assert await verify_all(app_state) == 2
         assert time.monotonic() - started < 30
-        bomb, honest = await verdicts(s.admin, s.headers, s.pool_id)
-        assert (bomb["category"], bomb["reason"]) == ("invalid", "reward_unscorable")
+        _, bomb, honest = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (bomb["category"], bomb["reason"]) == ("inconclusive", "reward_unscorable")
         assert "longer than 2 s" in bomb["details"]["findings"][0]["detail"]
+        assert bomb["slashed_amount"] == 0 and bomb["reward_amount"] == 0
         assert honest["category"] == "valid" and honest["server_reward"] == 1.0
-        assert (await balances(s.admin, w))["stake_locked"] == 1000  # nothing slashed
+        after = await balances(s.admin, w)
+        assert after["rewards_pending"] == 14 and after["stake_locked"] == 1000  # nothing taken
+
+
+async def test_scoring_holds_no_write_lock_on_sqlite(app: Any, app_state: Any) -> None:
+    """Every SQLite transaction holds the one write lock: a batch scores its results before it
+    opens its transaction, so a result that takes its scoring to the limit holds up no write."""
+    app_state.settings.verifier.reward_timeout_s = 2
+    async with pool_setup(app, app_state, workers=1, reward_function="math") as s:
+        w = s.workers[0]
+        for _ in range(2):
+            lease = await one_lease(s, w, prompt="What is 6 * 7?", verification={"answer": "42"})
+            await submit(w, lease, ["The answer is $\\boxed{9^{9^{9}}}$"], claimed_reward=0.0)
+        verifier = asyncio.create_task(verify_all(app_state))
+        await asyncio.sleep(1.0)  # the batch is scoring now
+        started = time.monotonic()
+        r = await s.enqueue([task()], key="meanwhile")
+        took = time.monotonic() - started
+        assert await verifier == 2
+        assert r.status_code == 201, r.text
+        assert took < 1.0, f"a write waited {took:.1f} s for the verifier's scoring"
 
 
 async def test_unknown_reward_functions_are_refused(app: Any, app_state: Any) -> None:

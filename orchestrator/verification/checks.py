@@ -19,7 +19,7 @@ REWARD_TOLERANCE = 1e-6
 @dataclass(frozen=True)
 class Finding:
     code: str
-    category: str  # "invalid" | "fraud"
+    category: str  # "invalid" | "fraud" | "inconclusive" (the server could not score it)
     detail: str
 
 

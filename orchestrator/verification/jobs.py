@@ -91,6 +91,11 @@ async def verify_batches(state: AppState, *, budget_s: float) -> int:
     for partition in partitions:
         after = 0
         while True:
+            prescored = None
+            if partition is None:  # SQLite: score with no transaction (the write lock) open
+                prescored = await service.prescore(state.sessionmaker, scorer, limit=size, after_id=after)
+                if not prescored.attempted:
+                    break
             async with state.sessionmaker() as session, session.begin():
                 batch = await service.process_pending(
                     session,
@@ -101,6 +106,7 @@ async def verify_batches(state: AppState, *, budget_s: float) -> int:
                     limit=size,
                     after_id=after,
                     partition=partition,
+                    prescored=prescored,
                 )
             total += batch.processed
             after = batch.last_id

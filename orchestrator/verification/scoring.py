@@ -8,7 +8,8 @@ batch's locks and every later result for good. So the reward functions run in a 
 processes (``pebble``), one pool per server process, started on first use: scoring a result
 that takes longer than ``timeout_s`` kills its worker (a new one takes its place), and each
 worker's address space is capped at ``memory_mb``. Such a result is ``Unscorable``; the
-verifier judges it ``invalid`` (``reward_unscorable``: no reward, no slash).
+verifier judges it ``inconclusive`` (``reward_unscorable``: no reward, no penalty, since the
+limit may be the verifier's own fault, under load).
 """
 
 from __future__ import annotations

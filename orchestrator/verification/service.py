@@ -45,6 +45,7 @@ from sqlalchemy import (
     BigInteger,
     ColumnElement,
     Insert,
+    Select,
     SmallInteger,
     String,
     bindparam,
@@ -57,7 +58,7 @@ from sqlalchemy import (
     select,
 )
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import aliased
 
 from orchestrator.core.db import UTCDateTime
@@ -186,6 +187,7 @@ async def process_pending(
     limit: int = 20,
     after_id: int = 0,
     partition: int | None = None,
+    prescored: Prescored | None = None,
 ) -> Batch:
     """Run the cheap checks of up to ``limit`` waiting jobs with ids above ``after_id``, in the
     caller's transaction (one small batch: its verdicts are visible when it commits).
@@ -196,12 +198,7 @@ async def process_pending(
     are the oldest of all. The reward functions run before any other lock is taken; then the
     batch's locks are taken up front (``lock_for_verdicts``, and its replicated tasks, so that
     two verifiers never both leave a quorum for the other to decide)."""
-    stmt = (
-        select(VerificationJob)
-        .where(VerificationJob.stage == "checks", VerificationJob.id > after_id)
-        .order_by(VerificationJob.id)
-        .limit(limit)
-    )
+    stmt = _waiting(after_id, limit)
     if partition is not None:
         lock = func.pg_try_advisory_xact_lock(VERIFIER_LOCK, partition)
         if not await session.scalar(select(lock)):
@@ -216,7 +213,11 @@ async def process_pending(
     # The session's identity map holds its rows weakly: ``loaded`` keeps the batch's rows in it
     # until the batch ends, so that the per-job ``session.get`` calls find them there.
     submissions, loaded = await _load(session, jobs)
-    scored = await _score_all(session, jobs, scorer)
+    if prescored is None:
+        scored = await _score_all(session, jobs, scorer)
+    else:  # jobs scored before this transaction; any other (none, with one writer) scored now
+        rest = [j for j in jobs if j.id not in prescored.attempted]
+        scored = {**prescored.scored, **await _score_all(session, rest, scorer)}
     await lock_for_verdicts(session, submissions)
     loaded += await _lock_replicated_tasks(session, {j.task_id for j in jobs})
     # A rolled-back savepoint expires the rows it changed (a failed job, and the siblings its
@@ -266,9 +267,50 @@ async def _load(session: AsyncSession, jobs: list[VerificationJob]) -> tuple[lis
     return submissions, loaded
 
 
+@dataclass(frozen=True)
+class ScoreInput:
+    """What scoring one job's result needs, read from the database."""
+
+    job_id: int
+    submission_id: int
+    result: dict[str, Any]
+    reward_function: str
+    spec: dict[str, Any]
+
+
+async def score_input(session: AsyncSession, job: VerificationJob) -> ScoreInput:
+    submission = await session.get(Submission, job.submission_id)
+    task = await session.get(Task, job.task_id)
+    pool = await session.get(Pool, job.pool_id)
+    assert submission is not None
+    assert task is not None
+    assert pool is not None
+    return ScoreInput(
+        job.id, submission.id, json.loads(submission.body), pool.reward_function, task.verification or {}
+    )
+
+
+async def score_result(given: ScoreInput, scorer: Scorer) -> Scored:
+    """A result through its pool's reward function, in a scoring process (no database): a result
+    it cannot score within the limits has no rewards and an ``inconclusive`` finding."""
+    completions = [s.get("completion") or "" for s in given.result.get("samples", [])]
+    try:
+        per_sample, canonical = await scorer.score(given.reward_function, completions, given.spec)
+    except Unscorable as exc:
+        n = len(completions)
+        unscorable = checks.Finding("reward_unscorable", "inconclusive", str(exc))
+        return Scored(given.result, [None] * n, [""] * n, unscorable)
+    return Scored(given.result, per_sample, canonical)
+
+
+async def score(session: AsyncSession, job: VerificationJob, scorer: Scorer) -> Scored:
+    """One job's result through its pool's reward function (``score_result``)."""
+    return await score_result(await score_input(session, job), scorer)
+
+
 async def _score_all(session: AsyncSession, jobs: list[VerificationJob], scorer: Scorer) -> dict[int, Scored]:
-    """Each job's result through its pool's reward function (in a scoring process). A job whose
-    reward function failed is logged and left for a later tick."""
+    """Each job's result through its pool's reward function. A job whose reward function failed
+    is logged and left for a later tick."""
     scored: dict[int, Scored] = {}
     for job in jobs:
         try:
@@ -278,24 +320,47 @@ async def _score_all(session: AsyncSession, jobs: list[VerificationJob], scorer:
     return scored
 
 
-async def score(session: AsyncSession, job: VerificationJob, scorer: Scorer) -> Scored:
-    """One job's result through its pool's reward function (in a scoring process; a result it
-    cannot score within the limits has no rewards and an ``invalid`` finding)."""
-    submission = await session.get(Submission, job.submission_id)
-    task = await session.get(Task, job.task_id)
-    pool = await session.get(Pool, job.pool_id)
-    assert submission is not None
-    assert task is not None
-    assert pool is not None
-    result = json.loads(submission.body)
-    completions = [s.get("completion") or "" for s in result.get("samples", [])]
-    spec = task.verification or {}
-    try:
-        per_sample, canonical = await scorer.score(pool.reward_function, completions, spec)
-    except Unscorable as exc:
-        n = len(completions)
-        return Scored(result, [None] * n, [""] * n, checks.Finding("reward_unscorable", "invalid", str(exc)))
-    return Scored(result, per_sample, canonical)
+@dataclass(frozen=True)
+class Prescored:
+    """A batch's results scored before its transaction (``prescore``): the jobs tried, and the
+    scores of those whose reward function did not fail."""
+
+    attempted: frozenset[int]
+    scored: dict[int, Scored]
+
+
+async def prescore(
+    sessionmaker: async_sessionmaker[AsyncSession], scorer: Scorer, *, limit: int, after_id: int
+) -> Prescored:
+    """SQLite: score the next batch's results with no transaction open. Every SQLite transaction
+    holds the database's one write lock (``BEGIN IMMEDIATE``), so a batch that scored inside its
+    own would hold up every claim, result and heartbeat for as long as its reward functions ran
+    (up to ``reward_timeout_s`` per result). The inputs are read in a short transaction first."""
+    inputs: list[ScoreInput] = []
+    async with sessionmaker() as session, session.begin():
+        jobs = list((await session.execute(_waiting(after_id, limit))).scalars())
+        for job in jobs:
+            try:
+                inputs.append(await score_input(session, job))
+            except Exception:
+                log.exception("verification_failed", job_id=job.id, submission_id=job.submission_id)
+    scored: dict[int, Scored] = {}
+    for given in inputs:
+        try:
+            scored[given.job_id] = await score_result(given, scorer)
+        except Exception:
+            log.exception("verification_failed", job_id=given.job_id, submission_id=given.submission_id)
+    return Prescored(frozenset(j.id for j in jobs), scored)
+
+
+def _waiting(after_id: int, limit: int) -> Select[VerificationJob]:
+    """The oldest jobs waiting for their checks, after ``after_id``."""
+    return (
+        select(VerificationJob)
+        .where(VerificationJob.stage == "checks", VerificationJob.id > after_id)
+        .order_by(VerificationJob.id)
+        .limit(limit)
+    )
 
 
 async def partitions_with_work(session: AsyncSession) -> list[int]:
@@ -423,15 +488,18 @@ async def _run_checks(
     job.findings = [f.__dict__ for f in findings]
     job.updated_at = now
 
-    frauds = [f for f in findings if f.category == "fraud"]
-    invalids = [f for f in findings if f.category == "invalid"]
     details: dict[str, Any] = {
         "findings": job.findings,
         "server_reward": server_reward,
         "per_sample_rewards": per_sample,
     }
-    if frauds or invalids:
-        category, finding = ("fraud", frauds[0]) if frauds else ("invalid", invalids[0])
+    # The worst finding decides: fraud, then invalid, then inconclusive (the server could not
+    # score the result: no reward, no penalty).
+    worst = next(
+        ((c, f) for c in ("fraud", "invalid", "inconclusive") for f in findings if f.category == c), None
+    )
+    if worst is not None:
+        category, finding = worst
         await decide(
             session, job, submission, Decision("rejected", category, finding.code, "checks", details), now=now
         )
