@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
+from rich.table import Column, Table
 
 from orchestrator.settings import LOG_LEVELS, Settings, get_settings
 
@@ -338,7 +338,12 @@ def list_tokens_cmd() -> None:
             (await session.execute(select(ApiToken).order_by(ApiToken.created_at, ApiToken.id))).scalars()
         )
 
-    table = Table("id", "role", "name", "pools", "created", "expires", "revoked")
+    # The id is what revoke-token takes: never cut (an 80-column terminal, or a pipe, made it
+    # 'tok_6427a2d…'); the other columns fold rather than lose characters.
+    table = Table(
+        Column("id", no_wrap=True, min_width=len("tok_") + 16),
+        *(Column(c, overflow="fold") for c in ("role", "name", "pools", "created", "expires", "revoked")),
+    )
     for row in _run_on_tokens(work):
         table.add_row(
             row.id,

@@ -286,3 +286,29 @@ def test_a_database_that_does_not_exist_is_one_line_and_exit_2(args: list[str]) 
     assert url.render_as_string(hide_password=True) in line
     assert url.password is None or str(url.password) not in line
     assert 'database "orch_no_such_db" does not exist' in line and "createdb" in line
+
+
+def test_list_tokens_shows_whole_ids_in_a_narrow_terminal(database_url: str) -> None:
+    """revoke-token takes the id list-tokens shows: in an 80-column terminal (or piped, where
+    Rich assumes 80) the table cut it to 'tok_6427a2d…', which no command accepts."""
+    env = {"ORCH_DB__URL": database_url, "COLUMNS": "80"}
+    for name in ("a rather long token name for the ci", "another"):
+        made = runner.invoke(
+            app,
+            ["admin", "create-token", "--role", "admin", "--name", name, "--expires-in-days", "2"],
+            env=env,
+        )
+        assert made.exit_code == 0, made.output
+
+    async def ids() -> list[str]:
+        engine = create_async_engine(database_url)
+        try:
+            async with engine.connect() as conn:
+                return list((await conn.execute(select(ApiToken.id))).scalars())
+        finally:
+            await engine.dispose()
+
+    listed = runner.invoke(app, ["admin", "list-tokens"], env=env)
+    assert listed.exit_code == 0, listed.output
+    for token_id in asyncio.run(ids()):
+        assert token_id in listed.stdout.split(), listed.stdout
