@@ -18,6 +18,7 @@ from orchestrator.core.health import router as health_router
 from orchestrator.core.hotstore import HotStore
 from orchestrator.core.instance_lock import InstanceLock
 from orchestrator.core.logging import configure_logging
+from orchestrator.core.loops import stop_loops
 from orchestrator.core.middleware import BodyLimitMiddleware, HostCheckMiddleware, RequestContextMiddleware
 from orchestrator.core.state import open_state
 from orchestrator.feed.router import router as feed_router
@@ -32,6 +33,7 @@ from orchestrator.restem.router import admin_router as restem_admin_router
 from orchestrator.settings import Settings, get_settings
 from orchestrator.tasks.router import admin_router as tasks_admin_router
 from orchestrator.tasks.router import router as tasks_router
+from orchestrator.verification import scoring
 from orchestrator.verification.router import admin_router as verification_admin_router
 from orchestrator.verification.router import router as verification_router
 from orchestrator.verification.router import validation_router
@@ -88,10 +90,10 @@ def create_app(
         try:
             yield
         finally:
-            stop.set()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            if await stop_loops(tasks, stop):
+                # A cancelled verifier may have left a scoring process busy with a result: stop
+                # them now, as at exit (a SIGTERM ends uvicorn with the signal: no atexit).
+                await asyncio.to_thread(scoring.close_pools)
             if hot_store is None:
                 await store.aclose()
             await lock.release()

@@ -19,7 +19,7 @@ import structlog
 
 from orchestrator import __version__
 from orchestrator.core.alive import keep_alive
-from orchestrator.core.loops import run_periodically
+from orchestrator.core.loops import run_periodically, stop_loops
 from orchestrator.core.state import AppState, open_state
 from orchestrator.ledger import jobs as ledger_jobs
 from orchestrator.liveness import service as liveness
@@ -27,6 +27,7 @@ from orchestrator.restem import jobs as restem_jobs
 from orchestrator.settings import Settings
 from orchestrator.tasks import jobs as task_jobs
 from orchestrator.verification import jobs as verification_jobs
+from orchestrator.verification import scoring
 
 log = structlog.get_logger(__name__)
 
@@ -85,10 +86,8 @@ async def run(settings: Settings, stop: asyncio.Event | None = None, alive_file:
     try:
         await stop.wait()
     finally:
-        stop.set()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if await stop_loops(tasks, stop):
+            await asyncio.to_thread(scoring.close_pools)  # a cancelled verifier's busy scorer
         await store.aclose()
         await engine.dispose()
         for sig in handled:

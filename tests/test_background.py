@@ -4,6 +4,7 @@ run none (``ORCH_SERVER__BACKGROUND_LOOPS=false``, as the test app does)."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from typer.testing import CliRunner, Result
 from orchestrator import background
 from orchestrator.cli import app as cli
 from orchestrator.core.alive import ALIVE_INTERVAL_S, alive_age, keep_alive
+from orchestrator.core.loops import STOP_GRACE_S
 from orchestrator.settings import Settings, get_settings
 from tests.conftest import REDIS_URL, postgres_only
 from tests.tasks_helpers import pool_setup, task
@@ -180,3 +182,39 @@ async def test_the_process_runs_the_loops_passes_its_probe_and_stops_on_sigterm(
             proc.kill()
             proc.wait()
         await engine.dispose()
+
+
+async def test_a_stop_is_prompt_while_the_verifier_scores_and_leaves_no_scoring_process(
+    app: Any, app_state: Any, settings: Settings
+) -> None:
+    """A stop waited for the verifier's tick, whose batch scores its results one after the other,
+    each up to reward_timeout_s: a SIGTERM took 34 s with three such results waiting (minutes
+    with a batch of them). The tick is now cancelled after a grace; the result it was scoring is
+    not judged (it waits for the next verifier) and no scoring process is left busy."""
+    settings.verifier.reward_timeout_s = 120
+    async with pool_setup(app, app_state, workers=1, reward_function="math") as s:
+        await s.enqueue([task("What is 6 * 7?", verification={"answer": "42"}) for _ in range(2)])
+        w = s.workers[0]
+        for _ in range(2):
+            lease = (await w.claim(s.pool_id)).json()["leases"][0]
+            await submit(w, lease, ["The answer is $\\boxed{9^{9^{9}}}$"], claimed_reward=0.0)
+
+        stop = asyncio.Event()
+        runner = asyncio.create_task(background.run(settings, stop))
+        for _ in range(150):
+            if multiprocessing.active_children():
+                break
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(3)  # the scoring process has started and is computing the power
+        assert multiprocessing.active_children()
+        started = time.monotonic()
+        stop.set()
+        await asyncio.wait_for(runner, timeout=60)
+        took = time.monotonic() - started
+        assert took < STOP_GRACE_S + 5, f"the stop took {took:.0f} s"
+        assert await verdicts(s.admin, s.headers, s.pool_id) == []  # left for the next verifier
+        for _ in range(100):
+            if not multiprocessing.active_children():
+                break
+            await asyncio.sleep(0.1)
+        assert not multiprocessing.active_children()

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
 
 import structlog
 
@@ -34,3 +35,28 @@ async def run_periodically(
             await asyncio.wait_for(stop.wait(), timeout=delay)
         except TimeoutError:
             pass
+
+
+#: How long a stopping process lets a tick under way finish before it cancels it.
+STOP_GRACE_S = 5.0
+
+
+async def stop_loops(
+    tasks: Sequence[asyncio.Task[None]], stop: asyncio.Event, *, grace_s: float = STOP_GRACE_S
+) -> bool:
+    """Set ``stop`` and wait for the loops: a tick under way gets ``grace_s`` to finish, then
+    it is cancelled, so a stop is prompt whatever the tick waits for (a verifier batch scoring
+    results one after the other, each up to ``reward_timeout_s``, took minutes). A cancelled
+    tick loses nothing: its transaction rolls back, and a result it was scoring waits for the
+    next verifier. Returns whether a tick was cancelled."""
+    stop.set()
+    pending: set[asyncio.Task[None]] = set()
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=grace_s)
+    for task in pending:
+        log.warning("background_tick_cancelled", loop=task.get_name(), grace_s=grace_s)
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    return bool(pending)
