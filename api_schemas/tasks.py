@@ -219,7 +219,7 @@ class EvidenceOut(BaseModel):
         description="Each header line the signature covers, [name, value], as received"
     )
     body_sha256: str
-    body_base64: str
+    body_base64: str | None = Field(description="The signed body; only with ?include_body=true")
 
 
 class EvidenceCheckOut(BaseModel):

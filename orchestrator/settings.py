@@ -163,10 +163,13 @@ class VerifierSettings(BaseModel):
         default=1024,
         ge=256,
         le=1_048_576,
-        description="Address-space cap of each scoring process; a result needing more is invalid.",
+        description="Address-space cap of each scoring process; a result needing more is inconclusive.",
     )
     reward_processes: int = Field(
-        default=1, ge=1, le=64, description="Scoring processes per server or background process."
+        default=1,
+        ge=1,
+        le=64,
+        description="Scoring processes per server or background process; a batch is scored across them.",
     )
 
 

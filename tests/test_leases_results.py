@@ -183,8 +183,9 @@ async def test_the_signed_request_is_kept_as_evidence(app: Any, app_state: Any) 
         assert checked.keyid == w.node_id
 
 
-async def submissions_of(s: Any, task_id: int) -> list[dict[str, Any]]:
-    r = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}/submissions", headers=s.headers)
+async def submissions_of(s: Any, task_id: int, **params: Any) -> list[dict[str, Any]]:
+    url = f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}/submissions"
+    r = await s.admin.get(url, params=params, headers=s.headers)
     assert r.status_code == 200, r.text
     assert r.json()["task_id"] == task_id
     return list(r.json()["submissions"])
@@ -199,6 +200,9 @@ async def test_operators_recheck_a_results_evidence(app: Any, app_state: Any) ->
         (sub,) = await submissions_of(s, task_id)
         assert sub["check"] == {"valid": True, "keyid": w.node_id, "code": None, "detail": None}
         assert sub["assignment_id"] == lease["assignment_id"] and sub["node_id"] == w.node_id
+        assert sub["evidence"]["body_base64"] is None  # bodies only on request: up to 10 MiB each
+        assert sub["evidence"]["body_sha256"] == hashlib.sha256(sent.content).hexdigest()
+        (sub,) = await submissions_of(s, task_id, include_body="true")
         assert base64.b64decode(sub["evidence"]["body_base64"]) == sent.content
         assert sub["evidence"]["signed_fields"] == [["content-digest", sent.headers["content-digest"]]]
 

@@ -364,7 +364,13 @@ async def get_task(pool: PublisherPool, task_id: TaskId, session: Session) -> Ta
     summary="A task's signed results, each with its stored evidence verified again",
 )
 async def task_submissions(
-    pool: PublisherPool, task_id: TaskId, session: Session, state: State
+    pool: PublisherPool,
+    task_id: TaskId,
+    session: Session,
+    state: State,
+    include_body: Annotated[
+        bool, Query(description="Also return each signed body, in base64 (up to the result size limit each)")
+    ] = False,
 ) -> TaskSubmissionsOut:
     await _task(session, pool, task_id)
     rows = (
@@ -377,11 +383,14 @@ async def task_submissions(
     ).all()
     return TaskSubmissionsOut(
         task_id=task_id,
-        submissions=[_submission_out(sub, index, state.settings.signature.window_s) for sub, index in rows],
+        submissions=[
+            _submission_out(sub, index, state.settings.signature.window_s, include_body)
+            for sub, index in rows
+        ],
     )
 
 
-def _submission_out(sub: Submission, replica_index: int, window_s: int) -> SubmissionOut:
+def _submission_out(sub: Submission, replica_index: int, window_s: int, include_body: bool) -> SubmissionOut:
     checked = evidence.recheck(sub, window_s=window_s)
     return SubmissionOut(
         id=sub.id,
@@ -402,7 +411,7 @@ def _submission_out(sub: Submission, replica_index: int, window_s: int) -> Submi
             signature=sub.signature,
             signed_fields=evidence.signed_lines(sub)[2:],
             body_sha256=sub.body_sha256,
-            body_base64=base64.b64encode(sub.body).decode(),
+            body_base64=base64.b64encode(sub.body).decode() if include_body else None,
         ),
         check=EvidenceCheckOut(**dataclasses.asdict(checked)),
     )

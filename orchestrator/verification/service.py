@@ -32,6 +32,7 @@ how much), so that an appeal (``reverse_verdict``) gives back exactly what its v
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import random
@@ -308,16 +309,41 @@ async def score(session: AsyncSession, job: VerificationJob, scorer: Scorer) -> 
     return await score_result(await score_input(session, job), scorer)
 
 
-async def _score_all(session: AsyncSession, jobs: list[VerificationJob], scorer: Scorer) -> dict[int, Scored]:
-    """Each job's result through its pool's reward function. A job whose reward function failed
-    is logged and left for a later tick."""
-    scored: dict[int, Scored] = {}
+async def _inputs(session: AsyncSession, jobs: list[VerificationJob]) -> list[ScoreInput]:
+    """The jobs' scoring inputs; a job whose rows cannot be read is logged and left for later."""
+    inputs: list[ScoreInput] = []
     for job in jobs:
         try:
-            scored[job.id] = await score(session, job, scorer)
+            inputs.append(await score_input(session, job))
         except Exception:
             log.exception("verification_failed", job_id=job.id, submission_id=job.submission_id)
+    return inputs
+
+
+async def _score_inputs(inputs: list[ScoreInput], scorer: Scorer) -> dict[int, Scored]:
+    """Every result through its pool's reward function at once: the scoring processes
+    (``reward_processes``) take them in parallel, each within its own time limit (counted from
+    when a process takes it). A job whose reward function failed is logged and left for a
+    later tick."""
+    outcomes = await asyncio.gather(*(score_result(i, scorer) for i in inputs), return_exceptions=True)
+    scored: dict[int, Scored] = {}
+    for given, outcome in zip(inputs, outcomes, strict=True):
+        if isinstance(outcome, Exception):
+            log.error(
+                "verification_failed",
+                job_id=given.job_id,
+                submission_id=given.submission_id,
+                exc_info=outcome,
+            )
+        elif isinstance(outcome, BaseException):
+            raise outcome
+        else:
+            scored[given.job_id] = outcome
     return scored
+
+
+async def _score_all(session: AsyncSession, jobs: list[VerificationJob], scorer: Scorer) -> dict[int, Scored]:
+    return await _score_inputs(await _inputs(session, jobs), scorer)
 
 
 @dataclass(frozen=True)
@@ -336,21 +362,10 @@ async def prescore(
     holds the database's one write lock (``BEGIN IMMEDIATE``), so a batch that scored inside its
     own would hold up every claim, result and heartbeat for as long as its reward functions ran
     (up to ``reward_timeout_s`` per result). The inputs are read in a short transaction first."""
-    inputs: list[ScoreInput] = []
     async with sessionmaker() as session, session.begin():
         jobs = list((await session.execute(_waiting(after_id, limit))).scalars())
-        for job in jobs:
-            try:
-                inputs.append(await score_input(session, job))
-            except Exception:
-                log.exception("verification_failed", job_id=job.id, submission_id=job.submission_id)
-    scored: dict[int, Scored] = {}
-    for given in inputs:
-        try:
-            scored[given.job_id] = await score_result(given, scorer)
-        except Exception:
-            log.exception("verification_failed", job_id=given.job_id, submission_id=given.submission_id)
-    return Prescored(frozenset(j.id for j in jobs), scored)
+        inputs = await _inputs(session, jobs)
+    return Prescored(frozenset(j.id for j in jobs), await _score_inputs(inputs, scorer))
 
 
 def _waiting(after_id: int, limit: int) -> Select[VerificationJob]:
