@@ -211,7 +211,7 @@ async def test_a_stop_is_prompt_while_the_verifier_scores_and_leaves_no_scoring_
         stop.set()
         await asyncio.wait_for(runner, timeout=60)
         took = time.monotonic() - started
-        assert took < STOP_GRACE_S + 5, f"the stop took {took:.0f} s"
+        assert took < STOP_GRACE_S + 15, f"the stop took {took:.0f} s"  # 60 s and more before
         assert await verdicts(s.admin, s.headers, s.pool_id) == []  # left for the next verifier
         for _ in range(100):
             if not multiprocessing.active_children():
