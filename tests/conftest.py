@@ -268,6 +268,15 @@ async def make_token(app_state: Any, role: str, name: str = "test") -> str:
 
 
 @pytest.fixture
+def no_audits(app_state: Any) -> None:
+    """The audit draw never fires (``pytestmark = pytest.mark.usefixtures("no_audits")``): results
+    are decided on their own checks, unless a test draws otherwise."""
+    from tests.verification_helpers import FixedDraw
+
+    app_state.rng = FixedDraw(1.0)
+
+
+@pytest.fixture
 async def admin_headers(app_state: Any) -> dict[str, str]:
     return {"Authorization": f"Bearer {await make_token(app_state, 'admin')}"}
 

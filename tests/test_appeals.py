@@ -23,7 +23,6 @@ from tests.tasks_helpers import pool_setup
 from tests.test_reward_holds import hold_statuses
 from tests.test_verification import ECON, one_lease
 from tests.verification_helpers import (
-    FixedDraw,
     balances,
     books_balance,
     pending_matches_holds,
@@ -32,10 +31,7 @@ from tests.verification_helpers import (
     verify_all,
 )
 
-
-@pytest.fixture(autouse=True)
-def _no_audits(app_state: Any) -> None:
-    app_state.rng = FixedDraw(1.0)
+pytestmark = pytest.mark.usefixtures("no_audits")
 
 
 async def reverse(s: Any, verdict_id: int, reason: str = "appeal") -> Any:

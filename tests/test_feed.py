@@ -18,12 +18,9 @@ from orchestrator.verification import service as verification
 from orchestrator.verification.models import VerificationJob
 from tests.conftest import make_token, postgres_only, problem
 from tests.tasks_helpers import PoolSetup, Worker, pool_setup, task
-from tests.verification_helpers import FixedDraw, submit, verify_all
+from tests.verification_helpers import submit, verify_all
 
-
-@pytest.fixture(autouse=True)
-def _no_audits(app_state: Any) -> None:
-    app_state.rng = FixedDraw(1.0)
+pytestmark = pytest.mark.usefixtures("no_audits")
 
 
 _batches = itertools.count()

@@ -22,9 +22,7 @@ from tests.verification_helpers import FixedDraw, submit, verify_all
 QUESTIONS = {"p1": ("What is 2+2?", "4"), "p2": ("What is 3+3?", "6"), "p3": ("What is 5+5?", "10")}
 
 
-@pytest.fixture(autouse=True)
-def _no_audits(app_state: Any) -> None:
-    app_state.rng = FixedDraw(1.0)
+pytestmark = pytest.mark.usefixtures("no_audits")
 
 
 def iteration_body(

@@ -14,7 +14,6 @@ from orchestrator.verification.models import RewardHold
 from tests.tasks_helpers import pool_setup
 from tests.test_verification import ECON, one_lease
 from tests.verification_helpers import (
-    FixedDraw,
     balances,
     books_balance,
     pending_matches_holds,
@@ -23,10 +22,7 @@ from tests.verification_helpers import (
     verify_all,
 )
 
-
-@pytest.fixture(autouse=True)
-def _no_audits(app_state: Any) -> None:
-    app_state.rng = FixedDraw(1.0)
+pytestmark = pytest.mark.usefixtures("no_audits")
 
 
 async def hold_statuses(app_state: Any) -> dict[str, list[str]]:

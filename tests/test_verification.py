@@ -37,9 +37,7 @@ ECON = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _no_audits(app_state: Any) -> None:
-    app_state.rng = FixedDraw(1.0)
+pytestmark = pytest.mark.usefixtures("no_audits")
 
 
 async def one_lease(s: Any, worker: Any, **task_args: Any) -> dict[str, Any]:

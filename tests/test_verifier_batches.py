@@ -21,7 +21,7 @@ from orchestrator.verification.jobs import VERIFIER, verify_batches, verify_once
 from orchestrator.verification.models import Verdict, VerificationJob
 from tests.conftest import postgres_only
 from tests.tasks_helpers import pool_setup, task
-from tests.verification_helpers import FixedDraw, balances, books_balance, submit
+from tests.verification_helpers import balances, books_balance, submit
 
 ECON = {
     "min_stake_per_node": 1000,
@@ -33,9 +33,7 @@ ECON = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _no_audits(app_state: Any) -> None:
-    app_state.rng = FixedDraw(1.0)
+pytestmark = pytest.mark.usefixtures("no_audits")
 
 
 def batches_of(app_state: Any, size: int) -> None:

@@ -20,13 +20,9 @@ from orchestrator.worker.backends import ArithmeticBackend, registry
 from orchestrator.worker.problems import arithmetic_tasks
 from orchestrator.worker.runner import WorkerConfig, WorkerStats, run_worker
 from tests.tasks_helpers import pool_setup
-from tests.verification_helpers import FixedDraw
 from tests.worker_helpers import BASE_URL, ECON, SPECS, FaultyTransport, app_transport, requested
 
-
-@pytest.fixture(autouse=True)
-def _no_audits(app_state: Any) -> None:
-    app_state.rng = FixedDraw(1.0)
+pytestmark = pytest.mark.usefixtures("no_audits")
 
 
 @dataclass

@@ -19,13 +19,9 @@ from orchestrator.worker.backends import ArithmeticBackend
 from orchestrator.worker.errors import OrchestratorAPIError, ProviderKeyRequired, parse_retry_after
 from orchestrator.worker.problems import arithmetic_tasks
 from tests.tasks_helpers import pool_setup
-from tests.verification_helpers import FixedDraw
 from tests.worker_helpers import ECON, SPECS, faulty_client, new_client, requested
 
-
-@pytest.fixture(autouse=True)
-def _no_audits(app_state: Any) -> None:
-    app_state.rng = FixedDraw(1.0)
+pytestmark = pytest.mark.usefixtures("no_audits")
 
 
 async def test_register_join_claim_submit_round_trip_earns(app: Any, app_state: Any) -> None:
