@@ -24,15 +24,12 @@ class EvidenceCheck:
     detail: str | None = None
 
 
-def signed_lines(sub: Submission) -> list[tuple[str, str]]:
-    """The signature's header lines as stored: Signature-Input, Signature and each covered field
-    (results stored before the covered fields were kept have only their Content-Digest)."""
-    lines = [("signature-input", sub.signature_input), ("signature", sub.signature)]
+def covered_lines(sub: Submission) -> list[tuple[str, str]]:
+    """The header lines the signature covers, as stored (results stored before the covered
+    fields were kept have only their Content-Digest)."""
     if sub.signed_fields is not None:
-        lines += [(name, value) for name, value in sub.signed_fields]
-    elif sub.content_digest is not None:
-        lines.append(("content-digest", sub.content_digest))
-    return lines
+        return [(name, value) for name, value in sub.signed_fields]
+    return [("content-digest", sub.content_digest)] if sub.content_digest is not None else []
 
 
 def recheck(sub: Submission, *, window_s: int) -> EvidenceCheck:
@@ -45,7 +42,11 @@ def recheck(sub: Submission, *, window_s: int) -> EvidenceCheck:
             method=sub.method,
             url=sub.target_uri,
             query=urlsplit(sub.target_uri).query,
-            headers=signed_lines(sub),
+            headers=[
+                ("signature-input", sub.signature_input),
+                ("signature", sub.signature),
+                *covered_lines(sub),
+            ],
             body=sub.body,
             now=sub.received_at.timestamp(),
             window_s=window_s,

@@ -409,7 +409,7 @@ def _submission_out(sub: Submission, replica_index: int, window_s: int, include_
             target_uri=sub.target_uri,
             signature_input=sub.signature_input,
             signature=sub.signature,
-            signed_fields=evidence.signed_lines(sub)[2:],
+            signed_fields=evidence.covered_lines(sub),
             body_sha256=sub.body_sha256,
             body_base64=base64.b64encode(sub.body).decode() if include_body else None,
         ),
