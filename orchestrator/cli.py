@@ -446,6 +446,7 @@ def _stats_table(stats: Any) -> Any:
         "submitted": stats.submitted,
         "accepted": stats.accepted,
         "rejected": stats.rejected,
+        "awaiting verdict": "-" if stats.awaiting_verdict is None else stats.awaiting_verdict,
         "released": stats.released,
         "errors": stats.errors,
         "earnings": earnings,

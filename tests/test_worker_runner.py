@@ -109,7 +109,7 @@ async def test_a_worker_completes_tasks_and_earns_once_verified(app: Any, app_st
         stats = await run.finish()
         assert (stats.state, stats.claimed, stats.tasks_done, stats.submitted) == ("stopped", 6, 6, 6)
         assert (stats.accepted, stats.rejected, stats.errors, stats.released) == (6, 0, 0, 0)
-        assert stats.earnings == 84 and stats.in_flight == 0
+        assert stats.earnings == 84 and stats.in_flight == 0 and stats.awaiting_verdict == 0
         assert max(r.in_flight for r in run.reports) > 1  # it really ran leases concurrently
         tasks = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)).json()
         assert {t["status"] for t in tasks["items"]} == {"completed"}
@@ -133,6 +133,9 @@ async def test_max_tasks_ends_the_run_by_itself(app: Any, app_state: Any) -> Non
         stats = await asyncio.wait_for(run.task, 20)
         assert not run.stop.is_set()
         assert (stats.claimed, stats.tasks_done, stats.submitted, stats.state) == (2, 2, 2, "stopped")
+        # No verifier ran: the summary says the two results wait for their verdicts, not that
+        # none was accepted.
+        assert (stats.accepted, stats.rejected, stats.awaiting_verdict) == (0, 0, 2)
         open_tasks = await s.admin.get(
             f"/v1/admin/pools/{s.pool_id}/tasks", params={"status": "open"}, headers=s.headers
         )

@@ -128,6 +128,10 @@ class WorkerStats:
     #: Verdicts on this node's results (needs the provider key).
     accepted: int = 0
     rejected: int = 0
+    #: Results recorded whose verdict has not been seen yet (the verifier decides them after
+    #: the submission; a worker stopping right after its last submission shows them here).
+    #: None without the provider key, which reading verdicts needs.
+    awaiting_verdict: int | None = None
     #: Leases given back (backend failures, stop).
     released: int = 0
     #: Leases the server took back (drop_leases, lease_expired, task_cancelled, deadline_passed).
@@ -482,6 +486,7 @@ class _Worker:
                 outcomes = list(self.outcomes.values())
                 self.stats.accepted = outcomes.count("accepted")
                 self.stats.rejected = outcomes.count("rejected")
+            self.stats.awaiting_verdict = len(self.submissions) - len(self.outcomes)
             balance = await self.client.balance()
             self.stats.earnings = balance.rewards_pending + balance.rewards_claimable + balance.withdrawn
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
