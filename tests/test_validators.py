@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 from orchestrator.admin.tokens import Role, create_token
@@ -147,3 +149,47 @@ async def test_a_validator_verdict_keeps_the_servers_reward_per_sample_for_the_f
         trainer = await trainer_headers(app_state, [s.pool_id])
         [item] = (await s.admin.get(f"/v1/pools/{s.pool_id}/rollouts", headers=trainer)).json()["items"]
         assert [x["reward"] for x in item["samples"]] == [1.0, 0.0]
+
+
+async def test_a_validator_verdict_does_not_wait_behind_the_verifiers_scoring(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """The verdict route scores in a pool of its own: while the verifier loop's scoring process
+    spends its whole time limit on an answer SymPy cannot finish, a validator's verdict is
+    answered at once (it used to queue behind it, in the one scoring process)."""
+    app_state.settings.verifier.reward_timeout_s = 6
+    app_state.rng = FixedDraw(0.0)
+    async with pool_setup(
+        app, app_state, workers=2, reward_function="math", audit_method="validator", audit_rate_floor=1.0
+    ) as s:
+        honest, bomber = s.workers
+        for i in range(2):
+            await s.enqueue([task(prompt="What is 2 + 2?", verification={"answer": "4"})], key=f"h{i}")
+            await submit(honest, (await honest.claim(s.pool_id)).json()["leases"][0], ["\\boxed{4}"])
+        assert await verify_all(app_state) == 2
+        v = await validator_headers(app_state, [s.pool_id])
+        jobs = (await s.admin.post("/v1/validation/claim", json={"max_jobs": 2}, headers=v)).json()["jobs"]
+        assert len(jobs) == 2
+
+        async def post(job: dict[str, Any]) -> Any:
+            body = {
+                "fencing_token": job["fencing_token"],
+                "outcome": "valid",
+                "reason": "ok",
+                "evidence": GOOD,
+            }
+            return await s.admin.post(f"/v1/validation/jobs/{job['job_id']}/verdict", json=body, headers=v)
+
+        assert (await post(jobs[0])).status_code == 200  # its scoring process is started now
+
+        await s.enqueue([task(prompt="What is 2 + 2?", verification={"answer": "4"})], key="bomb")
+        lease = (await bomber.claim(s.pool_id)).json()["leases"][0]
+        await submit(bomber, lease, ["\\boxed{9^{9^{9}}}"])
+        verifier = asyncio.create_task(verify_all(app_state))
+        await asyncio.sleep(1.0)  # the verifier's scoring process is in SymPy now
+        started = time.monotonic()
+        r = await post(jobs[1])
+        took = time.monotonic() - started
+        assert r.status_code == 200, r.text
+        assert await verifier == 1
+        assert took < 3.0, f"the validator's verdict waited {took:.1f} s behind the verifier's scoring"

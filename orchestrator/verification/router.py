@@ -222,6 +222,11 @@ async def post_verdict(
     job_id: JobId, body: ValidatorVerdictIn, principal: Validator, session: Session, state: State
 ) -> ValidatorVerdictOut:
     job, verdict = await validators.post_verdict(
-        session, principal, job_id, body, now=state.clock.utcnow(), scorer=scorer_for(state.settings.verifier)
+        session,
+        principal,
+        job_id,
+        body,
+        now=state.clock.utcnow(),
+        scorer=scorer_for(state.settings.verifier, "requests"),
     )
     return ValidatorVerdictOut(job_id=job.id, verdict=verdict_out(verdict))

@@ -5,7 +5,9 @@ that text without bound: ``math`` hands a final answer such as ``\\boxed{9^{9^{9
 which computes the power, for minutes and gigabytes, in one C call that no signal or thread can
 interrupt. Run in a thread of the verifier, one such result would hold up its batch, the
 batch's locks and every later result for good. So the reward functions run in a pool of worker
-processes (``pebble``), one pool per server process, started on first use: scoring a result
+processes (``pebble``), started on first use, one pool per server process and purpose (the
+verifier loop's, and the validator verdict route's, so that a validator's request never queues
+behind a verifier batch's slow results in a process running both): scoring a result
 that takes longer than ``timeout_s`` kills its worker (a new one takes its place), and each
 worker's address space is capped at ``memory_mb``. Such a result is ``Unscorable``; the
 verifier judges it ``inconclusive`` (``reward_unscorable``: no reward, no penalty, since the
@@ -50,13 +52,13 @@ def _score(reward_function: str, completions: Sequence[str], spec: Mapping[str, 
     return [fn.reward(c, spec) for c in completions], [fn.canonical(c) for c in completions]
 
 
-_pools: dict[tuple[int, int], ProcessPool] = {}
+_pools: dict[tuple[str, int, int], ProcessPool] = {}
 _pools_lock = threading.Lock()
 
 
-def _pool(processes: int, memory_mb: int) -> ProcessPool:
+def _pool(purpose: str, processes: int, memory_mb: int) -> ProcessPool:
     with _pools_lock:
-        pool = _pools.get((processes, memory_mb))
+        pool = _pools.get((purpose, processes, memory_mb))
         if pool is None or not pool.active:
             # spawn, not fork: the server's threads (the pool's own among them) may hold locks.
             pool = ProcessPool(
@@ -65,7 +67,7 @@ def _pool(processes: int, memory_mb: int) -> ProcessPool:
                 initargs=(memory_mb,),
                 context=multiprocessing.get_context("spawn"),
             )
-            _pools[(processes, memory_mb)] = pool
+            _pools[(purpose, processes, memory_mb)] = pool
         return pool
 
 
@@ -87,13 +89,15 @@ class Scorer:
     timeout_s: float = 10.0
     memory_mb: int = 1024
     processes: int = 1
+    #: Scorers of one purpose share a pool: ``verifier`` (the loop) or ``requests``.
+    purpose: str = "verifier"
 
     async def score(
         self, reward_function: str, completions: Sequence[str], spec: Mapping[str, Any]
     ) -> Scores:
         """Each completion's reward and canonical answer; ``Unscorable`` past the limits. Any
         other error of the reward function is raised as it is."""
-        future = _pool(self.processes, self.memory_mb).schedule(
+        future = _pool(self.purpose, self.processes, self.memory_mb).schedule(
             _score, args=(reward_function, list(completions), dict(spec)), timeout=self.timeout_s
         )
         try:
@@ -106,9 +110,10 @@ class Scorer:
             raise Unscorable(f"the scoring process died (exit code {exc.exitcode})") from exc
 
 
-def scorer_for(settings: VerifierSettings) -> Scorer:
+def scorer_for(settings: VerifierSettings, purpose: str = "verifier") -> Scorer:
     return Scorer(
         timeout_s=settings.reward_timeout_s,
         memory_mb=settings.reward_memory_mb,
         processes=settings.reward_processes,
+        purpose=purpose,
     )
