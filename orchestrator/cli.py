@@ -30,7 +30,9 @@ worker_app = typer.Typer(help="Contribute compute: run a worker node.", no_args_
 app.add_typer(admin_app, name="admin")
 app.add_typer(keys_app, name="keys")
 app.add_typer(worker_app, name="worker")
-console = Console(stderr=True)
+# Messages are not hard-wrapped at the terminal's width: a path, a URL or a database error in
+# them stays one line that can be copied (or grepped, in a log) whole.
+console = Console(stderr=True, soft_wrap=True)
 
 
 def check_process_model(settings: Settings, workers: int) -> None:
