@@ -23,9 +23,12 @@ echo "== lint and types"
 .venv/bin/ruff format --check .
 .venv/bin/mypy
 
+# One pytest process per core (pytest-xdist); ORCH_TEST_PROCESSES=0 runs every test in pytest's own.
+PROCESSES=${ORCH_TEST_PROCESSES:-auto}
+
 run_pytest() {
   local rc=0
-  .venv/bin/python -m pytest "$@" || rc=$?
+  .venv/bin/python -m pytest -n "$PROCESSES" "$@" || rc=$?
   if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests: that is a failure" >&2
     exit 1
