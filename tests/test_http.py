@@ -276,6 +276,17 @@ async def test_metrics_are_labelled_by_route_template(
     assert 'orchestrator_nodes{status="healthy"} 1.0' in text
 
 
+async def test_an_unknown_method_is_one_metrics_label_whatever_its_name(client: httpx.AsyncClient) -> None:
+    """A client may send any method token: the metrics name the standard ones and count the
+    rest as "other", so a scanner cannot grow the label sets without bound."""
+    for method in ("FOO", "BAR9", "X" * 200):
+        r = await client.request(method, "/healthz")
+        assert r.status_code == 405
+    text = (await client.get("/metrics")).text
+    assert "FOO" not in text and "BAR9" not in text and "XXXX" not in text
+    assert 'orchestrator_http_requests_total{method="other",route="/healthz",status="405"}' in text
+
+
 async def test_signed_requests_work_with_the_sdk_auth(
     client: httpx.AsyncClient, contributor: Contributor
 ) -> None:

@@ -16,6 +16,9 @@ from orchestrator.core.errors import PROBLEM_MEDIA_TYPE, problem_body
 from orchestrator.core.signing import MAX_HOST_LENGTH, is_valid_host
 
 REQUEST_ID_HEADER = "x-request-id"
+# The methods the metrics label by name; any other (a client may send any token) is "other",
+# so a scanner cannot grow the metrics' label sets without bound.
+_KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 log = structlog.get_logger("orchestrator.access")
 
@@ -54,10 +57,15 @@ class RequestContextMiddleware:
             route = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"
             method = scope["method"]
-            metrics.REQUESTS.labels(method, template, str(status)).inc()
-            metrics.LATENCY.labels(method, template).observe(elapsed)
+            label = method if method in _KNOWN_METHODS else "other"
+            metrics.REQUESTS.labels(label, template, str(status)).inc()
+            metrics.LATENCY.labels(label, template).observe(elapsed)
             log.info(
-                "request", method=method, route=template, status=status, duration_ms=round(elapsed * 1000, 2)
+                "request",
+                method=method[:32],
+                route=template,
+                status=status,
+                duration_ms=round(elapsed * 1000, 2),
             )
             structlog.contextvars.clear_contextvars()
 
