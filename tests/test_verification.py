@@ -241,7 +241,7 @@ async def test_scoring_holds_no_write_lock_on_sqlite(app: Any, app_state: Any) -
         took = time.monotonic() - started
         assert await verifier == 2
         assert r.status_code == 201, r.text
-        assert took < 1.0, f"a write waited {took:.1f} s for the verifier's scoring"
+        assert took < 2.0, f"a write waited {took:.1f} s for the verifier's scoring"  # both limits, before
 
 
 async def test_unknown_reward_functions_are_refused(app: Any, app_state: Any) -> None:
