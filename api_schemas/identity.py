@@ -6,7 +6,7 @@ import datetime as dt
 
 from pydantic import BaseModel, Field, model_validator
 
-from api_schemas.common import KeyId, StrictModel
+from api_schemas.common import KeyId, StrictModel, Text
 
 
 class ProviderRegister(StrictModel):
@@ -89,8 +89,11 @@ class HeartbeatIn(StrictModel):
         max_length=32,
         description="Free-form numeric gauges (gpu_util, tokens_per_s, ...); at most 32.",
     )
-    leases: list[str] = Field(
-        default_factory=list, max_length=1024, description="Ids of the leases this node is working on."
+    leases: list[Text] = Field(
+        default_factory=list,
+        max_length=1024,
+        description="Ids of the leases this node is working on (at most 1024); the answer's "
+        "drop_leases names those that are gone.",
     )
 
     @model_validator(mode="after")

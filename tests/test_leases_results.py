@@ -406,3 +406,18 @@ async def test_a_signed_url_longer_than_2048_characters_is_refused_before_anythi
                 async with app_state.sessionmaker() as session:
                     sub = (await session.execute(select(Submission))).scalar_one()
                 assert len(sub.target_uri) == MAX_TARGET_URI_LENGTH
+
+
+async def test_a_heartbeat_naming_a_lease_id_with_a_nul_is_refused_as_bad_input(
+    app: Any, app_state: Any
+) -> None:
+    """PostgreSQL cannot compare text holding a NUL: such an id is a body that does not
+    validate (422), not a 500; an id of no lease of the node's, however odd, is to be dropped."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        await s.enqueue([task()])
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        body = problem(await w.beat([lease["assignment_id"], "asg_\x00"]), 422, "validation_failed")
+        assert body["errors"][0]["loc"] == ["body", "leases", 1]
+        odd = "x" * 100
+        assert (await w.beat([lease["assignment_id"], odd])).json()["drop_leases"] == [odd]
