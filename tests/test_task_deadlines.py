@@ -55,6 +55,9 @@ async def test_a_result_after_the_deadline_is_refused_and_the_reaper_fails_the_t
         view = await task_view(s, lease["task"]["task_id"])
         assert view["status"] == "failed" and "deadline passed" in view["failure_reason"]
         assert view["end_reason"] == "deadline_passed"
+        # Once the reaper has failed the task (cancelling the lease), a result is refused for
+        # the same reason, not as if an operator had cancelled the task.
+        problem(await first.submit(lease), 409, "deadline_passed")
         # The lease is cancelled: the next heartbeat tells the node to drop it.
         beat = await first.beat([lease["assignment_id"]])
         assert beat.status_code == 200 and beat.json()["drop_leases"] == [lease["assignment_id"]]

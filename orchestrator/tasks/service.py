@@ -989,14 +989,15 @@ async def submit_result(
             )
         replay = ResultOut.model_validate({**(ctx.previous_response or {}), "submission_id": ctx.previous_id})
         return SubmitResult(replay, created=False)
-    if ctx.status == "cancelled":
-        raise Conflict("the task was cancelled", code="task_cancelled")
+    # The deadline first: the reaper fails a task past it by cancelling its leases.
     if ctx.deadline_at is not None and ctx.deadline_at <= now:
         raise Conflict(
             "the task's deadline has passed; the result is not recorded",
             code="deadline_passed",
             extra={"deadline_at": ctx.deadline_at.isoformat()},
         )
+    if ctx.status == "cancelled":
+        raise Conflict("the task was cancelled", code="task_cancelled")
     if (
         ctx.status != "active"
         or ctx.lease_expires_at <= now
