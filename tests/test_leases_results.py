@@ -421,3 +421,30 @@ async def test_a_heartbeat_naming_a_lease_id_with_a_nul_is_refused_as_bad_input(
         assert body["errors"][0]["loc"] == ["body", "leases", 1]
         odd = "x" * 100
         assert (await w.beat([lease["assignment_id"], odd])).json()["drop_leases"] == [odd]
+
+
+async def test_releasing_a_lease_after_it_ran_out_counts_as_its_expiry(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A lease past its deadline that the reaper has not reached yet is over: giving it back
+    then must not pass for a timely release (which is no attempt), or a node could hold leases
+    to the end and hide it from lease-stats, and the task would never reach max attempts."""
+    async with pool_setup(app, app_state, workers=2, lease_duration_s=60, max_attempts=2) as s:
+        task_id = (await s.enqueue([task()])).json()["first_task_id"]
+        for i, w in enumerate(s.workers):
+            await w.beat()
+            lease = (await w.claim(s.pool_id)).json()["leases"][0]
+            clock.advance(61)
+            r = await w.client.post(
+                f"/v1/assignments/{lease['assignment_id']}/release", json={}, auth=w.contributor.node_auth
+            )
+            assert r.status_code == 200 and r.json()["status"] == "expired", r.text
+            detail = (
+                await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)
+            ).json()
+            assert detail["replicas"][0]["expirations"] == i + 1
+        assert (detail["status"], detail["end_reason"]) == ("failed", "max_attempts")
+        assert [a["status"] for a in detail["assignments"]] == ["expired", "expired"]
+        stats = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/lease-stats", headers=s.headers)).json()
+        assert {(row["expired"], row["released"]) for row in stats} == {(1, 0)}
+        assert (await reap_once(app_state)).expired == 0

@@ -675,10 +675,15 @@ async def _give_back(session: AsyncSession, assignment: Assignment, now: dt.date
 
 
 async def release(session: AsyncSession, node_id: str, assignment_id: str, *, now: dt.datetime) -> Assignment:
-    """The node gives a lease back (e.g. shutting down): the replica is reissued at once."""
+    """The node gives a lease back (e.g. shutting down): the replica is reissued at once. A
+    lease already past its deadline is over: it expires, as the reaper would have it (an
+    attempt of the replica), rather than pass for a release given back in time."""
     assignment = await _own_assignment(session, node_id, assignment_id)
     if assignment.status == "active":
-        await _give_back(session, assignment, now)
+        if assignment.lease_expires_at <= now:
+            await _expire(session, [assignment], now=now)
+        else:
+            await _give_back(session, assignment, now)
         await session.flush()
     return assignment
 
@@ -730,6 +735,13 @@ async def reap_expired(session: AsyncSession, *, now: dt.datetime, limit: int = 
     expired = list((await session.execute(stmt)).scalars())
     if not expired:
         return 0, 0
+    failed = await _expire(session, expired, now=now)
+    return len(expired), failed
+
+
+async def _expire(session: AsyncSession, expired: list[Assignment], *, now: dt.datetime) -> int:
+    """End these live (and locked) leases as expired: reissue their replicas, or fail the task
+    once a replica has expired the pool's max attempts. Returns the tasks failed."""
     pools = {
         p.id: p
         for p in (
@@ -778,7 +790,7 @@ async def reap_expired(session: AsyncSession, *, now: dt.datetime, limit: int = 
     await session.flush()
     if failed_tasks:
         log.warning("tasks_failed", count=len(failed_tasks))
-    return len(expired), len(failed_tasks)
+    return len(failed_tasks)
 
 
 async def fail_past_deadline(session: AsyncSession, *, now: dt.datetime, limit: int = 1000) -> int:
