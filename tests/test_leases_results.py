@@ -448,3 +448,32 @@ async def test_releasing_a_lease_after_it_ran_out_counts_as_its_expiry(
         stats = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/lease-stats", headers=s.headers)).json()
         assert {(row["expired"], row["released"]) for row in stats} == {(1, 0)}
         assert (await reap_once(app_state)).expired == 0
+
+
+async def test_a_dead_nodes_leases_end_and_their_replicas_are_reissued(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """The sweeper frees a dead node's leases (docs/architecture): they expire at the next
+    reaper tick, as attempts, instead of being held for the rest of a long lease duration."""
+    from orchestrator.liveness.service import sweep_once
+
+    async with pool_setup(app, app_state, workers=2, lease_duration_s=3600) as s:
+        task_id = (await s.enqueue([task()])).json()["first_task_id"]
+        gone, alive = s.workers
+        lease = (await gone.claim(s.pool_id)).json()["leases"][0]
+        for _ in range(10):  # 100 s without a beat from `gone`: dead after 9 intervals
+            clock.advance(10)
+            await alive.beat()
+            await sweep_once(app_state)
+        assert (await gone.client.get("/v1/nodes/me", auth=gone.contributor.node_auth)).json()[
+            "status"
+        ] == "dead"
+        assert (await reap_once(app_state)).expired == 1
+        new = (await alive.claim(s.pool_id)).json()["leases"]
+        assert [le["task"]["task_id"] for le in new] == [task_id]
+        # Back from the dead, the node is told to drop the lease, and its result is fenced off.
+        assert (await gone.beat([lease["assignment_id"]])).json()["drop_leases"] == [lease["assignment_id"]]
+        problem(await gone.submit(lease), 409, "lease_expired")
+        detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
+        assert detail["replicas"][0]["expirations"] == 1
+        assert [a["status"] for a in detail["assignments"]] == ["expired", "active"]

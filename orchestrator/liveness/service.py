@@ -6,7 +6,8 @@ The sweeper moves, atomically in the hot store, the nodes whose last beat is old
 the thresholds from the ``healthy`` set to the ``unhealthy`` set and from there to ``dying``,
 so a tick reads only the nodes that changed, never the nodes that keep beating. A node leaves
 ``dying`` only once its dead transition has committed: each tick marks dead whatever is still
-there, so a tick whose transaction failed loses no node.
+there, so a tick whose transaction failed loses no node. The live leases of the nodes it marks
+dead run out then (the reaper's next tick expires them and reissues their replicas).
 
 The reconciler, much rarer, puts back under watch the nodes SQL says are healthy or unhealthy
 but the hot store has lost (a restart of the in-process store, a Redis flush), as if last seen
@@ -31,7 +32,7 @@ from orchestrator.core.ticks import claim_tick
 from orchestrator.identity import repository as repo
 from orchestrator.identity.auth import NodeRef
 from orchestrator.identity.models import NodeStatus
-from orchestrator.tasks.service import extend_leases
+from orchestrator.tasks.service import end_leases_of_dead, extend_leases
 
 log = structlog.get_logger(__name__)
 
@@ -113,11 +114,14 @@ async def sweep_once(state: AppState) -> SweepReport:
             reason=f"no heartbeat for {hb.dead_after_missed} intervals",
             actor="sweeper",
         )
+        ended = await end_leases_of_dead(session, dead, now=state.clock.utcnow())
     # Only now that the dead transitions are committed (a node a concurrent beat revived was
     # removed from ``dying`` by that beat).
     await store.drop(DYING, gone)
     if unhealthy or dead:
-        log.info("liveness_sweep", tick=tick, to_unhealthy=len(unhealthy), to_dead=len(dead))
+        log.info(
+            "liveness_sweep", tick=tick, to_unhealthy=len(unhealthy), to_dead=len(dead), leases_ended=ended
+        )
     return SweepReport(tick=tick, ran=True, to_unhealthy=len(unhealthy), to_dead=len(dead))
 
 

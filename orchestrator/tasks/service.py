@@ -721,6 +721,25 @@ async def release_member_leases(
     return len(active)
 
 
+async def end_leases_of_dead(session: AsyncSession, node_ids: Sequence[str], *, now: dt.datetime) -> int:
+    """The sweeper found these nodes dead: their live leases run out now, so the reaper's next
+    tick expires them (an attempt each) and reissues their replicas, instead of their being held
+    for what is left of the lease duration. Returns how many."""
+    if not node_ids:
+        return 0
+    result = await session.execute(
+        update(Assignment)
+        .where(
+            Assignment.node_id.in_(node_ids),
+            Assignment.status == "active",
+            Assignment.lease_expires_at > now,
+        )
+        .values(lease_expires_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    return int(result.rowcount)  # type: ignore[attr-defined]
+
+
 async def reap_expired(session: AsyncSession, *, now: dt.datetime, limit: int = 1000) -> tuple[int, int]:
     """Expire leases past their deadline; reissue their replicas, or fail the task after the
     pool's max attempts. Returns (expired, tasks failed). Reads only expired leases."""
