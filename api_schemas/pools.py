@@ -176,7 +176,13 @@ LeaseDuration = Annotated[
     int, Field(ge=10, le=7 * DAY_S, description="Seconds a task lease lasts unless heartbeats extend it")
 ]
 MaxAttempts = Annotated[
-    int, Field(ge=1, le=100, description="Leases issued for one task before it is given up as failed")
+    int,
+    Field(
+        ge=1,
+        le=100,
+        description="Expired leases of one replica (run out, or their node died) before the task "
+        "is given up as failed; a lease given back in time is no attempt",
+    ),
 ]
 Replication = Annotated[
     int,
