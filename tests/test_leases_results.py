@@ -477,3 +477,23 @@ async def test_a_dead_nodes_leases_end_and_their_replicas_are_reissued(
         detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
         assert detail["replicas"][0]["expirations"] == 1
         assert [a["status"] for a in detail["assignments"]] == ["expired", "active"]
+
+
+async def test_a_healthy_node_that_misses_a_beat_keeps_its_short_lease(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A lease of three heartbeat intervals (the shortest allowed, so that a healthy node cannot
+    lose it between two beats): a node that missed one beat is still healthy, and its next beat
+    must still find the lease live. Written only once less than half was left, the lease had
+    16 s left after the beat at 14 s, and ran out before the beat at 34 s."""
+    async with pool_setup(app, app_state, workers=1, lease_duration_s=30) as s:
+        w = s.workers[0]
+        await s.enqueue([task()])
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        clock.advance(14)
+        assert (await w.beat([lease["assignment_id"]])).json()["drop_leases"] == []
+        clock.advance(20)  # the beat due at 24 s was lost
+        beat = (await w.beat([lease["assignment_id"]])).json()
+        assert (beat["status"], beat["drop_leases"]) == ("healthy", [])
+        assert (await reap_once(app_state)).expired == 0
+        assert (await w.submit(lease)).status_code == 201

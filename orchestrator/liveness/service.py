@@ -59,7 +59,9 @@ async def heartbeat(state: AppState, node: NodeRef, body: HeartbeatIn) -> Heartb
             if status in REVIVABLE and await _revive(session, node.id, status):
                 status = NodeStatus.healthy.value
             if body.leases:
-                drop = await extend_leases(session, node.id, body.leases, now=state.clock.utcnow())
+                drop = await extend_leases(
+                    session, node.id, body.leases, now=state.clock.utcnow(), keep_s=hb.unhealthy_after_s
+                )
     return HeartbeatOut(status=status, next_heartbeat_in_s=hb.interval_s, drop_leases=drop)
 
 

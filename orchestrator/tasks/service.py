@@ -612,12 +612,15 @@ async def claim(
 
 
 async def extend_leases(
-    session: AsyncSession, node_id: str, lease_ids: list[str], *, now: dt.datetime
+    session: AsyncSession, node_id: str, lease_ids: list[str], *, now: dt.datetime, keep_s: float
 ) -> list[str]:
     """Extend the node's live leases among ``lease_ids``; return the ids it must drop.
 
     A lease is written only when less than half of its duration is left, so a steady heartbeat
-    costs one indexed read, and a write per lease only every half lease period.
+    costs one indexed read, and a write per lease only every half lease period; and whenever
+    less than ``keep_s`` is left (the liveness sweeper's unhealthy threshold), so that a node
+    that is still healthy, having missed fewer beats than that, never loses a lease it lists
+    (a short lease is then written at each beat).
     """
     if not lease_ids:
         return []
@@ -636,7 +639,7 @@ async def extend_leases(
     live = {row.id for row in rows}
     by_duration: dict[int, list[str]] = {}
     for row in rows:
-        if row.lease_expires_at - now < dt.timedelta(seconds=row.lease_duration_s / 2):
+        if row.lease_expires_at - now < dt.timedelta(seconds=max(row.lease_duration_s / 2, keep_s)):
             by_duration.setdefault(row.lease_duration_s, []).append(row.id)
     for duration, ids in by_duration.items():
         await session.execute(
