@@ -323,7 +323,9 @@ class Sample(StrictModel):
 
 class ResultIn(StrictModel):
     fencing_token: int = Field(ge=1)
-    policy_step: int = Field(ge=0, description="The policy step the samples were generated with")
+    policy_step: int = Field(
+        ge=0, le=2**63 - 1, description="The policy step the samples were generated with"
+    )
     seed: int = Field(
         ge=-(2**63), le=2**63 - 1, description="The seed from the lease, echoed (a signed 64-bit integer)"
     )

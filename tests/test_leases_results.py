@@ -497,3 +497,19 @@ async def test_a_healthy_node_that_misses_a_beat_keeps_its_short_lease(
         assert (beat["status"], beat["drop_leases"]) == ("healthy", [])
         assert (await reap_once(app_state)).expired == 0
         assert (await w.submit(lease)).status_code == 201
+
+
+async def test_a_policy_step_beyond_a_64_bit_integer_is_a_body_that_does_not_validate(
+    app: Any, app_state: Any
+) -> None:
+    """Steps are stored as signed 64-bit integers: a larger one is 422 (it was a 500, the
+    database driver failing to bind it), and the lease can still be answered."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        await s.enqueue([task()])
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        body = problem(await w.submit(lease, policy_step=2**63), 422, "validation_failed")
+        assert body["errors"][0]["loc"] == ["body", "policy_step"]
+        async with app_state.sessionmaker() as session:
+            assert await session.scalar(select(func.count()).select_from(Submission)) == 0
+        assert (await w.submit(lease)).status_code == 201
