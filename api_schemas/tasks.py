@@ -255,7 +255,7 @@ class TaskSubmissionsOut(BaseModel):
 
 
 class ClaimIn(StrictModel):
-    pool_id: str = Field(min_length=1, max_length=40)
+    pool_id: Text = Field(min_length=1, max_length=40)
     max_tasks: int = Field(default=1, ge=1, le=CLAIM_MAX_TASKS)
 
 

@@ -68,6 +68,8 @@ async def test_no_work_reasons(app: Any, app_state: Any, clock: Any) -> None:
         await w.beat()
         assert await reason() == "pool_not_active"
         problem(await w.claim("pool_doesnotexist00"), 404, "pool_not_found")
+        # A NUL, which PostgreSQL cannot compare, is a body that does not validate (was a 500).
+        problem(await w.claim("pool_\x00"), 422, "validation_failed")
 
 
 async def test_replicas_go_to_different_providers_and_ips(app: Any, app_state: Any) -> None:
