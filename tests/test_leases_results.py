@@ -513,3 +513,23 @@ async def test_a_policy_step_beyond_a_64_bit_integer_is_a_body_that_does_not_val
         async with app_state.sessionmaker() as session:
             assert await session.scalar(select(func.count()).select_from(Submission)) == 0
         assert (await w.submit(lease)).status_code == 201
+
+
+async def test_leaving_a_pool_with_a_lease_that_ran_out_counts_its_expiry(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """As for a release: a lease past its deadline when its node leaves the pool is over, and
+    the reaper expires it (an attempt, seen in lease-stats): it is not one given back in time."""
+    async with pool_setup(app, app_state, workers=1, lease_duration_s=60) as s:
+        w = s.workers[0]
+        task_id = (await s.enqueue([task()])).json()["first_task_id"]
+        await w.claim(s.pool_id)
+        clock.advance(61)
+        r = await w.client.post(f"/v1/pools/{s.pool_id}/leave", json={}, auth=w.contributor.node_auth)
+        assert r.status_code == 200, r.text
+        assert (await reap_once(app_state)).expired == 1
+        detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
+        assert [a["status"] for a in detail["assignments"]] == ["expired"]
+        assert detail["replicas"][0]["expirations"] == 1
+        stats = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/lease-stats", headers=s.headers)).json()
+        assert (stats[0]["expired"], stats[0]["released"]) == (1, 0)

@@ -695,7 +695,8 @@ async def release_member_leases(
     session: AsyncSession, pool_id: str, node_id: str, *, now: dt.datetime
 ) -> int:
     """A node left the pool (leave, ejection, blacklist, completion): give back its live leases
-    there so their replicas are reissued at once. Returns how many.
+    there so their replicas are reissued at once (those past their deadline expire at the
+    reaper's next tick instead). Returns how many were given back.
 
     Called after the membership row was updated. On PostgreSQL it first takes the node's row
     lock, as every claim does before reading the membership: a claim that read the membership
@@ -718,10 +719,15 @@ async def release_member_leases(
             )
         ).scalars()
     )
+    given_back = 0
     for assignment in active:
-        await _give_back(session, assignment, now)
+        # A lease already past its deadline is over: it is left to the reaper, whose next tick
+        # expires it (an attempt, as for any lease that ran out), not given back in time.
+        if assignment.lease_expires_at > now:
+            await _give_back(session, assignment, now)
+            given_back += 1
     await session.flush()
-    return len(active)
+    return given_back
 
 
 async def end_leases_of_dead(session: AsyncSession, node_ids: Sequence[str], *, now: dt.datetime) -> int:
