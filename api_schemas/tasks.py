@@ -360,8 +360,11 @@ class ResultOut(BaseModel):
 
 class LeaseStatsOut(BaseModel):
     node_id: str
-    claimed: int
-    submitted: int
-    expired: int
-    released: int
-    last_expired_at: dt.datetime | None
+    claimed: int = Field(description="Leases the node was given in this pool, whatever became of them")
+    submitted: int = Field(description="Answered with a result")
+    expired: int = Field(
+        description="Ran out unanswered (also when given back late, or when the node was found "
+        "dead); each is an attempt towards the pool's max_attempts"
+    )
+    released: int = Field(description="Given back in time: by the node, or when its membership ended")
+    last_expired_at: dt.datetime | None = Field(description="When the latest of them expired")
