@@ -16,7 +16,7 @@ from orchestrator.core.signing import DEFAULT_COMPONENTS, MAX_TARGET_URI_LENGTH,
 from orchestrator.tasks.jobs import reap_once
 from orchestrator.tasks.models import Assignment, Submission, Task, TaskReplica
 from orchestrator.verification.models import VerificationJob
-from tests.conftest import problem
+from tests.conftest import postgres_only, problem
 from tests.tasks_helpers import pool_setup, result_body, task
 
 
@@ -533,3 +533,31 @@ async def test_leaving_a_pool_with_a_lease_that_ran_out_counts_its_expiry(
         assert detail["replicas"][0]["expirations"] == 1
         stats = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/lease-stats", headers=s.headers)).json()
         assert (stats[0]["expired"], stats[0]["released"]) == (1, 0)
+
+
+@postgres_only
+async def test_a_heartbeat_that_waited_for_the_reaper_is_told_to_drop_the_lease_it_expired(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """The beat reads the lease as live, then its extension waits for the reaper (of another
+    process, whose clock is a little ahead), which expires the lease and reissues the replica.
+    The extension then changes nothing, and the answer must say so: drop it, not keep working
+    on a lease whose result will be refused."""
+    import datetime as dt
+
+    from orchestrator.tasks.service import reap_expired
+
+    async with pool_setup(app, app_state, workers=1, lease_duration_s=60) as s:
+        w = s.workers[0]
+        await s.enqueue([task()])
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        clock.advance(59.5)  # half a second left: the beat extends it
+        async with app_state.sessionmaker() as session, session.begin():
+            expired, _ = await reap_expired(session, now=clock.utcnow() + dt.timedelta(seconds=1))
+            assert expired == 1
+            beat = asyncio.create_task(w.beat([lease["assignment_id"]]))
+            await asyncio.sleep(0.5)
+            assert not beat.done()  # its UPDATE waits for the reaper's lock
+        r = await beat
+        assert r.json()["drop_leases"] == [lease["assignment_id"]]
+        problem(await w.submit(lease), 409, "lease_expired")

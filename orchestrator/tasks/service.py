@@ -642,11 +642,16 @@ async def extend_leases(
         if row.lease_expires_at - now < dt.timedelta(seconds=max(row.lease_duration_s / 2, keep_s)):
             by_duration.setdefault(row.lease_duration_s, []).append(row.id)
     for duration, ids in by_duration.items():
-        await session.execute(
+        extended = await session.execute(
             update(Assignment)
             .where(Assignment.id.in_(ids), Assignment.status == "active")
             .values(lease_expires_at=now + dt.timedelta(seconds=duration))
+            .returning(Assignment.id)
+            .execution_options(synchronize_session=False)
         )
+        # On PostgreSQL the read above took no lock: a lease the reaper (or a release) ended
+        # meanwhile is skipped by the UPDATE, which waited for it, and must be dropped too.
+        live -= set(ids) - set(extended.scalars())
     return [lease_id for lease_id in dict.fromkeys(lease_ids) if lease_id not in live]
 
 
