@@ -81,6 +81,28 @@ async def test_a_task_fails_after_max_attempts_with_its_history(
         assert [a["node_id"] for a in detail["assignments"]] == [w.node_id for w in s.workers[:2]]
 
 
+async def test_a_sibling_replicas_result_after_max_attempts_says_the_task_failed(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """One replica's expiries fail the task and withdraw the other replica's live lease: that
+    lease's result is refused saying the task failed (max attempts), not that it was cancelled."""
+    async with pool_setup(app, app_state, workers=2, lease_duration_s=60, max_attempts=1) as s:
+        task_id = (await s.enqueue([task(replication=2)])).json()["first_task_id"]
+        first, second = s.workers
+        await first.beat()
+        assert len((await first.claim(s.pool_id)).json()["leases"]) == 1
+        clock.advance(31)
+        await second.beat()
+        [lease] = (await second.claim(s.pool_id)).json()["leases"]
+        clock.advance(31)  # the first lease ran out; the second has 29 s left
+        await reap_once(app_state)
+        detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
+        assert (detail["status"], detail["end_reason"]) == ("failed", "max_attempts")
+        body = problem(await second.submit(lease), 409, "task_cancelled")
+        assert (body["task_status"], body["end_reason"]) == ("failed", "max_attempts")
+        assert body["detail"] == "the task failed (max_attempts); the result is not recorded"
+
+
 async def test_the_reaper_runs_once_per_tick(app: Any, app_state: Any, clock: FakeClock) -> None:
     import asyncio
 

@@ -276,7 +276,8 @@ async def test_operators_can_cancel_a_task(app: Any, app_state: Any) -> None:
         assert r.json()["status"] == "cancelled" and r.json()["end_reason"] == "cancelled"
         beat = await s.workers[0].beat([lease["assignment_id"]])
         assert beat.json()["drop_leases"] == [lease["assignment_id"]]
-        problem(await s.workers[0].submit(lease), 409, "task_cancelled")
+        body = problem(await s.workers[0].submit(lease), 409, "task_cancelled")
+        assert (body["task_status"], body["end_reason"]) == ("cancelled", "cancelled")
         audit = (
             await s.admin.get("/v1/admin/audit", params={"pool_id": s.pool_id}, headers=s.headers)
         ).json()

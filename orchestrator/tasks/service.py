@@ -1042,7 +1042,19 @@ async def submit_result(
             extra={"deadline_at": ctx.deadline_at.isoformat()},
         )
     if ctx.status == "cancelled":
-        raise Conflict("the task was cancelled", code="task_cancelled")
+        # The lease was withdrawn because its task ended: an operator's cancel, or max attempts
+        # reached by a sibling replica (the task then ``failed``). Say which.
+        ended = (await conn.execute(select(Task.status, Task.end_reason).where(Task.id == ctx.task_id))).one()
+        detail = (
+            "the task was cancelled"
+            if ended.status == "cancelled"
+            else f"the task {ended.status} ({ended.end_reason})"
+        )
+        raise Conflict(
+            detail + "; the result is not recorded",
+            code="task_cancelled",
+            extra={"task_status": ended.status, "end_reason": ended.end_reason},
+        )
     if (
         ctx.status != "active"
         or ctx.lease_expires_at <= now
