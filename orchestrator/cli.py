@@ -35,6 +35,33 @@ app.add_typer(worker_app, name="worker")
 console = Console(stderr=True, soft_wrap=True)
 
 
+def _settings() -> Settings:
+    """``get_settings()``; an ORCH_* value that does not validate is one line per error, naming
+    the variable, and exit 2, rather than a traceback."""
+    from pydantic import BaseModel, ValidationError
+
+    try:
+        return get_settings()
+    except ValidationError as exc:
+        groups = {
+            name
+            for name, field in Settings.model_fields.items()
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        }
+        for error in exc.errors():
+            loc = [str(part) for part in error["loc"]]
+            message = error["msg"].removeprefix("Value error, ")
+            if not loc:  # a rule over several settings: the message names them
+                what = "invalid settings"
+            elif len(loc) == 1 and loc[0] in groups:  # a rule over one group's settings
+                what = f"invalid setting ORCH_{loc[0].upper()}__*"
+            else:
+                what = "invalid setting ORCH_" + "__".join(loc).upper()
+            # Not the value given: it may be a secret (a password in a URL).
+            console.print(escape(f"{what}: {message}"), style="red")
+        raise typer.Exit(2) from None
+
+
 def check_process_model(settings: Settings, workers: int) -> None:
     """The in-process hot store cannot be shared: refuse to run it in several processes."""
     if workers > 1 and settings.redis_url is None:
@@ -58,7 +85,7 @@ def serve(
     """Run the API server (uvicorn)."""
     import uvicorn
 
-    settings = get_settings()
+    settings = _settings()
     n = workers or settings.server.workers
     check_process_model(settings, n)
     if migrate if migrate is not None else settings.server.migrate_on_start:
@@ -95,7 +122,7 @@ def background_cmd(
     from orchestrator import background
     from orchestrator.core.logging import configure_logging
 
-    settings = get_settings()
+    settings = _settings()
     if settings.redis_url is None or settings.db.is_sqlite:
         raise typer.BadParameter(
             "a separate background process must share the hot store and the database with the API "
@@ -142,7 +169,7 @@ def migrate_cmd(
     """Upgrade (or downgrade) the database schema."""
     from orchestrator.core import migrate
 
-    url = get_settings().db.url
+    url = _settings().db.url
     if downgrade:
         if revision is None or revision == "head":
             raise typer.BadParameter(
@@ -236,7 +263,7 @@ async def _with_token_table(work: Callable[[AsyncSession], Awaitable[T]]) -> T:
 
     from orchestrator.core.db import make_engine, make_sessionmaker
 
-    settings = get_settings().db
+    settings = _settings().db
     engine = make_engine(settings)
     try:
         async with engine.connect() as conn:
@@ -254,7 +281,7 @@ def _run_on_tokens(work: Callable[[AsyncSession], Awaitable[T]]) -> T:
 
     from orchestrator.core.errors import OrchestratorError
 
-    settings = get_settings().db
+    settings = _settings().db
     database = make_url(settings.url).database
     try:
         if settings.is_sqlite and database and database != ":memory:" and not Path(database).exists():

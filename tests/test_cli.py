@@ -143,8 +143,34 @@ def test_serve_refuses_an_unknown_log_level_before_starting(monkeypatch: pytest.
     result = runner.invoke(
         app, ["serve"], env={"ORCH_LOG_LEVEL": "verbose", "ORCH_SERVER__MIGRATE_ON_START": "false"}
     )
-    assert result.exit_code != 0 and not started
-    assert "log_level" in str(result.exception)
+    assert result.exit_code == 2 and not started, result.output
+    assert "ORCH_LOG_LEVEL" in result.output
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"ORCH_LOG_LEVEL": "verbose"}, "ORCH_LOG_LEVEL"),
+        ({"ORCH_HEARTBEAT__INTERVAL_S": "soon"}, "ORCH_HEARTBEAT__INTERVAL_S"),
+        ({"ORCH_SIGNATURE__NONCE_TTL_S": "100"}, "nonce_ttl_s (100) must be 0 or at least"),
+        ({"ORCH_ENV": "prod"}, "ORCH_SEED_SECRET must be set"),
+    ],
+)
+@pytest.mark.parametrize(
+    "args", [["serve"], ["background"], ["migrate"], ["admin", "list-tokens"]], ids=" ".join
+)
+def test_a_setting_that_does_not_validate_is_named_in_a_line_and_exit_2(
+    tmp_path: Path, args: list[str], env: dict[str, str], named: str
+) -> None:
+    """A bad ORCH_* value used to end every command in a 50-line traceback of pydantic's and
+    typer's frames (exit 1), the setting's name near its end."""
+    env = {"ORCH_DB__URL": f"sqlite+aiosqlite:///{tmp_path / 'x.db'}", "COLUMNS": "80", **env}
+    result = runner.invoke(app, args, env=env)
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0], result.output
+    assert lines[0].startswith("invalid setting"), result.output
+    assert not (tmp_path / "x.db").exists()
 
 
 def test_migrate_creates_the_schema(tmp_path: Path) -> None:
