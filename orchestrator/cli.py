@@ -420,6 +420,9 @@ def keys_generate(
     except FileExistsError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(1) from exc
+    except OSError as exc:  # a missing directory, no permission, a directory named
+        console.print(escape(f"cannot write {path}: {exc.strerror or exc}"), style="red")
+        raise typer.Exit(1) from exc
     typer.echo(key_id_of(key))
 
 

@@ -50,6 +50,16 @@ def test_keys_generate_writes_a_private_file_and_refuses_to_overwrite(tmp_path: 
     assert read_key_file(path).encode() != key.encode()
 
 
+def test_keys_generate_where_it_cannot_write_says_so_in_a_line(tmp_path: Path) -> None:
+    """A missing directory used to end in a traceback (FileNotFoundError from os.open)."""
+    for path, force in ((tmp_path / "no-such-dir" / "node.key", []), (tmp_path, ["--force"])):
+        result = runner.invoke(app, ["keys", "generate", str(path), *force], env={"COLUMNS": "80"})
+        assert result.exit_code == 1, (result.output, result.exception)
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and str(path) in lines[0], result.output
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_create_token_prints_a_working_token_once(database_url: str) -> None:
     result = runner.invoke(
         app,
