@@ -567,6 +567,22 @@ def _worker_errors() -> Iterator[None]:
         raise typer.Exit(1) from exc
 
 
+def _key_file(path: Path, option: str) -> Any:
+    """The key in ``path``; one that cannot be read is a bad argument (exit 2), before anything runs."""
+    from orchestrator.core.keys import read_key_file
+
+    try:
+        return read_key_file(path)
+    except OSError as exc:
+        raise typer.BadParameter(
+            f"cannot read the key file {path}: {exc.strerror or exc}", param_hint=option
+        ) from None
+    except ValueError as exc:  # not base64url, or not 32 bytes
+        raise typer.BadParameter(
+            f"{path} is not a key file (`orchestrator keys generate` writes one): {exc}", param_hint=option
+        ) from None
+
+
 async def _register_node(server: str, provider_key: Any, node_key: Any, specs: Any) -> Any:
     from orchestrator import __version__
     from orchestrator.worker.client import WorkerClient
@@ -591,10 +607,8 @@ def worker_register(
     operator can deposit the provider's stake before the node joins a pool."""
     overrides = {"gpu_model": gpu_model, "gpu_count": gpu_count, "gpu_memory_mb": gpu_memory_mb}
     node_specs = _worker_specs(specs, {**overrides, "cpu_cores": cpu_cores, "ram_mb": ram_mb})
-    from orchestrator.core.keys import read_key_file
-
+    keys = _key_file(provider_key, "--provider-key"), _key_file(node_key, "--node-key")
     with _worker_errors():
-        keys = read_key_file(provider_key), read_key_file(node_key)
         node = asyncio.run(_register_node(server, *keys, node_specs))
     typer.echo(json.dumps({"provider_id": node.provider_id, "node_id": node.id, "status": node.status}))
 
@@ -670,6 +684,9 @@ def worker_run(
             param_hint="--provider-key",
         )
     node_specs = _worker_specs(specs, overrides)
+    _key_file(node_key, "--node-key")
+    if provider_key is not None:
+        _key_file(provider_key, "--provider-key")
     config = WorkerConfig(
         server=server,
         pool_id=pool,

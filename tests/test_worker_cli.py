@@ -60,6 +60,25 @@ def test_bad_worker_arguments_are_refused_before_anything_runs(tmp_path: Path) -
         assert message in " ".join(result.output.split()), (extra, result.output)
 
 
+def test_a_key_file_that_cannot_be_read_is_a_bad_argument(tmp_path: Path) -> None:
+    """A missing or garbled key file is refused as a bad argument (exit 2, naming the option
+    and the file) before anything runs; it used to be 'worker failed: FileNotFoundError: ...',
+    exit 1, after `run` had drawn its table."""
+    good, garbled, missing = tmp_path / "good.key", tmp_path / "garbled.key", tmp_path / "missing.key"
+    assert runner.invoke(app, ["keys", "generate", str(good)]).exit_code == 0
+    garbled.write_text("not a key\n")
+    server = ["--server", "http://127.0.0.1:9"]
+    for bad in (missing, garbled):
+        for option, other in (("--node-key", "--provider-key"), ("--provider-key", "--node-key")):
+            keys = [option, str(bad), other, str(good)]
+            for command in (["worker", "register"], ["worker", "run", "--pool", "pool_x"]):
+                result = runner.invoke(app, [*command, *keys, *server], env={"COLUMNS": "200"})
+                assert result.exit_code == 2, (command, keys, result.output)
+                output = " ".join(result.output.split())
+                assert f"Invalid value for {option}" in output and str(bad) in output, output
+                assert "in flight" not in output, output
+
+
 def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
