@@ -224,6 +224,7 @@ _PATH_NOT_FOUND = {
     "payout_id": "payout_not_found",
     "verdict_id": "verdict_not_found",
     "job_id": "validation_job_not_found",
+    "token_id": "token_not_found",
 }
 
 
