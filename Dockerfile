@@ -1,8 +1,11 @@
 # orchestrator: production image.
 #
 #   docker build -t orchestrator:local .
-#   docker run --rm orchestrator:local orchestrator migrate        # one-shot schema upgrade
+#   docker run --rm -e ORCH_DB__URL=... orchestrator:local orchestrator migrate   # one-shot schema upgrade
 #   docker run -p 8000:8000 -e ORCH_ENV=prod -e ORCH_SEED_SECRET=... -e ORCH_DB__URL=... orchestrator:local
+#
+# Without ORCH_DB__URL both use the embedded SQLite default, ./orchestrator.db inside the
+# container (/app, gone with it): migrate would upgrade a throw-away file.
 #
 # Migrations are NOT run by `serve` here (ORCH_SERVER__MIGRATE_ON_START=false): with several
 # replicas they run once, as a separate job (`orchestrator migrate`, see docker-compose.yml).
