@@ -93,6 +93,8 @@ def serve(
 
         with _database_errors(settings.db.url):
             upgrade(settings.db.url)
+    if settings.redis_url is None:
+        _refuse_a_second_instance(settings)
     uvicorn.run(
         "orchestrator.app:create_app",
         factory=True,
@@ -106,6 +108,30 @@ def serve(
         access_log=False,
         log_level=settings.log_level.lower(),
     )
+
+
+def _refuse_a_second_instance(settings: Settings) -> None:
+    """With the in-process hot store, another process serving this database is said in one line
+    (exit 2) before uvicorn starts. The app takes the lock for good at start-up; a refusal there
+    would be uvicorn's traceback of the lifespan, the reason on its last lines."""
+    from orchestrator.core.db import make_engine
+    from orchestrator.core.instance_lock import InstanceLock, InstanceLocked
+
+    async def probe() -> None:
+        engine = make_engine(settings.db)
+        lock = InstanceLock()
+        try:
+            await lock.acquire(engine)
+            await lock.release()
+        finally:
+            await engine.dispose()
+
+    try:
+        with _database_errors(settings.db.url):
+            asyncio.run(probe())
+    except InstanceLocked as exc:
+        console.print(escape(str(exc)), style="red")
+        raise typer.Exit(2) from None
 
 
 @app.command("background")
@@ -229,6 +255,11 @@ def _connect_failure(url: str, exc: BaseException) -> str | None:
             return f"{reach}: its host name does not resolve ({c}). Check the host, {fix}."
         if isinstance(c, TimeoutError):
             return f"{reach}: the connection timed out. Check the server and the network, {fix}."
+        if isinstance(c, OSError) and make_url(url).get_backend_name() == "sqlite":  # its lock file
+            return (
+                f"cannot open the database {where}: {c}. Check that its directory exists and is "
+                f"writable, {fix}."
+            )
         if isinstance(c, OSError):
             return f"{reach}: {c}. Check the server and the network, {fix}."
         if isinstance(c, sqlite3.OperationalError) and "unable to open database file" in str(c):
