@@ -731,7 +731,8 @@ def worker_run(
         invite_code=invite_code,
         grace_s=grace_s,
     )
-    configure_logging(log_level, json=False)
+    # Colours for the rich console, which drops them where stderr is not a terminal.
+    configure_logging(log_level, json=False, colors=True)
     structlog.configure(logger_factory=lambda *_: _ConsoleLogger(console))
     try:
         with (

@@ -26,11 +26,16 @@ def _drop_sensitive(_logger: Any, _name: str, event: MutableMapping[str, Any]) -
     return event
 
 
-def configure_logging(level: str = "INFO", *, json: bool = True) -> None:
+def configure_logging(level: str = "INFO", *, json: bool = True, colors: bool | None = None) -> None:
+    """``colors`` (console lines only): ANSI colours; by default only when stdout is a terminal,
+    so that a log file or a pipe gets plain text."""
     renderer: Any = (
         structlog.processors.JSONRenderer()
         if json
-        else structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)
+        else structlog.dev.ConsoleRenderer(
+            colors=sys.stdout.isatty() if colors is None else colors,
+            exception_formatter=structlog.dev.plain_traceback,
+        )
     )
     # Tracebacks without local variables: locals hold request headers (tokens, signatures).
     tracebacks: list[Any] = (
