@@ -564,6 +564,10 @@ async def _run_worker_live(config: Any, live: Any) -> Any:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+            # The run is over and the process only exits now (which takes a moment): a signal
+            # then, e.g. Ctrl-C pressed twice, would turn its exit status into a
+            # KeyboardInterrupt's 130 after a clean stop.
+            signal.signal(sig, signal.SIG_IGN)
 
 
 ServerOpt = Annotated[str, typer.Option(help="The orchestrator's base URL")]

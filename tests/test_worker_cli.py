@@ -232,3 +232,56 @@ def test_worker_run_submits_results_and_exits_cleanly_on_sigint(
         out, err = once.communicate(timeout=20)  # ends by itself after one task
         assert once.returncode == 0, err
         assert json.loads(out.strip().splitlines()[-1])["submitted"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_second_signal_after_the_stats_were_printed_does_not_change_the_exit_status(
+    server: tuple[str, dict[str, str]], tmp_path: Path
+) -> None:
+    """Ctrl-C twice in a row: when the first stop was already complete (the stats printed on
+    stdout), the second signal came while the process was still exiting (for about half a
+    second) and turned a clean stop into exit 130 (KeyboardInterrupt), with nothing said."""
+    url, env = server
+    made = subprocess.run(
+        cli("admin", "create-token", "--role", "admin", "--name", "cli-test"),
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    headers = {"Authorization": f"Bearer {made.stdout.strip().splitlines()[-1]}"}
+    keys = [tmp_path / "provider.key", tmp_path / "node.key"]
+    for key in keys:
+        assert runner.invoke(app, ["keys", "generate", str(key)]).exit_code == 0
+    key_args = ["--provider-key", str(keys[0]), "--node-key", str(keys[1])]
+    with httpx.Client(base_url=url, timeout=10) as http:
+        pool_id = _pool(http, headers, {"reward_per_sample": 5}, tasks=0)
+        proc = subprocess.Popen(
+            cli(*WORKER_ARGS, "--server", url, "--pool", pool_id, *key_args),
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+
+            def joined() -> bool:
+                assert proc.poll() is None, proc.communicate()
+                r = http.get(f"/v1/admin/pools/{pool_id}/members", headers=headers)
+                return len(r.json()["items"]) == 1
+
+            _wait(joined, 20, "the worker's join")
+            proc.send_signal(signal.SIGINT)
+            assert proc.stdout is not None
+            stats = json.loads(proc.stdout.readline())  # the run is over
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=20)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert stats["state"] == "stopped" and out == ""
+    assert proc.returncode == 0, err
