@@ -584,6 +584,17 @@ DEFAULT_SERVER = "http://127.0.0.1:8000"
 
 
 @contextmanager
+def _table_ends_its_line() -> Iterator[None]:
+    """Rich ends a live display's last render with a newline on a terminal only: off one (a log
+    file, a pipe) what is printed next would continue the table's last line."""
+    try:
+        yield
+    finally:
+        if not console.is_terminal:
+            console.line()
+
+
+@contextmanager
 def _worker_errors() -> Iterator[None]:
     """Refusals and failures as one readable line (plus a join's reasons) and exit 1."""
     import httpx
@@ -741,6 +752,7 @@ def worker_run(
     try:
         with (
             _worker_errors(),
+            _table_ends_its_line(),
             Live(_stats_table(WorkerStats()), console=console, refresh_per_second=4) as live,
         ):
             stats = asyncio.run(_run_worker_live(config, live))

@@ -216,6 +216,9 @@ def test_worker_run_submits_results_and_exits_cleanly_on_sigint(
         out, err = refused.communicate(timeout=20)
         assert refused.returncode == 1
         assert "403 stake_insufficient" in err and out == ""
+        # On a line of its own, off a terminal too (a log file): it was glued to the table's
+        # last border, '└──...──┘the server refused: ...'.
+        assert any(line.startswith("the server refused: 403") for line in err.splitlines()), err
 
         # ... until the operator deposits the provider's stake (its id from `worker register`).
         registered = runner.invoke(app, ["worker", "register", "--server", url, *key_args])
