@@ -570,7 +570,21 @@ async def _run_worker_live(config: Any, live: Any) -> Any:
             signal.signal(sig, signal.SIG_IGN)
 
 
-ServerOpt = Annotated[str, typer.Option(help="The orchestrator's base URL")]
+def _server_url(value: str) -> str:
+    """--server: an absolute http(s) URL; anything else is a usage error, not a traceback from
+    the signing library at the first request."""
+    import httpx
+
+    try:
+        url = httpx.URL(value)
+    except httpx.InvalidURL:
+        url = None
+    if url is None or url.scheme not in ("http", "https") or not url.host:
+        raise typer.BadParameter(f"{value!r} is not an http:// or https:// URL, e.g. {DEFAULT_SERVER}")
+    return value
+
+
+ServerOpt = Annotated[str, typer.Option(help="The orchestrator's base URL", callback=_server_url)]
 NodeKeyOpt = Annotated[Path, typer.Option("--node-key", help="The node's key file")]
 SpecsOpt = Annotated[
     str | None, typer.Option("--specs", help='Node specs as JSON: {"gpu_model", "gpu_count", ...}')

@@ -79,6 +79,21 @@ def test_a_key_file_that_cannot_be_read_is_a_bad_argument(tmp_path: Path) -> Non
                 assert "in flight" not in output, output
 
 
+def test_a_server_that_is_not_an_http_url_is_a_bad_argument(tmp_path: Path) -> None:
+    """'--server 127.0.0.1:8000' (no scheme) used to end in a ~290-line traceback of
+    HTTPMessageSignaturesException ('Invalid URL: expected an encoded absolute URL'), exit 1."""
+    keys = [tmp_path / "provider.key", tmp_path / "node.key"]
+    for key in keys:
+        assert runner.invoke(app, ["keys", "generate", str(key)]).exit_code == 0
+    key_args = ["--provider-key", str(keys[0]), "--node-key", str(keys[1])]
+    for server in ("127.0.0.1:8000", "localhost", "ftp://127.0.0.1:8000", "http://"):
+        for command in (["worker", "register"], ["worker", "run", "--pool", "pool_x"]):
+            result = runner.invoke(app, [*command, *key_args, "--server", server], env={"COLUMNS": "200"})
+            assert result.exit_code == 2, (command, server, result.output, result.exception)
+            output = " ".join(result.output.split())
+            assert "Invalid value for '--server'" in output and "http://" in output, output
+
+
 def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
