@@ -538,7 +538,7 @@ class _ConsoleLogger:
     debug = info = warning = warn = error = critical = exception = fatal = log = msg
 
 
-async def _run_worker_live(config: Any, live: Any) -> Any:
+async def _run_worker_live(config: Any, live: Any, backend: Any) -> Any:
     import signal
 
     from orchestrator.worker.runner import run_worker
@@ -560,7 +560,9 @@ async def _run_worker_live(config: Any, live: Any) -> Any:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
     try:
-        return await run_worker(config, stop=stop, progress=lambda s: live.update(_stats_table(s)))
+        return await run_worker(
+            config, stop=stop, progress=lambda s: live.update(_stats_table(s)), backend=backend
+        )
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
@@ -760,6 +762,13 @@ def worker_run(
         invite_code=invite_code,
         grace_s=grace_s,
     )
+    from orchestrator.worker.backends import create_backend
+
+    with _worker_errors():  # a plugin that fails otherwise (its model missing): exit 1
+        try:
+            rollout_backend = create_backend(backend, config.backend_options)
+        except ValueError as exc:  # options it refuses are a bad argument, before anything runs
+            raise typer.BadParameter(str(exc), param_hint="--backend-opt") from None
     # Colours for the rich console, which drops them where stderr is not a terminal.
     configure_logging(log_level, json=False, colors=True)
     structlog.configure(logger_factory=lambda *_: _ConsoleLogger(console))
@@ -769,7 +778,7 @@ def worker_run(
             _table_ends_its_line(),
             Live(_stats_table(WorkerStats()), console=console, refresh_per_second=4) as live,
         ):
-            stats = asyncio.run(_run_worker_live(config, live))
+            stats = asyncio.run(_run_worker_live(config, live, rollout_backend))
     except asyncio.CancelledError as exc:
         console.print("[red]stopped at once; held leases expire on the server[/red]")
         raise typer.Exit(130) from exc

@@ -47,6 +47,11 @@ def test_bad_worker_arguments_are_refused_before_anything_runs(tmp_path: Path) -
         (["--specs", '{"gpu_count": 1, "gpu_memory_mb": 1, "cpu_cores": 1, "ram_mb": 512}'], "gpu_model"),
         (["--specs", "{}", "--cpu-cores", "4"], "either --specs"),
         (["--gpu-count", "2"], "gpu_model"),
+        # Options the backend refuses: they were 'worker failed: ValueError: ...', exit 1.
+        (["--backend-opt", "error_rate=2"], "error_rate must be between 0 and 1"),
+        (["--backend-opt", "error_rate=abc"], "'abc' is not a"),
+        (["--backend-opt", "bogus=1"], "unknown arithmetic backend options: bogus"),
+        (["--backend", "openai"], "the openai backend needs"),
         # The names ORCH_LOG_LEVEL takes; 'verbose' used to crash in structlog (KeyError).
         (["--log-level", "verbose"], "Invalid value for '--log-level'"),
         (["--log-level", "verbose"], "'verbose' is not one of DEBUG, INFO,"),

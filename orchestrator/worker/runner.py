@@ -153,14 +153,26 @@ async def run_worker(
     stop: asyncio.Event,
     transport: httpx.AsyncBaseTransport | None = None,
     progress: ProgressCallback | None = None,
+    backend: Backend | None = None,
 ) -> WorkerStats:
     """Run one worker until ``stop`` is set or ``config.max_tasks`` leases are worked.
+
+    ``backend``: one built already from ``config.backend`` and its options (the command line
+    builds it first, to refuse bad options as a usage error); closed at the end like one built
+    here.
 
     Raises ``OrchestratorAPIError`` for refusals that waiting will not fix (a refused join,
     an unknown pool, a banned node, a bad signature), after giving back the leases it holds.
     """
-    node_key, provider_key = await config.load_keys()
-    backend = create_backend(config.backend, config.backend_options)
+    try:
+        node_key, provider_key = await config.load_keys()
+        if backend is None:
+            backend = create_backend(config.backend, config.backend_options)
+    except BaseException:
+        close = getattr(backend, "aclose", None)
+        if close is not None:
+            await close()
+        raise
     try:
         async with WorkerClient(
             config.server,
