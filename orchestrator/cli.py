@@ -193,23 +193,27 @@ def migrate_cmd(
     ] = False,
 ) -> None:
     """Upgrade (or downgrade) the database schema."""
+    from alembic.util import CommandError
+
     from orchestrator.core import migrate
 
     url = _settings().db.url
-    if downgrade:
-        if revision is None or revision == "head":
-            raise typer.BadParameter(
-                "a downgrade needs the revision to go down to: -1 (one step), a revision id such as "
-                "0014, or base (drops every table and its data)",
-                param_hint="--revision",
-            )
+    if downgrade and (revision is None or revision == "head"):
+        raise typer.BadParameter(
+            "a downgrade needs the revision to go down to: -1 (one step), a revision id such as "
+            "0014, or base (drops every table and its data)",
+            param_hint="--revision",
+        )
+    target = revision or "head"
+    try:
         with _database_errors(url):
-            migrate.downgrade(url, revision)
-    else:
-        revision = revision or "head"
-        with _database_errors(url):
-            migrate.upgrade(url, revision)
-    console.print(f"[green]schema {'downgraded to' if downgrade else 'at'} {revision}[/green]")
+            if downgrade:
+                migrate.downgrade(url, target)
+            else:
+                migrate.upgrade(url, target)
+    except CommandError as exc:  # no such revision, or one on the wrong side of the current one
+        raise typer.BadParameter(str(exc), param_hint="--revision") from None
+    console.print(f"[green]schema {'downgraded to' if downgrade else 'at'} {target}[/green]")
 
 
 class NoSchema(Exception):

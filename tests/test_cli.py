@@ -268,6 +268,20 @@ def test_a_downgrade_needs_an_explicit_revision(tmp_path: Path) -> None:
     assert "api_tokens" not in _tables(url)
 
 
+@pytest.mark.parametrize(
+    "args", [["--revision", "bogus"], ["--downgrade", "--revision", "9999"]], ids=" ".join
+)
+def test_migrate_to_a_revision_that_does_not_exist_is_a_bad_argument(tmp_path: Path, args: list[str]) -> None:
+    """It was a ~315-line traceback of alembic's CommandError, exit 1."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'rev.db'}"
+    assert runner.invoke(app, ["migrate"], env={"ORCH_DB__URL": url}).exit_code == 0
+    result = runner.invoke(app, ["migrate", *args], env={"ORCH_DB__URL": url, "COLUMNS": "200"})
+    assert result.exit_code == 2, (result.output, result.exception)
+    output = " ".join(result.output.split())
+    assert "Invalid value for --revision" in output and "Can't locate revision" in output, output
+    assert "api_tokens" in _tables(url)
+
+
 def _tables(url: str) -> set[str]:
     from sqlalchemy import inspect
 
