@@ -348,10 +348,26 @@ async def _audit_token(session: AsyncSession, action: str, row: Any) -> None:
     )
 
 
+def _token_name(value: str) -> str:
+    """--name: what the API takes (1 to 100 characters, no NUL); a longer one failed in
+    PostgreSQL's varchar(100) with a traceback."""
+    from pydantic import ValidationError
+
+    from api_schemas.admin import TokenIn
+
+    try:
+        TokenIn(role="admin", name=value)
+    except ValidationError as exc:
+        raise typer.BadParameter("; ".join(str(e["msg"]) for e in exc.errors())) from None
+    return value
+
+
 @admin_app.command("create-token")
 def create_token_cmd(
     role: Annotated[str, typer.Option(help="admin | operator | validator | trainer")],
-    name: Annotated[str, typer.Option(help="Who or what the token is for")] = "cli",
+    name: Annotated[
+        str, typer.Option(help="Who or what the token is for (1 to 100 characters)", callback=_token_name)
+    ] = "cli",
     pool: Annotated[
         list[str] | None,
         typer.Option(help="A pool a validator or trainer token may act on (repeatable; it must exist)"),

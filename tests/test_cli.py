@@ -253,6 +253,26 @@ def test_create_token_refuses_a_scope_that_cannot_work(database_url: str, args: 
     assert why in result.output
 
 
+@pytest.mark.parametrize("name", ["", "x" * 101, "a\x00b"], ids=["empty", "101 characters", "NUL"])
+def test_create_token_refuses_a_name_the_api_refuses(database_url: str, name: str) -> None:
+    """The API takes 1 to 100 characters without NUL; the command took any name: an empty one was
+    stored, and 101 characters failed in PostgreSQL's varchar(100) with a ~590-line traceback."""
+    env = {"ORCH_DB__URL": database_url, "COLUMNS": "200"}
+    result = runner.invoke(app, ["admin", "create-token", "--role", "admin", "--name", name], env=env)
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "Invalid value for '--name'" in result.output
+
+    async def count() -> int:
+        engine = create_async_engine(database_url)
+        try:
+            async with engine.connect() as conn:
+                return len((await conn.execute(select(ApiToken.id))).all())
+        finally:
+            await engine.dispose()
+
+    assert asyncio.run(count()) == 0
+
+
 def test_a_downgrade_needs_an_explicit_revision(tmp_path: Path) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path / 'down.db'}"
     assert runner.invoke(app, ["migrate"], env={"ORCH_DB__URL": url}).exit_code == 0
