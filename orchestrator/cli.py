@@ -93,6 +93,8 @@ def serve(
 
         with _database_errors(settings.db.url):
             upgrade(settings.db.url)
+    else:
+        _require_current_schema(settings.db.url)
     if settings.redis_url is None:
         _refuse_a_second_instance(settings)
     uvicorn.run(
@@ -108,6 +110,30 @@ def serve(
         access_log=False,
         log_level=settings.log_level.lower(),
     )
+
+
+def _require_current_schema(url: str) -> None:
+    """Without migrating at start: a database that cannot be reached, or whose schema is not the
+    one this version needs, is one line and exit 2 before anything runs, rather than a process
+    whose every request or tick then fails."""
+    from sqlalchemy.engine import make_url
+
+    from orchestrator.core.migrate import current_revision, head_revision
+
+    with _database_errors(url):
+        current = current_revision(url)
+    head = head_revision()
+    if current != head:
+        where = make_url(url).render_as_string(hide_password=True)
+        state = "holds no schema" if current is None else f"has the schema of revision {current}"
+        console.print(
+            escape(
+                f"the database {where} {state}; this version needs revision {head}: run "
+                "`orchestrator migrate` with the same ORCH_DB__URL first"
+            ),
+            style="red",
+        )
+        raise typer.Exit(2)
 
 
 def _refuse_a_second_instance(settings: Settings) -> None:
@@ -159,6 +185,7 @@ def background_cmd(
         directory = alive_file.parent
         if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
             raise typer.BadParameter(f"{directory} is not a writable directory", param_hint="--alive-file")
+    _require_current_schema(settings.db.url)
     configure_logging(settings.log_level, json=settings.log_json)
     asyncio.run(background.run(settings, alive_file=alive_file))
 

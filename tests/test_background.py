@@ -7,6 +7,7 @@ import asyncio
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -122,6 +123,22 @@ async def test_an_unwritable_alive_file_is_retried_and_the_probe_fails(tmp_path:
     assert alive_age(alive) is not None
     stop.set()
     await asyncio.wait_for(writer, timeout=5)
+
+
+def test_the_command_refuses_a_database_it_cannot_use_before_starting() -> None:
+    """A wrong ORCH_DB__URL used to start the loops anyway, each tick failing for ever while the
+    alive probe passed; now it is one line and exit 2."""
+    with socket.socket() as bound:  # bound, never listening: connections to it are refused
+        bound.bind(("127.0.0.1", 0))
+        port = bound.getsockname()[1]
+        env = {
+            "ORCH_REDIS__URL": "redis://127.0.0.1:6379/0",
+            "ORCH_DB__URL": f"postgresql+asyncpg://postgres@127.0.0.1:{port}/x",
+        }
+        result = invoke(["background"], env)
+    assert result.exit_code == 2, (result.output, result.exception)
+    [line] = result.output.strip().splitlines()
+    assert "connection refused" in line and "ORCH_DB__URL" in line
 
 
 def test_the_command_refuses_an_alive_file_in_a_missing_directory(tmp_path: Path) -> None:

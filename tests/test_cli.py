@@ -131,6 +131,7 @@ def test_serve_passes_the_trusted_proxies_to_uvicorn(tmp_path: Path, monkeypatch
         "ORCH_DB__URL": f"sqlite+aiosqlite:///{tmp_path / 'p.db'}",
         "ORCH_SERVER__MIGRATE_ON_START": "false",
     }
+    assert runner.invoke(app, ["migrate"], env=env).exit_code == 0
     for extra, proxy_headers, allowed in (
         ({}, False, None),
         ({"ORCH_SERVER__TRUST_PROXY_HEADERS": "true"}, True, "*"),
@@ -181,6 +182,36 @@ def test_a_setting_that_does_not_validate_is_named_in_a_line_and_exit_2(
     assert len(lines) == 1 and named in lines[0], result.output
     assert lines[0].startswith("invalid setting"), result.output
     assert not (tmp_path / "x.db").exists()
+
+
+def test_serve_without_migrating_needs_the_schema_of_this_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without --migrate, a database with no schema or an older one is one line and exit 2
+    before uvicorn starts; it used to start a server whose every request failed."""
+    import uvicorn
+
+    from orchestrator.core.migrate import head_revision
+
+    started: list[object] = []
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: started.append(kwargs))
+    path = tmp_path / "s.db"
+    env = {"ORCH_DB__URL": f"sqlite+aiosqlite:///{path}", "COLUMNS": "80"}
+
+    result = runner.invoke(app, ["serve", "--no-migrate"], env=env)
+    assert result.exit_code == 2 and not started, result.output
+    [line] = result.output.strip().splitlines()
+    assert "holds no schema" in line and f"needs revision {head_revision()}" in line
+    assert "orchestrator migrate" in line
+    assert not path.exists()  # not created by the check
+
+    assert runner.invoke(app, ["migrate", "--revision", "0017"], env=env).exit_code == 0
+    result = runner.invoke(app, ["serve", "--no-migrate"], env=env)
+    assert result.exit_code == 2 and not started, result.output
+    assert "has the schema of revision 0017" in result.output
+
+    assert runner.invoke(app, ["migrate"], env=env).exit_code == 0
+    assert runner.invoke(app, ["serve", "--no-migrate"], env=env).exit_code == 0 and len(started) == 1
 
 
 def test_migrate_creates_the_schema(tmp_path: Path) -> None:
@@ -323,6 +354,7 @@ DATABASE_COMMANDS = [
     ["migrate"],
     ["migrate", "--downgrade", "--revision", "-1"],
     ["serve", "--migrate"],
+    ["serve", "--no-migrate"],
 ]
 
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.script import ScriptDirectory
+from sqlalchemy import inspect, make_url, text
+from sqlalchemy.ext.asyncio import create_async_engine
 
 import migrations
 
@@ -25,3 +29,34 @@ def upgrade(url: str, revision: str = "head") -> None:
 
 def downgrade(url: str, revision: str = "base") -> None:
     command.downgrade(alembic_config(url), revision)
+
+
+def head_revision() -> str:
+    """The newest revision this version of the code knows."""
+    head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+    assert head is not None
+    return head
+
+
+def current_revision(url: str) -> str | None:
+    """The revision the database's schema is at; None for a database without the schema. A
+    database that cannot be reached raises the driver's error. A SQLite file that does not
+    exist holds no schema (and is not created). Runs its own event loop."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        if not Path(parsed.database).exists():
+            return None
+    return asyncio.run(_read_revision(url))
+
+
+async def _read_revision(url: str) -> str | None:
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            has_table = await conn.run_sync(lambda sync: inspect(sync).has_table("alembic_version"))
+            if not has_table:
+                return None
+            revision = (await conn.execute(text("SELECT version_num FROM alembic_version"))).scalar()
+            return None if revision is None else str(revision)
+    finally:
+        await engine.dispose()
