@@ -113,27 +113,39 @@ def serve(
 
 
 def _require_current_schema(url: str) -> None:
-    """Without migrating at start: a database that cannot be reached, or whose schema is not the
-    one this version needs, is one line and exit 2 before anything runs, rather than a process
-    whose every request or tick then fails."""
+    """Without migrating at start: a database that cannot be reached, or that holds no schema or
+    an older one than this version needs, is one line and exit 2 before anything runs, rather
+    than a process whose every request or tick then fails. A newer schema (a revision this
+    version does not know, as while a rolling upgrade has migrated ahead of it) is let through
+    with a warning, so that the previous version's replicas can still (re)start meanwhile."""
     from sqlalchemy.engine import make_url
 
-    from orchestrator.core.migrate import current_revision, head_revision
+    from orchestrator.core.migrate import current_revision, head_revision, known_revision
 
     with _database_errors(url):
         current = current_revision(url)
     head = head_revision()
-    if current != head:
-        where = make_url(url).render_as_string(hide_password=True)
-        state = "holds no schema" if current is None else f"has the schema of revision {current}"
+    if current == head:
+        return
+    where = make_url(url).render_as_string(hide_password=True)
+    if current is not None and not known_revision(current):
         console.print(
             escape(
-                f"the database {where} {state}; this version needs revision {head}: run "
-                "`orchestrator migrate` with the same ORCH_DB__URL first"
+                f"warning: the database {where} has the schema of revision {current}, newer than "
+                f"this version's {head}"
             ),
-            style="red",
+            style="yellow",
         )
-        raise typer.Exit(2)
+        return
+    state = "holds no schema" if current is None else f"has the schema of revision {current}"
+    console.print(
+        escape(
+            f"the database {where} {state}; this version needs revision {head}: run "
+            "`orchestrator migrate` with the same ORCH_DB__URL first"
+        ),
+        style="red",
+    )
+    raise typer.Exit(2)
 
 
 def _refuse_a_second_instance(settings: Settings) -> None:

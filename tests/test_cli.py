@@ -213,6 +213,23 @@ def test_serve_without_migrating_needs_the_schema_of_this_version(
     assert runner.invoke(app, ["migrate"], env=env).exit_code == 0
     assert runner.invoke(app, ["serve", "--no-migrate"], env=env).exit_code == 0 and len(started) == 1
 
+    # A schema newer than this version (a rolling upgrade migrated ahead of it): a warning.
+    asyncio.run(_execute(env["ORCH_DB__URL"], "UPDATE alembic_version SET version_num = '9999'"))
+    result = runner.invoke(app, ["serve", "--no-migrate"], env=env)
+    assert result.exit_code == 0 and len(started) == 2, result.output
+    assert "revision 9999, newer than" in result.output
+
+
+async def _execute(url: str, sql: str) -> None:
+    from sqlalchemy import text
+
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(text(sql))
+    finally:
+        await engine.dispose()
+
 
 def test_migrate_creates_the_schema(tmp_path: Path) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path / 'cli.db'}"

@@ -31,11 +31,21 @@ def downgrade(url: str, revision: str = "base") -> None:
     command.downgrade(alembic_config(url), revision)
 
 
+def _scripts() -> ScriptDirectory:
+    return ScriptDirectory.from_config(alembic_config("sqlite://"))
+
+
 def head_revision() -> str:
     """The newest revision this version of the code knows."""
-    head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+    head = _scripts().get_current_head()
     assert head is not None
     return head
+
+
+def known_revision(revision: str) -> bool:
+    """Whether this version of the code has the migration ``revision`` (a schema at a revision
+    it does not know was made by a newer version)."""
+    return revision in {script.revision for script in _scripts().walk_revisions()}
 
 
 def current_revision(url: str) -> str | None:
