@@ -305,6 +305,7 @@ async def test_hardware_requirements_are_met_by_any_alternative(
         "required": ["nvidia h100 80gb hbm3"],
         "actual": None,
     }
+    assert "the node has no GPU; the pool wants one of 'nvidia h100 80gb hbm3'" in cpu_reasons[0]["detail"]
 
 
 async def test_insufficient_free_stake_refuses_the_join_and_locks_nothing(

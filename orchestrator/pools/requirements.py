@@ -23,7 +23,10 @@ class FailedCheck:
 
     def describe(self) -> str:
         if self.rule == "gpu_models":
-            return f"GPU model {self.actual!r} is not one of {', '.join(map(repr, self.required))}"
+            wanted = ", ".join(map(repr, self.required))
+            if self.actual is None:
+                return f"the node has no GPU; the pool wants one of {wanted}"
+            return f"GPU model {self.actual!r} is not one of {wanted}"
         return f"{self.rule} is {self.required}, the node has {self.actual}"
 
     def as_dict(self) -> dict[str, Any]:
