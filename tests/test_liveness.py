@@ -96,6 +96,30 @@ async def test_sweeper_moves_silent_nodes_healthy_unhealthy_dead(
     assert "no heartbeat for 3 intervals" in reasons[1] and "no heartbeat for 9 intervals" in reasons[2]
 
 
+async def test_a_dead_node_keeps_its_last_heartbeat_after_the_hot_store_forgets_it(
+    client: httpx.AsyncClient, app_state: Any, clock: FakeClock
+) -> None:
+    """The hot store's entry of a node expires at twice the dead threshold; the node's views
+    then showed no last heartbeat at all. The sweeper keeps it when it marks the node dead."""
+    silent = new_contributor()
+    await silent.register(client)
+    await silent.beat(client)
+    me = (await client.get("/v1/nodes/me", auth=silent.node_auth)).json()
+    beat_at = me["last_heartbeat_at"]
+    assert beat_at is not None
+    clock.advance(31)
+    await sweep_once(app_state)
+    clock.advance(60)
+    assert (await sweep_once(app_state)).to_dead == 1
+    await app_state.hot_store.forget_node(silent.node_id)  # as when its entry expires
+    me = (await client.get("/v1/nodes/me", auth=silent.node_auth)).json()
+    assert (me["status"], me["last_heartbeat_at"]) == ("dead", beat_at)
+
+    await silent.beat(client)  # back: the live value again
+    me = (await client.get("/v1/nodes/me", auth=silent.node_auth)).json()
+    assert me["status"] == "healthy" and me["last_heartbeat_at"] > beat_at
+
+
 async def _reasons(app_state: Any, node_id: str) -> list[str]:
     async with app_state.sessionmaker() as session:
         return list(

@@ -722,7 +722,7 @@ async def _payouts_and_revision(url: str, sql: str | None = None) -> tuple[list[
 def test_0018_downgrade_refuses_to_drop_rejected_payouts_and_keeps_the_others(scratch_url: str) -> None:
     # 0017 has no rejected status: as a requested payout, a rejected one (whose money went back
     # to claimable rewards) would be paid again, so the downgrade refuses while one exists.
-    upgrade(scratch_url)
+    upgrade(scratch_url, "0018")
     asyncio.run(_seed_payouts(scratch_url))
     everything = [(1, "requested", 10, None), (2, "paid", 20, "wire-2"), (3, "rejected", 30, None)]
     with pytest.raises(RuntimeError, match="1 payouts are rejected"):
@@ -736,5 +736,5 @@ def test_0018_downgrade_refuses_to_drop_rejected_payouts_and_keeps_the_others(sc
     )
     downgrade(scratch_url, "0017")
     assert asyncio.run(_payouts_and_revision(scratch_url)) == (kept, "0017")
-    upgrade(scratch_url)
+    upgrade(scratch_url, "0018")
     assert asyncio.run(_payouts_and_revision(scratch_url)) == (kept, "0018")

@@ -56,6 +56,9 @@ class Node(Base):
     status: Mapped[str] = mapped_column(String(16), default=NodeStatus.waiting.value)
     status_changed_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     ban_reason: Mapped[str | None] = mapped_column(Text)
+    #: Copied from the hot store when the sweeper marks the node dead (the hot store's entry
+    #: expires later); the live value of a node under watch is the hot store's.
+    last_heartbeat_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
 

@@ -38,7 +38,10 @@ async def node_out(state: AppState, node: Node) -> NodeOut:
         status=node.status,
         status_changed_at=node.status_changed_at,
         created_at=node.created_at,
-        last_heartbeat_at=dt.datetime.fromtimestamp(last, dt.UTC) if last is not None else None,
+        # The hot store's while the node is watched; what the sweeper kept once it is dead.
+        last_heartbeat_at=(
+            dt.datetime.fromtimestamp(last, dt.UTC) if last is not None else node.last_heartbeat_at
+        ),
         memberships=[NodeMembership(pool_id=p, status=s) for p, s in memberships],
     )
 

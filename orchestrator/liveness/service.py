@@ -17,21 +17,24 @@ usual ``dead_after_s``.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import structlog
+from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from api_schemas.identity import HeartbeatIn, HeartbeatOut
 from orchestrator.core import metrics
-from orchestrator.core.hotstore import DYING, HEALTHY, UNHEALTHY
+from orchestrator.core.hotstore import DYING, HEALTHY, UNHEALTHY, HotStore
 from orchestrator.core.state import AppState
 from orchestrator.core.ticks import claim_tick
 from orchestrator.identity import repository as repo
 from orchestrator.identity.auth import NodeRef
-from orchestrator.identity.models import NodeStatus
+from orchestrator.identity.models import Node, NodeStatus
 from orchestrator.tasks.service import end_leases_of_dead, extend_leases
 
 log = structlog.get_logger(__name__)
@@ -87,6 +90,19 @@ class SweepReport:
     to_dead: int = 0
 
 
+async def _keep_last_beats(session: AsyncSession, store: HotStore, node_ids: Sequence[str]) -> None:
+    """The last beat of each node just marked dead, into SQL: the hot store's entry expires
+    (at twice the dead threshold) and the node views then fall back on this."""
+    beats = await asyncio.gather(*(store.last_beat(node_id) for node_id in node_ids))
+    rows = [
+        {"id": node_id, "last_heartbeat_at": dt.datetime.fromtimestamp(at, dt.UTC)}
+        for node_id, at in zip(node_ids, beats, strict=True)
+        if at is not None
+    ]
+    if rows:
+        await session.execute(update(Node), rows)  # bulk UPDATE by primary key
+
+
 async def sweep_once(state: AppState) -> SweepReport:
     """One tick of the sweeper; a no-op if another process already ran this tick."""
     hb = state.settings.heartbeat
@@ -117,6 +133,7 @@ async def sweep_once(state: AppState) -> SweepReport:
             actor="sweeper",
         )
         ended = await end_leases_of_dead(session, dead, now=state.clock.utcnow())
+        await _keep_last_beats(session, store, dead)
     # Only now that the dead transitions are committed (a node a concurrent beat revived was
     # removed from ``dying`` by that beat).
     await store.drop(DYING, gone)
