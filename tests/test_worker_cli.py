@@ -170,11 +170,8 @@ def _pool(http: httpx.Client, headers: dict[str, str], economics: dict[str, Any]
     return pool_id
 
 
-@pytest.mark.timeout(60)
-def test_worker_run_submits_results_and_exits_cleanly_on_sigint(
-    server: tuple[str, dict[str, str]], tmp_path: Path
-) -> None:
-    url, env = server
+def admin_headers(env: dict[str, str]) -> dict[str, str]:
+    """An admin token made with the CLI, against the server's database."""
     made = subprocess.run(
         cli("admin", "create-token", "--role", "admin", "--name", "cli-test"),
         env=env,
@@ -184,7 +181,15 @@ def test_worker_run_submits_results_and_exits_cleanly_on_sigint(
         timeout=30,
         check=True,
     )
-    headers = {"Authorization": f"Bearer {made.stdout.strip().splitlines()[-1]}"}
+    return {"Authorization": f"Bearer {made.stdout.strip().splitlines()[-1]}"}
+
+
+@pytest.mark.timeout(60)
+def test_worker_run_submits_results_and_exits_cleanly_on_sigint(
+    server: tuple[str, dict[str, str]], tmp_path: Path
+) -> None:
+    url, env = server
+    headers = admin_headers(env)
     keys = {}
     for name in ("provider", "node"):
         keys[name] = tmp_path / f"{name}.key"
@@ -265,16 +270,7 @@ def test_a_second_signal_after_the_stats_were_printed_does_not_change_the_exit_s
     stdout), the second signal came while the process was still exiting (for about half a
     second) and turned a clean stop into exit 130 (KeyboardInterrupt), with nothing said."""
     url, env = server
-    made = subprocess.run(
-        cli("admin", "create-token", "--role", "admin", "--name", "cli-test"),
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    )
-    headers = {"Authorization": f"Bearer {made.stdout.strip().splitlines()[-1]}"}
+    headers = admin_headers(env)
     keys = [tmp_path / "provider.key", tmp_path / "node.key"]
     for key in keys:
         assert runner.invoke(app, ["keys", "generate", str(key)]).exit_code == 0
