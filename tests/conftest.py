@@ -66,6 +66,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+async def _ping_postgres(url: str) -> None:
+    conn = await asyncpg.connect(
+        make_url(url).set(drivername="postgresql").render_as_string(False), timeout=10
+    )
+    await conn.close()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """An unreachable backend that was asked for ends the run at once, with the reason: checked
+    here, in the main process, because under pytest-xdist a worker's ``pytest.exit`` shows only
+    as a crashed worker (an INTERNALERROR without the message)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if DATABASE_URL and IS_POSTGRES:
+        try:
+            asyncio.run(_ping_postgres(DATABASE_URL))
+        except Exception as exc:
+            pytest.exit(f"ORCH_TEST_DATABASE_URL={DATABASE_URL} is unreachable: {exc!r}", returncode=3)
+    if REDIS_URL:
+        try:
+            asyncio.run(_check_redis(REDIS_URL))
+        except Exception as exc:
+            pytest.exit(f"ORCH_TEST_REDIS_URL={REDIS_URL} is unreachable: {exc!r}", returncode=3)
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     return f"orchestrator backends: database={DATABASE_URL or 'sqlite (temp file)'}, hot store={REDIS_URL or 'in-process'}"
 
