@@ -205,12 +205,37 @@ def redis_prefix() -> str:
     return f"test:{uuid.uuid4().hex[:12]}:"
 
 
+async def _max_connections(url: str) -> int:
+    conn = await asyncpg.connect(
+        make_url(url).set(drivername="postgresql").render_as_string(False), timeout=10
+    )
+    try:
+        return int(await conn.fetchval("SHOW max_connections"))
+    finally:
+        await conn.close()
+
+
+@pytest.fixture(scope="session")
+def connection_budget(database_url: str) -> dict[str, int]:
+    """The app's connection pool in tests: 20 + 40 overflow (the concurrency tests open 50 and
+    60 at once), but on PostgreSQL never more than this process's share of ``max_connections``
+    less 20 (the tests' own connections, and the servers test_scale_out starts, 3 x 15, come out
+    of a process's share): two pytest-xdist processes each running such a test at once got
+    'sorry, too many clients already' from a server of 100."""
+    if not database_url.startswith("postgresql"):
+        return {"pool_size": 20, "max_overflow": 40}
+    processes = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    share = (asyncio.run(_max_connections(database_url)) - 20) // processes
+    pool_size = max(1, min(20, share // 3))
+    return {"pool_size": pool_size, "max_overflow": max(0, min(40, share - pool_size))}
+
+
 @pytest.fixture
-def settings(database_url: str, redis_prefix: str) -> Settings:
+def settings(database_url: str, redis_prefix: str, connection_budget: dict[str, int]) -> Settings:
     return Settings(
         env="test",
         log_level="WARNING",
-        db=DatabaseSettings(url=database_url, pool_size=20, max_overflow=40),
+        db=DatabaseSettings(url=database_url, **connection_budget),
         redis=RedisSettings(url=REDIS_URL, prefix=redis_prefix),  # type: ignore[arg-type]
         heartbeat=HeartbeatSettings(
             interval_s=10, unhealthy_after_missed=3, dead_after_missed=9, sweep_interval_s=5
