@@ -309,16 +309,7 @@ def test_create_token_refuses_a_name_the_api_refuses(database_url: str, name: st
     result = runner.invoke(app, ["admin", "create-token", "--role", "admin", "--name", name], env=env)
     assert result.exit_code == 2, (result.output, result.exception)
     assert "Invalid value for '--name'" in result.output
-
-    async def count() -> int:
-        engine = create_async_engine(database_url)
-        try:
-            async with engine.connect() as conn:
-                return len((await conn.execute(select(ApiToken.id))).all())
-        finally:
-            await engine.dispose()
-
-    assert asyncio.run(count()) == 0
+    assert _token_ids(database_url) == []
 
 
 def test_a_downgrade_needs_an_explicit_revision(tmp_path: Path) -> None:
@@ -348,6 +339,18 @@ def test_migrate_to_a_revision_that_does_not_exist_is_a_bad_argument(tmp_path: P
     output = " ".join(result.output.split())
     assert "Invalid value for --revision" in output and "Can't locate revision" in output, output
     assert "api_tokens" in _tables(url)
+
+
+def _token_ids(url: str) -> list[str]:
+    async def read() -> list[str]:
+        engine = create_async_engine(url)
+        try:
+            async with engine.connect() as conn:
+                return list((await conn.execute(select(ApiToken.id))).scalars())
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(read())
 
 
 def _tables(url: str) -> set[str]:
@@ -419,15 +422,7 @@ def test_list_tokens_shows_whole_ids_in_a_narrow_terminal(database_url: str) -> 
         )
         assert made.exit_code == 0, made.output
 
-    async def ids() -> list[str]:
-        engine = create_async_engine(database_url)
-        try:
-            async with engine.connect() as conn:
-                return list((await conn.execute(select(ApiToken.id))).scalars())
-        finally:
-            await engine.dispose()
-
     listed = runner.invoke(app, ["admin", "list-tokens"], env=env)
     assert listed.exit_code == 0, listed.output
-    for token_id in asyncio.run(ids()):
+    for token_id in _token_ids(database_url):
         assert token_id in listed.stdout.split(), listed.stdout
