@@ -7,8 +7,9 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import inspect, make_url, text
+from sqlalchemy import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
 import migrations
@@ -63,10 +64,7 @@ async def _read_revision(url: str) -> str | None:
     engine = create_async_engine(url)
     try:
         async with engine.connect() as conn:
-            has_table = await conn.run_sync(lambda sync: inspect(sync).has_table("alembic_version"))
-            if not has_table:
-                return None
-            revision = (await conn.execute(text("SELECT version_num FROM alembic_version"))).scalar()
-            return None if revision is None else str(revision)
+            # Alembic's own reading of alembic_version (None when the table is missing or empty).
+            return await conn.run_sync(lambda sync: MigrationContext.configure(sync).get_current_revision())
     finally:
         await engine.dispose()
