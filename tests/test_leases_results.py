@@ -60,6 +60,25 @@ async def test_an_expired_lease_is_reissued_and_the_old_holder_is_fenced_off(
         assert stats[0]["node_id"] == slow.node_id and stats[0]["expired"] == 1
 
 
+async def test_a_lease_past_its_deadline_leaves_the_nodes_cap_before_the_reaper_ends_it(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A lease that ran out is refused its result at once, so it no longer holds a place under
+    ``max_leases_per_node`` either: the node claims again without waiting for the reaper's tick
+    (it was ``lease_cap_reached`` until then)."""
+    async with pool_setup(app, app_state, workers=1, lease_duration_s=60, max_leases_per_node=1) as s:
+        w = s.workers[0]
+        await s.enqueue([task("a"), task("b")])
+        [old] = (await w.claim(s.pool_id)).json()["leases"]
+        assert (await w.claim(s.pool_id)).json()["reason"] == "lease_cap_reached"
+        clock.advance(61)
+        await w.beat()
+        [new] = (await w.claim(s.pool_id)).json()["leases"]
+        assert new["task"]["task_id"] != old["task"]["task_id"]
+        problem(await w.submit(old), 409, "lease_expired")
+        assert (await w.submit(new)).status_code == 201
+
+
 async def test_a_task_fails_after_max_attempts_with_its_history(
     app: Any, app_state: Any, clock: FakeClock
 ) -> None:

@@ -339,7 +339,9 @@ class ClaimContext:
 _LOCK_SIGNER = text("SELECT 1 FROM nodes WHERE id = :node_id FOR NO KEY UPDATE")
 
 # One read for the node (the signer), the pool, the membership, the current policy and the
-# node's live leases there. Scalar subqueries keep it to one row on both dialects.
+# node's live leases there. Scalar subqueries keep it to one row on both dialects. A lease past
+# its deadline that the reaper has not ended yet is not counted: its results are refused
+# (``lease_expired``), so it no longer holds a place under the node's cap.
 _CLAIM_CONTEXT = text(
     """
     SELECT n.provider_id, n.ip_address, n.status AS node_status,
@@ -348,14 +350,15 @@ _CLAIM_CONTEXT = text(
              WHERE m.pool_id = :pool_id AND m.node_id = n.id) AS member_status,
            pv.step, pv.uri, pv.sha256,
            (SELECT count(*) FROM assignments a
-             WHERE a.pool_id = :pool_id AND a.node_id = n.id AND a.status = 'active') AS held
+             WHERE a.pool_id = :pool_id AND a.node_id = n.id AND a.status = 'active'
+               AND a.lease_expires_at > :now) AS held
       FROM nodes n
       LEFT JOIN pools p ON p.id = :pool_id
       LEFT JOIN policy_versions pv ON pv.pool_id = p.id
        AND pv.step = (SELECT max(step) FROM policy_versions WHERE pool_id = :pool_id)
      WHERE n.id = :node_id
     """
-)
+).bindparams(bindparam("now", type_=UTCDateTime()))
 
 
 # The tasks of the pool this node may take: open, with a replica to lease, not past their
@@ -484,7 +487,7 @@ async def claim(
     postgres = is_postgres(session)
     if postgres:
         await conn.execute(_LOCK_SIGNER, {"node_id": signed_keyid})
-    keys = {"pool_id": pool_id, "node_id": signed_keyid}
+    keys = {"pool_id": pool_id, "node_id": signed_keyid, "now": now}
     row = (await conn.execute(_CLAIM_CONTEXT, keys)).first()
     if row is None:
         raise unknown_node()
