@@ -298,7 +298,11 @@ async def _expire(session: AsyncSession, iteration: RestemIteration, deadline: d
         .order_by(Task.id)
     )
     if is_postgres(session):
-        stmt = stmt.with_for_update(of=Task)  # no claim leases them meanwhile
+        # Their live leases first (``tasks_service.lock_live_leases``), then the tasks: no claim
+        # leases them meanwhile.
+        open_ids = list((await session.execute(stmt.with_only_columns(Task.id))).scalars())
+        await tasks_service.lock_live_leases(session, open_ids)
+        stmt = stmt.with_for_update(of=Task)
     cancelled = 0
     for task in list((await session.execute(stmt)).scalars()):
         await tasks_service.cancel_task(

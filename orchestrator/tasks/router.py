@@ -424,7 +424,8 @@ def _submission_out(sub: Submission, replica_index: int, window_s: int, include_
 )
 async def cancel(pool: OperatorPool, task_id: TaskId, principal: Operator, session: Session) -> TaskOut:
     # Locked, as the reaper does before it fails a task: of two cancels at once, the second
-    # finds the task cancelled, changes nothing and is not audited.
+    # finds the task cancelled, changes nothing and is not audited. Its live leases first.
+    await service.lock_live_leases(session, [task_id])
     task = await _task(session, pool, task_id, for_update=True)
     before = task.status
     task = await service.cancel_task(session, task, f"cancelled by {principal.token_id}")

@@ -273,11 +273,35 @@ async def _same_batch(session: AsyncSession, batch: TaskBatch, digest: str) -> E
     return EnqueueResult(batch=batch, first_task_id=int(first or 0), created=False)
 
 
+# Lock order between a task and its live leases. A result, the reaper's expiry and a release
+# lock a lease, then its replica, then write the task. Ending a task (a cancel, its deadline,
+# max attempts, a ReST^EM iteration's expiry) writes every live lease and replica of the task,
+# so it locks them first, in that order, and only then the task: holding the task while it
+# waited for a lease that a result holds, as that result waited for the task, was a deadlock,
+# which PostgreSQL breaks after a second by failing one of the two (a 503). Claims do not take
+# part: they lock the task and then write a replica no lease holds.
+_LOCK_LIVE_LEASES = text(
+    """
+    SELECT a.id FROM assignments a JOIN task_replicas r ON r.id = a.replica_id
+     WHERE a.task_id = ANY(CAST(:task_ids AS bigint[])) AND a.status = 'active'
+     ORDER BY a.id FOR UPDATE OF a, r
+    """
+)
+
+
+async def lock_live_leases(session: AsyncSession, task_ids: Sequence[int]) -> None:
+    """Before locking tasks to end them: lock their live leases and those leases' replicas (on
+    PostgreSQL; SQLite's single writer has no lock order)."""
+    if task_ids and is_postgres(session):
+        await session.execute(_LOCK_LIVE_LEASES, {"task_ids": list(task_ids)})
+
+
 async def cancel_task(
     session: AsyncSession, task: Task, reason: str, *, end_reason: str = "cancelled"
 ) -> Task:
     """Idempotent. Live leases are cancelled (their heartbeats are told to drop them). ``reason``
-    is text for people, ``end_reason`` one of ``models.END_REASONS`` for machines."""
+    is text for people, ``end_reason`` one of ``models.END_REASONS`` for machines. The caller
+    locked the task's live leases (``lock_live_leases``) before the task."""
     if task.status in ("cancelled", "completed", "failed"):
         return task
     now = dt.datetime.now(dt.UTC)
@@ -819,6 +843,7 @@ async def _expire(session: AsyncSession, expired: list[Assignment], *, now: dt.d
                 .where(Task.id == task_id, Task.status == "open")
                 .values(available_replicas=Task.available_replicas + count, updated_at=now)
             )
+    await lock_live_leases(session, sorted(failed_tasks))  # the siblings', before the tasks
     for task_id, reason in failed_tasks.items():
         task = await session.get(Task, task_id, with_for_update=True)
         if task is not None and task.status == "open":
@@ -833,14 +858,15 @@ async def fail_past_deadline(session: AsyncSession, *, now: dt.datetime, limit: 
     """Open tasks whose deadline has passed fail (``deadline passed``), as after max attempts:
     their live leases are cancelled (heartbeats tell the nodes to drop them) and results waiting
     for their siblings are settled. Reads only open tasks with a deadline (partial index)."""
-    stmt = (
-        select(Task)
-        .where(Task.status == "open", Task.deadline_at.is_not(None), Task.deadline_at <= now)
-        .order_by(Task.deadline_at)
-        .limit(limit)
-    )
+    past = (Task.status == "open", Task.deadline_at.is_not(None), Task.deadline_at <= now)
+    stmt = select(Task).where(*past).order_by(Task.deadline_at).limit(limit)
     if is_postgres(session):
-        stmt = stmt.with_for_update(skip_locked=True)
+        # The live leases first (see ``lock_live_leases``), then the tasks still due, skipping
+        # any another transaction holds.
+        picked = select(Task.id).where(*past).order_by(Task.deadline_at).limit(limit)
+        due_ids = list((await session.execute(picked)).scalars())
+        await lock_live_leases(session, due_ids)
+        stmt = stmt.where(Task.id.in_(due_ids)).with_for_update(skip_locked=True)
     due = list((await session.execute(stmt)).scalars())
     for task in due:
         assert task.deadline_at is not None

@@ -1,0 +1,103 @@
+"""Lock order between ending a task and a result in flight (PostgreSQL).
+
+A result locks its lease and the lease's replica, then writes the task. Ending a task (an
+operator's cancel, max attempts, a deadline, a ReST^EM iteration's expiry) writes every live
+lease and replica of the task. It used to lock the task first and then wait for the replica
+the result held, while the result waited for the task: a deadlock, which PostgreSQL breaks
+after a second by failing one of them (the cancel or the result got a 503). Each test holds a
+result's locks with the result path's own statements, at the point where it has read its lease
+and is about to write, and checks that the other side waits and then finishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import text
+
+from orchestrator.core.clock import FakeClock
+from orchestrator.tasks import service
+from orchestrator.tasks.jobs import reap_once
+from tests.conftest import postgres_only
+from tests.tasks_helpers import pool_setup, task
+
+pytestmark = postgres_only
+
+
+async def _until_one_waits_for_a_lock(app_state: Any) -> None:
+    async with app_state.sessionmaker() as session:
+        for _ in range(200):
+            waiting = await session.scalar(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+                )
+            )
+            if waiting:
+                return
+            await asyncio.sleep(0.025)
+    raise AssertionError("nothing waited for the result's locks")
+
+
+async def _result_in_flight(
+    app_state: Any, clock: FakeClock, lease: dict[str, Any], node_id: str, other: Any
+) -> Any:
+    """Take the result path's locks for ``lease`` (its locked read), start ``other``, wait until
+    it waits for a lock, then make the result's write of the task and commit. Returns what
+    ``other`` returned."""
+    async with app_state.sessionmaker() as session, session.begin():
+        conn = await session.connection()
+        context = {"assignment_id": lease["assignment_id"], "node_id": node_id, "policy_step": 1}
+        assert (await conn.execute(service._result_context(True), context)).first() is not None
+        ending = asyncio.ensure_future(other)
+        await _until_one_waits_for_a_lock(app_state)
+        written = {"b_task": lease["task"]["task_id"], "b_now": clock.utcnow()}
+        await asyncio.wait_for(conn.execute(service._TASK_SUBMITTED, written), timeout=5)
+    return await asyncio.wait_for(ending, timeout=10)
+
+
+async def test_a_cancel_waits_for_a_result_in_flight(app: Any, app_state: Any, clock: FakeClock) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        task_id = (await s.enqueue([task()])).json()["first_task_id"]
+        w = s.workers[0]
+        [lease] = (await w.claim(s.pool_id)).json()["leases"]
+        cancel = s.admin.post(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}/cancel", headers=s.headers)
+        r = await _result_in_flight(app_state, clock, lease, w.node_id, cancel)
+        assert r.status_code == 200, r.text
+        assert r.json()["status"] == "cancelled"
+        assert (await w.beat([lease["assignment_id"]])).json()["drop_leases"] == [lease["assignment_id"]]
+
+
+async def test_max_attempts_wait_for_a_sibling_replicas_result_in_flight(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=2, lease_duration_s=60, max_attempts=1) as s:
+        task_id = (await s.enqueue([task(replication=2)])).json()["first_task_id"]
+        first, second = s.workers
+        assert len((await first.claim(s.pool_id)).json()["leases"]) == 1
+        clock.advance(31)
+        await second.beat()
+        [lease] = (await second.claim(s.pool_id)).json()["leases"]
+        clock.advance(31)  # the first lease ran out (max attempts 1); the second has 29 s left
+        report = await _result_in_flight(app_state, clock, lease, second.node_id, reap_once(app_state))
+        assert (report.expired, report.failed_tasks) == (1, 1)
+        detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
+        assert (detail["status"], detail["end_reason"]) == ("failed", "max_attempts")
+
+
+async def test_a_deadline_waits_for_a_result_in_flight(app: Any, app_state: Any, clock: FakeClock) -> None:
+    """One replica's result read its lease just before the task's deadline; the reaper fails
+    the task just after it."""
+    async with pool_setup(app, app_state, workers=2) as s:
+        deadline = (clock.utcnow() + dt.timedelta(seconds=60)).isoformat()
+        task_id = (await s.enqueue([task(replication=2, deadline_at=deadline)])).json()["first_task_id"]
+        first, second = s.workers
+        [lease] = (await first.claim(s.pool_id)).json()["leases"]
+        assert len((await second.claim(s.pool_id)).json()["leases"]) == 1
+        clock.advance(61)
+        report = await _result_in_flight(app_state, clock, lease, first.node_id, reap_once(app_state))
+        assert report.past_deadline == 1
+        detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
+        assert (detail["status"], detail["end_reason"]) == ("failed", "deadline_passed")
