@@ -184,6 +184,15 @@ MaxAttempts = Annotated[
         "is given up as failed; a lease given back in time is no attempt",
     ),
 ]
+MaxFailures = Annotated[
+    int,
+    Field(
+        ge=1,
+        le=100,
+        description="Providers whose nodes gave a lease of the task back saying it failed on them "
+        "(a release with an error) before the task is given up as failed",
+    ),
+]
 Replication = Annotated[
     int,
     Field(
@@ -273,6 +282,7 @@ class PublicPolicy(StrictModel):
 
     lease_duration_s: LeaseDuration = 600
     max_attempts: MaxAttempts = 3
+    max_failures: MaxFailures = 3
     replication_factor: Replication = 1
     max_async_level: MaxAsyncLevel = 2
     max_leases_per_node: MaxLeases = 1
@@ -349,6 +359,7 @@ class PolicyPatch(StrictModel):
 
     lease_duration_s: LeaseDuration | None = None
     max_attempts: MaxAttempts | None = None
+    max_failures: MaxFailures | None = None
     replication_factor: Replication | None = None
     audit_rate_floor: AuditFloor | None = None
     max_async_level: MaxAsyncLevel | None = None

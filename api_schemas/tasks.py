@@ -35,6 +35,7 @@ def _check_uri(value: str) -> str:
 
 # Where workers fetch a checkpoint or shard from: handed to every worker as given.
 Uri = Annotated[Text, Field(min_length=1, max_length=2048), AfterValidator(_check_uri)]
+ErrorText = Annotated[Text, Field(min_length=1, max_length=1000)]
 
 
 class Shard(StrictModel):
@@ -174,10 +175,26 @@ class AssignmentOut(BaseModel):
     lease_expires_at: dt.datetime
     created_at: dt.datetime
     ended_at: dt.datetime | None
+    error: str | None = Field(
+        default=None,
+        description="What failed, when the node gave the lease back because the task failed on it",
+    )
+
+
+class ReleaseIn(StrictModel):
+    """Optional body of a release. Without ``error`` (or without a body) the node gives the lease
+    back for a reason of its own (it is stopping, say): the replica goes to another node and
+    nothing counts against the task. With it, the task failed on this node."""
+
+    error: ErrorText | None = Field(
+        default=None,
+        description="What went wrong running the task (a backend error). Such releases from nodes of "
+        "the pool's max_failures different providers end the task failed (end_reason max_failures)",
+    )
 
 
 # Why a task ended failed or cancelled (TaskOut.end_reason).
-EndReason = Literal["cancelled", "max_attempts", "deadline_passed", "iteration_expired"]
+EndReason = Literal["cancelled", "max_attempts", "deadline_passed", "iteration_expired", "max_failures"]
 
 
 class TaskOut(BaseModel):
@@ -197,8 +214,8 @@ class TaskOut(BaseModel):
     failure_reason: str | None = Field(description="why the task ended failed or cancelled, for people")
     end_reason: EndReason | None = Field(
         description="why the task ended failed or cancelled, for machines: an operator's cancel, a "
-        "replica out of attempts (the pool's max_attempts), the task's deadline, or the end of its "
-        "ReST^EM iteration"
+        "replica out of attempts (the pool's max_attempts), the task's deadline, the end of its "
+        "ReST^EM iteration, or the task failing on the nodes of the pool's max_failures providers"
     )
     created_at: dt.datetime
 
@@ -367,4 +384,8 @@ class LeaseStatsOut(BaseModel):
         "dead); each is an attempt towards the pool's max_attempts"
     )
     released: int = Field(description="Given back in time: by the node, or when its membership ended")
+    failed: int = Field(
+        description="Given back by the node saying the task failed on it (also counted as released, "
+        "or as expired when given back past the lease's deadline)",
+    )
     last_expired_at: dt.datetime | None = Field(description="When the latest of them expired")

@@ -46,6 +46,11 @@ class Worker:
             f"/v1/assignments/{lease['assignment_id']}/result", json=body, auth=self.contributor.node_auth
         )
 
+    async def release(self, lease: dict[str, Any], **body: Any) -> httpx.Response:
+        return await self.client.post(
+            f"/v1/assignments/{lease['assignment_id']}/release", json=body, auth=self.contributor.node_auth
+        )
+
     async def beat(self, leases: list[str] | None = None) -> httpx.Response:
         return await self.client.post(
             "/v1/nodes/me/heartbeat", json={"leases": leases or []}, auth=self.contributor.node_auth

@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy import func, select
 
 from orchestrator.core.clock import FakeClock
+from orchestrator.core.keys import generate_key
 from orchestrator.core.signing import DEFAULT_COMPONENTS, MAX_TARGET_URI_LENGTH, SignatureAuth
 from orchestrator.tasks import jobs as task_jobs
 from orchestrator.tasks.jobs import reap_once
@@ -170,6 +171,79 @@ async def test_a_released_lease_is_reissued_at_once(app: Any, app_state: Any) ->
         assert r.status_code == 200 and r.json()["status"] == "released"
         assert len((await s.workers[1].claim(s.pool_id)).json()["leases"]) == 1
         problem(await s.workers[0].submit(lease), 409, "lease_expired")
+
+
+async def test_a_task_that_fails_on_the_nodes_of_max_failures_providers_ends_failed(
+    app: Any, app_state: Any
+) -> None:
+    """A poison task (one every backend fails on) no longer goes round every node of the pool:
+    a release with an error counts once per provider, and at the pool's max_failures the task
+    ends failed with its history (it was reissued to every node, each losing its time)."""
+    async with pool_setup(app, app_state, max_failures=2) as s:
+        shared = generate_key()
+        a, a_twin, b, c = [
+            await s.add_worker(provider_key=shared),
+            await s.add_worker(provider_key=shared),
+            await s.add_worker(),
+            await s.add_worker(),
+        ]
+        task_id = (await s.enqueue([task()])).json()["first_task_id"]
+        for node, error in ((a, "CUDA out of memory"), (a_twin, "CUDA out of memory again")):
+            [lease] = (await node.claim(s.pool_id)).json()["leases"]
+            r = await node.release(lease, error=error)
+            assert r.status_code == 200 and (r.json()["status"], r.json()["error"]) == ("released", error)
+        view = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)
+        assert view.json()["status"] == "open"  # two nodes, but one provider
+        [lease] = (await b.claim(s.pool_id)).json()["leases"]
+        assert (await b.release(lease, error="vLLM engine died")).status_code == 200
+        detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
+        assert (detail["status"], detail["end_reason"]) == ("failed", "max_failures")
+        assert detail["failure_reason"] == "failed on the nodes of 2 providers (max failures)"
+        assert sorted(x["error"] for x in detail["assignments"]) == [
+            "CUDA out of memory",
+            "CUDA out of memory again",
+            "vLLM engine died",
+        ]
+        assert (await c.claim(s.pool_id)).json()["reason"] == "no_tasks"
+        # Releasing again changes nothing.
+        again = await b.release(lease, error="something else")
+        assert again.status_code == 200 and again.json()["error"] == "vLLM engine died"
+        stats = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/lease-stats", headers=s.headers)).json()
+        assert {row["node_id"]: (row["released"], row["failed"]) for row in stats} == {
+            a.node_id: (1, 1),
+            a_twin.node_id: (1, 1),
+            b.node_id: (1, 1),
+        }
+
+
+async def test_a_release_without_an_error_counts_nothing_against_the_task(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=3, max_failures=1) as s:
+        first, second, third = s.workers
+        task_id = (await s.enqueue([task()])).json()["first_task_id"]
+        [lease] = (await first.claim(s.pool_id)).json()["leases"]
+        r = await first.release(lease)
+        assert r.status_code == 200 and r.json()["error"] is None
+        [lease] = (await second.claim(s.pool_id)).json()["leases"]
+        no_body = await second.client.post(
+            f"/v1/assignments/{lease['assignment_id']}/release", auth=second.contributor.node_auth
+        )
+        assert no_body.status_code == 200 and no_body.json()["status"] == "released"
+        [lease] = (await third.claim(s.pool_id)).json()["leases"]
+        assert (await third.submit(lease)).status_code == 201
+        view = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)
+        assert view.json()["status"] == "submitted"
+
+
+async def test_a_release_with_a_bad_error_is_refused_and_changes_nothing(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1, max_failures=1) as s:
+        w = s.workers[0]
+        await s.enqueue([task()])
+        [lease] = (await w.claim(s.pool_id)).json()["leases"]
+        for body in ({"error": ""}, {"error": "x" * 1001}, {"error": "nul \x00"}, {"error": 7}, {"why": "x"}):
+            problem(await w.release(lease, **body), 422, "validation_failed")
+        beat = await w.beat([lease["assignment_id"]])
+        assert beat.json()["drop_leases"] == []  # still the node's
+        assert (await w.submit(lease)).status_code == 201
 
 
 async def test_results_are_idempotent_and_a_different_body_conflicts(app: Any, app_state: Any) -> None:

@@ -211,6 +211,39 @@ def test_0012_gives_tasks_that_already_ended_their_end_reason(scratch_url: str) 
     ]
 
 
+async def _seed_failed_everywhere(url: str) -> None:
+    """A task that ended max_failures (revision 0020) and one that ended max_attempts."""
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as conn:
+            await _seed_pool(conn)
+            await _seed_tasks(
+                conn,
+                [
+                    ("failed", "failed on the nodes of 3 providers (max failures)"),
+                    ("failed", "replica 0 expired 3 times (max attempts)"),
+                ],
+            )
+            await conn.execute(
+                text(
+                    "UPDATE tasks SET end_reason = CASE id WHEN 1 THEN 'max_failures' ELSE 'max_attempts' END"
+                )
+            )
+    finally:
+        await engine.dispose()
+
+
+def test_0020_downgrade_keeps_a_task_that_failed_everywhere_without_its_end_reason(scratch_url: str) -> None:
+    """0019's check allows no max_failures: such a task keeps its words, and NULL, as tasks that
+    ended before 0012 without a known reason do; the others keep theirs."""
+    upgrade(scratch_url)
+    asyncio.run(_seed_failed_everywhere(scratch_url))
+    downgrade(scratch_url, "0019")
+    assert asyncio.run(_end_reasons(scratch_url)) == [(1, None), (2, "max_attempts")]
+    upgrade(scratch_url)
+    assert asyncio.run(_end_reasons(scratch_url)) == [(1, None), (2, "max_attempts")]
+
+
 async def _seed_forfeited_holds(url: str) -> None:
     """What the code before 0013 left: node N's rewards v1 and v2 forfeited by fraud verdict f3
     (one slash-pending transfer); v4 forfeited by fraud verdict f5, which an appeal reversed

@@ -41,6 +41,7 @@ FULL_SETTINGS: dict[str, Any] = {
     "policy": {
         "lease_duration_s": 300,
         "max_attempts": 4,
+        "max_failures": 5,
         "replication_factor": 2,
         "audit_rate_floor": 0.1,
         "max_async_level": 1,

@@ -16,7 +16,7 @@ import pytest
 from api_schemas.tasks import LeasedTask, PolicyRef, Sample
 from orchestrator.core.keys import generate_key
 from orchestrator.verification.jobs import drain
-from orchestrator.worker.backends import ArithmeticBackend, registry
+from orchestrator.worker.backends import ArithmeticBackend, BackendError, registry
 from orchestrator.worker.problems import arithmetic_tasks
 from orchestrator.worker.runner import WorkerConfig, WorkerStats, run_worker
 from tests.tasks_helpers import pool_setup
@@ -280,6 +280,29 @@ async def test_invalid_backend_output_counts_an_error_and_releases_the_lease(
         # Given back at once: another node leases the replica right away.
         other = s.workers[0]
         assert len((await other.claim(s.pool_id)).json()["leases"]) == 1
+
+
+class CrashingBackend(ArithmeticBackend):
+    name = "crashing"
+
+    async def generate(self, task: LeasedTask, seed: int, policy: PolicyRef) -> list[Sample]:
+        raise BackendError("the model crashed on this prompt")
+
+
+async def test_a_backend_failure_is_reported_with_the_release_and_ends_a_poison_task(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(registry.BUILT_IN, "crashing", lambda options: CrashingBackend())
+    async with pool_setup(app, app_state, workers=1, max_failures=1) as s:
+        task_id = (await s.enqueue(arithmetic_tasks(1, seed=2))).json()["first_task_id"]
+        run = start(app, s.pool_id, backend="crashing", concurrency=1, max_tasks=1)
+        stats = await asyncio.wait_for(run.task, 10)
+        assert (stats.claimed, stats.errors, stats.released, stats.submitted) == (1, 1, 1, 0)
+        detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
+        assert (detail["status"], detail["end_reason"]) == ("failed", "max_failures")
+        [assignment] = detail["assignments"]
+        assert assignment["error"] == "BackendError: the model crashed on this prompt"
+        assert (await s.workers[0].claim(s.pool_id)).json()["reason"] == "no_tasks"
 
 
 async def test_a_refused_submission_releases_the_lease_at_once(

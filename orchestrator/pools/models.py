@@ -67,6 +67,8 @@ class Pool(Base):
     # policy
     lease_duration_s: Mapped[int] = mapped_column(Integer)
     max_attempts: Mapped[int] = mapped_column(Integer)
+    # The server default is migration 0020's, which added the column to existing pools.
+    max_failures: Mapped[int] = mapped_column(Integer, default=3, server_default="3")
     replication_factor: Mapped[int] = mapped_column(Integer)
     audit_rate_floor: Mapped[float] = mapped_column(Float)
     max_async_level: Mapped[int] = mapped_column(Integer)

@@ -72,7 +72,8 @@ class TaskBatch(Base):
 
 
 # Why a task ended ``failed`` or ``cancelled``, for machines (``failure_reason`` says it for people):
-# an operator's cancel, a replica out of attempts, the task's deadline, its ReST^EM iteration's end.
+# an operator's cancel, a replica out of attempts, the task's deadline, its ReST^EM iteration's end,
+# or the task failing on the nodes of as many providers as the pool's ``max_failures``.
 END_REASONS: tuple[str, ...] = get_args(EndReason)
 
 
@@ -200,6 +201,9 @@ class Assignment(Base):
     lease_expires_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     ended_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    error: Mapped[str | None] = mapped_column(
+        String(1000), doc="what failed, when the node gave the lease back because the task failed on it"
+    )
 
 
 class Submission(Base):

@@ -19,6 +19,7 @@ from api_schemas.tasks import (
     LeaseStatsOut,
     PolicyIn,
     PolicyOut,
+    ReleaseIn,
     ReplicaOut,
     ResultIn,
     ResultOut,
@@ -146,15 +147,17 @@ async def submit_result(
 @router.post(
     "/assignments/{assignment_id}/release",
     response_model=AssignmentOut,
-    summary="Give a lease back so the replica is reissued at once",
+    summary="Give a lease back so the replica is reissued at once; with an error, the task failed here",
 )
 async def release(
     assignment_id: Annotated[str, Path(max_length=40, pattern=NO_NUL)],
     node: CurrentNode,
     session: Session,
     state: State,
+    body: ReleaseIn | None = None,
 ) -> AssignmentOut:
-    a = await service.release(session, node.id, assignment_id, now=state.clock.utcnow())
+    error = body.error if body is not None else None
+    a = await service.release(session, node.id, assignment_id, now=state.clock.utcnow(), error=error)
     return await _assignment_out(session, a)
 
 
@@ -187,6 +190,7 @@ async def _assignment_out(session: Session, a: Assignment) -> AssignmentOut:
         lease_expires_at=a.lease_expires_at,
         created_at=a.created_at,
         ended_at=a.ended_at,
+        error=a.error,
     )
 
 
@@ -352,6 +356,7 @@ async def get_task(pool: PublisherPool, task_id: TaskId, session: Session) -> Ta
                 lease_expires_at=a.lease_expires_at,
                 created_at=a.created_at,
                 ended_at=a.ended_at,
+                error=a.error,
             )
             for a in assignments
         ],
@@ -460,6 +465,7 @@ async def lease_stats(
                 func.count().filter(Assignment.status == "submitted").label("submitted"),
                 expired.label("expired"),
                 func.count().filter(Assignment.status == "released").label("released"),
+                func.count().filter(Assignment.error.is_not(None)).label("failed"),
                 func.max(Assignment.ended_at).filter(Assignment.status == "expired").label("last_expired_at"),
             )
             .where(Assignment.pool_id == pool.id)
@@ -475,6 +481,7 @@ async def lease_stats(
             submitted=r.submitted,
             expired=r.expired,
             released=r.released,
+            failed=r.failed,
             last_expired_at=r.last_expired_at,
         )
         for r in rows

@@ -709,18 +709,62 @@ async def _give_back(session: AsyncSession, assignment: Assignment, now: dt.date
     )
 
 
-async def release(session: AsyncSession, node_id: str, assignment_id: str, *, now: dt.datetime) -> Assignment:
+async def release(
+    session: AsyncSession, node_id: str, assignment_id: str, *, now: dt.datetime, error: str | None = None
+) -> Assignment:
     """The node gives a lease back (e.g. shutting down): the replica is reissued at once. A
     lease already past its deadline is over: it expires, as the reaper would have it (an
-    attempt of the replica), rather than pass for a release given back in time."""
+    attempt of the replica), rather than pass for a release given back in time.
+
+    With ``error`` the task failed on the node: it is kept on the lease, and once nodes of the
+    pool's ``max_failures`` different providers have said so, the task ends ``failed``
+    (``max_failures``) instead of going round every node of the pool. Releasing again changes
+    nothing."""
     assignment = await _own_assignment(session, node_id, assignment_id)
-    if assignment.status == "active":
-        if assignment.lease_expires_at <= now:
-            await _expire(session, [assignment], now=now)
-        else:
-            await _give_back(session, assignment, now)
-        await session.flush()
+    if assignment.status != "active":
+        return assignment
+    if error is not None:
+        # Its sibling leases before the task (the lock order of ``lock_live_leases``): the task
+        # may be failed below, which writes them.
+        await lock_live_leases(session, [assignment.task_id])
+        assignment.error = error
+    if assignment.lease_expires_at <= now:
+        await _expire(session, [assignment], now=now)
+    else:
+        await _give_back(session, assignment, now)
+    await session.flush()
+    if error is not None:
+        await _fail_if_failing_everywhere(session, assignment.task_id)
     return assignment
+
+
+_FAILED_PROVIDERS = text(
+    """
+    SELECT count(DISTINCT a.provider_id), p.max_failures
+      FROM assignments a JOIN pools p ON p.id = a.pool_id
+     WHERE a.task_id = :task_id AND a.error IS NOT NULL
+     GROUP BY p.max_failures
+    """
+)
+
+
+async def _fail_if_failing_everywhere(session: AsyncSession, task_id: int) -> None:
+    """The task fails (``max_failures``) once it failed on the nodes of as many providers as the
+    pool allows. Providers, not nodes: one provider's nodes cannot end a task on their own
+    unless the pool allows a single failure."""
+    providers, allowed = (await session.execute(_FAILED_PROVIDERS, {"task_id": task_id})).one()
+    if providers < allowed:
+        return
+    task = await session.get(Task, task_id, with_for_update=True, populate_existing=True)
+    if task is not None and task.status == "open":
+        await fail_task(
+            session,
+            task,
+            f"failed on the nodes of {providers} providers (max failures)",
+            end_reason="max_failures",
+        )
+        await session.flush()
+        log.warning("task_failed_everywhere", task_id=task_id, providers=providers)
 
 
 async def release_member_leases(

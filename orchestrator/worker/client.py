@@ -44,7 +44,7 @@ from tenacity import (
 from api_schemas.identity import HeartbeatIn, HeartbeatOut, NodeOut, NodeRegister, NodeSpecs
 from api_schemas.ledger import Balances
 from api_schemas.pools import JoinIn, MembershipOut
-from api_schemas.tasks import ClaimIn, ClaimOut, Lease, ResultIn, ResultOut
+from api_schemas.tasks import ClaimIn, ClaimOut, Lease, ReleaseIn, ResultIn, ResultOut
 from orchestrator import __version__
 from orchestrator.core.keys import attest_node, key_id_of
 from orchestrator.core.signing import SignatureAuth
@@ -241,9 +241,15 @@ class WorkerClient:
             result.model_dump(mode="json", exclude_none=True),
         )
 
-    async def release(self, assignment_id: str) -> None:
-        """Give a lease back so its replica is reissued at once (idempotent)."""
-        await self._call("POST", f"/v1/assignments/{_seg(assignment_id)}/release")
+    async def release(self, assignment_id: str, *, error: str | None = None) -> None:
+        """Give a lease back so its replica is reissued at once (idempotent). ``error`` says the
+        task failed on this node (its first 1,000 characters are sent, a NUL as U+FFFD): after
+        such releases from the nodes of the pool's ``max_failures`` providers the task ends
+        failed."""
+        body = None
+        if error is not None:
+            body = ReleaseIn(error=error.replace("\x00", "\ufffd")[:1000] or "error").model_dump()
+        await self._call("POST", f"/v1/assignments/{_seg(assignment_id)}/release", body)
 
     async def balance(self) -> Balances:
         """The provider's stake and reward balances (signed by the provider key)."""

@@ -389,9 +389,10 @@ class _Worker:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            # A backend failure is not the task's fault: give the lease back for another node.
+            # The task failed here: give the lease back for another node, saying so (the task
+            # ends failed once it failed on the nodes of the pool's max_failures providers).
             self._error("backend_failed", assignment_id=aid, error=str(exc)[:300])
-            await self._release(aid)
+            await self._release(aid, error=f"{type(exc).__name__}: {exc}")
             return
         self.submitting.add(aid)
         try:
@@ -420,9 +421,9 @@ class _Worker:
         log.debug("result_submitted", assignment_id=aid, submission_id=out.submission_id)
         self._emit()
 
-    async def _release(self, assignment_id: str) -> None:
+    async def _release(self, assignment_id: str, *, error: str | None = None) -> None:
         try:
-            await self.client.release(assignment_id)
+            await self.client.release(assignment_id, error=error)
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
             self._error("release_failed", assignment_id=assignment_id, error=str(exc)[:200])
             return
