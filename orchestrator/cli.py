@@ -23,10 +23,14 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-app = typer.Typer(help="Coordinator for permissionless compute pools.", no_args_is_help=True)
-admin_app = typer.Typer(help="Operator tokens and other admin tasks.", no_args_is_help=True)
-keys_app = typer.Typer(help="Ed25519 key files for providers and nodes.", no_args_is_help=True)
-worker_app = typer.Typer(help="Contribute compute: run a worker node.", no_args_is_help=True)
+# Help text is the commands' docstrings, wrapped in the source: with no markup mode, Typer joins
+# their lines into paragraphs and wraps them at the terminal's width (Rich markup kept every
+# source line break, so the command list broke lines mid-sentence).
+_HELP = {"no_args_is_help": True, "rich_markup_mode": "markdown"}
+app = typer.Typer(help="Coordinator for permissionless compute pools.", **_HELP)
+admin_app = typer.Typer(help="Operator tokens and other admin tasks.", **_HELP)
+keys_app = typer.Typer(help="Ed25519 key files for providers and nodes.", **_HELP)
+worker_app = typer.Typer(help="Contribute compute: run a worker node.", **_HELP)
 app.add_typer(admin_app, name="admin")
 app.add_typer(keys_app, name="keys")
 app.add_typer(worker_app, name="worker")

@@ -426,3 +426,21 @@ def test_list_tokens_shows_whole_ids_in_a_narrow_terminal(database_url: str) -> 
     assert listed.exit_code == 0, listed.output
     for token_id in _token_ids(database_url):
         assert token_id in listed.stdout.split(), listed.stdout
+
+
+def test_help_joins_a_docstrings_lines_into_paragraphs() -> None:
+    """The command list and each command's help wrap at the terminal's width, not where the
+    docstring's lines end in the source (the list broke 'background' after 'verifier,')."""
+    listed = runner.invoke(app, ["--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"})
+    assert listed.exit_code == 0
+    assert (
+        "Run only the background loops (liveness sweeper and reconciler, lease reaper, verifier, reward and "
+        "stake releases, ReST^EM barrier), without serving HTTP." in listed.output
+    )
+    run_help = runner.invoke(
+        app, ["worker", "run", "--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"}
+    )
+    assert (
+        "SIGINT or SIGTERM stops it cleanly: no new claims, held leases finish within --grace-s or are released."
+        in run_help.output
+    )
