@@ -23,14 +23,18 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-# Help text is the commands' docstrings, wrapped in the source: with no markup mode, Typer joins
-# their lines into paragraphs and wraps them at the terminal's width (Rich markup kept every
-# source line break, so the command list broke lines mid-sentence).
-_HELP = {"no_args_is_help": True, "rich_markup_mode": "markdown"}
-app = typer.Typer(help="Coordinator for permissionless compute pools.", **_HELP)
-admin_app = typer.Typer(help="Operator tokens and other admin tasks.", **_HELP)
-keys_app = typer.Typer(help="Ed25519 key files for providers and nodes.", **_HELP)
-worker_app = typer.Typer(help="Contribute compute: run a worker node.", **_HELP)
+
+def _typer(help_text: str) -> typer.Typer:
+    # Help text is the commands' docstrings, wrapped in the source: in markdown mode Typer joins
+    # their lines into paragraphs and wraps them at the terminal's width (Rich markup mode kept
+    # every source line break, so the command list broke lines mid-sentence).
+    return typer.Typer(help=help_text, no_args_is_help=True, rich_markup_mode="markdown")
+
+
+app = _typer("Coordinator for permissionless compute pools.")
+admin_app = _typer("Operator tokens and other admin tasks.")
+keys_app = _typer("Ed25519 key files for providers and nodes.")
+worker_app = _typer("Contribute compute: run a worker node.")
 app.add_typer(admin_app, name="admin")
 app.add_typer(keys_app, name="keys")
 app.add_typer(worker_app, name="worker")
