@@ -6,7 +6,8 @@ lease and replica of the task. It used to lock the task first and then wait for 
 the result held, while the result waited for the task: a deadlock, which PostgreSQL breaks
 after a second by failing one of them (the cancel or the result got a 503). Each test holds a
 result's locks with the result path's own statements, at the point where it has read its lease
-and is about to write, and checks that the other side waits and then finishes.
+and is about to write, and checks that the other side waits and then finishes. The last test
+holds one failure report's locks while another is made.
 """
 
 from __future__ import annotations
@@ -101,3 +102,32 @@ async def test_a_deadline_waits_for_a_result_in_flight(app: Any, app_state: Any,
         assert report.past_deadline == 1
         detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
         assert (detail["status"], detail["end_reason"]) == ("failed", "deadline_passed")
+
+
+async def test_a_failure_reported_while_another_commits_counts_both(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """Two nodes of different providers report the task failed at once (max_failures 2). The
+    second release waits for the first's locks and then counts both failures: counted against
+    a snapshot without the first's, each would see one, and the task would stay open."""
+    async with pool_setup(app, app_state, workers=2, max_failures=2) as s:
+        task_id = (await s.enqueue([task(replication=2)])).json()["first_task_id"]
+        first, second = s.workers
+        [lease_1] = (await first.claim(s.pool_id)).json()["leases"]
+        [lease_2] = (await second.claim(s.pool_id)).json()["leases"]
+
+        async def release(node_id: str, lease: dict[str, Any]) -> None:
+            async with app_state.sessionmaker() as session, session.begin():
+                await service.release(
+                    session, node_id, lease["assignment_id"], now=clock.utcnow(), error="engine crashed"
+                )
+
+        async with app_state.sessionmaker() as session, session.begin():
+            await service.release(
+                session, first.node_id, lease_1["assignment_id"], now=clock.utcnow(), error="engine crashed"
+            )
+            other = asyncio.ensure_future(release(second.node_id, lease_2))
+            await _until_one_waits_for_a_lock(app_state)
+        await asyncio.wait_for(other, timeout=10)
+        detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
+        assert (detail["status"], detail["end_reason"]) == ("failed", "max_failures")
