@@ -377,3 +377,17 @@ async def test_a_claim_answered_within_the_grace_period_after_stop_is_given_back
         assert (stats.claimed, stats.released, stats.submitted) == (2, 2, 0)
         other = s.workers[0]
         assert len((await other.claim(s.pool_id, max_tasks=2)).json()["leases"]) == 2
+
+
+async def test_results_awaiting_a_verdict_are_counted_while_verdicts_cannot_be_read(
+    app: Any, app_state: Any
+) -> None:
+    async with pool_setup(app, app_state) as s:
+        await s.enqueue(arithmetic_tasks(2, seed=8))
+        wire = FaultyTransport(app_transport(app))
+        wire.fail("/v1/providers/me/verdicts", *(["503"] * 1000))
+        run = start(app, s.pool_id, transport=wire, concurrency=2, max_tasks=2, max_retries=0)
+        stats = await asyncio.wait_for(run.task, 20)
+        # No verdict could be read: both results are still awaiting theirs (the old worker
+        # said 0, from its last successful read, made before it had submitted anything).
+        assert (stats.submitted, stats.accepted, stats.rejected, stats.awaiting_verdict) == (2, 0, 0, 2)

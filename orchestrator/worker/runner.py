@@ -418,6 +418,7 @@ class _Worker:
         self.stats.tasks_done += 1
         self.stats.submitted += 1
         self.submissions.add(out.submission_id)
+        self._count_awaiting()
         log.debug("result_submitted", assignment_id=aid, submission_id=out.submission_id)
         self._emit()
 
@@ -499,7 +500,7 @@ class _Worker:
                 outcomes = list(self.outcomes.values())
                 self.stats.accepted = outcomes.count("accepted")
                 self.stats.rejected = outcomes.count("rejected")
-            self.stats.awaiting_verdict = len(self.submissions) - len(self.outcomes)
+            self._count_awaiting()
             balance = await self.client.balance()
             self.stats.earnings = balance.rewards_pending + balance.rewards_claimable + balance.withdrawn
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
@@ -508,6 +509,12 @@ class _Worker:
         self._emit()
 
     # ------------------------------------------------------------------ reporting
+
+    def _count_awaiting(self) -> None:
+        """Results recorded without a verdict seen yet: counted as results are recorded too,
+        not only when verdicts are read, so the count stays true while they cannot be."""
+        if self.has_provider_key:
+            self.stats.awaiting_verdict = len(self.submissions) - len(self.outcomes)
 
     def _error(self, event: str, **fields: Any) -> None:
         self.stats.errors += 1
