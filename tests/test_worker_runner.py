@@ -379,6 +379,23 @@ async def test_a_claim_answered_within_the_grace_period_after_stop_is_given_back
         assert len((await other.claim(s.pool_id, max_tasks=2)).json()["leases"]) == 2
 
 
+async def test_a_claim_refused_for_the_lease_cap_is_made_again_as_soon_as_a_lease_ends(
+    app: Any, app_state: Any, gate: asyncio.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from orchestrator.tasks import service as tasks_service
+
+    # A Retry-After the old worker waited out in full, though its own leases hold the cap.
+    monkeypatch.setitem(tasks_service.RETRY_AFTER_S, "lease_cap_reached", 3600)
+    async with pool_setup(app, app_state, max_leases_per_node=1) as s:
+        await s.enqueue(arithmetic_tasks(3, seed=5))
+        run = start(app, s.pool_id, backend="gated", concurrency=2)
+        await run.until(lambda st: st.idle_reason == "lease_cap_reached" and st.in_flight == 1)
+        gate.set()
+        await run.until(lambda st: st.submitted == 3)
+        stats = await run.finish()
+        assert (stats.claimed, stats.submitted, stats.errors) == (3, 3, 0)
+
+
 async def test_results_awaiting_a_verdict_are_counted_while_verdicts_cannot_be_read(
     app: Any, app_state: Any
 ) -> None:

@@ -6,7 +6,8 @@ every ``next_heartbeat_in_s`` with the ids of the leases it holds (abandoning th
 server names in ``drop_leases``), and keeps up to ``concurrency`` leases in flight, each run
 by the backend and submitted. A claim asks for at most ``CLAIM_MAX_TASKS`` leases (the
 server's limit); it claims again until ``concurrency`` leases are held. A claim with no work
-waits for the server's ``Retry-After``.
+waits for the server's ``Retry-After``; one refused for the pool's lease cap
+(``lease_cap_reached``, the node's own leases) only until one of its leases ends, if sooner.
 
 On stop it claims nothing more, gives the leases it holds ``grace_s`` seconds to finish and
 releases the rest, so their replicas are reissued at once, then returns its ``WorkerStats``.
@@ -307,7 +308,13 @@ class _Worker:
                     log.info("no_work", reason=claim.reason, retry_after_s=claim.retry_after_s)
                 self.stats.idle_reason = claim.reason
                 self._emit()
-                await self._pause(float(claim.retry_after_s or c.idle_wait_s))
+                wait = float(claim.retry_after_s or c.idle_wait_s)
+                if claim.reason == "lease_cap_reached" and self.running:
+                    # The cap counts this node's own leases: one of them ending makes room
+                    # before the Retry-After has passed.
+                    await self._wait_for_slot(at_most_s=wait)
+                else:
+                    await self._pause(wait)
                 continue
             self.stats.idle_reason = None
             self.stats.claimed += len(claim.leases)
@@ -359,10 +366,13 @@ class _Worker:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.stop.wait(), timeout=max(0.0, seconds))
 
-    async def _wait_for_slot(self) -> None:
+    async def _wait_for_slot(self, at_most_s: float | None = None) -> None:
+        """Until a lease in flight ends, the stop, or ``at_most_s`` seconds."""
         stopper = asyncio.create_task(self.stop.wait())
         try:
-            await asyncio.wait([stopper, *self.running.values()], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                [stopper, *self.running.values()], timeout=at_most_s, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             stopper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
