@@ -379,6 +379,78 @@ async def test_a_claim_answered_within_the_grace_period_after_stop_is_given_back
         assert len((await other.claim(s.pool_id, max_tasks=2)).json()["leases"]) == 2
 
 
+@dataclass
+class ResultsDown(httpx.AsyncBaseTransport):
+    """Forwards to ``inner``; while ``down`` is set, every result submission fails to connect
+    (the server is not running), and the attempts are counted."""
+
+    inner: httpx.AsyncBaseTransport
+    down: bool = False
+    refused: int = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.down and request.url.path.endswith("/result"):
+            self.refused += 1
+            raise httpx.ConnectError("connection refused (injected)", request=request)
+        return await self.inner.handle_async_request(request)
+
+
+async def test_a_result_is_submitted_after_an_outage_longer_than_the_clients_retries(
+    app: Any, app_state: Any, gate: asyncio.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from orchestrator.worker.client import WorkerClient
+
+    monkeypatch.setattr(WorkerClient, "backoff_base_s", 0.001)
+    async with pool_setup(app, app_state, workers=1) as s:
+        await s.enqueue(arithmetic_tasks(1, seed=2))
+        wire = ResultsDown(app_transport(app))
+        # The client tries a request twice (max_retries=1): the old worker then gave the result
+        # up (submit_failed), and the lease stayed held on the server until it expired.
+        run = start(
+            app,
+            s.pool_id,
+            transport=wire,
+            backend="gated",
+            max_tasks=1,
+            max_retries=1,
+            max_error_backoff_s=0.01,
+        )
+        await run.until(lambda st: st.in_flight == 1)
+        wire.down = True
+        gate.set()
+        for _ in range(2000):
+            if wire.refused >= 6 or run.task.done():
+                break
+            await asyncio.sleep(0.01)
+        assert wire.refused >= 6, f"the submission was given up after {wire.refused} attempts: {run.latest}"
+        wire.down = False  # the server is back
+        stats = await asyncio.wait_for(run.task, 20)
+        assert (stats.tasks_done, stats.submitted, stats.errors, stats.released) == (1, 1, 0, 0)
+        # Recorded: the replica is not leased again.
+        other = s.workers[0]
+        assert (await other.claim(s.pool_id)).json()["leases"] == []
+
+
+async def test_a_stop_during_an_outage_gives_a_submission_the_grace_period_only(
+    app: Any, app_state: Any, gate: asyncio.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from orchestrator.worker.client import WorkerClient
+
+    monkeypatch.setattr(WorkerClient, "backoff_base_s", 0.001)
+    async with pool_setup(app, app_state) as s:
+        await s.enqueue(arithmetic_tasks(1, seed=2))
+        wire = ResultsDown(app_transport(app), down=True)
+        run = start(app, s.pool_id, transport=wire, backend="gated", max_error_backoff_s=0.01, grace_s=0.3)
+        await run.until(lambda st: st.in_flight == 1)
+        gate.set()
+        for _ in range(500):
+            if wire.refused >= 3:
+                break
+            await asyncio.sleep(0.01)
+        stats = await run.finish(within=10)
+        assert (stats.tasks_done, stats.submitted, stats.errors, stats.state) == (1, 0, 1, "stopped")
+
+
 async def test_a_claim_refused_for_the_lease_cap_is_made_again_as_soon_as_a_lease_ends(
     app: Any, app_state: Any, gate: asyncio.Event, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -239,3 +239,26 @@ async def test_a_claims_stop_event_ends_its_retry_wait_with_the_last_error(app: 
         assert time.monotonic() - started < 1
         assert (exc.value.status, exc.value.code) == (429, "rate_limited")
         assert len(wire.to("/v1/assignments/claim")) == 1  # no attempt after the stop
+
+
+async def test_a_submissions_stop_event_ends_its_retries(app: Any, app_state: Any) -> None:
+    client, wire = faulty_client(app)
+    async with pool_setup(app, app_state) as s, client:
+        await client.register(SPECS, "1")
+        await client.join(s.pool_id)
+        await client.heartbeat()
+        await s.enqueue(arithmetic_tasks(1, seed=5))
+        [lease] = (await client.claim(s.pool_id)).leases
+        samples = await ArithmeticBackend().generate(lease.task, lease.seed, lease.policy)
+        result = ResultIn(
+            fencing_token=lease.fencing_token, policy_step=lease.policy.step, seed=lease.seed, samples=samples
+        )
+        path = f"/v1/assignments/{lease.assignment_id}/result"
+        wire.fail(path, "connect", "connect")
+        stop = asyncio.Event()
+        stop.set()
+        with pytest.raises(httpx.ConnectError):
+            await client.submit(lease, result, stop=stop)
+        assert len(wire.to(path)) == 1  # one attempt, none after the stop
+        assert (await client.submit(lease, result)).submission_id > 0  # retried without it
+        assert len(wire.to(path)) == 3

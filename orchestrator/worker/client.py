@@ -231,15 +231,17 @@ class WorkerClient:
                 out.retry_after_s = int(header)
         return out
 
-    async def submit(self, lease: Lease, result: ResultIn) -> ResultOut:
+    async def submit(self, lease: Lease, result: ResultIn, *, stop: asyncio.Event | None = None) -> ResultOut:
         """Submit the result for a lease. Idempotent: every attempt sends the same bytes, and
-        the server answers a repeat with the first answer."""
-        return await self._call_model(
-            ResultOut,
+        the server answers a repeat with the first answer. Once ``stop`` is set, no further
+        attempt is made (as for ``claim``)."""
+        response = await self._call(
             "POST",
             f"/v1/assignments/{_seg(lease.assignment_id)}/result",
             result.model_dump(mode="json", exclude_none=True),
+            interrupt=stop,
         )
+        return ResultOut.model_validate_json(response.content)
 
     async def release(self, assignment_id: str, *, error: str | None = None) -> None:
         """Give a lease back so its replica is reissued at once (idempotent). ``error`` says the

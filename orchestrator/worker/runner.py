@@ -8,13 +8,16 @@ by the backend and submitted. A claim asks for at most ``CLAIM_MAX_TASKS`` lease
 server's limit); it claims again until ``concurrency`` leases are held. A claim with no work
 waits for the server's ``Retry-After``; one refused for the pool's lease cap
 (``lease_cap_reached``, the node's own leases) only until one of its leases ends, if sooner.
+A result is submitted until the server answers, through an outage of any length (the lease
+stays in flight, and heartbeats keep it alive once the server is back).
 
 On stop it claims nothing more, gives the leases it holds ``grace_s`` seconds to finish and
 releases the rest, so their replicas are reissued at once, then returns its ``WorkerStats``.
 A claim under way at the stop ends at once if it is waiting to be retried (429/503); one whose
 request is with the server gets the same ``grace_s`` to answer (its leases are then released)
 and is abandoned after that: leases the server may have granted it are never heard of and
-expire on the server, as after a read timeout.
+expire on the server, as after a read timeout. A result still being submitted (the server
+unreachable) gets the same ``grace_s`` and is then given up; its lease expires on the server.
 Signal handling belongs to the caller (the CLI installs SIGINT/SIGTERM handlers that set
 ``stop``). It never leaves the pool on stop: leaving would start unbonding the stake.
 """
@@ -38,7 +41,7 @@ import structlog
 from nacl.signing import SigningKey
 
 from api_schemas.identity import NodeSpecs
-from api_schemas.tasks import CLAIM_MAX_TASKS, ClaimOut, Lease, ResultIn
+from api_schemas.tasks import CLAIM_MAX_TASKS, ClaimOut, Lease, ResultIn, ResultOut
 from orchestrator import __version__
 from orchestrator.core.keys import read_key_file
 from orchestrator.worker.backends import Backend, BackendError, create_backend
@@ -52,6 +55,10 @@ FATAL_STATUSES = frozenset({401, 403, 404})
 RETRYABLE_CODES = frozenset({"nonce_replayed"})
 # A submission refused because the server already took the lease back.
 LEASE_GONE_CODES = frozenset({"lease_expired", "task_cancelled", "deadline_passed"})
+# Answers that say the server did not get to a request (overloaded, restarting, a proxy with no
+# server behind it): a result is submitted again, however long the outage, until the server
+# answers otherwise or a stop's grace period ends.
+NOT_REACHED_STATUSES = frozenset({429, 502, 503, 504})
 
 
 def local_specs() -> NodeSpecs:
@@ -406,7 +413,7 @@ class _Worker:
             return
         self.submitting.add(aid)
         try:
-            out = await self.client.submit(lease, result)
+            out = await self._submit(lease, result)
         except OrchestratorAPIError as exc:
             self.stats.tasks_done += 1
             if exc.code in LEASE_GONE_CODES:
@@ -431,6 +438,43 @@ class _Worker:
         self._count_awaiting()
         log.debug("result_submitted", assignment_id=aid, submission_id=out.submission_id)
         self._emit()
+
+    async def _submit(self, lease: Lease, result: ResultIn) -> ResultOut:
+        """Submit a result, outlasting a server outage: the client retries for a few seconds;
+        after that the submission is made again, with the claim loop's backoff, until the
+        server answers (its answer to a repeat is its first one), for as long as the worker
+        runs and, after a stop, within the grace period. The lease stays in flight meanwhile,
+        so heartbeats keep it alive once the server is back; a result given up on would keep
+        the lease held on the server, counting against the node's lease cap, until it expired."""
+        failures = 0
+        while True:
+            try:
+                return await self.client.submit(lease, result, stop=self.stop)
+            except (OrchestratorAPIError, httpx.TransportError) as exc:
+                if isinstance(exc, OrchestratorAPIError):
+                    if exc.status not in NOT_REACHED_STATUSES:
+                        raise
+                    reason, retry_after = f"{exc.status} {exc.code}", exc.retry_after
+                else:
+                    reason, retry_after = type(exc).__name__, None
+                failures += 1
+                wait = retry_after or self._backoff(failures)
+                if self.stop.is_set():
+                    grace = self._grace_left()
+                    if grace <= 0:
+                        raise
+                    wait = min(wait, grace)
+                log.warning(
+                    "submit_retrying",
+                    assignment_id=lease.assignment_id,
+                    reason=reason,
+                    attempt=failures,
+                    wait_s=round(wait, 1),
+                )
+            if self.stop.is_set():
+                await asyncio.sleep(wait)  # the grace period's last seconds: no early wake
+            else:
+                await self._pause(wait)
 
     async def _release(self, assignment_id: str, *, error: str | None = None) -> None:
         try:
