@@ -16,19 +16,24 @@ The hierarchy::
     ├── UnprocessableEntity (422)        validation_failed (body does not parse or validate)
     ├── RateLimited (429)                rate_limited (with Retry-After)
     └── ServiceUnavailable (503)         not_ready, hot_store_full, transient_conflict,
-                                         hot_store_unavailable (with Retry-After)
+                                         hot_store_unavailable, database_unavailable
+                                         (with Retry-After)
 
 Framework errors (unknown route, wrong method, request validation) and unhandled
 exceptions are rendered in the same format; a 500 never carries a stack trace. A transaction
 the database aborted only to resolve contention (a deadlock, a serialization failure, SQLite's
 busy timeout) wrote nothing, so it is a 503 ``transient_conflict`` with ``Retry-After``: any
-request, even a non-idempotent one, can simply be sent again.
+request, even a non-idempotent one, can simply be sent again. A database that cannot be
+reached, or that drops the request's connection (refused, reset, shut down or starting up, out
+of connections), is a 503 ``database_unavailable`` with ``Retry-After``, like an unreachable
+Redis: the request did not complete and can be sent again once the database is back.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import asyncpg
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -311,11 +316,47 @@ def transient_cause(exc: DBAPIError) -> str | None:
     return None
 
 
+# SQLSTATE classes and codes of a database that cannot serve the connection: connection
+# exceptions (08...), operator intervention (57P01 admin_shutdown, as pg_terminate_backend
+# sends; 57P03 cannot_connect_now, while it starts or stops), too_many_connections.
+UNAVAILABLE_SQLSTATES = ("08", "57P", "53300")
+UNAVAILABLE_RETRY_AFTER_S = 5
+
+
+def database_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database could not be reached or dropped the connection: a
+    refused or reset connection (raised as the OS error when connecting), a connection
+    SQLAlchemy found dead, or one of ``UNAVAILABLE_SQLSTATES``."""
+    if isinstance(exc, DBAPIError):
+        if exc.connection_invalidated:
+            return True
+        exc = exc.orig if exc.orig is not None else exc
+    sqlstate = getattr(exc, "sqlstate", None)
+    if isinstance(sqlstate, str) and sqlstate.startswith(UNAVAILABLE_SQLSTATES):
+        return True
+    return isinstance(exc, ConnectionError)
+
+
+async def _database_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    if not database_unavailable(exc):
+        return await _unhandled(request, exc)
+    log.warning("database_unavailable", path=request.url.path, error=type(exc).__name__)
+    return problem_response(
+        status=503,
+        code="database_unavailable",
+        title="Service unavailable",
+        detail="The database could not be reached; the request was not completed. "
+        "Send it again once the service is back.",
+        request=request,
+        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
+    )
+
+
 async def _database_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, DBAPIError)
     cause = transient_cause(exc)
     if cause is None:
-        return await _unhandled(request, exc)
+        return await _database_unavailable(request, exc)
     log.warning("transaction_aborted", path=request.url.path, cause=cause)
     return problem_response(
         status=503,
@@ -347,6 +388,9 @@ async def _hot_store_error(request: Request, exc: Exception) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OrchestratorError, _orchestrator_error)
     app.add_exception_handler(DBAPIError, _database_error)
+    # Raised as they are (not as a DBAPIError) when a new connection cannot be opened.
+    app.add_exception_handler(ConnectionError, _database_unavailable)
+    app.add_exception_handler(asyncpg.PostgresError, _database_unavailable)
     app.add_exception_handler(RedisConnectionError, _hot_store_error)
     app.add_exception_handler(RedisTimeoutError, _hot_store_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
