@@ -578,6 +578,7 @@ def _stats_table(stats: Any) -> Any:
         "rejected": stats.rejected,
         "awaiting verdict": "-" if stats.awaiting_verdict is None else stats.awaiting_verdict,
         "released": stats.released,
+        "dropped": stats.dropped,
         "errors": stats.errors,
         "earnings": earnings,
     }

@@ -304,3 +304,17 @@ def test_a_second_signal_after_the_stats_were_printed_does_not_change_the_exit_s
                 proc.communicate()
     assert stats["state"] == "stopped" and out == ""
     assert proc.returncode == 0, err
+
+
+def test_the_live_table_shows_the_leases_the_server_took_back() -> None:
+    from rich.console import Console
+
+    from orchestrator.cli import _stats_table
+    from orchestrator.worker.runner import WorkerStats
+
+    # done 3 = submitted 1 + dropped 2: without the row, two leases went unaccounted for.
+    stats = WorkerStats(node_id="n" * 43, tasks_done=3, submitted=1, dropped=2)
+    out = Console(width=80, record=True)
+    out.print(_stats_table(stats))
+    rows = {line.strip("│ ").split("│")[0].strip(): line for line in out.export_text().splitlines()}
+    assert rows["dropped"].split("│")[-2].strip() == "2"
