@@ -302,6 +302,17 @@ class Lease(BaseModel):
     task: LeasedTask
 
 
+# A node holds at most max_leases_per_node (1,024 at most) in each pool it is a member of.
+LIVE_LEASES_MAX = 10_000
+
+
+class LeasesOut(BaseModel):
+    """A node's live leases (active, within their deadline), oldest first, as its claims gave
+    them, at most ``LIVE_LEASES_MAX``."""
+
+    leases: list[Lease]
+
+
 NoWorkReason = Literal[
     "no_tasks",
     "node_unhealthy",

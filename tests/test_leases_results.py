@@ -246,6 +246,34 @@ async def test_a_release_with_a_bad_error_is_refused_and_changes_nothing(app: An
         assert (await w.submit(lease)).status_code == 201
 
 
+async def test_a_node_reads_its_live_leases_as_its_claims_gave_them(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=2, lease_duration_s=60, max_leases_per_node=4) as s:
+        me, other = s.workers
+        await s.enqueue([task(f"q{i}") for i in range(5)])
+        claimed = (await me.claim(s.pool_id, max_tasks=3)).json()["leases"]
+        assert len((await other.claim(s.pool_id)).json()["leases"]) == 1
+
+        async def mine(query: str = "") -> Any:
+            return await me.client.get(f"/v1/nodes/me/leases{query}", auth=me.contributor.node_auth)
+
+        r = await mine()
+        assert r.status_code == 200
+        assert r.json()["leases"] == claimed  # the same payload, oldest first; not the other node's
+        assert "verification" not in r.text and "expected_answer" not in r.text
+        assert (await mine(f"?pool_id={s.pool_id}")).json()["leases"] == claimed
+        assert (await mine("?pool_id=pool_elsewhere")).json()["leases"] == []
+        # Neither a result's, nor a released one, nor one past its deadline.
+        assert (await me.submit(claimed[0])).status_code == 201
+        assert (await me.release(claimed[1])).status_code == 200
+        assert [x["assignment_id"] for x in (await mine()).json()["leases"]] == [claimed[2]["assignment_id"]]
+        clock.advance(61)
+        assert (await mine()).json()["leases"] == []
+        problem(await mine("?pool_id=%00"), 400, "invalid_query")
+        problem(await me.client.get("/v1/nodes/me/leases"), 401, "signature_missing")
+
+
 async def test_results_are_idempotent_and_a_different_body_conflicts(app: Any, app_state: Any) -> None:
     async with pool_setup(app, app_state, workers=1) as s:
         w = s.workers[0]

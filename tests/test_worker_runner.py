@@ -17,6 +17,7 @@ from api_schemas.tasks import LeasedTask, PolicyRef, Sample
 from orchestrator.core.keys import generate_key
 from orchestrator.verification.jobs import drain
 from orchestrator.worker.backends import ArithmeticBackend, BackendError, registry
+from orchestrator.worker.client import WorkerClient
 from orchestrator.worker.problems import arithmetic_tasks
 from orchestrator.worker.runner import WorkerConfig, WorkerStats, run_worker
 from tests.tasks_helpers import pool_setup
@@ -54,15 +55,13 @@ class Run:
 
 
 def start(app: Any, pool_id: str, transport: Any = None, **overrides: Any) -> Run:
-    config = WorkerConfig(
-        server=BASE_URL,
-        pool_id=pool_id,
-        node_key=generate_key(),
-        provider_key=generate_key(),
-        specs=SPECS,
-        stats_interval_s=0.05,
-        **overrides,
-    )
+    settings: dict[str, Any] = {
+        "node_key": generate_key(),
+        "provider_key": generate_key(),
+        "specs": SPECS,
+        "stats_interval_s": 0.05,
+    }
+    config = WorkerConfig(server=BASE_URL, pool_id=pool_id, **(settings | overrides))
     stop = asyncio.Event()
     reports: list[WorkerStats] = []
     task = asyncio.create_task(
@@ -303,6 +302,41 @@ async def test_a_backend_failure_is_reported_with_the_release_and_ends_a_poison_
         [assignment] = detail["assignments"]
         assert assignment["error"] == "BackendError: the model crashed on this prompt"
         assert (await s.workers[0].claim(s.pool_id)).json()["reason"] == "no_tasks"
+
+
+async def test_the_leases_of_a_claim_whose_answer_was_lost_are_taken_up(app: Any, app_state: Any) -> None:
+    """The server leased three replicas but the answer never arrived (a read timeout): the
+    worker asks for its live leases and works them, instead of leaving them held on the server
+    until they expire (up to the pool's lease cap, which then refused every claim)."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        await s.enqueue(arithmetic_tasks(3, seed=2))
+        wire = FaultyTransport(app_transport(app))
+        wire.fail("/v1/assignments/claim", "forward+timeout")
+        run = start(app, s.pool_id, transport=wire, concurrency=3, max_tasks=3)
+        stats = await asyncio.wait_for(run.task, 20)
+        assert (stats.claimed, stats.recovered, stats.submitted, stats.errors) == (3, 3, 3, 1)
+        assert [x.status for x in wire.to("/v1/assignments/claim")] == [200]  # the lost one only
+        assert (await s.workers[0].claim(s.pool_id)).json()["reason"] == "no_tasks"
+
+
+async def test_a_restarted_worker_takes_up_the_leases_its_previous_run_left(app: Any, app_state: Any) -> None:
+    """A run killed while it held leases left them on the server, filling the pool's lease cap:
+    the next run with the same node key works them (as many as --concurrency; the rest are
+    given back at once, to another node) instead of being refused every claim until they
+    expire."""
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=2) as s:
+        await s.enqueue(arithmetic_tasks(3, seed=2))
+        node_key, provider_key = generate_key(), generate_key()
+        async with WorkerClient(BASE_URL, node_key, provider_key, transport=app_transport(app)) as killed:
+            await killed.register(SPECS, "test")
+            await killed.join(s.pool_id)
+            await killed.heartbeat()
+            assert len((await killed.claim(s.pool_id, max_tasks=2)).leases) == 2
+        run = start(app, s.pool_id, node_key=node_key, provider_key=provider_key, concurrency=1, max_tasks=2)
+        stats = await asyncio.wait_for(run.task, 20)
+        # The one taken up, then the third task (a node never gets back a task it gave back).
+        assert (stats.recovered, stats.released, stats.claimed, stats.submitted) == (1, 1, 2, 2)
+        assert len((await s.workers[0].claim(s.pool_id)).json()["leases"]) == 1  # the one given back
 
 
 async def test_a_refused_submission_releases_the_lease_at_once(

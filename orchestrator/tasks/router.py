@@ -11,11 +11,13 @@ from sqlalchemy import func, select
 
 from api_schemas.common import NO_NUL, PROBLEM_RESPONSES, Page
 from api_schemas.tasks import (
+    LIVE_LEASES_MAX,
     AssignmentOut,
     ClaimIn,
     ClaimOut,
     EvidenceCheckOut,
     EvidenceOut,
+    LeasesOut,
     LeaseStatsOut,
     PolicyIn,
     PolicyOut,
@@ -159,6 +161,25 @@ async def release(
     error = body.error if body is not None else None
     a = await service.release(session, node.id, assignment_id, now=state.clock.utcnow(), error=error)
     return await _assignment_out(session, a)
+
+
+@router.get(
+    "/nodes/me/leases",
+    response_model=LeasesOut,
+    summary="The signing node's live leases: what a lost claim answer or a restart left it",
+)
+async def my_leases(
+    node: CurrentNode,
+    session: Session,
+    state: State,
+    pool_id: Annotated[
+        str | None, Query(min_length=1, max_length=40, pattern=NO_NUL, description="Only this pool's")
+    ] = None,
+) -> LeasesOut:
+    leases = await service.live_leases(
+        session, node.id, pool_id, now=state.clock.utcnow(), limit=LIVE_LEASES_MAX
+    )
+    return LeasesOut(leases=leases)
 
 
 @router.get(

@@ -637,6 +637,55 @@ async def claim(
 
 # ------------------------------------------------------------------------ leases
 
+# A node's live leases, as its claims answered them: the policy each was leased under (its
+# step's uri and digest), the replica's seed and the task's payload, never its verification.
+_LIVE_LEASES = (
+    text(
+        """
+    SELECT a.id, a.fencing_token, a.lease_expires_at, a.policy_step, pv.uri, pv.sha256,
+           r.seed, r.replica_index, t.id AS task_id, t.prompt, t.problem_ref, t.sampling, t.metadata
+      FROM assignments a
+      JOIN task_replicas r ON r.id = a.replica_id
+      JOIN tasks t ON t.id = a.task_id
+      JOIN policy_versions pv ON pv.pool_id = a.pool_id AND pv.step = a.policy_step
+     WHERE a.node_id = :node_id AND a.status = 'active' AND a.lease_expires_at > :now
+       AND (CAST(:pool_id AS varchar) IS NULL OR a.pool_id = :pool_id)
+     ORDER BY a.created_at, t.claim_rank, t.id
+     LIMIT :limit
+    """
+    )
+    .bindparams(bindparam("now", type_=UTCDateTime()))
+    .columns(lease_expires_at=UTCDateTime(), **_PICK_COLUMNS)
+)
+
+
+async def live_leases(
+    session: AsyncSession, node_id: str, pool_id: str | None, *, now: dt.datetime, limit: int
+) -> list[Lease]:
+    """The node's leases still live (active and within their deadline), oldest first (one
+    claim's in the order it gave them): what a worker that lost a claim's answer, or
+    restarted, holds without knowing it."""
+    params = {"node_id": node_id, "pool_id": pool_id, "now": now, "limit": limit}
+    rows = (await session.execute(_LIVE_LEASES, params)).all()
+    return [
+        Lease(
+            assignment_id=r.id,
+            fencing_token=r.fencing_token,
+            seed=r.seed,
+            replica_index=r.replica_index,
+            policy=PolicyRef(step=r.policy_step, uri=r.uri, sha256=r.sha256),
+            lease_expires_at=r.lease_expires_at,
+            task=LeasedTask(
+                task_id=r.task_id,
+                prompt=r.prompt,
+                problem_ref=r.problem_ref,
+                sampling=Sampling(**r.sampling),
+                metadata=r.metadata,
+            ),
+        )
+        for r in rows
+    ]
+
 
 async def extend_leases(
     session: AsyncSession, node_id: str, lease_ids: list[str], *, now: dt.datetime, keep_s: float

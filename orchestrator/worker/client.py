@@ -44,7 +44,7 @@ from tenacity import (
 from api_schemas.identity import HeartbeatIn, HeartbeatOut, NodeOut, NodeRegister, NodeSpecs
 from api_schemas.ledger import Balances
 from api_schemas.pools import JoinIn, MembershipOut
-from api_schemas.tasks import ClaimIn, ClaimOut, Lease, ReleaseIn, ResultIn, ResultOut
+from api_schemas.tasks import ClaimIn, ClaimOut, Lease, LeasesOut, ReleaseIn, ResultIn, ResultOut
 from orchestrator import __version__
 from orchestrator.core.keys import attest_node, key_id_of
 from orchestrator.core.signing import SignatureAuth
@@ -252,6 +252,14 @@ class WorkerClient:
         if error is not None:
             body = ReleaseIn(error=error.replace("\x00", "\ufffd")[:1000] or "error").model_dump()
         await self._call("POST", f"/v1/assignments/{_seg(assignment_id)}/release", body)
+
+    async def leases(self, pool_id: str | None = None) -> list[Lease]:
+        """The node's live leases (in ``pool_id`` only, if given), oldest first, as its claims
+        gave them: after a claim whose answer was lost, or a restart, the leases the node holds
+        on the server without knowing it."""
+        params = {} if pool_id is None else {"pool_id": pool_id}
+        response = await self._call("GET", "/v1/nodes/me/leases", params=params)
+        return LeasesOut.model_validate_json(response.content).leases
 
     async def balance(self) -> Balances:
         """The provider's stake and reward balances (signed by the provider key)."""

@@ -15,8 +15,10 @@ On stop it claims nothing more, gives the leases it holds ``grace_s`` seconds to
 releases the rest, so their replicas are reissued at once, then returns its ``WorkerStats``.
 A claim under way at the stop ends at once if it is waiting to be retried (429/503); one whose
 request is with the server gets the same ``grace_s`` to answer (its leases are then released)
-and is abandoned after that: leases the server may have granted it are never heard of and
-expire on the server, as after a read timeout. A result still being submitted (the server
+and is abandoned after that: leases the server may have granted it are not heard of in this
+run (they expire on the server, or the next run takes them up). At the start, and after a claim
+that failed (its answer may have been lost), it asks the server for the node's live leases and
+works those it does not know (``_recover``). A result still being submitted (the server
 unreachable) gets the same ``grace_s`` and is then given up; its lease expires on the server.
 Signal handling belongs to the caller (the CLI installs SIGINT/SIGTERM handlers that set
 ``stop``). It never leaves the pool on stop: leaving would start unbonding the stake.
@@ -144,6 +146,9 @@ class WorkerStats:
     released: int = 0
     #: Leases the server took back (drop_leases, lease_expired, task_cancelled, deadline_passed).
     dropped: int = 0
+    #: Leases the node held on the server without knowing it, taken up (counted in claimed
+    #: too): a previous run's, or a claim's whose answer was lost.
+    recovered: int = 0
     errors: int = 0
     #: The provider's rewards earned (pending + claimable + withdrawn), from its balance.
     earnings: int | None = None
@@ -229,6 +234,9 @@ class _Worker:
         self.outcomes: dict[int, str] = {}
         #: When the stop was first seen (loop time): the grace period runs from it.
         self.stopped_at: float | None = None
+        #: Ask the server for the node's live leases before the next claim: at the start (a
+        #: previous run's), and after a claim that failed (its answer may have been lost).
+        self.recover = True
 
     # ------------------------------------------------------------------ top level
 
@@ -289,6 +297,8 @@ class _Worker:
             if free <= 0:
                 await self._wait_for_slot()
                 continue
+            if self.recover and await self._recover():
+                continue  # slots were filled: count them again
             want = min(free, CLAIM_MAX_TASKS)
             if c.max_tasks is not None:
                 want = min(want, c.max_tasks - self.stats.claimed)
@@ -302,11 +312,13 @@ class _Worker:
                     raise
                 failures += 1
                 self._error("claim_failed", status=exc.status, code=exc.code)
+                self.recover = True
                 await self._pause(exc.retry_after or self._backoff(failures))
                 continue
             except httpx.HTTPError as exc:
                 failures += 1
                 self._error("claim_failed", error=type(exc).__name__)
+                self.recover = True
                 await self._pause(self._backoff(failures))
                 continue
             failures = 0
@@ -328,11 +340,42 @@ class _Worker:
             if self.stop.is_set():  # stopped while the claim was in flight: give them back
                 await asyncio.gather(*(self._release(lease.assignment_id) for lease in claim.leases))
                 return
-            for lease in claim.leases:
-                task = asyncio.create_task(self._work(lease), name=f"lease-{lease.assignment_id}")
-                self.running[lease.assignment_id] = task
-                task.add_done_callback(functools.partial(self._forget, lease.assignment_id))
-            self._emit()
+            self._start_work(claim.leases)
+
+    def _start_work(self, leases: list[Lease]) -> None:
+        for lease in leases:
+            task = asyncio.create_task(self._work(lease), name=f"lease-{lease.assignment_id}")
+            self.running[lease.assignment_id] = task
+            task.add_done_callback(functools.partial(self._forget, lease.assignment_id))
+        self._emit()
+
+    async def _recover(self) -> bool:
+        """Take up the leases the node holds on the server without knowing it: a previous
+        run's (killed, say, before it could give them back) or those of a claim whose answer
+        was lost. They are worked like claimed ones, as many as there are free slots (and
+        ``max_tasks`` allows); the rest are given back at once. Held, they would count against
+        the pool's lease cap until they expired. True when it took some up."""
+        c = self.config
+        try:
+            held = await self.client.leases(c.pool_id)
+        except (OrchestratorAPIError, httpx.HTTPError) as exc:
+            # Tried again before the next claim (which backs off if the server is still away).
+            log.warning("recover_failed", error=str(exc)[:200])
+            return False
+        self.recover = False
+        unknown = [lease for lease in held if lease.assignment_id not in self.running]
+        if not unknown:
+            return False
+        room = c.concurrency - len(self.running)
+        if c.max_tasks is not None:
+            room = min(room, c.max_tasks - self.stats.claimed)
+        taken, extra = unknown[: max(room, 0)], unknown[max(room, 0) :]
+        log.info("leases_recovered", taken=len(taken), given_back=len(extra))
+        self.stats.claimed += len(taken)
+        self.stats.recovered += len(taken)
+        self._start_work(taken)
+        await asyncio.gather(*(self._release(lease.assignment_id) for lease in extra))
+        return bool(taken)
 
     async def _claim(self, want: int) -> ClaimOut | None:
         """One claim, raced against the stop. On stop the client makes no further attempt
@@ -348,7 +391,7 @@ class _Worker:
                 request.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await request
-                # Leases the server may have granted are never heard of: they expire there.
+                # Leases the server may have granted are not heard of in this run.
                 log.warning("claim_abandoned", detail="stopped while a claim was with the server")
                 return None
             return request.result()
