@@ -194,7 +194,9 @@ class ReleaseIn(StrictModel):
 
 
 # Why a task ended failed or cancelled (TaskOut.end_reason).
-EndReason = Literal["cancelled", "max_attempts", "deadline_passed", "iteration_expired", "max_failures"]
+EndReason = Literal[
+    "cancelled", "max_attempts", "deadline_passed", "iteration_expired", "max_failures", "pool_completed"
+]
 
 
 class TaskOut(BaseModel):
@@ -215,7 +217,8 @@ class TaskOut(BaseModel):
     end_reason: EndReason | None = Field(
         description="why the task ended failed or cancelled, for machines: an operator's cancel, a "
         "replica out of attempts (the pool's max_attempts), the task's deadline, the end of its "
-        "ReST^EM iteration, or the task failing on the nodes of the pool's max_failures providers"
+        "ReST^EM iteration, the task failing on the nodes of the pool's max_failures providers, or "
+        "the pool's completion (pool_completed: the task was still open)"
     )
     created_at: dt.datetime
 

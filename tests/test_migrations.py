@@ -244,6 +244,32 @@ def test_0020_downgrade_keeps_a_task_that_failed_everywhere_without_its_end_reas
     assert asyncio.run(_end_reasons(scratch_url)) == [(1, None), (2, "max_attempts")]
 
 
+def test_0021_downgrade_turns_a_task_its_pool_completion_cancelled_into_a_plain_cancel(
+    scratch_url: str,
+) -> None:
+    """0020's check allows no pool_completed: such a task is ``cancelled`` (its words still say
+    the pool was completed); the others keep theirs."""
+    upgrade(scratch_url)
+    asyncio.run(_seed_failed_everywhere(scratch_url))
+    asyncio.run(_set_end_reason(scratch_url, 2, "pool_completed"))
+    downgrade(scratch_url, "0020")
+    assert asyncio.run(_end_reasons(scratch_url)) == [(1, "max_failures"), (2, "cancelled")]
+    upgrade(scratch_url)
+    assert asyncio.run(_set_end_reason(scratch_url, 2, "pool_completed")) is None
+    assert asyncio.run(_end_reasons(scratch_url)) == [(1, "max_failures"), (2, "pool_completed")]
+
+
+async def _set_end_reason(url: str, task_id: int, reason: str) -> None:
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                text("UPDATE tasks SET end_reason = :r WHERE id = :id"), {"r": reason, "id": task_id}
+            )
+    finally:
+        await engine.dispose()
+
+
 async def _seed_forfeited_holds(url: str) -> None:
     """What the code before 0013 left: node N's rewards v1 and v2 forfeited by fraud verdict f3
     (one slash-pending transfer); v4 forfeited by fraud verdict f5, which an appeal reversed

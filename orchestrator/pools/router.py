@@ -233,7 +233,7 @@ async def resume_pool(
 @admin_router.post(
     "/pools/{pool_id}/complete",
     response_model=PoolOut,
-    summary="paused -> completed (final; every member leaves and its stake unbonds)",
+    summary="paused -> completed (final; every member leaves, its stake unbonds; open tasks are cancelled)",
 )
 async def complete_pool(
     pool_id: ScopedPoolId, principal: OperatorOrAdmin, session: Session, state: State

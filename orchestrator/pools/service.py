@@ -8,7 +8,8 @@ already in changes nothing)::
                             +-----resume-------+
 
 A completed pool is read-only (409 ``pool_completed``); completing it ends every live
-membership. Memberships (one row per pool and node)::
+membership and cancels every open task (``end_reason`` ``pool_completed``); results already in
+are still verified and paid. Memberships (one row per pool and node)::
 
     (none) / left / rejected --join--> active (open, invite) or pending (approval)
     pending --approve--> active          pending --reject--> rejected   (stake back at once)
@@ -327,6 +328,7 @@ async def change_status(
         )
     before = pool.status
     ended: list[str] = []
+    cancelled = 0
     if target == PoolStatus.completed.value:
         ended = await _end_memberships(
             session,
@@ -337,6 +339,7 @@ async def change_status(
             actor=principal.token_id,
             now=now,
         )
+        cancelled = await end_pool_tasks(session, pool.id, now=now)
     pool.status = target
     pool.status_changed_at = now
     pool.updated_at = now
@@ -344,6 +347,8 @@ async def change_status(
     after: dict[str, Any] = {"status": target}
     if ended:
         after["ended_memberships"] = ended
+    if cancelled:
+        after["cancelled_tasks"] = cancelled
     await record(
         session,
         principal,
@@ -373,6 +378,15 @@ async def release_member_leases(
     from orchestrator.tasks.service import release_member_leases as release
 
     return await release(session, pool_id, node_id, now=now)
+
+
+async def end_pool_tasks(session: AsyncSession, pool_id: str, *, now: dt.datetime) -> int:
+    """Hook: the pool is being completed, so its open tasks, which no node can lease any more,
+    are cancelled (``end_reason`` ``pool_completed``) and results waiting for their siblings are
+    settled. Called after the memberships have ended (their leases given back). Returns how many."""
+    from orchestrator.tasks.service import end_pool_tasks as end
+
+    return await end(session, pool_id, now=now)
 
 
 # ------------------------------------------------------------------ memberships: stake

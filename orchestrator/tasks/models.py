@@ -73,7 +73,8 @@ class TaskBatch(Base):
 
 # Why a task ended ``failed`` or ``cancelled``, for machines (``failure_reason`` says it for people):
 # an operator's cancel, a replica out of attempts, the task's deadline, its ReST^EM iteration's end,
-# or the task failing on the nodes of as many providers as the pool's ``max_failures``.
+# the task failing on the nodes of as many providers as the pool's ``max_failures``, or its pool's
+# completion while it was still open.
 END_REASONS: tuple[str, ...] = get_args(EndReason)
 
 

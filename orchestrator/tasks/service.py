@@ -68,6 +68,7 @@ from orchestrator.tasks.models import (
 )
 from orchestrator.tasks.seeds import derive_seed
 from orchestrator.verification import service as verification
+from orchestrator.verification.models import VerificationJob
 
 log = structlog.get_logger(__name__)
 
@@ -330,6 +331,59 @@ async def fail_task(session: AsyncSession, task: Task, reason: str, *, end_reaso
     live leases are cancelled and waiting results settled, as for a cancellation."""
     await cancel_task(session, task, reason, end_reason=end_reason)
     task.status = "failed"
+
+
+async def end_pool_tasks(session: AsyncSession, pool_id: str, *, now: dt.datetime) -> int:
+    """The pool was completed: no node will ever lease its tasks again, so every open one is
+    cancelled (``end_reason`` ``pool_completed``), as an operator's cancel would have it: its
+    replicas and any live lease are cancelled, and results waiting for a sibling replica are
+    settled (inconclusive). Tasks whose every replica is in (``submitted``) are left to the
+    verifier. Set-based, so that a pool with many queued tasks completes in a few statements.
+    Lock order as for any ending: the live leases and their replicas, then the tasks. Returns
+    how many tasks were cancelled."""
+    still_open = (Task.pool_id == pool_id, Task.status == "open")
+    ids = list((await session.execute(select(Task.id).where(*still_open).order_by(Task.id))).scalars())
+    if not ids:
+        return 0
+    await lock_live_leases(session, ids)
+    if is_postgres(session):
+        locked = select(Task.id).where(*still_open).order_by(Task.id).with_for_update()
+        ids = list((await session.execute(locked)).scalars())
+    open_ids = select(Task.id).where(*still_open).scalar_subquery()
+    await session.execute(
+        update(TaskReplica)
+        .where(TaskReplica.task_id.in_(open_ids), TaskReplica.status.in_(("available", "leased")))
+        .values(status="cancelled")
+        .execution_options(synchronize_session=False)
+    )
+    await session.execute(
+        update(Assignment)
+        .where(Assignment.pool_id == pool_id, Assignment.task_id.in_(open_ids), Assignment.status == "active")
+        .values(status="cancelled", ended_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    await session.execute(
+        update(Task)
+        .where(*still_open)
+        .values(
+            status="cancelled",
+            available_replicas=0,
+            failure_reason="the pool was completed",
+            end_reason="pool_completed",
+            updated_at=now,
+        )
+        .execution_options(synchronize_session=False)
+    )
+    cancelled = set(ids)
+    waiting = await session.execute(
+        select(VerificationJob.task_id)
+        .where(VerificationJob.pool_id == pool_id, VerificationJob.stage == "quorum")
+        .distinct()
+    )
+    for task_id in sorted(set(waiting.scalars()) & cancelled):
+        await verification.settle_abandoned(session, task_id, now=now)
+    await session.flush()
+    return len(ids)
 
 
 # ------------------------------------------------------------------------ claims
