@@ -371,7 +371,9 @@ class PolicyPatch(StrictModel):
 
 class PoolPatch(StrictModel):
     """Only the fields present change; ``requirements`` is replaced as a whole. Caps may be set
-    to null (no cap); other fields may not. Stake already locked by members is unaffected."""
+    to null (no cap); other fields may not. Stake already locked by members is unaffected, and
+    results already received are judged and paid by the max_async_level, require_proof and
+    reward_per_sample in force when they came in."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra=_described_like(PoolSettings))
 

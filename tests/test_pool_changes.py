@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-from sqlalchemy import select
+from sqlalchemy import select, update
 
-from orchestrator.tasks.models import Task
+from orchestrator.tasks.models import Submission, Task
 from orchestrator.verification.models import Verdict, VerificationJob
 from tests.conftest import problem
 from tests.tasks_helpers import pool_setup, task
@@ -101,3 +101,71 @@ async def test_completing_a_pool_cancels_its_open_tasks_and_settles_results_left
             await s.admin.get("/v1/admin/audit", params={"pool_id": s.pool_id}, headers=s.headers)
         ).json()
         assert again["items"][0]["id"] == audit["id"]
+
+
+async def _patch(s: Any, body: dict[str, Any]) -> dict[str, Any]:
+    r = await s.admin.patch(f"/v1/admin/pools/{s.pool_id}", json=body, headers=s.headers)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+async def test_results_already_received_are_judged_and_paid_by_the_terms_they_came_in_under(
+    app: Any, app_state: Any, client: httpx.AsyncClient, no_audits: None
+) -> None:
+    """The verifier read the pool's settings when it decided, not those in force when the result
+    was received: an operator who lowered ``max_async_level``, turned on ``require_proof`` or
+    changed ``reward_per_sample`` while results waited for the verifier had results the server
+    had accepted (201) re-judged invalid (``policy_stale``, ``proof_missing``: no reward, and the
+    soft penalty forfeited from the node's held rewards) and paid at a rate that depended on how
+    far behind the verifier was. A result is now judged and paid by the terms it was received
+    under; results received after the change get the new ones."""
+    economics = {"reward_per_sample": 5, "soft_invalid_penalty": 3}
+    async with pool_setup(app, app_state, workers=1, max_async_level=2, economics=economics) as s:
+        [w] = s.workers
+        await s.enqueue([task("earlier"), task("stale"), task("no proof"), task("after")])
+        [earlier, stale, proofless, after] = (await w.claim(s.pool_id, 4)).json()["leases"]
+        await submit(w, earlier, ["4"])
+        await verify_all(app_state)
+        assert (await balances(client, w))["rewards_pending"] == 5
+        for step in (2, 3):
+            assert (await s.publish(step)).status_code == 201
+        await submit(w, stale, ["4"])  # step 1 of 3: within the bound of 2
+        await submit(w, proofless, ["4"], policy_step=3)
+        await _patch(
+            s,
+            {"policy": {"max_async_level": 0, "require_proof": True}, "economics": {"reward_per_sample": 7}},
+        )
+        problem(await w.submit(after, policy_step=1), 409, "policy_stale")  # the new bound, from now on
+        await submit(w, after, ["4"], policy_step=3)  # no proof, received after require_proof
+        await verify_all(app_state)
+        async with app_state.sessionmaker() as session:
+            verdicts = {
+                r.task_id: (r.reason, r.reward_amount, r.slashed_amount)
+                for r in (await session.execute(select(Verdict))).scalars()
+            }
+        first = earlier["task"]["task_id"]
+        assert verdicts == {
+            first: ("verified", 5, 0),
+            stale["task"]["task_id"]: ("verified", 5, 0),
+            proofless["task"]["task_id"]: ("verified", 5, 0),
+            after["task"]["task_id"]: ("proof_missing", 0, 3),
+        }
+
+
+async def test_a_result_stored_before_terms_were_recorded_is_judged_by_the_pools_settings(
+    app: Any, app_state: Any, client: httpx.AsyncClient, no_audits: None
+) -> None:
+    """Submissions from before migration 0022 have no terms recorded (NULL): the verifier falls
+    back on the pool's settings at the verdict, as it always did for them."""
+    async with pool_setup(app, app_state, workers=1, economics={"reward_per_sample": 5}) as s:
+        [w] = s.workers
+        await s.enqueue([task()])
+        [lease] = (await w.claim(s.pool_id)).json()["leases"]
+        await submit(w, lease, ["4"])
+        async with app_state.sessionmaker() as session, session.begin():
+            await session.execute(
+                update(Submission).values(max_async_level=None, require_proof=None, reward_per_sample=None)
+            )
+        await _patch(s, {"economics": {"reward_per_sample": 7}})
+        await verify_all(app_state)
+        assert (await balances(client, w))["rewards_pending"] == 7

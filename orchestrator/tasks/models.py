@@ -227,6 +227,14 @@ class Submission(Base):
     provider_id: Mapped[str] = mapped_column(KEY_ID)
     policy_step: Mapped[int] = mapped_column(BigInteger)
     policy_current_step: Mapped[int] = mapped_column(BigInteger, doc="the pool's policy step when received")
+    # The pool's terms when the result was received: the verifier judges and pays it by these, not
+    # by settings an operator changed while it waited (NULL for results stored before 0022: the
+    # pool's settings at the verdict, as then).
+    max_async_level: Mapped[int | None] = mapped_column(
+        Integer, doc="the pool's staleness bound when received"
+    )
+    require_proof: Mapped[bool | None] = mapped_column(Boolean, doc="whether the pool required a proof then")
+    reward_per_sample: Mapped[int | None] = mapped_column(BigInteger, doc="the pool's reward rate then")
     seed_echoed: Mapped[int | None] = mapped_column(BigInteger)
     claimed_reward: Mapped[float | None] = mapped_column(Float)
     sample_count: Mapped[int] = mapped_column(Integer)

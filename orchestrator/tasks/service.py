@@ -1057,6 +1057,8 @@ class ResultContext:
     current_step: int | None
     deadline_at: dt.datetime | None
     step_published: bool
+    require_proof: bool
+    reward_per_sample: int
 
 
 _RESULT_CONTEXT = """
@@ -1068,7 +1070,8 @@ _RESULT_CONTEXT = """
            (SELECT max(step) FROM policy_versions WHERE pool_id = a.pool_id) AS current_step,
            (SELECT t.deadline_at FROM tasks t WHERE t.id = a.task_id) AS deadline_at,
            EXISTS (SELECT 1 FROM policy_versions
-                    WHERE pool_id = a.pool_id AND step = :policy_step) AS step_published
+                    WHERE pool_id = a.pool_id AND step = :policy_step) AS step_published,
+           p.require_proof, p.reward_per_sample
       FROM assignments a
       JOIN task_replicas r ON r.id = a.replica_id
       JOIN pools p ON p.id = a.pool_id
@@ -1089,6 +1092,7 @@ def _result_context(postgres: bool) -> TextualSelect:
             response=JSON(),
             deadline_at=UTCDateTime(),
             step_published=Boolean(),
+            require_proof=Boolean(),
         )
     )
 
@@ -1270,6 +1274,10 @@ async def submit_result(
         "provider_id": ctx.signer_provider_id,
         "policy_step": body.policy_step,
         "policy_current_step": current,
+        # The terms it is judged and paid by, whatever the pool's settings are at its verdict.
+        "max_async_level": ctx.max_async_level,
+        "require_proof": ctx.require_proof,
+        "reward_per_sample": ctx.reward_per_sample,
         "seed_echoed": body.seed,
         "claimed_reward": body.claimed_reward,
         "sample_count": len(body.samples),

@@ -39,7 +39,7 @@ import random
 import zlib
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from sqlalchemy import (
@@ -83,6 +83,7 @@ from orchestrator.verification.models import (
 from orchestrator.verification.scoring import Scorer, Unscorable
 
 log = structlog.get_logger(__name__)
+_T = TypeVar("_T")
 
 ENDED = ("cancelled", "failed")  # task statuses that are never leased again
 MAX_EXTRA_REPLICAS = 2  # an undecided quorum may add this many replicas before it is inconclusive
@@ -485,8 +486,10 @@ async def _run_checks(
         n=int(task.sampling.get("n", 1)),
         max_tokens=int(task.sampling["max_tokens"]),
         current_step=submission.policy_current_step,
-        max_async_level=pool.max_async_level,
-        require_proof=pool.require_proof,
+        # The terms in force when the result was received (a result stored before they were
+        # recorded: the pool's now).
+        max_async_level=_or(submission.max_async_level, pool.max_async_level),
+        require_proof=_or(submission.require_proof, pool.require_proof),
     )
     findings = checks.sanity(result, expect)
     if scored.unscorable is not None:
@@ -563,6 +566,12 @@ async def _run_checks(
         )
     decision = by_reward(checkable, correct, details, "reward")
     await decide(session, job, submission, decision, now=now, trust=trust)
+
+
+def _or(recorded: _T | None, current: _T) -> _T:
+    """A term recorded with a submission, or the pool's current one for a submission stored
+    before terms were recorded (migration 0022)."""
+    return current if recorded is None else recorded
 
 
 async def _can_repeat(session: AsyncSession, pool_id: str, submission: Submission) -> bool:
@@ -887,7 +896,11 @@ async def decide(
         details=decision.details,
         server_reward=job.server_reward,
         paid_samples=decision.paid_samples,
-        reward_amount=pool.reward_per_sample * decision.paid_samples if decision.category == "valid" else 0,
+        reward_amount=(
+            _or(submission.reward_per_sample, pool.reward_per_sample) * decision.paid_samples
+            if decision.category == "valid"
+            else 0
+        ),
         slashed_amount=0,
         decided_at=now,
     )
