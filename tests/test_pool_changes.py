@@ -3,14 +3,15 @@ settings changed while nodes hold leases, tasks are queued and results wait for 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
-from sqlalchemy import select, update
+from sqlalchemy import select, text, update
 
 from orchestrator.tasks.models import Submission, Task
 from orchestrator.verification.models import Verdict, VerificationJob
-from tests.conftest import problem
+from tests.conftest import postgres_only, problem
 from tests.tasks_helpers import pool_setup, task
 from tests.verification_helpers import balances, submit, verify_all
 
@@ -169,3 +170,93 @@ async def test_a_result_stored_before_terms_were_recorded_is_judged_by_the_pools
         await _patch(s, {"economics": {"reward_per_sample": 7}})
         await verify_all(app_state)
         assert (await balances(client, w))["rewards_pending"] == 7
+
+
+async def _while_the_pool_is_locked(s: Any, app_state: Any, *requests: Any) -> list[httpx.Response]:
+    """Send ``requests`` (coroutine factories) one after another while another transaction holds
+    the pool's row, so that each reads the pool (the scope check) before the lock, and waits for
+    it; then let them go, in the order they queued."""
+    async with app_state.sessionmaker() as session, session.begin():
+        await session.execute(text("SELECT 1 FROM pools WHERE id = :id FOR UPDATE"), {"id": s.pool_id})
+        pending = []
+        for request in requests:
+            pending.append(asyncio.create_task(request()))
+            await asyncio.sleep(0.3)
+        assert not any(p.done() for p in pending)
+    return list(await asyncio.gather(*pending))
+
+
+@postgres_only
+async def test_a_resume_and_a_complete_at_once_never_reopen_a_completed_pool(
+    app: Any, app_state: Any
+) -> None:
+    """Lifecycle actions queue on the pool's row and each judges its transition on what the one
+    before it committed (not on the pool its scope check read before the lock): a resume queued
+    behind a complete is refused and never reopens the completed pool; audited once each."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        await _lifecycle(s, "pause")
+        complete, resume = await _while_the_pool_is_locked(
+            s,
+            app_state,
+            lambda: s.admin.post(f"/v1/admin/pools/{s.pool_id}/complete", headers=s.headers),
+            lambda: s.admin.post(f"/v1/admin/pools/{s.pool_id}/resume", headers=s.headers),
+        )
+        assert complete.status_code == 200, complete.text
+        problem(resume, 409, "pool_transition_invalid")
+        assert resume.json()["pool_status"] == "completed"
+        pool = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}", headers=s.headers)).json()
+        assert pool["status"] == "completed"
+        audit = (
+            await s.admin.get("/v1/admin/audit", params={"pool_id": s.pool_id}, headers=s.headers)
+        ).json()
+        assert [e["action"] for e in audit["items"]][:2] == ["pool.complete", "pool.pause"]
+
+
+@postgres_only
+async def test_two_patches_at_once_are_validated_on_each_others_result(app: Any, app_state: Any) -> None:
+    """Two PATCHes queue on the pool's row and the second merges its change into the first's
+    result and validates that: each alone is valid, but together they would store a
+    fraud_slash_amount above min_stake_per_node, so the second is refused (422) and changes
+    nothing."""
+    async with pool_setup(app, app_state) as s:
+        url = f"/v1/admin/pools/{s.pool_id}"
+        first, second = await _while_the_pool_is_locked(
+            s,
+            app_state,
+            lambda: s.admin.patch(
+                url,
+                json={"economics": {"min_stake_per_node": 10, "fraud_slash_amount": 10}},
+                headers=s.headers,
+            ),
+            lambda: s.admin.patch(url, json={"economics": {"min_stake_per_node": 5}}, headers=s.headers),
+        )
+        assert first.status_code == 200, first.text
+        problem(second, 422, "validation_failed")
+        economics = (await s.admin.get(url, headers=s.headers)).json()["economics"]
+        assert (economics["min_stake_per_node"], economics["fraud_slash_amount"]) == (10, 10)
+
+
+@postgres_only
+async def test_an_enqueue_waits_for_a_completion_in_progress_and_is_refused_after_it(
+    app: Any, app_state: Any
+) -> None:
+    """The enqueue read the pool without a lock: while a completion was in progress (the pool
+    row locked, its open tasks being cancelled) it inserted its batch regardless, and once both
+    had committed the completed pool had open tasks again, claimable for ever. It now waits for
+    the completion and is refused (409 ``pool_completed``), recording nothing."""
+    async with pool_setup(app, app_state) as s:
+        await _lifecycle(s, "pause")
+        async with app_state.sessionmaker() as session, session.begin():
+            # A completion in progress: it holds the pool's row until it commits.
+            await session.execute(
+                text("SELECT 1 FROM pools WHERE id = :id FOR NO KEY UPDATE"), {"id": s.pool_id}
+            )
+            enqueue = asyncio.create_task(s.enqueue([task()]))
+            await asyncio.sleep(0.5)
+            assert not enqueue.done()
+            await session.execute(
+                text("UPDATE pools SET status = 'completed' WHERE id = :id"), {"id": s.pool_id}
+            )
+        problem(await enqueue, 409, "pool_completed")
+        listed = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)).json()
+        assert listed["items"] == []

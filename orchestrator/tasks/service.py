@@ -145,6 +145,13 @@ async def enqueue(
     existing = await _batch(session, pool.id, body.batch_key)
     if existing is not None:
         return await _same_batch(session, existing, digest)
+    if is_postgres(session):
+        # The pool as it is now, and kept so until this commits (FOR SHARE: enqueues do not wait
+        # for each other): a completion (which cancels the open tasks) or a settings change
+        # waits for it, or it for them and then reads their result. Read without a lock, the
+        # pool could be completed between that read and this batch's commit, leaving tasks open
+        # in a completed pool. (SQLite's transactions are serialised from their start.)
+        await session.refresh(pool, with_for_update={"read": True})
     if pool.status == "completed":
         raise Conflict("the pool is completed", code="pool_completed")
     _rewards_fit(pool, body)
