@@ -12,7 +12,7 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
-from api_schemas.tasks import ResultIn
+from api_schemas.tasks import Lease, ResultIn
 from orchestrator.tasks.models import Submission
 from orchestrator.verification.jobs import drain
 from orchestrator.worker.backends import ArithmeticBackend
@@ -167,18 +167,24 @@ async def test_retries_give_up_with_the_last_error(app: Any, app_state: Any) -> 
         assert len(wire.to("/v1/nodes/me")) == 3  # one try and two retries
 
 
+async def _one_result(client: Any, s: Any) -> tuple[Lease, ResultIn]:
+    """Register, join and beat as ``client``'s node, enqueue one task, lease it and make its result."""
+    await client.register(SPECS, "1")
+    await client.join(s.pool_id)
+    await client.heartbeat()
+    await s.enqueue(arithmetic_tasks(1, seed=5))
+    [lease] = (await client.claim(s.pool_id)).leases
+    samples = await ArithmeticBackend().generate(lease.task, lease.seed, lease.policy)
+    result = ResultIn(
+        fencing_token=lease.fencing_token, policy_step=lease.policy.step, seed=lease.seed, samples=samples
+    )
+    return lease, result
+
+
 async def test_a_lost_result_answer_is_retried_and_recorded_once(app: Any, app_state: Any) -> None:
     client, wire = faulty_client(app)
     async with pool_setup(app, app_state) as s, client:
-        await client.register(SPECS, "1")
-        await client.join(s.pool_id)
-        await client.heartbeat()
-        await s.enqueue(arithmetic_tasks(1, seed=5))
-        [lease] = (await client.claim(s.pool_id)).leases
-        samples = await ArithmeticBackend().generate(lease.task, lease.seed, lease.policy)
-        result = ResultIn(
-            fencing_token=lease.fencing_token, policy_step=lease.policy.step, seed=lease.seed, samples=samples
-        )
+        lease, result = await _one_result(client, s)
         path = f"/v1/assignments/{lease.assignment_id}/result"
         wire.fail(path, "forward+timeout", "forward+502")
         out = await client.submit(lease, result)
@@ -244,15 +250,7 @@ async def test_a_claims_stop_event_ends_its_retry_wait_with_the_last_error(app: 
 async def test_a_submissions_stop_event_ends_its_retries(app: Any, app_state: Any) -> None:
     client, wire = faulty_client(app)
     async with pool_setup(app, app_state) as s, client:
-        await client.register(SPECS, "1")
-        await client.join(s.pool_id)
-        await client.heartbeat()
-        await s.enqueue(arithmetic_tasks(1, seed=5))
-        [lease] = (await client.claim(s.pool_id)).leases
-        samples = await ArithmeticBackend().generate(lease.task, lease.seed, lease.policy)
-        result = ResultIn(
-            fencing_token=lease.fencing_token, policy_step=lease.policy.step, seed=lease.seed, samples=samples
-        )
+        lease, result = await _one_result(client, s)
         path = f"/v1/assignments/{lease.assignment_id}/result"
         wire.fail(path, "connect", "connect")
         stop = asyncio.Event()

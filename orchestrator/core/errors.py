@@ -341,14 +341,12 @@ async def _database_unavailable(request: Request, exc: Exception) -> JSONRespons
     if not database_unavailable(exc):
         return await _unhandled(request, exc)
     log.warning("database_unavailable", path=request.url.path, error=type(exc).__name__)
-    return problem_response(
-        status=503,
-        code="database_unavailable",
-        title="Service unavailable",
-        detail="The database could not be reached; the request was not completed. "
+    return _unavailable(
+        request,
+        "database_unavailable",
+        "The database could not be reached; the request was not completed. "
         "Send it again once the service is back.",
-        request=request,
-        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
+        UNAVAILABLE_RETRY_AFTER_S,
     )
 
 
@@ -358,14 +356,12 @@ async def _database_error(request: Request, exc: Exception) -> JSONResponse:
     if cause is None:
         return await _database_unavailable(request, exc)
     log.warning("transaction_aborted", path=request.url.path, cause=cause)
-    return problem_response(
-        status=503,
-        code="transient_conflict",
-        title="Service unavailable",
-        detail=f"The database aborted this request's transaction ({cause}) to resolve a conflict "
+    return _unavailable(
+        request,
+        "transient_conflict",
+        f"The database aborted this request's transaction ({cause}) to resolve a conflict "
         "with concurrent work; nothing was recorded. Send the same request again.",
-        request=request,
-        headers={"Retry-After": str(TRANSIENT_RETRY_AFTER_S)},
+        TRANSIENT_RETRY_AFTER_S,
         extra={"cause": cause},
     )
 
@@ -374,14 +370,27 @@ async def _hot_store_error(request: Request, exc: Exception) -> JSONResponse:
     """Redis did not answer (all of this process's connections busy past the pool's timeout,
     or the server unreachable): the request is refused at the step that needed it."""
     log.warning("hot_store_unavailable", path=request.url.path, error=type(exc).__name__)
+    return _unavailable(
+        request,
+        "hot_store_unavailable",
+        "The hot store (Redis) did not answer in time; the request was not completed. "
+        "Send the same request again.",
+        TRANSIENT_RETRY_AFTER_S,
+    )
+
+
+def _unavailable(
+    request: Request, code: str, detail: str, retry_after_s: int, extra: dict[str, Any] | None = None
+) -> JSONResponse:
+    """A 503 for a dependency that failed the request, with when to send it again."""
     return problem_response(
         status=503,
-        code="hot_store_unavailable",
+        code=code,
         title="Service unavailable",
-        detail="The hot store (Redis) did not answer in time; the request was not completed. "
-        "Send the same request again.",
+        detail=detail,
         request=request,
-        headers={"Retry-After": str(TRANSIENT_RETRY_AFTER_S)},
+        headers={"Retry-After": str(retry_after_s)},
+        extra=extra,
     )
 
 

@@ -563,6 +563,26 @@ _LEASE_ALL = text(
 )
 
 
+def _lease(row: Row[Any], assignment_id: str, token: int, policy: PolicyRef, expires: dt.datetime) -> Lease:
+    """A lease as a claim gives it: ``row`` has the replica's seed and index and the task's
+    payload (never its verification spec)."""
+    return Lease(
+        assignment_id=assignment_id,
+        fencing_token=token,
+        seed=row.seed,
+        replica_index=row.replica_index,
+        policy=policy,
+        lease_expires_at=expires,
+        task=LeasedTask(
+            task_id=row.task_id,
+            prompt=row.prompt,
+            problem_ref=row.problem_ref,
+            sampling=Sampling(**row.sampling),
+            metadata=row.metadata,
+        ),
+    )
+
+
 async def claim(
     session: AsyncSession, signed_keyid: str, pool_id: str, max_tasks: int, *, now: dt.datetime
 ) -> ClaimOut:
@@ -647,23 +667,7 @@ async def claim(
             }
         )
         replica_updates.append({"b_id": r.replica_id, "b_token": token, "b_asg": assignment_id})
-        leases.append(
-            Lease(
-                assignment_id=assignment_id,
-                fencing_token=token,
-                seed=r.seed,
-                replica_index=r.replica_index,
-                policy=policy,
-                lease_expires_at=expires,
-                task=LeasedTask(
-                    task_id=r.task_id,
-                    prompt=r.prompt,
-                    problem_ref=r.problem_ref,
-                    sampling=Sampling(**r.sampling),
-                    metadata=r.metadata,
-                ),
-            )
-        )
+        leases.append(_lease(r, assignment_id, token, policy, expires))
     if postgres:
         leased = await conn.scalar(
             _LEASE_ALL,
@@ -729,20 +733,12 @@ async def live_leases(
     params = {"node_id": node_id, "pool_id": pool_id, "now": now, "limit": limit}
     rows = (await session.execute(_LIVE_LEASES, params)).all()
     return [
-        Lease(
-            assignment_id=r.id,
-            fencing_token=r.fencing_token,
-            seed=r.seed,
-            replica_index=r.replica_index,
-            policy=PolicyRef(step=r.policy_step, uri=r.uri, sha256=r.sha256),
-            lease_expires_at=r.lease_expires_at,
-            task=LeasedTask(
-                task_id=r.task_id,
-                prompt=r.prompt,
-                problem_ref=r.problem_ref,
-                sampling=Sampling(**r.sampling),
-                metadata=r.metadata,
-            ),
+        _lease(
+            r,
+            r.id,
+            r.fencing_token,
+            PolicyRef(step=r.policy_step, uri=r.uri, sha256=r.sha256),
+            r.lease_expires_at,
         )
         for r in rows
     ]
