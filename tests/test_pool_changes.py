@@ -13,7 +13,7 @@ from orchestrator.tasks.models import Submission, Task
 from orchestrator.verification.models import Verdict, VerificationJob
 from tests.conftest import postgres_only, problem
 from tests.tasks_helpers import pool_setup, task
-from tests.verification_helpers import balances, submit, verify_all
+from tests.verification_helpers import balances, submit, verdicts, verify_all
 
 FREE_TEXT = {"prompt": "Write a haiku.", "sampling": {"max_tokens": 16}}  # the server cannot check it
 
@@ -108,6 +108,26 @@ async def _patch(s: Any, body: dict[str, Any]) -> dict[str, Any]:
     r = await s.admin.patch(f"/v1/admin/pools/{s.pool_id}", json=body, headers=s.headers)
     assert r.status_code == 200, r.text
     return dict(r.json())
+
+
+async def test_a_vote_left_undecided_in_a_completed_pool_asks_for_no_tie_break(
+    app: Any, app_state: Any, no_audits: None
+) -> None:
+    """Both replicas answered, differently, then the pool was completed before the verifier
+    reached them. A tie-break replica would reopen the task in a pool where no node can ever
+    lease it (it stayed open until the quorum wait withdrew it, an hour by default): the vote
+    is decided inconclusive at once instead."""
+    async with pool_setup(app, app_state, workers=2) as s:
+        task_id = (await s.enqueue([{**FREE_TEXT, "replication": 2}])).json()["first_task_id"]
+        for w, answer in zip(s.workers, ["one", "two"], strict=True):
+            [lease] = (await w.claim(s.pool_id)).json()["leases"]
+            await submit(w, lease, [answer])
+        await _lifecycle(s, "pause", "complete")
+        await verify_all(app_state)
+        detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
+        assert (detail["status"], detail["replication"]) == ("completed", 2)
+        vs = await verdicts(s.admin, s.headers, s.pool_id)
+        assert [(v["category"], v["reason"]) for v in vs] == [("inconclusive", "no_quorum")] * 2
 
 
 async def test_results_already_received_are_judged_and_paid_by_the_terms_they_came_in_under(

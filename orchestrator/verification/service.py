@@ -684,6 +684,7 @@ async def try_quorum(
     if (
         timeout_note is None
         and task.status not in ENDED
+        and pool.status != "completed"  # no node will ever lease a replica there
         and task.replication < task.min_quorum + MAX_EXTRA_REPLICAS
     ):
         await _add_replica(session, task, secret=secret, now=now)
