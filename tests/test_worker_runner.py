@@ -339,6 +339,23 @@ async def test_a_restarted_worker_takes_up_the_leases_its_previous_run_left(app:
         assert len((await s.workers[0].claim(s.pool_id)).json()["leases"]) == 1  # the one given back
 
 
+async def test_a_claim_refused_as_node_unhealthy_beats_at_once_and_claims_again(
+    app: Any, app_state: Any
+) -> None:
+    """After an outage the server may not have had a beat lately and refuse the claim
+    (node_unhealthy, here with an hour's Retry-After): the worker beats at once and, healthy
+    again, claims at once, instead of idling out the Retry-After."""
+    async with pool_setup(app, app_state) as s:
+        await s.enqueue(arithmetic_tasks(1, seed=2))
+        wire = FaultyTransport(app_transport(app))
+        wire.fail("/v1/assignments/claim", "node_unhealthy")
+        run = start(app, s.pool_id, transport=wire, concurrency=1, max_tasks=1)
+        stats = await asyncio.wait_for(run.task, 20)
+        assert (stats.claimed, stats.submitted) == (1, 1)
+        assert [x.status for x in wire.to("/v1/assignments/claim")] == [200, 200]
+        assert len(wire.to("/v1/nodes/me/heartbeat")) >= 2  # the start's beat, then the claim's
+
+
 async def test_a_refused_submission_releases_the_lease_at_once(
     app: Any, app_state: Any, gate: asyncio.Event
 ) -> None:

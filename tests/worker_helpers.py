@@ -41,7 +41,9 @@ class FaultyTransport(httpx.AsyncBaseTransport):
     ``"503"`` / ``"429:<retry-after>"``: answered here, the app never sees the request;
     ``"forward+502"``: the app handles it, then the answer is lost and a 502 returned;
     ``"forward+timeout"``: the app handles it, then the client gets a read timeout;
-    ``"connect"``: a connection error before anything is sent.
+    ``"connect"``: a connection error before anything is sent;
+    ``"node_unhealthy"``: a claim answered here as the server answers a node it has not heard
+    from lately (no leases, ``Retry-After: 3600``).
     """
 
     inner: httpx.AsyncBaseTransport
@@ -65,6 +67,10 @@ class FaultyTransport(httpx.AsyncBaseTransport):
         if fault == "503":
             seen.status = 503
             return _problem(503, "not_ready", {})
+        if fault == "node_unhealthy":
+            seen.status = 200
+            body = {"leases": [], "reason": "node_unhealthy", "detail": "injected", "retry_after_s": 3600}
+            return httpx.Response(200, json=body, headers={"Retry-After": "3600"})
         if fault is not None and fault.startswith("429:"):
             seen.status = 429
             return _problem(429, "rate_limited", {"Retry-After": fault.split(":", 1)[1]})

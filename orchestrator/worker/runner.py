@@ -42,7 +42,7 @@ import httpx
 import structlog
 from nacl.signing import SigningKey
 
-from api_schemas.identity import NodeSpecs
+from api_schemas.identity import HeartbeatOut, NodeSpecs
 from api_schemas.tasks import CLAIM_MAX_TASKS, ClaimOut, Lease, ResultIn, ResultOut
 from orchestrator import __version__
 from orchestrator.core.keys import read_key_file
@@ -290,6 +290,7 @@ class _Worker:
     async def _claim_loop(self) -> None:
         c = self.config
         failures = 0
+        beat_for_claim = False  # a beat was sent for a claim refused as node_unhealthy
         while not self.stop.is_set():
             if c.max_tasks is not None and self.stats.claimed >= c.max_tasks:
                 return
@@ -322,12 +323,22 @@ class _Worker:
                 await self._pause(self._backoff(failures))
                 continue
             failures = 0
+            if claim.reason != "node_unhealthy":
+                beat_for_claim = False
             if not claim.leases:
                 if self.stats.idle_reason != claim.reason:
                     log.info("no_work", reason=claim.reason, retry_after_s=claim.retry_after_s)
                 self.stats.idle_reason = claim.reason
                 self._emit()
                 wait = float(claim.retry_after_s or c.idle_wait_s)
+                if claim.reason == "node_unhealthy" and not beat_for_claim:
+                    # The server has not had a beat lately (it was down, or restarted and lost
+                    # the node's last beats): beat now, and claim again at once if that made
+                    # the node healthy, rather than wait out the Retry-After.
+                    beat_for_claim = True
+                    beat = await self._beat()
+                    if beat is not None and beat.status == "healthy":
+                        continue
                 if claim.reason == "lease_cap_reached" and self.running:
                     # The cap counts this node's own leases: one of them ending makes room
                     # before the Retry-After has passed.
@@ -563,22 +574,27 @@ class _Worker:
 
     async def _heartbeat_loop(self, interval: float) -> None:
         while not await self._closing_within(interval):
-            try:
-                metrics = {"in_flight": float(len(self.running)), "tasks_done": float(self.stats.tasks_done)}
-                beat = await self.client.heartbeat(leases=list(self.running), metrics=metrics)
-            except (OrchestratorAPIError, httpx.HTTPError) as exc:
-                self._error("heartbeat_failed", error=str(exc)[:200])
-                interval = min(interval, 5.0)
-                continue
-            interval = beat.next_heartbeat_in_s
-            for aid in beat.drop_leases:
-                task = self.running.get(aid)
-                # A lease being submitted is left alone: the server will refuse the result.
-                if task is not None and aid not in self.submitting:
-                    log.info("lease_dropped", assignment_id=aid)
-                    self.dropped.add(aid)
-                    self.stats.dropped += 1
-                    task.cancel()
+            beat = await self._beat()
+            interval = min(interval, 5.0) if beat is None else beat.next_heartbeat_in_s
+
+    async def _beat(self) -> HeartbeatOut | None:
+        """One heartbeat with the leases in flight; abandons those the server names in
+        ``drop_leases``. None if it failed (an error counted)."""
+        try:
+            metrics = {"in_flight": float(len(self.running)), "tasks_done": float(self.stats.tasks_done)}
+            beat = await self.client.heartbeat(leases=list(self.running), metrics=metrics)
+        except (OrchestratorAPIError, httpx.HTTPError) as exc:
+            self._error("heartbeat_failed", error=str(exc)[:200])
+            return None
+        for aid in beat.drop_leases:
+            task = self.running.get(aid)
+            # A lease being submitted is left alone: the server will refuse the result.
+            if task is not None and aid not in self.submitting:
+                log.info("lease_dropped", assignment_id=aid)
+                self.dropped.add(aid)
+                self.stats.dropped += 1
+                task.cancel()
+        return beat
 
     async def _stats_loop(self) -> None:
         while not await self._closing_within(self.config.stats_interval_s):
