@@ -49,6 +49,8 @@ class FaultyTransport(httpx.AsyncBaseTransport):
     inner: httpx.AsyncBaseTransport
     faults: dict[str, list[str]] = field(default_factory=dict)
     seen: list[Seen] = field(default_factory=list)
+    #: While True, every request fails to connect (the server is down).
+    down: bool = False
 
     def fail(self, path: str, *faults: str) -> None:
         self.faults.setdefault(path, []).extend(faults)
@@ -62,7 +64,7 @@ class FaultyTransport(httpx.AsyncBaseTransport):
         self.seen.append(seen)
         plan = self.faults.get(request.url.path)
         fault = plan.pop(0) if plan else None
-        if fault == "connect":
+        if fault == "connect" or self.down:
             raise httpx.ConnectError("connection refused (injected)", request=request)
         if fault == "503":
             seen.status = 503

@@ -201,13 +201,17 @@ class WorkerClient:
         await self._call("POST", f"/v1/pools/{_seg(pool_id)}/leave")
 
     async def heartbeat(
-        self, leases: list[str] | None = None, metrics: dict[str, float] | None = None
+        self,
+        leases: list[str] | None = None,
+        metrics: dict[str, float] | None = None,
+        *,
+        stop: asyncio.Event | None = None,
     ) -> HeartbeatOut:
         """Report liveness and the leases being worked on; the answer says when to beat next
-        and which leases to drop."""
+        and which leases to drop. Once ``stop`` is set, no further attempt is made."""
         body = HeartbeatIn(metrics=metrics or {}, leases=leases or [])
         return await self._call_model(
-            HeartbeatOut, "POST", "/v1/nodes/me/heartbeat", body.model_dump(mode="json")
+            HeartbeatOut, "POST", "/v1/nodes/me/heartbeat", body.model_dump(mode="json"), interrupt=stop
         )
 
     async def claim(self, pool_id: str, max_tasks: int = 1, *, stop: asyncio.Event | None = None) -> ClaimOut:
@@ -261,20 +265,26 @@ class WorkerClient:
         response = await self._call("GET", "/v1/nodes/me/leases", params=params)
         return LeasesOut.model_validate_json(response.content).leases
 
-    async def balance(self) -> Balances:
-        """The provider's stake and reward balances (signed by the provider key)."""
-        return await self._call_model(Balances, "GET", "/v1/providers/me/balance", provider=True)
+    async def balance(self, *, stop: asyncio.Event | None = None) -> Balances:
+        """The provider's stake and reward balances (signed by the provider key). Once ``stop``
+        is set, no further attempt is made."""
+        return await self._call_model(
+            Balances, "GET", "/v1/providers/me/balance", provider=True, interrupt=stop
+        )
 
-    async def verdicts(self, limit: int = 100) -> list[dict[str, Any]]:
+    async def verdicts(self, limit: int = 100, *, stop: asyncio.Event | None = None) -> list[dict[str, Any]]:
         """The provider's newest ``limit`` verdicts (all its nodes), newest first, following
-        the server's pages (signed by the provider key)."""
+        the server's pages (signed by the provider key). Once ``stop`` is set, no further
+        attempt is made."""
         items: list[dict[str, Any]] = []
         cursor: str | None = None
         while len(items) < limit:
             params: dict[str, Any] = {"limit": min(500, limit - len(items))}
             if cursor is not None:
                 params["cursor"] = cursor
-            response = await self._call("GET", "/v1/providers/me/verdicts", provider=True, params=params)
+            response = await self._call(
+                "GET", "/v1/providers/me/verdicts", provider=True, params=params, interrupt=stop
+            )
             page = response.json()
             items.extend(page["items"])
             cursor = page.get("next_cursor")
@@ -292,8 +302,9 @@ class WorkerClient:
         body: dict[str, Any] | None = None,
         *,
         provider: bool = False,
+        interrupt: asyncio.Event | None = None,
     ) -> M:
-        response = await self._call(method, path, body, provider=provider)
+        response = await self._call(method, path, body, provider=provider, interrupt=interrupt)
         return model.model_validate_json(response.content)
 
     async def _call(

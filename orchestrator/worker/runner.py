@@ -582,7 +582,8 @@ class _Worker:
         ``drop_leases``. None if it failed (an error counted)."""
         try:
             metrics = {"in_flight": float(len(self.running)), "tasks_done": float(self.stats.tasks_done)}
-            beat = await self.client.heartbeat(leases=list(self.running), metrics=metrics)
+            # Retried until the held leases are settled (closing): a beat keeps them alive.
+            beat = await self.client.heartbeat(leases=list(self.running), metrics=metrics, stop=self.closing)
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
             self._error("heartbeat_failed", error=str(exc)[:200])
             return None
@@ -607,14 +608,15 @@ class _Worker:
         try:
             if self.submissions.difference(self.outcomes):
                 pending = len(self.submissions) - len(self.outcomes)
-                for v in await self.client.verdicts(limit=min(5000, 100 + 2 * pending)):
+                # After a stop, one attempt each: the run's end does not wait out an outage.
+                for v in await self.client.verdicts(limit=min(5000, 100 + 2 * pending), stop=self.stop):
                     if v.get("node_id") == self.client.node_id and v.get("submission_id") in self.submissions:
                         self.outcomes[int(v["submission_id"])] = str(v["outcome"])
                 outcomes = list(self.outcomes.values())
                 self.stats.accepted = outcomes.count("accepted")
                 self.stats.rejected = outcomes.count("rejected")
             self._count_awaiting()
-            balance = await self.client.balance()
+            balance = await self.client.balance(stop=self.stop)
             self.stats.earnings = balance.rewards_pending + balance.rewards_claimable + balance.withdrawn
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
             log.warning("stats_refresh_failed", error=str(exc)[:200])
