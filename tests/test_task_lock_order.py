@@ -28,17 +28,20 @@ pytestmark = postgres_only
 
 
 async def _until_one_waits_for_a_lock(app_state: Any) -> None:
-    async with app_state.sessionmaker() as session:
-        for _ in range(200):
+    for _ in range(400):
+        # A transaction of its own each time: PostgreSQL reads pg_stat_activity once per
+        # transaction, so polling in one would see the first look's state for ever (a loaded
+        # machine, where the other side had not reached its lock at that first look, failed so).
+        async with app_state.sessionmaker() as session:
             waiting = await session.scalar(
                 text(
                     "SELECT count(*) FROM pg_stat_activity"
                     " WHERE datname = current_database() AND wait_event_type = 'Lock'"
                 )
             )
-            if waiting:
-                return
-            await asyncio.sleep(0.025)
+        if waiting:
+            return
+        await asyncio.sleep(0.025)
     raise AssertionError("nothing waited for the result's locks")
 
 
