@@ -446,6 +446,14 @@ class MembershipOut(BaseModel):
     joined_at: dt.datetime = Field(description="When this episode's join was accepted or queued")
     activated_at: dt.datetime | None = Field(description="When this episode became active")
     ended_at: dt.datetime | None = Field(description="When this episode ended")
+    failure_streak: int = Field(
+        default=0, description="Leases the node gave back as failed here since its last result"
+    )
+    failing_until: dt.datetime | None = Field(
+        default=None,
+        description="Claims here are refused (node_failing) until then: three failures in a row "
+        "keep the node out for 60 s, doubled with each further one, up to an hour",
+    )
 
 
 class RefusalReason(BaseModel):

@@ -324,6 +324,7 @@ NoWorkReason = Literal[
     "pool_not_active",
     "lease_cap_reached",
     "no_policy",
+    "node_failing",
 ]
 
 

@@ -216,6 +216,44 @@ async def test_a_task_that_fails_on_the_nodes_of_max_failures_providers_ends_fai
         }
 
 
+async def test_a_node_whose_leases_keep_failing_is_kept_from_claiming_for_a_while(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A broken backend fails at once and would claim again at once: three failing releases in
+    a row (no result in between) keep the node out of the pool's claims for 60 s, doubled with
+    each further failure; a result ends the streak."""
+    async with pool_setup(app, app_state, workers=1, max_failures=10, lease_duration_s=3600) as s:
+        w = s.workers[0]
+        await s.enqueue([task(f"q{i}") for i in range(8)])
+
+        async def fail_one() -> None:
+            [lease] = (await w.claim(s.pool_id)).json()["leases"]
+            assert (await w.release(lease, error="engine crashed")).status_code == 200
+
+        async def member() -> dict[str, Any]:
+            r = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/members", headers=s.headers)
+            [m] = [m for m in r.json()["items"] if m["node_id"] == w.node_id]
+            return dict(m)
+
+        for _ in range(3):
+            await fail_one()
+        r = await w.claim(s.pool_id)
+        assert (r.json()["leases"], r.json()["reason"]) == ([], "node_failing")
+        assert r.headers["retry-after"] == "60" and r.json()["retry_after_s"] == 60
+        assert (await member())["failure_streak"] == 3
+        clock.advance(61)
+        await w.beat()
+        await fail_one()  # the fourth in a row: 120 s
+        assert (await w.claim(s.pool_id)).json()["retry_after_s"] == 120
+        clock.advance(121)
+        await w.beat()
+        [lease] = (await w.claim(s.pool_id)).json()["leases"]
+        assert (await w.submit(lease)).status_code == 201  # a result ends the streak
+        await fail_one()
+        assert (await member())["failure_streak"] == 1
+        assert len((await w.claim(s.pool_id)).json()["leases"]) == 1
+
+
 async def test_a_release_without_an_error_counts_nothing_against_the_task(app: Any, app_state: Any) -> None:
     async with pool_setup(app, app_state, workers=3, max_failures=1) as s:
         first, second, third = s.workers

@@ -121,6 +121,17 @@ class PoolMembership(Base):
     joined_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     activated_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
     ended_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    # A node whose leases keep failing on it (releases with an error, no result in between) is
+    # kept from claiming in this pool for a while (``tasks.service.FAILURE_STREAK``).
+    failure_streak: Mapped[int] = mapped_column(
+        Integer, default=0, server_default="0", doc="failing releases since the node's last result"
+    )
+    failures_since: Mapped[dt.datetime | None] = mapped_column(
+        UTCDateTime(), doc="when the streak's first failure was reported"
+    )
+    failing_until: Mapped[dt.datetime | None] = mapped_column(
+        UTCDateTime(), doc="no claims in this pool until then (node_failing)"
+    )
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 

@@ -183,6 +183,8 @@ def membership_out(m: PoolMembership) -> MembershipOut:
         joined_at=m.joined_at,
         activated_at=m.activated_at,
         ended_at=m.ended_at,
+        failure_streak=m.failure_streak or 0,
+        failing_until=m.failing_until,
     )
 
 

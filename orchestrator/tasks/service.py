@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import hashlib
+import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ from orchestrator.core.sql import is_postgres
 from orchestrator.identity.auth import banned_node, unknown_node
 from orchestrator.identity.models import NodeStatus
 from orchestrator.ledger.service import MAX_AMOUNT
-from orchestrator.pools.models import Pool
+from orchestrator.pools.models import Pool, PoolMembership
 from orchestrator.tasks.models import (
     Assignment,
     PolicyVersion,
@@ -82,6 +83,14 @@ RETRY_AFTER_S = {
     "lease_cap_reached": 10,
     "no_policy": 30,
 }
+# A node that reports FAILURE_STREAK leases in a row failed on it in a pool (releases with an
+# error, no result of its own in between) is refused claims there (``node_failing``) for
+# FAILURE_COOLDOWN_S, doubled with each further failure, up to FAILURE_COOLDOWN_MAX_S: a broken
+# backend fails at once and would claim again at once, taking far more than its share of the
+# queue and, with the nodes of max_failures - 1 other providers like it, ending good tasks.
+FAILURE_STREAK = 3
+FAILURE_COOLDOWN_S = 60
+FAILURE_COOLDOWN_MAX_S = 3600
 
 
 # ------------------------------------------------------------------------ policies
@@ -396,8 +405,9 @@ async def end_pool_tasks(session: AsyncSession, pool_id: str, *, now: dt.datetim
 # ------------------------------------------------------------------------ claims
 
 
-def _no_work(reason: str, detail: str) -> ClaimOut:
-    return ClaimOut(leases=[], reason=reason, detail=detail, retry_after_s=RETRY_AFTER_S[reason])
+def _no_work(reason: str, detail: str, *, retry_after_s: int | None = None) -> ClaimOut:
+    wait = RETRY_AFTER_S[reason] if retry_after_s is None else retry_after_s
+    return ClaimOut(leases=[], reason=reason, detail=detail, retry_after_s=wait)
 
 
 @dataclass(frozen=True)
@@ -411,6 +421,7 @@ class ClaimContext:
     max_leases_per_node: int
     lease_duration_s: int
     member_status: str | None
+    failing_until: dt.datetime | None
     policy_step: int | None
     policy_uri: str | None
     policy_sha256: str | None
@@ -427,23 +438,27 @@ _LOCK_SIGNER = text("SELECT 1 FROM nodes WHERE id = :node_id FOR NO KEY UPDATE")
 # node's live leases there. Scalar subqueries keep it to one row on both dialects. A lease past
 # its deadline that the reaper has not ended yet is not counted: its results are refused
 # (``lease_expired``), so it no longer holds a place under the node's cap.
-_CLAIM_CONTEXT = text(
-    """
+_CLAIM_CONTEXT = (
+    text(
+        """
     SELECT n.provider_id, n.ip_address, n.status AS node_status,
            p.status AS pool_status, p.max_leases_per_node, p.lease_duration_s,
-           (SELECT m.status FROM pool_memberships m
-             WHERE m.pool_id = :pool_id AND m.node_id = n.id) AS member_status,
+           m.status AS member_status, m.failing_until,
            pv.step, pv.uri, pv.sha256,
            (SELECT count(*) FROM assignments a
              WHERE a.pool_id = :pool_id AND a.node_id = n.id AND a.status = 'active'
                AND a.lease_expires_at > :now) AS held
       FROM nodes n
       LEFT JOIN pools p ON p.id = :pool_id
+      LEFT JOIN pool_memberships m ON m.pool_id = :pool_id AND m.node_id = n.id
       LEFT JOIN policy_versions pv ON pv.pool_id = p.id
        AND pv.step = (SELECT max(step) FROM policy_versions WHERE pool_id = :pool_id)
      WHERE n.id = :node_id
     """
-).bindparams(bindparam("now", type_=UTCDateTime()))
+    )
+    .bindparams(bindparam("now", type_=UTCDateTime()))
+    .columns(failing_until=UTCDateTime())
+)
 
 
 # The tasks of the pool this node may take: open, with a replica to lease, not past their
@@ -609,6 +624,13 @@ async def claim(
         return _no_work("not_a_member", "this node is not an active member of the pool")
     if ctx.node_status != NodeStatus.healthy:
         return _no_work("node_unhealthy", f"the node is {ctx.node_status}; send a heartbeat first")
+    if ctx.failing_until is not None and ctx.failing_until > now:
+        wait = math.ceil((ctx.failing_until - now).total_seconds())
+        detail = (
+            f"the node gave back its last {FAILURE_STREAK} or more leases here as failed; "
+            f"it may claim again in {wait} s"
+        )
+        return _no_work("node_failing", detail, retry_after_s=wait)
     if ctx.policy_step is None or ctx.policy_uri is None or ctx.policy_sha256 is None:
         return _no_work("no_policy", "no policy version has been published for this pool yet")
     room = min(max_tasks, ctx.max_leases_per_node - int(ctx.held))
@@ -825,7 +847,23 @@ async def release(
     With ``error`` the task failed on the node: it is kept on the lease, and once nodes of the
     pool's ``max_failures`` different providers have said so, the task ends ``failed``
     (``max_failures``) instead of going round every node of the pool. Releasing again changes
-    nothing."""
+    nothing.
+
+    A failure also counts towards the node's streak in the pool (``FAILURE_STREAK``), which may
+    keep it from claiming there for a while (``node_failing``)."""
+    membership = None
+    if error is not None:
+        # The node's membership of the lease's pool before the lease: the lock order of an
+        # ejection or a leave, which lock the membership and then the node's leases.
+        pool_id = await session.scalar(
+            select(Assignment.pool_id).where(Assignment.id == assignment_id, Assignment.node_id == node_id)
+        )
+        if pool_id is not None:
+            membership = await session.scalar(
+                select(PoolMembership)
+                .where(PoolMembership.pool_id == pool_id, PoolMembership.node_id == node_id)
+                .with_for_update()
+            )
     assignment = await _own_assignment(session, node_id, assignment_id)
     if assignment.status != "active":
         return assignment
@@ -841,7 +879,38 @@ async def release(
     await session.flush()
     if error is not None:
         await _fail_if_failing_everywhere(session, assignment.task_id)
+        if membership is not None:
+            await _count_failure(session, membership, now)
     return assignment
+
+
+async def _count_failure(session: AsyncSession, membership: PoolMembership, now: dt.datetime) -> None:
+    """One more failing release by the membership's node: a streak since its last result (in
+    any pool) grows; from ``FAILURE_STREAK`` on, the node may not claim in the pool until
+    ``failing_until``."""
+    last_result = await session.scalar(
+        select(Submission.received_at)
+        .where(Submission.node_id == membership.node_id)
+        .order_by(Submission.id.desc())
+        .limit(1)
+    )
+    since = membership.failures_since
+    if membership.failure_streak == 0 or since is None or (last_result is not None and last_result > since):
+        membership.failure_streak, membership.failures_since = 1, now
+    else:
+        membership.failure_streak += 1
+    beyond = membership.failure_streak - FAILURE_STREAK
+    if beyond >= 0:
+        cooldown = min(FAILURE_COOLDOWN_S * 2 ** min(beyond, 16), FAILURE_COOLDOWN_MAX_S)
+        membership.failing_until = now + dt.timedelta(seconds=cooldown)
+        log.warning(
+            "node_failing",
+            node_id=membership.node_id,
+            pool_id=membership.pool_id,
+            streak=membership.failure_streak,
+            cooldown_s=cooldown,
+        )
+    await session.flush()
 
 
 _FAILED_PROVIDERS = text(
