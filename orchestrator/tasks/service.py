@@ -26,6 +26,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     Row,
+    ScalarSelect,
     Select,
     TextualSelect,
     and_,
@@ -322,16 +323,7 @@ async def cancel_task(
     if task.status in ("cancelled", "completed", "failed"):
         return task
     now = dt.datetime.now(dt.UTC)
-    await session.execute(
-        update(TaskReplica)
-        .where(TaskReplica.task_id == task.id, TaskReplica.status.in_(("available", "leased")))
-        .values(status="cancelled")
-    )
-    await session.execute(
-        update(Assignment)
-        .where(Assignment.task_id == task.id, Assignment.status == "active")
-        .values(status="cancelled", ended_at=now)
-    )
+    await _withdraw(session, [task.id], now=now)
     task.status = "cancelled"
     task.available_replicas = 0
     task.failure_reason = reason
@@ -340,6 +332,23 @@ async def cancel_task(
     await session.flush()
     await verification.settle_abandoned(session, task.id, now=now)
     return task
+
+
+async def _withdraw(
+    session: AsyncSession, task_ids: Sequence[int] | ScalarSelect[int], *, now: dt.datetime
+) -> None:
+    """The tasks end: their replicas not yet answered and their live leases are cancelled (the
+    nodes' heartbeats are told to drop those leases). The caller writes the tasks."""
+    await session.execute(
+        update(TaskReplica)
+        .where(TaskReplica.task_id.in_(task_ids), TaskReplica.status.in_(("available", "leased")))
+        .values(status="cancelled")
+    )
+    await session.execute(
+        update(Assignment)
+        .where(Assignment.task_id.in_(task_ids), Assignment.status == "active")
+        .values(status="cancelled", ended_at=now)
+    )
 
 
 async def fail_task(session: AsyncSession, task: Task, reason: str, *, end_reason: str) -> None:
@@ -365,19 +374,7 @@ async def end_pool_tasks(session: AsyncSession, pool_id: str, *, now: dt.datetim
     if is_postgres(session):
         locked = select(Task.id).where(*still_open).order_by(Task.id).with_for_update()
         ids = list((await session.execute(locked)).scalars())
-    open_ids = select(Task.id).where(*still_open).scalar_subquery()
-    await session.execute(
-        update(TaskReplica)
-        .where(TaskReplica.task_id.in_(open_ids), TaskReplica.status.in_(("available", "leased")))
-        .values(status="cancelled")
-        .execution_options(synchronize_session=False)
-    )
-    await session.execute(
-        update(Assignment)
-        .where(Assignment.pool_id == pool_id, Assignment.task_id.in_(open_ids), Assignment.status == "active")
-        .values(status="cancelled", ended_at=now)
-        .execution_options(synchronize_session=False)
-    )
+    await _withdraw(session, select(Task.id).where(*still_open).scalar_subquery(), now=now)
     await session.execute(
         update(Task)
         .where(*still_open)
