@@ -102,6 +102,15 @@ class LimitSettings(BaseModel):
     registration_per_ip: int = Field(default=60, ge=1, description="Registrations per IP per window.")
     registration_per_key: int = Field(default=20, ge=1, description="Registrations per key per window.")
     registration_window_s: int = Field(default=60, ge=1)
+    signed_per_key: int = Field(
+        default=300,
+        ge=0,
+        description=(
+            "Signed requests per key per window, on every signed route (claims, heartbeats, "
+            "results ...); past it 429 rate_limited with Retry-After. 0 turns the limit off."
+        ),
+    )
+    signed_window_s: int = Field(default=10, ge=1, description="The window of signed_per_key, in seconds.")
 
 
 class HeartbeatSettings(BaseModel):

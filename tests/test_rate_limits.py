@@ -1,8 +1,12 @@
-"""Registration rate limits are counted in the hot store, so they hold across API processes."""
+"""Rate limits are counted in the hot store, so they hold across API processes: registrations per
+address and per key, and every signed request per key."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 from asgi_lifespan import LifespanManager
@@ -10,8 +14,10 @@ from asgi_lifespan import LifespanManager
 from orchestrator.app import create_app
 from orchestrator.core.clock import FakeClock
 from orchestrator.core.hotstore import HotStore, RedisHotStore
+from orchestrator.core.signing import sign_headers
 from orchestrator.settings import LimitSettings, Settings
 from tests.conftest import new_contributor, problem
+from tests.tasks_helpers import pool_setup, task
 
 
 async def test_registration_limit_per_ip_holds_across_two_instances(
@@ -93,3 +99,96 @@ async def test_registration_limit_per_ip_counts_an_ipv6_64_as_one_address(
         assert (await register_from("192.0.2.7")).status_code == 201
         assert (await register_from("::ffff:192.0.2.7")).status_code == 201
         problem(await register_from("192.0.2.7"), 429, "rate_limited")
+
+
+@asynccontextmanager
+async def app_with(
+    settings: Settings, clock: FakeClock, hot_store: HotStore, **limits: Any
+) -> AsyncIterator[Any]:
+    app = create_app(
+        settings.model_copy(update={"limits": LimitSettings(**limits)}), clock=clock, hot_store=hot_store
+    )
+    async with LifespanManager(app):
+        yield app
+
+
+def next_window(clock: FakeClock, window_s: int) -> None:
+    clock.advance(window_s - clock.now() % window_s + 0.5)
+
+
+async def test_signed_requests_are_limited_per_key_and_a_refused_claim_leases_nothing(
+    settings: Settings, clock: FakeClock, hot_store: HotStore
+) -> None:
+    """A worker that ignores Retry-After and loops on claims makes a database transaction of
+    each: past its key's limit it is refused before any, with the window's remaining wait."""
+    async with (
+        app_with(settings, clock, hot_store, signed_per_key=5, signed_window_s=10) as app,
+        pool_setup(app, app.state.orch, workers=2, max_leases_per_node=10) as s,
+    ):
+        await s.enqueue([task(f"q{i}") for i in range(10)])
+        greedy, other = s.workers
+        next_window(clock, 10)
+        for _ in range(5):
+            r = await greedy.claim(s.pool_id)
+            assert r.status_code == 200 and len(r.json()["leases"]) == 1
+        refused = problem(await greedy.claim(s.pool_id), 429, "rate_limited")
+        assert "5 signed requests in 10 s" in refused["detail"]
+        r = await greedy.claim(s.pool_id)
+        assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 10
+        # Another key is counted on its own.
+        assert len((await other.claim(s.pool_id)).json()["leases"]) == 1
+        clock.advance(10)
+        leases = await greedy.client.get("/v1/nodes/me/leases", auth=greedy.contributor.node_auth)
+        assert leases.status_code == 200
+        assert len(leases.json()["leases"]) == 5  # the refused claims leased nothing
+
+
+async def test_a_replayed_request_does_not_spend_its_signers_limit(
+    settings: Settings, clock: FakeClock, hot_store: HotStore
+) -> None:
+    """Whoever captures a signed request can send it again within the signature window; the
+    nonce refuses it, and it must not count, or replays could lock the node out."""
+    async with (
+        app_with(settings, clock, hot_store, signed_per_key=3, signed_window_s=60) as app,
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as client,
+    ):
+        c = new_contributor()
+        await c.register(client)
+        next_window(clock, 60)
+        url = "http://testserver/v1/nodes/me"
+        captured = sign_headers(c.node_key, method="GET", url=url)
+        assert (await client.get("/v1/nodes/me", headers=captured)).status_code == 200
+        for _ in range(5):
+            problem(await client.get("/v1/nodes/me", headers=captured), 401, "nonce_replayed")
+        for _ in range(2):
+            assert (await client.get("/v1/nodes/me", auth=c.node_auth)).status_code == 200
+        problem(await client.get("/v1/nodes/me", auth=c.node_auth), 429, "rate_limited")
+
+
+async def test_the_signed_request_limit_holds_across_two_instances_and_zero_turns_it_off(
+    settings: Settings, clock: FakeClock, hot_store: HotStore
+) -> None:
+    redis_url = os.environ.get("ORCH_TEST_REDIS_URL")
+    second_store = RedisHotStore.from_url(redis_url, settings.redis.prefix) if redis_url else hot_store
+    c = new_contributor()
+    async with (
+        app_with(settings, clock, hot_store, signed_per_key=4, signed_window_s=60) as first,
+        app_with(settings, clock, second_store, signed_per_key=4, signed_window_s=60) as second,
+        app_with(settings, clock, hot_store, signed_per_key=0) as unlimited,
+    ):
+        clients = [
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=a), base_url="http://testserver")
+            for a in (first, second, unlimited)
+        ]
+        await c.register(clients[0])
+        next_window(clock, 60)
+        statuses = [
+            (await clients[i % 2].get("/v1/nodes/me", auth=c.node_auth)).status_code for i in range(5)
+        ]
+        assert statuses == [200, 200, 200, 200, 429]
+        for _ in range(10):
+            assert (await clients[2].get("/v1/nodes/me", auth=c.node_auth)).status_code == 200
+        for client in clients:
+            await client.aclose()
+    if second_store is not hot_store:
+        await second_store.aclose()

@@ -49,6 +49,14 @@ class HotStore(Protocol):
     async def claim_nonce(self, keyid: str, nonce: str, ttl_s: int) -> bool:
         """Atomically remember (keyid, nonce); False if it was already seen."""
 
+    async def admit(
+        self, keyid: str, nonce: str, ttl_s: int, limit: int, window_s: int, now: float
+    ) -> RateDecision | None:
+        """``claim_nonce`` and, when the nonce is new, count one request of ``keyid`` in a
+        fixed window of ``window_s`` (allowed up to ``limit``; 0 counts nothing and allows
+        all), in one step: None if the nonce was already seen. A replay counts nothing, so
+        replaying a captured request cannot spend its signer's limit."""
+
     async def record_beat(self, node_id: str, at: float, metrics: Mapping[str, str], ttl_s: int) -> None:
         """Mark the node healthy as of ``at`` and keep its latest metrics for ``ttl_s``."""
 
@@ -75,6 +83,19 @@ class HotStore(Protocol):
 
     async def aclose(self) -> None: ...
 
+
+# KEYS: the nonce, the key's counter; ARGV: the nonce's TTL, the counter's TTL. -1 for a
+# replayed nonce, else the count in the window.
+_ADMIT = """
+if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
+  return -1
+end
+local n = redis.call('INCR', KEYS[2])
+if n == 1 then
+  redis.call('EXPIRE', KEYS[2], ARGV[2])
+end
+return n
+"""
 
 _MOVE_STALE = """
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[2]))
@@ -118,6 +139,7 @@ class RedisHotStore:
         self._p = prefix
         self._move = client.register_script(_MOVE_STALE)
         self._watch = client.register_script(_WATCH_IF_ABSENT)
+        self._admit = client.register_script(_ADMIT)
 
     @classmethod
     def from_url(
@@ -145,6 +167,16 @@ class RedisHotStore:
 
     async def claim_nonce(self, keyid: str, nonce: str, ttl_s: int) -> bool:
         return bool(await self._r.set(self._k("nonce", keyid, nonce), "1", nx=True, ex=ttl_s))
+
+    async def admit(
+        self, keyid: str, nonce: str, ttl_s: int, limit: int, window_s: int, now: float
+    ) -> RateDecision | None:
+        if limit <= 0:
+            return _UNLIMITED if await self.claim_nonce(keyid, nonce, ttl_s) else None
+        window = int(now // window_s)
+        keys = [self._k("nonce", keyid, nonce), self._k("rl", "key", keyid, str(window))]
+        count = int(await self._admit(keys=keys, args=[ttl_s, window_s + 1]))
+        return None if count < 0 else _decision(count, limit, window, window_s, now)
 
     async def record_beat(self, node_id: str, at: float, metrics: Mapping[str, str], ttl_s: int) -> None:
         hb = self._k("hb", node_id)
@@ -198,6 +230,9 @@ class RedisHotStore:
 
     async def aclose(self) -> None:
         await self._r.aclose()
+
+
+_UNLIMITED = RateDecision(allowed=True, remaining=0, retry_after_s=0)
 
 
 def _decision(count: int, limit: int, window: int, window_s: int, now: float) -> RateDecision:
@@ -307,6 +342,15 @@ class MemoryHotStore:
             return False
         self._nonces.add(key, None, now + ttl_s, now)
         return True
+
+    async def admit(
+        self, keyid: str, nonce: str, ttl_s: int, limit: int, window_s: int, now: float
+    ) -> RateDecision | None:
+        if not await self.claim_nonce(keyid, nonce, ttl_s):
+            return None
+        if limit <= 0:
+            return _UNLIMITED
+        return await self.hit(f"key:{keyid}", limit, window_s, now)
 
     async def record_beat(self, node_id: str, at: float, metrics: Mapping[str, str], ttl_s: int) -> None:
         self._stages[HEALTHY].add(node_id, at)

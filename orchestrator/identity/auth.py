@@ -1,8 +1,9 @@
 """Contributor authentication: RFC 9421 signed requests, resolved to a provider or node.
 
-``signed_request`` checks the signature (``orchestrator.core.signing``) and claims the
-nonce in the hot store; ``current_node`` and ``current_provider`` then load the signer,
-so a handler can only ever act as the identity that signed.
+``signed_request`` checks the signature (``orchestrator.core.signing``), claims the nonce in
+the hot store and counts the request toward its key's rate limit (one round trip);
+``current_node`` and ``current_provider`` then load the signer, so a handler can only ever
+act as the identity that signed.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from fastapi import Depends, Request, Security
 from fastapi.security import APIKeyHeader
 from sqlalchemy import bindparam, select
 
-from orchestrator.core.errors import BadRequest, Forbidden, Unauthorized
+from orchestrator.core.errors import BadRequest, Forbidden, RateLimited, Unauthorized
 from orchestrator.core.signing import SignedRequest, target_uri, verify_request
 from orchestrator.core.state import Session, State
 from orchestrator.identity import repository as repo
@@ -58,13 +59,26 @@ async def signed_request(
         now=state.clock.now(),
         window_s=state.settings.signature.window_s,
     )
-    if not await state.hot_store.claim_nonce(
-        signed.keyid, signed.nonce, state.settings.signature.effective_nonce_ttl_s
-    ):
+    limits = state.settings.limits
+    decision = await state.hot_store.admit(
+        signed.keyid,
+        signed.nonce,
+        state.settings.signature.effective_nonce_ttl_s,
+        limits.signed_per_key,
+        limits.signed_window_s,
+        state.clock.now(),
+    )
+    if decision is None:
         raise Unauthorized(
             "this nonce was already used with this key",
             code="nonce_replayed",
             title="Request signature refused",
+        )
+    if not decision.allowed:
+        raise RateLimited(
+            f"more than {limits.signed_per_key} signed requests in {limits.signed_window_s} s "
+            "with this key (ORCH_LIMITS__SIGNED_PER_KEY)",
+            retry_after=decision.retry_after_s,
         )
     structlog.contextvars.bind_contextvars(keyid=signed.keyid)
     return signed
