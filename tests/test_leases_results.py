@@ -173,6 +173,61 @@ async def test_a_released_lease_is_reissued_at_once(app: Any, app_state: Any) ->
         problem(await s.workers[0].submit(lease), 409, "lease_expired")
 
 
+async def test_a_node_gets_back_the_replica_it_gave_back_with_the_same_seed(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A worker that stops gives its leases back; started again, it takes them back (with the
+    same seed, so there is nothing to shop for). Before, a node never got back a task it had
+    held: in a one-node pool a restart stranded the task for ever. An expired lease (an
+    attempt) and a failure are still never taken back."""
+    async with pool_setup(app, app_state, workers=1, lease_duration_s=60, max_failures=5) as s:
+        w = s.workers[0]
+        await s.enqueue([task("given back"), task("expired"), task("failed")])
+        [lease] = (await w.claim(s.pool_id)).json()["leases"]
+        assert lease["task"]["prompt"] == "given back"
+        assert (await w.release(lease)).status_code == 200
+        [again] = (await w.claim(s.pool_id)).json()["leases"]
+        assert again["task"]["task_id"] == lease["task"]["task_id"]
+        assert again["seed"] == lease["seed"] and again["fencing_token"] == lease["fencing_token"] + 1
+        problem(await w.submit(lease), 409, "lease_expired")  # the old lease stays fenced off
+        assert (await w.submit(again)).status_code == 201
+
+        [expiring] = (await w.claim(s.pool_id)).json()["leases"]
+        assert expiring["task"]["prompt"] == "expired"
+        clock.advance(61)
+        await w.beat()
+        assert (await reap_once(app_state)).expired == 1
+        [failing] = (await w.claim(s.pool_id)).json()["leases"]
+        assert failing["task"]["prompt"] == "failed"
+        assert (await w.release(failing, error="engine crashed")).status_code == 200
+        r = await w.claim(s.pool_id)
+        assert (r.json()["leases"], r.json()["reason"]) == ([], "no_tasks")
+        other = await s.add_worker()
+        taken = (await other.claim(s.pool_id, max_tasks=2)).json()["leases"]
+        assert sorted(x["task"]["prompt"] for x in taken) == ["expired", "failed"]
+
+
+async def test_a_node_never_takes_another_replica_of_a_task_it_gave_back(app: Any, app_state: Any) -> None:
+    """Taking back the replica it gave back is allowed because its seed is the same; another
+    replica of the task has another seed, and a node that could take it could try seeds until
+    one suited it."""
+    async with pool_setup(app, app_state, workers=3, replication_factor=2) as s:
+        a, b, c = s.workers
+        await s.enqueue([task("first"), task("next")])
+        [first] = (await a.claim(s.pool_id)).json()["leases"]
+        [second] = (await c.claim(s.pool_id)).json()["leases"]
+        assert first["task"]["prompt"] == second["task"]["prompt"] == "first"
+        assert (await a.release(first)).status_code == 200
+        [taken] = (await b.claim(s.pool_id)).json()["leases"]
+        assert taken["seed"] == first["seed"]  # b has a's replica now
+        assert (await c.release(second)).status_code == 200  # the other replica is free
+        # a is passed over for that task, and gets the next one (not an empty claim).
+        [instead] = (await a.claim(s.pool_id)).json()["leases"]
+        assert instead["task"]["prompt"] == "next"
+        [back] = (await c.claim(s.pool_id)).json()["leases"]
+        assert back["task"]["prompt"] == "first" and back["seed"] == second["seed"]
+
+
 async def test_a_task_that_fails_on_the_nodes_of_max_failures_providers_ends_failed(
     app: Any, app_state: Any
 ) -> None:

@@ -20,7 +20,7 @@ from orchestrator.worker.backends import ArithmeticBackend, BackendError, regist
 from orchestrator.worker.client import WorkerClient
 from orchestrator.worker.problems import arithmetic_tasks
 from orchestrator.worker.runner import WorkerConfig, WorkerStats, run_worker
-from tests.tasks_helpers import pool_setup
+from tests.tasks_helpers import pool_setup, task
 from tests.worker_helpers import BASE_URL, ECON, SPECS, FaultyTransport, app_transport, requested
 
 pytestmark = pytest.mark.usefixtures("no_audits")
@@ -334,7 +334,7 @@ async def test_a_restarted_worker_takes_up_the_leases_its_previous_run_left(app:
             assert len((await killed.claim(s.pool_id, max_tasks=2)).leases) == 2
         run = start(app, s.pool_id, node_key=node_key, provider_key=provider_key, concurrency=1, max_tasks=2)
         stats = await asyncio.wait_for(run.task, 20)
-        # The one taken up, then the third task (a node never gets back a task it gave back).
+        # The one taken up, then one more: the one given back (free again) or the third.
         assert (stats.recovered, stats.released, stats.claimed, stats.submitted) == (1, 1, 2, 2)
         assert len((await s.workers[0].claim(s.pool_id)).json()["leases"]) == 1  # the one given back
 
@@ -383,6 +383,41 @@ async def test_a_refused_submission_releases_the_lease_at_once(
         gate.set()
         stats = await asyncio.wait_for(run.task, 10)
         assert (stats.tasks_done, stats.submitted, stats.errors, stats.released) == (1, 0, 1, 1)
+        other = s.workers[0]
+        assert len((await other.claim(s.pool_id)).json()["leases"]) == 1
+
+
+class VerboseBackend(ArithmeticBackend):
+    """Three samples of 3.5 MB: each within a sample's limit, together past the server's 10 MB
+    limit on a result body (413)."""
+
+    name = "verbose"
+
+    async def generate(self, task: LeasedTask, seed: int, policy: PolicyRef) -> list[Sample]:
+        sample = Sample(
+            completion="x" * 3_500_000, finish_reason="length", prompt_tokens=1, completion_tokens=1
+        )
+        return [sample] * task.sampling.n
+
+
+async def test_a_result_refused_for_what_it_is_is_given_back_as_a_failure(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same lease taken back would give the same result, refused again: the release says
+    why, so the task counts a failure and the node does not take it back (a stale policy is
+    not such a refusal: taken back, the task comes with the current one)."""
+    monkeypatch.setitem(registry.BUILT_IN, "verbose", lambda options: VerboseBackend())
+    async with pool_setup(app, app_state, workers=1) as s:
+        task_id = (await s.enqueue([task("long", n=3)])).json()["first_task_id"]
+        run = start(app, s.pool_id, backend="verbose", concurrency=1, max_tasks=1)
+        stats = await asyncio.wait_for(run.task, 20)
+        assert (stats.claimed, stats.submitted, stats.errors, stats.released) == (1, 0, 1, 1)
+        view = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)
+        [assignment] = view.json()["assignments"]
+        assert (assignment["status"], assignment["error"]) == (
+            "released",
+            "result refused: 413 payload_too_large",
+        )
         other = s.workers[0]
         assert len((await other.claim(s.pool_id)).json()["leases"]) == 1
 

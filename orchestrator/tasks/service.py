@@ -459,15 +459,22 @@ _CLAIM_CONTEXT = (
 
 
 # The tasks of the pool this node may take: open, with a replica to lease, not past their
-# deadline, and no replica of the task with this node ever, none live or submitted with its
-# provider or IP.
+# deadline, none of its replicas live or submitted with this node's provider or IP, and none
+# ever with this node, but for a lease it gave back without an error (a worker stopped, say)
+# of the very replica it would get now. That one has the same seed, so taking it back shops for
+# nothing, and a small pool's tasks are not stranded by a worker's restart. An expired lease
+# (an attempt) or a failure is never taken back.
 _MAY_TAKE = """
        t.pool_id = :pool_id AND t.status = 'open' AND t.available_replicas > 0
    AND (t.deadline_at IS NULL OR t.deadline_at > :now)
    AND NOT EXISTS (
      SELECT 1 FROM assignments a
       WHERE a.task_id = t.id
-        AND (a.node_id = :node_id
+        AND ((a.node_id = :node_id
+              AND (a.status <> 'released' OR a.error IS NOT NULL
+                   OR a.replica_id <> COALESCE((SELECT r0.id FROM task_replicas r0
+                                                 WHERE r0.task_id = t.id AND r0.status = 'available'
+                                                 ORDER BY r0.replica_index LIMIT 1), 0)))
              OR (a.status IN ('active', 'submitted')
                  AND (a.provider_id = :provider_id OR {ip_match}))))
 """

@@ -479,8 +479,13 @@ class _Worker:
                 if exc.status not in FATAL_STATUSES:
                     # The server answered without recording the result (or, after a 5xx, had
                     # recorded it, and then a release changes nothing): give the lease back at
-                    # once rather than let it expire.
-                    await self._release(aid)
+                    # once rather than let it expire. Unless the policy moved on (the task taken
+                    # again comes with the current one), the same result would be refused again:
+                    # the release says so, as a failure, and this node does not take it back.
+                    stale = exc.code == "policy_stale"
+                    await self._release(
+                        aid, error=None if stale else f"result refused: {exc.status} {exc.code}"
+                    )
             return
         except httpx.HTTPError as exc:
             self.stats.tasks_done += 1
