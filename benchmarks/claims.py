@@ -258,7 +258,9 @@ async def main() -> None:
     )
     args = parser.parse_args()
     # Each poller registers from its own address (X-Forwarded-For), as in the harness.
-    extra_env = {"ORCH_SERVER__TRUST_PROXY_HEADERS": "true"}
+    # A poller cycles far faster than a real node: the per-key limit is still counted (the same
+    # Redis script as in production), only set out of reach.
+    extra_env = {"ORCH_SERVER__TRUST_PROXY_HEADERS": "true", "ORCH_LIMITS__SIGNED_PER_KEY": "1000000000"}
     extra_env.update(item.split("=", 1) for item in args.server_env)
 
     database = args.database.rsplit("/", 1)[1]

@@ -259,6 +259,9 @@ class Bench:
         extra = {
             "ORCH_SERVER__TRUST_PROXY_HEADERS": "true",  # each simulated node has its own address
             "ORCH_HEARTBEAT__INTERVAL_S": "3600",  # bulk nodes stay healthy for the whole run
+            # A simulated node sends far more than a real one; the limit is still counted
+            # (the same Redis script), only set out of reach.
+            "ORCH_LIMITS__SIGNED_PER_KEY": "1000000000",
             # A fixed pool, shared out over the workers: overflow connections are closed on
             # return, so a pool smaller than the load opens a connection per request.
             "ORCH_DB__POOL_SIZE": str(max(5, args.db_pool // args.workers)),
