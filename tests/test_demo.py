@@ -32,6 +32,9 @@ async def test_the_demo_catches_every_cheater_and_pays_only_honest_work(database
     assert kinds["forger"]["ejected"] == 1 and kinds["forger"]["slashed"] > 0
     assert kinds["copier"]["slashed"] > 0
     assert kinds["lazy"]["rewards"] == 0 and kinds["lazy"]["slashed"] == 0  # soft: not paid, not slashed
+    # The spoofer's two tricks are both refused: signing as another node, and answering a lease
+    # another node holds (the squatter's, which stay live unanswered).
+    assert {"signature_invalid", "assignment_not_found"} <= set(kinds["spoofer"]["refused"]), kinds["spoofer"]
     assert summary["tasks"].get("completed", 0) == summary["tasks"]["total"]
     feed = summary["trainer_feed"]
     assert feed["rollouts"] == summary["accepted"] > 0

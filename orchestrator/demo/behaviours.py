@@ -201,6 +201,10 @@ class Worker:
         await self.client.heartbeat()  # stays healthy, but never mentions its leases
         out = await self.client.claim(self.pool_id, max_tasks=2)
         self.log.claimed += len(out.leases)
+        # Leases held unanswered are what the spoofer overhears and answers: the other workers
+        # submit theirs before yielding, so without these it would never find one to try.
+        for lease in out.leases:
+            self.board.live_leases[lease.assignment_id] = self.client.node_id
         await asyncio.sleep(TRICK_PAUSE_S)
         return bool(out.leases)  # and never answers
 
