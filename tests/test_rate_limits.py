@@ -9,6 +9,8 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+import structlog
+import structlog.testing
 from asgi_lifespan import LifespanManager
 
 from orchestrator.app import create_app
@@ -105,9 +107,9 @@ async def test_registration_limit_per_ip_counts_an_ipv6_64_as_one_address(
 async def app_with(
     settings: Settings, clock: FakeClock, hot_store: HotStore, **limits: Any
 ) -> AsyncIterator[Any]:
-    app = create_app(
-        settings.model_copy(update={"limits": LimitSettings(**limits)}), clock=clock, hot_store=hot_store
-    )
+    # INFO: the request lines are logged (and captured where a test asks).
+    changed = settings.model_copy(update={"limits": LimitSettings(**limits), "log_level": "INFO"})
+    app = create_app(changed, clock=clock, hot_store=hot_store)
     async with LifespanManager(app):
         yield app
 
@@ -131,8 +133,12 @@ async def test_signed_requests_are_limited_per_key_and_a_refused_claim_leases_no
         for _ in range(5):
             r = await greedy.claim(s.pool_id)
             assert r.status_code == 200 and len(r.json()["leases"]) == 1
-        refused = problem(await greedy.claim(s.pool_id), 429, "rate_limited")
+        with structlog.testing.capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+            refused = problem(await greedy.claim(s.pool_id), 429, "rate_limited")
         assert "5 signed requests in 10 s" in refused["detail"]
+        # The operator's log line of the refusal names the key that is over its limit.
+        [line] = [x for x in logs if x["event"] == "request"]
+        assert (line["status"], line["keyid"]) == (429, greedy.node_id)
         r = await greedy.claim(s.pool_id)
         assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 10
         # Another key is counted on its own.

@@ -59,6 +59,8 @@ async def signed_request(
         now=state.clock.now(),
         window_s=state.settings.signature.window_s,
     )
+    # The signature holds: the request's log line names its key, a refusal's below included.
+    structlog.contextvars.bind_contextvars(keyid=signed.keyid)
     limits = state.settings.limits
     decision = await state.hot_store.admit(
         signed.keyid,
@@ -80,7 +82,6 @@ async def signed_request(
             "with this key (ORCH_LIMITS__SIGNED_PER_KEY)",
             retry_after=decision.retry_after_s,
         )
-    structlog.contextvars.bind_contextvars(keyid=signed.keyid)
     return signed
 
 
