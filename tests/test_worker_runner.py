@@ -553,6 +553,59 @@ async def test_a_stop_during_an_outage_gives_a_submission_the_grace_period_only(
         assert (stats.tasks_done, stats.submitted, stats.errors, stats.state) == (1, 0, 1, "stopped")
 
 
+@dataclass
+class ResultsAnswered(httpx.AsyncBaseTransport):
+    """Forwards to ``inner``; while ``status`` is set, every result submission is answered with
+    that status (a server restarting, a proxy with none behind it, a server bug), unrecorded."""
+
+    inner: httpx.AsyncBaseTransport
+    status: int | None = None
+    refused: int = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.status is not None and request.url.path.endswith("/result"):
+            self.refused += 1
+            code = {429: "rate_limited", 500: "internal_error", 503: "not_ready"}[self.status]
+            body = {"type": f"/problems/{code}", "title": code, "status": self.status, "code": code}
+            headers = {"content-type": "application/problem+json", "Retry-After": "1"}
+            return httpx.Response(self.status, json=body, headers=headers)
+        return await self.inner.handle_async_request(request)
+
+
+@pytest.mark.parametrize("status", [429, 503, 500])
+async def test_a_result_the_server_did_not_take_is_not_given_back_as_a_failure(
+    app: Any, app_state: Any, gate: asyncio.Event, monkeypatch: pytest.MonkeyPatch, status: int
+) -> None:
+    """A result unanswered for its content (429 or 503 until a stop's grace period ended, a 500)
+    says nothing of the task or the node: given back as a failure, it would count towards the
+    task's max_failures and the node's failing streak (a server outage failing tasks)."""
+    monkeypatch.setattr(WorkerClient, "backoff_base_s", 0.001)
+    async with pool_setup(app, app_state, max_failures=1) as s:
+        task_id = (await s.enqueue([task("unanswered")])).json()["first_task_id"]
+        wire = ResultsAnswered(app_transport(app), status=status)
+        run = start(
+            app,
+            s.pool_id,
+            transport=wire,
+            backend="gated",
+            max_retries=1,
+            max_error_backoff_s=0.01,
+            grace_s=0.3,
+        )
+        await run.until(lambda st: st.in_flight == 1)
+        gate.set()
+        for _ in range(500):
+            if wire.refused >= 2:
+                break
+            await asyncio.sleep(0.01)
+        stats = await run.finish(within=10)
+        assert (stats.submitted, stats.released) == (0, 1)
+        view = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)
+        [assignment] = view.json()["assignments"]
+        assert (assignment["status"], assignment["error"]) == ("released", None)
+        assert view.json()["status"] == "open"  # not failed (max_failures=1)
+
+
 async def test_a_claim_refused_for_the_lease_cap_is_made_again_as_soon_as_a_lease_ends(
     app: Any, app_state: Any, gate: asyncio.Event, monkeypatch: pytest.MonkeyPatch
 ) -> None:

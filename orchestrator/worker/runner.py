@@ -479,12 +479,18 @@ class _Worker:
                 if exc.status not in FATAL_STATUSES:
                     # The server answered without recording the result (or, after a 5xx, had
                     # recorded it, and then a release changes nothing): give the lease back at
-                    # once rather than let it expire. Unless the policy moved on (the task taken
-                    # again comes with the current one), the same result would be refused again:
-                    # the release says so, as a failure, and this node does not take it back.
-                    stale = exc.code == "policy_stale"
+                    # once rather than let it expire. A result refused for what it is (a 4xx,
+                    # but for a stale policy: the task taken again comes with the current one)
+                    # would be refused again: the release says so, as a failure, and this node
+                    # does not take it back. A 429 or 5xx (a stop during an outage, a server
+                    # bug) says nothing of the task or the node: no failure is counted.
+                    for_content = (
+                        exc.status < 500
+                        and exc.status not in NOT_REACHED_STATUSES
+                        and exc.code != "policy_stale"
+                    )
                     await self._release(
-                        aid, error=None if stale else f"result refused: {exc.status} {exc.code}"
+                        aid, error=f"result refused: {exc.status} {exc.code}" if for_content else None
                     )
             return
         except httpx.HTTPError as exc:
