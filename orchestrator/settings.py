@@ -106,11 +106,22 @@ class LimitSettings(BaseModel):
         default=300,
         ge=0,
         description=(
-            "Signed requests per key per window, on every signed route (claims, heartbeats, "
-            "results ...); past it 429 rate_limited with Retry-After. 0 turns the limit off."
+            "Requests signed by a node key (one per machine: claims, heartbeats, results ...) per "
+            "key per window; past it 429 rate_limited with Retry-After. 0 turns the limit off."
         ),
     )
-    signed_window_s: int = Field(default=10, ge=1, description="The window of signed_per_key, in seconds.")
+    signed_per_provider_key: int = Field(
+        default=3000,
+        ge=0,
+        description=(
+            "Requests signed by a provider key (its registration, balance, verdicts, withdrawals) "
+            "per key per window. Every machine of a provider signs these with the same key: a "
+            "worker run with the provider key reads twice per stats interval (5 s). 0: no limit."
+        ),
+    )
+    signed_window_s: int = Field(
+        default=10, ge=1, description="The window of signed_per_key and signed_per_provider_key, in seconds."
+    )
 
 
 class HeartbeatSettings(BaseModel):

@@ -16,6 +16,7 @@ from asgi_lifespan import LifespanManager
 from orchestrator.app import create_app
 from orchestrator.core.clock import FakeClock
 from orchestrator.core.hotstore import HotStore, RedisHotStore
+from orchestrator.core.keys import attest_node, generate_key
 from orchestrator.core.signing import sign_headers
 from orchestrator.settings import LimitSettings, Settings
 from tests.conftest import new_contributor, problem
@@ -58,7 +59,12 @@ async def test_registration_limit_per_ip_holds_across_two_instances(
         await second_store.aclose()
 
 
-async def test_registration_limit_per_key(settings: Settings, clock: FakeClock, hot_store: HotStore) -> None:
+async def test_registration_limit_per_key_counts_attempts_to_register_a_new_key_only(
+    settings: Settings, clock: FakeClock, hot_store: HotStore
+) -> None:
+    """Every machine of a provider registers the provider's key when its worker starts: that is
+    idempotent and not a registration to limit (a farm of machines starting at once was refused
+    429). Attempts to register a key that is not registered yet, failed ones included, are."""
     limited = settings.model_copy(
         update={"limits": LimitSettings(registration_per_key=2, registration_window_s=60)}
     )
@@ -70,10 +76,19 @@ async def test_registration_limit_per_key(settings: Settings, clock: FakeClock, 
         httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as client,
     ):
         assert (await client.post("/v1/providers", json={}, auth=c.provider_auth)).status_code == 201
-        assert (await client.post("/v1/providers", json={}, auth=c.provider_auth)).status_code == 200
-        problem(await client.post("/v1/providers", json={}, auth=c.provider_auth), 429, "rate_limited")
-        other = new_contributor()
-        assert (await client.post("/v1/providers", json={}, auth=other.provider_auth)).status_code == 201
+        for _ in range(5):
+            assert (await client.post("/v1/providers", json={}, auth=c.provider_auth)).status_code == 200
+        forged = c.node_body(attestation=attest_node(generate_key(), c.node_id))
+        for _ in range(2):
+            problem(await client.post("/v1/nodes", json=forged, auth=c.node_auth), 403, "attestation_invalid")
+        problem(await client.post("/v1/nodes", json=forged, auth=c.node_auth), 429, "rate_limited")
+        other = new_contributor(c.provider_key)
+        assert (
+            await client.post("/v1/nodes", json=other.node_body(), auth=other.node_auth)
+        ).status_code == 201
+        for _ in range(3):
+            r = await client.post("/v1/nodes", json=other.node_body(), auth=other.node_auth)
+            assert r.status_code == 200
 
 
 async def test_registration_limit_per_ip_counts_an_ipv6_64_as_one_address(
@@ -198,3 +213,34 @@ async def test_the_signed_request_limit_holds_across_two_instances_and_zero_turn
             await client.aclose()
     if second_store is not hot_store:
         await second_store.aclose()
+
+
+async def test_a_providers_machines_share_its_key_within_a_budget_of_their_own(
+    settings: Settings, clock: FakeClock, hot_store: HotStore
+) -> None:
+    """Every machine of a provider signs with its key (each worker reads the balance and the
+    verdicts with it): a node key's limit would lock out a provider of some hundred machines,
+    and with it every worker's start. Provider-signed requests have their own budget."""
+    async with (
+        app_with(
+            settings, clock, hot_store, signed_per_key=3, signed_per_provider_key=12, signed_window_s=60
+        ) as app,
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as client,
+    ):
+        next_window(clock, 60)
+        provider = generate_key()
+        machines = [new_contributor(provider) for _ in range(4)]
+        for machine in machines:  # 4 provider registrations, 1 node registration each
+            await machine.register(client)
+        for machine in machines:  # 8 reads: past a node key's 3, within the provider's 12
+            for path in ("/v1/providers/me/balance", "/v1/providers/me/verdicts"):
+                assert (await client.get(path, auth=machine.provider_auth)).status_code == 200
+        refused = problem(
+            await client.get("/v1/providers/me/balance", auth=machines[0].provider_auth), 429, "rate_limited"
+        )
+        assert "ORCH_LIMITS__SIGNED_PER_PROVIDER_KEY" in refused["detail"]
+        # Each node key has its own budget, untouched by the provider's.
+        for _ in range(2):
+            assert (await client.get("/v1/nodes/me", auth=machines[0].node_auth)).status_code == 200
+        refused = problem(await client.get("/v1/nodes/me", auth=machines[0].node_auth), 429, "rate_limited")
+        assert "ORCH_LIMITS__SIGNED_PER_KEY" in refused["detail"]

@@ -37,9 +37,9 @@ signature_scheme = APIKeyHeader(
 )
 
 
-async def signed_request(
-    request: Request, state: State, _scheme: Annotated[str | None, Security(signature_scheme)] = None
-) -> SignedRequest:
+async def _verified(request: Request, state: State, *, limit: int, budget: str) -> SignedRequest:
+    """Check the signature, claim the nonce and count the request toward its key's ``limit``
+    (the settings field named ``budget``)."""
     body = await request.body()
     host = request.headers.get("host") or (
         f"{request.url.hostname}:{request.url.port}" if request.url.port else str(request.url.hostname)
@@ -61,13 +61,13 @@ async def signed_request(
     )
     # The signature holds: the request's log line names its key, a refusal's below included.
     structlog.contextvars.bind_contextvars(keyid=signed.keyid)
-    limits = state.settings.limits
+    window_s = state.settings.limits.signed_window_s
     decision = await state.hot_store.admit(
         signed.keyid,
         signed.nonce,
         state.settings.signature.effective_nonce_ttl_s,
-        limits.signed_per_key,
-        limits.signed_window_s,
+        limit,
+        window_s,
         state.clock.now(),
     )
     if decision is None:
@@ -78,14 +78,33 @@ async def signed_request(
         )
     if not decision.allowed:
         raise RateLimited(
-            f"more than {limits.signed_per_key} signed requests in {limits.signed_window_s} s "
-            "with this key (ORCH_LIMITS__SIGNED_PER_KEY)",
+            f"more than {limit} signed requests in {window_s} s with this key "
+            f"(ORCH_LIMITS__{budget.upper()})",
             retry_after=decision.retry_after_s,
         )
     return signed
 
 
+async def signed_request(
+    request: Request, state: State, _scheme: Annotated[str | None, Security(signature_scheme)] = None
+) -> SignedRequest:
+    """A request signed by a node key (one per machine): ``limits.signed_per_key``."""
+    return await _verified(
+        request, state, limit=state.settings.limits.signed_per_key, budget="signed_per_key"
+    )
+
+
+async def provider_signed_request(
+    request: Request, state: State, _scheme: Annotated[str | None, Security(signature_scheme)] = None
+) -> SignedRequest:
+    """A request signed by a provider key, which every machine of the provider shares (each
+    worker reads its balance and verdicts with it): ``limits.signed_per_provider_key``."""
+    limit = state.settings.limits.signed_per_provider_key
+    return await _verified(request, state, limit=limit, budget="signed_per_provider_key")
+
+
 Signed = Annotated[SignedRequest, Depends(signed_request)]
+ProviderSigned = Annotated[SignedRequest, Depends(provider_signed_request)]
 
 
 def unknown_node() -> Unauthorized:
@@ -134,7 +153,7 @@ async def signed_node(signed: Signed, state: State) -> NodeRef:
     return NodeRef(signed.keyid, row.provider_id, row.ip_address, row.status)
 
 
-async def current_provider(signed: Signed, session: Session) -> Provider:
+async def current_provider(signed: ProviderSigned, session: Session) -> Provider:
     provider = await repo.get_provider(session, signed.keyid)
     if provider is None:
         raise Unauthorized(

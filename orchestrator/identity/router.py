@@ -8,14 +8,20 @@ from api_schemas.common import PROBLEM_RESPONSES
 from api_schemas.identity import NodeOut, NodeRegister, ProviderOut, ProviderRegister
 from orchestrator.core import ratelimit
 from orchestrator.core.state import Session, State
+from orchestrator.identity import repository as repo
 from orchestrator.identity import service
-from orchestrator.identity.auth import CurrentNode, Signed, client_ip
+from orchestrator.identity.auth import CurrentNode, ProviderSigned, Signed, client_ip
 
 router = APIRouter(prefix="/v1", tags=["contributors"], responses=PROBLEM_RESPONSES)
 
 
-async def _limit_registration(state: State, request: Request, keyid: str) -> None:
-    """Per address (an IPv6 /64 counts as one, as for the pools' per-IP rules) and per key."""
+async def _limit_registration(state: State, request: Request, keyid: str, *, registered: bool) -> None:
+    """Per address (an IPv6 /64 counts as one, as for the pools' per-IP rules) and per key,
+    for keys not registered yet (attempts that fail included). Registering a key again is
+    idempotent and counts only toward its signed-request limit: every machine of a provider
+    registers the provider's key when its worker starts."""
+    if registered:
+        return
     limits = state.settings.limits
     await ratelimit.enforce(
         state,
@@ -40,13 +46,14 @@ async def _limit_registration(state: State, request: Request, keyid: str) -> Non
 )
 async def register_provider(
     body: ProviderRegister,
-    signed: Signed,
+    signed: ProviderSigned,
     request: Request,
     response: Response,
     session: Session,
     state: State,
 ) -> ProviderOut:
-    await _limit_registration(state, request, signed.keyid)
+    registered = await repo.get_provider(session, signed.keyid) is not None
+    await _limit_registration(state, request, signed.keyid, registered=registered)
     provider, created = await service.register_provider(
         session, signed.keyid, body.display_name, client_ip(request)
     )
@@ -65,7 +72,8 @@ async def register_provider(
 async def register_node(
     body: NodeRegister, signed: Signed, request: Request, response: Response, session: Session, state: State
 ) -> NodeOut:
-    await _limit_registration(state, request, signed.keyid)
+    registered = await repo.get_node(session, signed.keyid) is not None
+    await _limit_registration(state, request, signed.keyid, registered=registered)
     node, created = await service.register_node(session, signed.keyid, body, client_ip(request))
     if not created:
         response.status_code = 200
