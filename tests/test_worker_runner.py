@@ -6,7 +6,7 @@ import asyncio
 import datetime as dt
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -621,6 +621,45 @@ async def test_a_claim_refused_for_the_lease_cap_is_made_again_as_soon_as_a_leas
         await run.until(lambda st: st.submitted == 3)
         stats = await run.finish()
         assert (stats.claimed, stats.submitted, stats.errors) == (3, 3, 0)
+
+
+@dataclass
+class HeldCapAnswer(FaultyTransport):
+    """Runs ``hold`` once, before a claim's ``lease_cap_reached`` answer reaches the worker."""
+
+    hold: Callable[[], Awaitable[None]] | None = None
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await super().handle_async_request(request)
+        if self.hold is not None and b"lease_cap_reached" in response.content:
+            hold, self.hold = self.hold, None
+            await hold()
+        return response
+
+
+async def test_a_lease_that_ends_while_a_claim_refused_for_the_cap_is_away_makes_room_at_once(
+    app: Any, app_state: Any, gate: asyncio.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refusal was made while the lease held the cap, and it arrives once the lease has
+    ended: the worker, holding nothing, used to sleep out the whole Retry-After (a flaky test
+    found it)."""
+    from orchestrator.tasks import service as tasks_service
+
+    monkeypatch.setitem(tasks_service.RETRY_AFTER_S, "lease_cap_reached", 3600)
+    async with pool_setup(app, app_state, max_leases_per_node=1) as s:
+        await s.enqueue(arithmetic_tasks(2, seed=5))
+        wire = HeldCapAnswer(app_transport(app))
+        run = start(app, s.pool_id, transport=wire, backend="gated", concurrency=2)
+
+        async def lease_ends() -> None:
+            gate.set()
+            await run.until(lambda st: st.submitted == 1 and st.in_flight == 0)
+
+        wire.hold = lease_ends
+        await run.until(lambda st: st.submitted == 2, within=10)
+        stats = await run.finish()
+        assert (stats.claimed, stats.submitted, stats.errors) == (2, 2, 0)
+        assert wire.hold is None  # the refusal did arrive after the lease ended
 
 
 async def test_results_awaiting_a_verdict_are_counted_while_verdicts_cannot_be_read(

@@ -237,6 +237,8 @@ class _Worker:
         #: Ask the server for the node's live leases before the next claim: at the start (a
         #: previous run's), and after a claim that failed (its answer may have been lost).
         self.recover = True
+        #: Leases in flight that have ended, ever: a claim compares it across its round trip.
+        self.ended = 0
 
     # ------------------------------------------------------------------ top level
 
@@ -303,6 +305,7 @@ class _Worker:
             want = min(free, CLAIM_MAX_TASKS)
             if c.max_tasks is not None:
                 want = min(want, c.max_tasks - self.stats.claimed)
+            ended_before = self.ended
             try:
                 claim = await self._claim(want)
                 if claim is None:  # stopped, the claim abandoned
@@ -339,6 +342,8 @@ class _Worker:
                     beat = await self._beat()
                     if beat is not None and beat.status == "healthy":
                         continue
+                if claim.reason == "lease_cap_reached" and self.ended != ended_before:
+                    continue  # one of its leases ended while the claim was away: room now
                 if claim.reason == "lease_cap_reached" and self.running:
                     # The cap counts this node's own leases: one of them ending makes room
                     # before the Retry-After has passed.
@@ -552,6 +557,7 @@ class _Worker:
 
     def _forget(self, assignment_id: str, _task: asyncio.Task[None]) -> None:
         self.running.pop(assignment_id, None)
+        self.ended += 1
         self.submitting.discard(assignment_id)
         self._emit()
 
