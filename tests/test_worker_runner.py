@@ -662,6 +662,40 @@ async def test_a_lease_that_ends_while_a_claim_refused_for_the_cap_is_away_makes
         assert wire.hold is None  # the refusal did arrive after the lease ended
 
 
+async def test_a_machine_finds_its_verdicts_among_its_providers_other_machines(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every machine of a provider reads verdicts with the provider's key. The worker read the
+    provider's newest few hundred and looked for its own among them: once the provider's other
+    machines had made that many since, it never saw its own verdicts (accepted stayed 0, and
+    "awaiting verdict" for ever). It now asks for its node's only."""
+    from orchestrator.tasks import service as tasks_service
+
+    monkeypatch.setitem(tasks_service.RETRY_AFTER_S, "no_tasks", 3600)  # A takes no more tasks
+    provider = generate_key()
+    async with pool_setup(app, app_state, max_leases_per_node=200) as s:
+        await s.enqueue(arithmetic_tasks(1, seed=3), key="a")
+        wire = FaultyTransport(app_transport(app))
+        wire.fail("/v1/providers/me/verdicts", *(["503"] * 100_000))  # no reads for now
+        run = start(app, s.pool_id, transport=wire, provider_key=provider, max_retries=0)
+        await run.until(lambda st: st.submitted == 1 and st.idle_reason == "no_tasks")
+        assert await drain(app_state) == 1
+        # Another machine of the provider answers 150 tasks afterwards (wrong answers: 150 newer
+        # verdicts, rejections, no fraud).
+        other = await s.add_worker(provider_key=provider)
+        await s.enqueue([task(f"q{i}") for i in range(150)], key="b")
+        leases = (await other.claim(s.pool_id, max_tasks=100)).json()["leases"]
+        leases += (await other.claim(s.pool_id, max_tasks=100)).json()["leases"]
+        assert len(leases) == 150
+        for lease in leases:
+            assert (await other.submit(lease, claimed_reward=None)).status_code == 201
+        assert await drain(app_state) == 150
+        wire.faults["/v1/providers/me/verdicts"].clear()
+        await run.until(lambda st: st.accepted == 1, within=10)
+        stats = await run.finish()
+        assert (stats.submitted, stats.accepted, stats.rejected, stats.awaiting_verdict) == (1, 1, 0, 0)
+
+
 async def test_results_awaiting_a_verdict_are_counted_while_verdicts_cannot_be_read(
     app: Any, app_state: Any
 ) -> None:

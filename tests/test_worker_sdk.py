@@ -18,6 +18,7 @@ from orchestrator.verification.jobs import drain
 from orchestrator.worker.backends import ArithmeticBackend
 from orchestrator.worker.errors import OrchestratorAPIError, ProviderKeyRequired, parse_retry_after
 from orchestrator.worker.problems import arithmetic_tasks
+from tests.conftest import Contributor, problem
 from tests.tasks_helpers import pool_setup
 from tests.worker_helpers import ECON, SPECS, faulty_client, new_client, requested
 
@@ -55,6 +56,7 @@ async def test_register_join_claim_submit_round_trip_earns(app: Any, app_state: 
         assert await drain(app_state) == 1
         [verdict] = await client.verdicts()
         assert verdict["submission_id"] == out.submission_id and verdict["outcome"] == "accepted"
+        assert await client.verdicts(node_only=True) == [verdict]
         balance = await client.balance()
         assert balance.provider_id == client.provider_id and balance.rewards_pending == 2 * 7
 
@@ -260,3 +262,15 @@ async def test_a_submissions_stop_event_ends_its_retries(app: Any, app_state: An
         assert len(wire.to(path)) == 1  # one attempt, none after the stop
         assert (await client.submit(lease, result)).submission_id > 0  # retried without it
         assert len(wire.to(path)) == 3
+
+
+async def test_a_verdicts_node_filter_that_cannot_be_a_key_id_is_refused(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    """``?node_id=`` (a worker's own verdicts among its provider's machines', checked by the
+    runner's test) takes a key id; anything else is 400, not an empty page."""
+    url = "/v1/providers/me/verdicts"
+    r = await client.get(url, params={"node_id": contributor.node_id}, auth=contributor.provider_auth)
+    assert r.status_code == 200 and r.json()["items"] == []
+    bad = await client.get(url, params={"node_id": "not a key"}, auth=contributor.provider_auth)
+    problem(bad, 400, "invalid_query")

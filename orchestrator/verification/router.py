@@ -83,9 +83,22 @@ async def _page(session: Session, where: list[object], cursor: int | None, limit
     summary="The signing provider's verdicts with reasons, newest first",
 )
 async def my_verdicts(
-    provider: CurrentProvider, session: Session, cursor: Cursor = None, limit: Limit = 100
+    provider: CurrentProvider,
+    session: Session,
+    cursor: Cursor = None,
+    limit: Limit = 100,
+    node_id: Annotated[
+        str | None,
+        Query(
+            pattern=r"^[A-Za-z0-9_-]{43}$",
+            description="Only this node's (a worker reads its own among its provider's machines')",
+        ),
+    ] = None,
 ) -> Page[VerdictOut]:
-    return await _page(session, [Verdict.provider_id == provider.id], cursor, limit)
+    where: list[object] = [Verdict.provider_id == provider.id]
+    if node_id is not None:
+        where.append(Verdict.node_id == node_id)
+    return await _page(session, where, cursor, limit)
 
 
 @admin_router.get(

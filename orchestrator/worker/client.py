@@ -272,14 +272,18 @@ class WorkerClient:
             Balances, "GET", "/v1/providers/me/balance", provider=True, interrupt=stop
         )
 
-    async def verdicts(self, limit: int = 100, *, stop: asyncio.Event | None = None) -> list[dict[str, Any]]:
-        """The provider's newest ``limit`` verdicts (all its nodes), newest first, following
-        the server's pages (signed by the provider key). Once ``stop`` is set, no further
-        attempt is made."""
+    async def verdicts(
+        self, limit: int = 100, *, node_only: bool = False, stop: asyncio.Event | None = None
+    ) -> list[dict[str, Any]]:
+        """The provider's newest ``limit`` verdicts (all its nodes, or with ``node_only`` this
+        client's node's), newest first, following the server's pages (signed by the provider
+        key). Once ``stop`` is set, no further attempt is made."""
         items: list[dict[str, Any]] = []
         cursor: str | None = None
         while len(items) < limit:
             params: dict[str, Any] = {"limit": min(500, limit - len(items))}
+            if node_only:
+                params["node_id"] = self.node_id
             if cursor is not None:
                 params["cursor"] = cursor
             response = await self._call(

@@ -626,7 +626,12 @@ class _Worker:
             if self.submissions.difference(self.outcomes):
                 pending = len(self.submissions) - len(self.outcomes)
                 # After a stop, one attempt each: the run's end does not wait out an outage.
-                for v in await self.client.verdicts(limit=min(5000, 100 + 2 * pending), stop=self.stop):
+                # This node's only: among its provider's other machines', its own were past the
+                # newest few hundred as soon as the provider ran a few dozen.
+                newest = await self.client.verdicts(
+                    limit=min(5000, 100 + 2 * pending), node_only=True, stop=self.stop
+                )
+                for v in newest:
                     if v.get("node_id") == self.client.node_id and v.get("submission_id") in self.submissions:
                         self.outcomes[int(v["submission_id"])] = str(v["outcome"])
                 outcomes = list(self.outcomes.values())
