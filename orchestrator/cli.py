@@ -782,6 +782,13 @@ def worker_run(
     grace_s: Annotated[
         float, typer.Option(min=0, help="On stop, seconds held leases get to finish before release")
     ] = 30.0,
+    generate_timeout_s: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="A generation running longer is cancelled and its lease given back as failed (0: no limit)",
+        ),
+    ] = 3600.0,
     log_level: Annotated[
         str, typer.Option(callback=_log_level, help="DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)")
     ] = "INFO",
@@ -829,6 +836,7 @@ def worker_run(
         specs=node_specs,
         invite_code=invite_code,
         grace_s=grace_s,
+        generate_timeout_s=generate_timeout_s,
     )
     from orchestrator.worker.backends import create_backend
 

@@ -387,6 +387,36 @@ async def test_a_refused_submission_releases_the_lease_at_once(
         assert len((await other.claim(s.pool_id)).json()["leases"]) == 1
 
 
+class HangingBackend(ArithmeticBackend):
+    """A backend that never answers (a wedged inference server)."""
+
+    name = "hanging"
+
+    async def generate(self, task: LeasedTask, seed: int, policy: PolicyRef) -> list[Sample]:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+async def test_a_generation_that_hangs_is_cut_off_and_its_lease_given_back_as_failed(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The heartbeats extend a lease for as long as the worker runs: a hung generation held its
+    lease, and the task, until someone restarted the worker (which then took it back)."""
+    monkeypatch.setitem(registry.BUILT_IN, "hanging", lambda options: HangingBackend())
+    async with pool_setup(app, app_state, workers=1) as s:
+        task_id = (await s.enqueue(arithmetic_tasks(1, seed=2))).json()["first_task_id"]
+        run = start(app, s.pool_id, backend="hanging", max_tasks=1, generate_timeout_s=0.2)
+        stats = await asyncio.wait_for(run.task, 10)
+        assert (stats.claimed, stats.submitted, stats.errors, stats.released) == (1, 0, 1, 1)
+        view = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)
+        [assignment] = view.json()["assignments"]
+        assert (
+            assignment["error"]
+            == "BackendError: the generation took longer than 0.2 s (--generate-timeout-s)"
+        )
+        assert len((await s.workers[0].claim(s.pool_id)).json()["leases"]) == 1  # another node's now
+
+
 class VerboseBackend(ArithmeticBackend):
     """Three samples of 3.5 MB: each within a sample's limit, together past the server's 10 MB
     limit on a result body (413)."""

@@ -43,7 +43,7 @@ import structlog
 from nacl.signing import SigningKey
 
 from api_schemas.identity import HeartbeatOut, NodeSpecs
-from api_schemas.tasks import CLAIM_MAX_TASKS, ClaimOut, Lease, ResultIn, ResultOut
+from api_schemas.tasks import CLAIM_MAX_TASKS, ClaimOut, Lease, ResultIn, ResultOut, Sample
 from orchestrator import __version__
 from orchestrator.core.keys import read_key_file
 from orchestrator.worker.backends import Backend, BackendError, create_backend
@@ -96,6 +96,9 @@ class WorkerConfig:
     invite_code: str | None = None
     #: Seconds the leases held at a stop get to finish before they are released.
     grace_s: float = 30.0
+    #: A generation running longer is cancelled and its lease given back as failed (a hung
+    #: backend would otherwise hold it for ever: the heartbeats extend it). 0: no limit.
+    generate_timeout_s: float = 3600.0
     #: How often balance and verdicts are polled for the stats (needs the provider key).
     stats_interval_s: float = 5.0
     #: Wait after a no-work claim whose answer gives no Retry-After.
@@ -110,6 +113,8 @@ class WorkerConfig:
             raise ValueError("concurrency must be between 1 and 1024")
         if self.max_tasks is not None and self.max_tasks < 1:
             raise ValueError("max_tasks must be at least 1 (or None)")
+        if self.generate_timeout_s < 0:
+            raise ValueError("generate_timeout_s must be 0 (no limit) or more")
         if self.node_key is None and self.node_key_path is None:
             raise ValueError("give the node key or the path of its key file")
 
@@ -446,10 +451,21 @@ class _Worker:
 
     # ------------------------------------------------------------------ one lease
 
+    async def _generate(self, lease: Lease) -> list[Sample]:
+        limit = self.config.generate_timeout_s
+        generation = self.backend.generate(lease.task, lease.seed, lease.policy)
+        if not limit:
+            return await generation
+        try:
+            return await asyncio.wait_for(generation, timeout=limit)
+        except TimeoutError:
+            detail = f"the generation took longer than {limit:g} s (--generate-timeout-s)"
+            raise BackendError(detail) from None
+
     async def _work(self, lease: Lease) -> None:
         aid = lease.assignment_id
         try:
-            samples = await self.backend.generate(lease.task, lease.seed, lease.policy)
+            samples = await self._generate(lease)
             if len(samples) != lease.task.sampling.n:
                 raise BackendError(
                     f"backend {self.backend.name} made {len(samples)} samples, {lease.task.sampling.n} asked"
