@@ -88,11 +88,8 @@ async def my_verdicts(
     cursor: Cursor = None,
     limit: Limit = 100,
     node_id: Annotated[
-        str | None,
-        Query(
-            pattern=r"^[A-Za-z0-9_-]{43}$",
-            description="Only this node's (a worker reads its own among its provider's machines')",
-        ),
+        KeyId | None,
+        Query(description="Only this node's (a worker reads its own among its provider's machines')"),
     ] = None,
 ) -> Page[VerdictOut]:
     where: list[object] = [Verdict.provider_id == provider.id]

@@ -347,14 +347,15 @@ class _Worker:
                     beat = await self._beat()
                     if beat is not None and beat.status == "healthy":
                         continue
-                if claim.reason == "lease_cap_reached" and self.ended != ended_before:
-                    continue  # one of its leases ended while the claim was away: room now
-                if claim.reason == "lease_cap_reached" and self.running:
+                if claim.reason == "lease_cap_reached":
                     # The cap counts this node's own leases: one of them ending makes room
-                    # before the Retry-After has passed.
-                    await self._wait_for_slot(at_most_s=wait)
-                else:
-                    await self._pause(wait)
+                    # before the Retry-After has passed, or made it while the claim was away.
+                    if self.ended != ended_before:
+                        continue
+                    if self.running:
+                        await self._wait_for_slot(at_most_s=wait)
+                        continue
+                await self._pause(wait)
                 continue
             self.stats.idle_reason = None
             self.stats.claimed += len(claim.leases)
@@ -648,7 +649,7 @@ class _Worker:
                     limit=min(5000, 100 + 2 * pending), node_only=True, stop=self.stop
                 )
                 for v in newest:
-                    if v.get("node_id") == self.client.node_id and v.get("submission_id") in self.submissions:
+                    if v.get("submission_id") in self.submissions:
                         self.outcomes[int(v["submission_id"])] = str(v["outcome"])
                 outcomes = list(self.outcomes.values())
                 self.stats.accepted = outcomes.count("accepted")
