@@ -193,6 +193,18 @@ MaxFailures = Annotated[
         "(a release with an error) before the task is given up as failed",
     ),
 ]
+RetakeExpiredAfter = Annotated[
+    int | None,
+    Field(
+        ge=0,
+        le=30 * DAY_S,
+        description="Seconds after a node's lease of a task expired (it ran out, or the node died) "
+        "before that node may lease the same replica again, with the same seed, if no other node "
+        "has taken it meanwhile; each expiry is still an attempt. null (the default): never, so one "
+        "node cannot use up a task's max_attempts alone. For pools of one or a few nodes, where a "
+        "worker down longer than lease_duration_s would otherwise strand the tasks it held",
+    ),
+]
 Replication = Annotated[
     int,
     Field(
@@ -283,6 +295,7 @@ class PublicPolicy(StrictModel):
     lease_duration_s: LeaseDuration = 600
     max_attempts: MaxAttempts = 3
     max_failures: MaxFailures = 3
+    retake_expired_after_s: RetakeExpiredAfter = None
     replication_factor: Replication = 1
     max_async_level: MaxAsyncLevel = 2
     max_leases_per_node: MaxLeases = 1
@@ -360,6 +373,7 @@ class PolicyPatch(StrictModel):
     lease_duration_s: LeaseDuration | None = None
     max_attempts: MaxAttempts | None = None
     max_failures: MaxFailures | None = None
+    retake_expired_after_s: RetakeExpiredAfter = None
     replication_factor: Replication | None = None
     audit_rate_floor: AuditFloor | None = None
     max_async_level: MaxAsyncLevel | None = None
@@ -371,9 +385,10 @@ class PolicyPatch(StrictModel):
 
 class PoolPatch(StrictModel):
     """Only the fields present change; ``requirements`` is replaced as a whole. Caps may be set
-    to null (no cap); other fields may not. Stake already locked by members is unaffected, and
-    results already received are judged and paid by the max_async_level, require_proof and
-    reward_per_sample in force when they came in."""
+    to null (no cap), and so may ``policy.retake_expired_after_s`` (never); other fields may
+    not. Stake already locked by members is unaffected, and results already received are judged
+    and paid by the max_async_level, require_proof and reward_per_sample in force when they
+    came in."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra=_described_like(PoolSettings))
 

@@ -221,14 +221,19 @@ async def test_the_claims_pick_walks_the_queue_in_claim_order_and_stops_at_room(
                 "provider_id": w.contributor.provider_id,
                 "ip_address": ip,
                 "now": dt.datetime.now(dt.UTC),
+                "retake_before": dt.datetime.now(dt.UTC) - dt.timedelta(hours=1),
                 "room": 4,
             }
-            explain = text("EXPLAIN (ANALYZE, FORMAT JSON) " + _pick_statement("lock", True).element.text)
-            explain = explain.bindparams(bindparam("now", type_=UTCDateTime()))
+            # Both variants of the rule: expired leases never taken back, or after a while.
+            explains = []
+            for retake in (False, True):
+                sql = "EXPLAIN (ANALYZE, FORMAT JSON) " + _pick_statement("lock", True, retake).element.text
+                names = ("now", "retake_before") if retake else ("now",)
+                explains.append(text(sql).bindparams(*(bindparam(n, type_=UTCDateTime()) for n in names)))
             # Right after a bulk enqueue the statistics lag (the benchmark's case), then not.
-            plans = [(await conn.execute(explain, params)).scalar_one()]
+            plans = [(await conn.execute(explain, params)).scalar_one() for explain in explains]
             await conn.execute(text("ANALYZE tasks, task_replicas, assignments"))
-            plans.append((await conn.execute(explain, params)).scalar_one())
+            plans += [(await conn.execute(explain, params)).scalar_one() for explain in explains]
             await conn.rollback()
         for plan in plans:
             nodes = _plan_nodes(plan[0]["Plan"])

@@ -207,6 +207,46 @@ async def test_a_node_gets_back_the_replica_it_gave_back_with_the_same_seed(
         assert sorted(x["task"]["prompt"] for x in taken) == ["expired", "failed"]
 
 
+async def test_a_pool_may_let_a_node_take_back_a_lease_that_expired_on_it(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """In a one-node pool, a worker down for longer than the lease stranded the tasks it held:
+    an expired lease was never taken back. With ``retake_expired_after_s`` the node gets the
+    same replica again (same seed, next fencing token) that long after the expiry, and each
+    expiry is still an attempt, so a node alone still cannot hold a task past max_attempts."""
+    async with pool_setup(
+        app, app_state, workers=1, lease_duration_s=60, max_attempts=2, retake_expired_after_s=60
+    ) as s:
+        w = s.workers[0]
+        task_id = (await s.enqueue([task("stranded"), task("failed")])).json()["first_task_id"]
+        [lease] = (await w.claim(s.pool_id)).json()["leases"]
+        assert lease["task"]["prompt"] == "stranded"
+        clock.advance(61)
+        assert (await reap_once(app_state)).expired == 1
+        [failing] = (await w.claim(s.pool_id)).json()["leases"]
+        assert (await w.release(failing, error="engine crashed")).status_code == 200
+        clock.advance(59)  # 59 s after the expiry: not yet
+        await w.beat()
+        r = await w.claim(s.pool_id)
+        assert r.status_code == 200, r.text
+        assert (r.json()["leases"], r.json()["reason"]) == ([], "no_tasks")
+        clock.advance(2)
+        await w.beat()
+        [again] = (await w.claim(s.pool_id, max_tasks=2)).json()["leases"]  # not the failed one
+        assert again["task"]["task_id"] == task_id
+        assert again["seed"] == lease["seed"] and again["fencing_token"] == lease["fencing_token"] + 1
+        problem(await w.submit(lease), 409, "lease_expired")
+
+        clock.advance(61)  # the second expiry is the replica's second attempt: the task fails
+        assert (await reap_once(app_state)).expired == 1
+        clock.advance(61)  # (the test signs in real time: the clock moves < 300 s in all)
+        await w.beat()
+        assert (await w.claim(s.pool_id)).json()["reason"] == "no_tasks"
+        detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
+        assert (detail["status"], detail["end_reason"]) == ("failed", "max_attempts")
+        assert [(a["node_id"], a["status"]) for a in detail["assignments"]] == [(w.node_id, "expired")] * 2
+
+
 async def test_a_node_never_takes_another_replica_of_a_task_it_gave_back(app: Any, app_state: Any) -> None:
     """Taking back the replica it gave back is allowed because its seed is the same; another
     replica of the task has another seed, and a node that could take it could try seeds until

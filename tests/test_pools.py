@@ -42,6 +42,7 @@ FULL_SETTINGS: dict[str, Any] = {
         "lease_duration_s": 300,
         "max_attempts": 4,
         "max_failures": 5,
+        "retake_expired_after_s": 900,
         "replication_factor": 2,
         "audit_rate_floor": 0.1,
         "max_async_level": 1,
@@ -83,6 +84,7 @@ async def test_unspecified_settings_take_their_defaults(
     assert pool["economics"]["unbonding_period_s"] == 7 * 86400
     assert pool["policy"]["max_async_level"] == 2
     assert pool["policy"]["replication_factor"] == 1
+    assert pool["policy"]["retake_expired_after_s"] is None  # an expired lease is never taken back
 
 
 BAD_SETTINGS = {
@@ -108,6 +110,7 @@ BAD_SETTINGS = {
     # Shorter than three heartbeat intervals (10 s): it could run out between two beats.
     "lease shorter than three beats": {"policy": {"lease_duration_s": 29}},
     "zero leases per node": {"policy": {"max_leases_per_node": 0}},
+    "negative retake delay": {"policy": {"retake_expired_after_s": -1}},
     "empty GPU model list": {"requirements": {"any_of": [{"gpu_models": []}]}},
     "repeated GPU model": {"requirements": {"any_of": [{"gpu_models": [H100, H100.lower()]}]}},
     "negative GPU count": {"requirements": {"any_of": [{"min_gpu_count": -1}]}},
@@ -139,6 +142,7 @@ async def test_patch_changes_only_the_fields_sent(
             "caps": {"max_nodes_per_ip": None},
             "economics": {"reward_per_sample": 9},
             "requirements": {"any_of": []},
+            "policy": {"retake_expired_after_s": None},
         },
         headers=operator_headers,
     )
@@ -148,7 +152,7 @@ async def test_patch_changes_only_the_fields_sent(
     assert updated["caps"] == {**FULL_SETTINGS["caps"], "max_nodes_per_ip": None}
     assert updated["economics"] == {**FULL_SETTINGS["economics"], "reward_per_sample": 9}
     assert updated["requirements"] == {"any_of": []}
-    assert updated["policy"] == FULL_SETTINGS["policy"]
+    assert updated["policy"] == {**FULL_SETTINGS["policy"], "retake_expired_after_s": None}
     assert updated["description"] == FULL_SETTINGS["description"]
     assert dt.datetime.fromisoformat(updated["updated_at"]) > dt.datetime.fromisoformat(pool["updated_at"])
     again = await client.get(f"/v1/admin/pools/{pool['id']}", headers=operator_headers)

@@ -69,6 +69,8 @@ class Pool(Base):
     max_attempts: Mapped[int] = mapped_column(Integer)
     # The server default is migration 0020's, which added the column to existing pools.
     max_failures: Mapped[int] = mapped_column(Integer, default=3, server_default="3")
+    # null: a node never leases again a replica whose lease expired on it (migration 0024).
+    retake_expired_after_s: Mapped[int | None] = mapped_column(Integer)
     replication_factor: Mapped[int] = mapped_column(Integer)
     audit_rate_floor: Mapped[float] = mapped_column(Float)
     max_async_level: Mapped[int] = mapped_column(Integer)

@@ -417,6 +417,7 @@ class ClaimContext:
     pool_status: str | None
     max_leases_per_node: int
     lease_duration_s: int
+    retake_expired_after_s: int | None
     member_status: str | None
     failing_until: dt.datetime | None
     policy_step: int | None
@@ -440,7 +441,7 @@ _CLAIM_CONTEXT = (
         """
     SELECT n.provider_id, n.ip_address, n.status AS node_status,
            p.status AS pool_status, p.max_leases_per_node, p.lease_duration_s,
-           m.status AS member_status, m.failing_until,
+           p.retake_expired_after_s, m.status AS member_status, m.failing_until,
            pv.step, pv.uri, pv.sha256,
            (SELECT count(*) FROM assignments a
              WHERE a.pool_id = :pool_id AND a.node_id = n.id AND a.status = 'active'
@@ -463,10 +464,12 @@ _CLAIM_CONTEXT = (
 # ever with this node, but for a lease it gave back without an error (a worker stopped, say)
 # whose replica is available again: the claim hands it that very replica, with the same seed,
 # so taking it back shops for nothing, and a small pool's tasks are not stranded by a worker's
-# restart. An expired lease (an attempt) or a failure is never taken back. The replica is
-# joined (a primary-key lookup, made only for this node's own earlier leases of the task), not
-# read in a subquery: with a subquery PostgreSQL hashed the whole queue or the node's history
-# instead of walking the queue in claim order and stopping at ``room`` tasks (2-20 ms a claim).
+# restart. A failure is never taken back, nor an expired lease (an attempt), unless the pool
+# sets ``retake_expired_after_s``: then that long after the expiry (``:retake_before``). The
+# replica is joined (a primary-key lookup, made only for this node's own earlier leases of the
+# task), not read in a subquery: with a subquery PostgreSQL hashed the whole queue or the node's
+# history instead of walking the queue in claim order and stopping at ``room`` tasks (2-20 ms a
+# claim).
 _MAY_TAKE = """
        t.pool_id = :pool_id AND t.status = 'open' AND t.available_replicas > 0
    AND (t.deadline_at IS NULL OR t.deadline_at > :now)
@@ -475,10 +478,16 @@ _MAY_TAKE = """
        LEFT JOIN task_replicas r0 ON r0.id = a.replica_id AND a.node_id = :node_id
       WHERE a.task_id = t.id
         AND ((a.node_id = :node_id
-              AND (a.status <> 'released' OR a.error IS NOT NULL OR r0.status <> 'available'))
+              AND ({never_again} OR a.error IS NOT NULL OR r0.status <> 'available'))
              OR (a.status IN ('active', 'submitted')
                  AND (a.provider_id = :provider_id OR {ip_match}))))
 """
+# Which of its own ended leases of a task keep a node from it, by whether the pool lets it
+# retake an expired one.
+_NEVER_AGAIN = {
+    False: "a.status <> 'released'",
+    True: "(a.status <> 'released' AND (a.status <> 'expired' OR a.ended_at > :retake_before))",
+}
 # Each picked task joined to its payload and a replica: the one this node gave back, if it
 # held one (``_MAY_TAKE`` made sure it is available), else the lowest available. Best rank first.
 _REPLICAS_OF = """
@@ -522,12 +531,12 @@ _PICK_LOCKED = """
 _PICK_COLUMNS = {"sampling": JSON(), "metadata": JSON()}
 
 
-@lru_cache(maxsize=8)
-def _pick_statement(kind: str, ip_known: bool) -> TextualSelect:
+@lru_cache(maxsize=16)
+def _pick_statement(kind: str, ip_known: bool, retake_expired: bool) -> TextualSelect:
     """``kind``: ``one_writer`` (SQLite), ``lock`` or ``locked`` (PostgreSQL's two steps)."""
     # A node with no recorded IP counts as sharing the "unknown" IP with every other such node.
     ip_match = "a.ip_address = :ip_address" if ip_known else "a.ip_address IS NULL"
-    may_take = _MAY_TAKE.format(ip_match=ip_match)
+    may_take = _MAY_TAKE.format(ip_match=ip_match, never_again=_NEVER_AGAIN[retake_expired])
     if kind == "one_writer":
         replicas = _REPLICAS_OF.format(tasks="picked JOIN tasks t ON t.id = picked.id", where="")
         sql = _PICK_ONE_WRITER.format(may_take=may_take, replicas=replicas)
@@ -537,6 +546,8 @@ def _pick_statement(kind: str, ip_known: bool) -> TextualSelect:
         replicas = _REPLICAS_OF.format(tasks="locked t", where=f"WHERE {may_take}")
         sql = _PICK_LOCKED.format(replicas=replicas)
     stmt = text(sql).bindparams(bindparam("now", type_=UTCDateTime()))
+    if retake_expired:
+        stmt = stmt.bindparams(bindparam("retake_before", type_=UTCDateTime()))
     if kind == "lock":
         return stmt.columns(id=BigInteger())
     return stmt.columns(**_PICK_COLUMNS)
@@ -656,22 +667,26 @@ async def claim(
     }
     if ip_known:
         params["ip_address"] = ctx.node_ip
+    if ctx.retake_expired_after_s is not None:
+        params["retake_before"] = now - dt.timedelta(seconds=ctx.retake_expired_after_s)
+    retake = "retake_before" in params
     picked: Sequence[Row[Any]] = []
     if postgres:
         # When every task the first step locked fails the second step's check (each was taken
         # by a claim that committed after the first step's snapshot), look once more, with a
         # fresh snapshot: "no_tasks" means that none is waiting.
         for _ in range(2):
-            locked = await conn.execute(_pick_statement("lock", ip_known), {**params, "room": room})
+            locked = await conn.execute(_pick_statement("lock", ip_known, retake), {**params, "room": room})
             task_ids = list(locked.scalars())
             if not task_ids:
                 break
             locked_params = {**params, "task_ids": task_ids}
-            picked = (await conn.execute(_pick_statement("locked", ip_known), locked_params)).all()
+            picked = (await conn.execute(_pick_statement("locked", ip_known, retake), locked_params)).all()
             if picked:
                 break
     else:
-        picked = (await conn.execute(_pick_statement("one_writer", ip_known), {**params, "room": room})).all()
+        pick = _pick_statement("one_writer", ip_known, retake)
+        picked = (await conn.execute(pick, {**params, "room": room})).all()
     if not picked:
         return _no_work("no_tasks", "no task this node may take is waiting")
 
