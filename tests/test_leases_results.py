@@ -767,6 +767,9 @@ async def test_a_dead_nodes_leases_end_and_their_replicas_are_reissued(
         assert (await gone.client.get("/v1/nodes/me", auth=gone.contributor.node_auth)).json()[
             "status"
         ] == "dead"
+        assert (await reap_once(app_state)).expired == 0  # two beats' grace (the next test)
+        clock.advance(20)
+        await alive.beat()
         assert (await reap_once(app_state)).expired == 1
         new = (await alive.claim(s.pool_id)).json()["leases"]
         assert [le["task"]["task_id"] for le in new] == [task_id]
@@ -776,6 +779,40 @@ async def test_a_dead_nodes_leases_end_and_their_replicas_are_reissued(
         detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
         assert detail["replicas"][0]["expirations"] == 1
         assert [a["status"] for a in detail["assignments"]] == ["expired", "active"]
+
+
+async def test_a_node_marked_dead_that_beats_again_within_two_intervals_keeps_its_leases(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A beat that crosses the sweeper's commit sees the node still healthy, so it does not
+    revive it, and the node is dead until its next beat. Its leases used to run out at once
+    and the reaper's next tick took them; they now last two more intervals, so that next beat
+    revives the node and keeps them, and its result is accepted."""
+    from orchestrator.liveness.service import sweep_once
+
+    async with pool_setup(app, app_state, workers=2, lease_duration_s=3600) as s:
+        await s.enqueue([task()])
+        late, alive = s.workers
+        lease = (await late.claim(s.pool_id)).json()["leases"][0]
+        for _ in range(9):  # dead after 9 silent intervals, at this loop's last sweep
+            clock.advance(10)
+            await alive.beat()
+            report = await sweep_once(app_state)
+        assert report.to_dead == 1
+        assert (await late.client.get("/v1/nodes/me", auth=late.contributor.node_auth)).json()[
+            "status"
+        ] == "dead"
+        clock.advance(5)
+        await alive.beat()
+        assert (await reap_once(app_state)).expired == 0
+        clock.advance(5)  # the next beat, 10 s after the one the sweeper crossed
+        r = await late.beat([lease["assignment_id"]])
+        assert (r.json()["status"], r.json()["drop_leases"]) == ("healthy", [])
+        clock.advance(15)  # past the grace: the beat extended the lease
+        await alive.beat()
+        await late.beat([lease["assignment_id"]])
+        assert (await reap_once(app_state)).expired == 0
+        assert (await late.submit(lease)).status_code == 201
 
 
 async def test_a_healthy_node_that_misses_a_beat_keeps_its_short_lease(

@@ -44,6 +44,8 @@ SWEEP_BATCH = 5000
 RECONCILER = "liveness_reconciler"
 RECONCILE_INTERVAL_S = 60.0
 RECONCILE_PAGE = 1000
+# A dead node's leases run out this many heartbeat intervals after the sweeper marks it dead.
+DEAD_LEASE_GRACE_BEATS = 2
 REVIVABLE = (NodeStatus.waiting.value, NodeStatus.unhealthy.value, NodeStatus.dead.value)
 
 
@@ -132,7 +134,10 @@ async def sweep_once(state: AppState) -> SweepReport:
             reason=f"no heartbeat for {hb.dead_after_missed} intervals",
             actor="sweeper",
         )
-        ended = await end_leases_of_dead(session, dead, now=state.clock.utcnow())
+        # Two beats' grace: a node whose beat crossed this commit beats again within it.
+        ended = await end_leases_of_dead(
+            session, dead, now=state.clock.utcnow(), grace_s=DEAD_LEASE_GRACE_BEATS * hb.interval_s
+        )
         await _keep_last_beats(session, store, dead)
     # Only now that the dead transitions are committed (a node a concurrent beat revived was
     # removed from ``dying`` by that beat).

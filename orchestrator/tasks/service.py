@@ -1006,20 +1006,25 @@ async def release_member_leases(
     return given_back
 
 
-async def end_leases_of_dead(session: AsyncSession, node_ids: Sequence[str], *, now: dt.datetime) -> int:
-    """The sweeper found these nodes dead: their live leases run out now, so the reaper's next
-    tick expires them (an attempt each) and reissues their replicas, instead of their being held
-    for what is left of the lease duration. Returns how many."""
+async def end_leases_of_dead(
+    session: AsyncSession, node_ids: Sequence[str], *, now: dt.datetime, grace_s: float
+) -> int:
+    """The sweeper found these nodes dead: their live leases run out ``grace_s`` from now, so
+    the reaper then expires them (an attempt each) and reissues their replicas, instead of their
+    being held for what is left of the lease duration. The grace lets a node whose beat crossed
+    the sweeper's commit (it saw itself still healthy, so it did not revive) keep its leases:
+    its next beat revives it and extends them. Returns how many."""
     if not node_ids:
         return 0
+    until = now + dt.timedelta(seconds=grace_s)
     result = await session.execute(
         update(Assignment)
         .where(
             Assignment.node_id.in_(node_ids),
             Assignment.status == "active",
-            Assignment.lease_expires_at > now,
+            Assignment.lease_expires_at > until,
         )
-        .values(lease_expires_at=now)
+        .values(lease_expires_at=until)
         .execution_options(synchronize_session=False)
     )
     return int(result.rowcount)  # type: ignore[attr-defined]
