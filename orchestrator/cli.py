@@ -576,7 +576,7 @@ def _stats_table(stats: Any) -> Any:
         "submitted": stats.submitted,
         "accepted": stats.accepted,
         "rejected": stats.rejected,
-        "awaiting verdict": "-" if stats.awaiting_verdict is None else stats.awaiting_verdict,
+        "awaiting verdict": stats.awaiting_verdict,
         "released": stats.released,
         "dropped": stats.dropped,
         "errors": stats.errors,
@@ -759,8 +759,8 @@ def worker_run(
         Path | None,
         typer.Option(
             "--provider-key",
-            help="The provider's key file: registers provider and node and shows verdicts and "
-            "earnings. Without it the node must already be registered.",
+            help="The provider's key file: registers provider and node and shows the earnings. "
+            "Without it the node must already be registered.",
         ),
     ] = None,
     server: ServerOpt = DEFAULT_SERVER,

@@ -17,6 +17,7 @@ from orchestrator.tasks.models import Submission
 from orchestrator.verification import service
 from orchestrator.verification.jobs import release_once, verify_once
 from orchestrator.verification.models import Verdict, VerificationJob
+from tests.conftest import problem
 from tests.tasks_helpers import pool_setup, task
 from tests.verification_helpers import (
     FixedDraw,
@@ -562,6 +563,32 @@ async def test_pool_stats_and_histories(app: Any, app_state: Any, client: Any) -
         assert [v["reason"] for v in mine] == ["seed_mismatch", "wrong_answer", "verified"]
         node = (await s.admin.get(f"/v1/admin/nodes/{w.node_id}/verdicts", headers=s.admin_headers)).json()
         assert len(node["items"]) == 3
+
+
+async def test_a_node_reads_its_own_verdicts_with_its_node_key(app: Any, app_state: Any, client: Any) -> None:
+    """``GET /v1/nodes/me/verdicts``: a worker learns how its results were judged without its
+    provider's key, and without spending the provider key's request budget, which every
+    machine of the provider shares. It sees its own verdicts only, not its sibling machines'."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        a = s.workers[0]
+        b = await s.add_worker(provider_key=a.contributor.provider_key)
+        await submit(a, await one_lease(s, a), ["4"])
+        await submit(b, await one_lease(s, b), ["5"], claimed_reward=0.0)
+        await submit(a, await one_lease(s, a), ["5"], claimed_reward=0.0)
+        await verify_all(app_state)
+        url = "/v1/nodes/me/verdicts"
+        mine = (await client.get(url, auth=a.contributor.node_auth)).json()["items"]
+        assert [(v["node_id"], v["reason"]) for v in mine] == [
+            (a.node_id, "wrong_answer"),
+            (a.node_id, "verified"),
+        ]
+        page = (await client.get(url, params={"limit": 1}, auth=a.contributor.node_auth)).json()
+        rest = await client.get(url, params={"cursor": page["next_cursor"]}, auth=a.contributor.node_auth)
+        assert [v["id"] for v in page["items"] + rest.json()["items"]] == [v["id"] for v in mine]
+        theirs = (await client.get(url, auth=b.contributor.node_auth)).json()["items"]
+        assert [(v["node_id"], v["reason"]) for v in theirs] == [(b.node_id, "wrong_answer")]
+        problem(await client.get(url, auth=a.contributor.provider_auth), 401, "unknown_key")
+        problem(await client.get(url), 401, "signature_missing")
 
 
 async def test_results_waiting_for_a_quorum_that_can_never_meet_are_inconclusive(

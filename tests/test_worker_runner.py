@@ -60,6 +60,7 @@ def start(app: Any, pool_id: str, transport: Any = None, **overrides: Any) -> Ru
         "provider_key": generate_key(),
         "specs": SPECS,
         "stats_interval_s": 0.05,
+        "earnings_interval_s": 0.05,
     }
     config = WorkerConfig(server=BASE_URL, pool_id=pool_id, **(settings | overrides))
     stop = asyncio.Event()
@@ -695,10 +696,10 @@ async def test_a_lease_that_ends_while_a_claim_refused_for_the_cap_is_away_makes
 async def test_a_machine_finds_its_verdicts_among_its_providers_other_machines(
     app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every machine of a provider reads verdicts with the provider's key. The worker read the
-    provider's newest few hundred and looked for its own among them: once the provider's other
-    machines had made that many since, it never saw its own verdicts (accepted stayed 0, and
-    "awaiting verdict" for ever). It now asks for its node's only."""
+    """The worker read its provider's newest few hundred verdicts and looked for its own among
+    them: once the provider's other machines had made that many since, it never saw its own
+    verdicts (accepted stayed 0, and "awaiting verdict" for ever). It now asks for its node's
+    only."""
     from orchestrator.tasks import service as tasks_service
 
     monkeypatch.setitem(tasks_service.RETRY_AFTER_S, "no_tasks", 3600)  # A takes no more tasks
@@ -706,7 +707,7 @@ async def test_a_machine_finds_its_verdicts_among_its_providers_other_machines(
     async with pool_setup(app, app_state, max_leases_per_node=200) as s:
         await s.enqueue(arithmetic_tasks(1, seed=3), key="a")
         wire = FaultyTransport(app_transport(app))
-        wire.fail("/v1/providers/me/verdicts", *(["503"] * 100_000))  # no reads for now
+        wire.fail("/v1/nodes/me/verdicts", *(["503"] * 100_000))  # no reads for now
         run = start(app, s.pool_id, transport=wire, provider_key=provider, max_retries=0)
         await run.until(lambda st: st.submitted == 1 and st.idle_reason == "no_tasks")
         assert await drain(app_state) == 1
@@ -720,7 +721,7 @@ async def test_a_machine_finds_its_verdicts_among_its_providers_other_machines(
         for lease in leases:
             assert (await other.submit(lease, claimed_reward=None)).status_code == 201
         assert await drain(app_state) == 150
-        wire.faults["/v1/providers/me/verdicts"].clear()
+        wire.faults["/v1/nodes/me/verdicts"].clear()
         await run.until(lambda st: st.accepted == 1, within=10)
         stats = await run.finish()
         assert (stats.submitted, stats.accepted, stats.rejected, stats.awaiting_verdict) == (1, 1, 0, 0)
@@ -732,9 +733,45 @@ async def test_results_awaiting_a_verdict_are_counted_while_verdicts_cannot_be_r
     async with pool_setup(app, app_state) as s:
         await s.enqueue(arithmetic_tasks(2, seed=8))
         wire = FaultyTransport(app_transport(app))
-        wire.fail("/v1/providers/me/verdicts", *(["503"] * 1000))
+        wire.fail("/v1/nodes/me/verdicts", *(["503"] * 1000))
         run = start(app, s.pool_id, transport=wire, concurrency=2, max_tasks=2, max_retries=0)
         stats = await asyncio.wait_for(run.task, 20)
         # No verdict could be read: both results are still awaiting theirs (the old worker
         # said 0, from its last successful read, made before it had submitted anything).
         assert (stats.submitted, stats.accepted, stats.rejected, stats.awaiting_verdict) == (2, 0, 0, 2)
+
+
+async def test_a_worker_reads_its_verdicts_with_its_node_key_and_the_balance_rarely(
+    app: Any, app_state: Any
+) -> None:
+    """Every machine of a provider signs provider reads with the provider's key, whose request
+    budget (``ORCH_LIMITS__SIGNED_PER_PROVIDER_KEY``) they share with the provider's
+    registrations. The worker read the balance and the verdicts with it every 5 s: some 700
+    machines used that budget up. Verdicts are now read with the node key, and the balance
+    every ``earnings_interval_s`` (30 s by default) and once at the end."""
+    async with pool_setup(app, app_state, economics=ECON) as s:
+        await s.enqueue(arithmetic_tasks(3, seed=5))
+        wire = FaultyTransport(app_transport(app))
+        run = start(app, s.pool_id, transport=wire, concurrency=3, earnings_interval_s=3600)
+        await run.until(lambda st: st.submitted == 3)
+        assert await drain(app_state) == 3
+        await run.until(lambda st: st.accepted == 3)
+        stats = await run.finish()
+        assert (stats.accepted, stats.awaiting_verdict, stats.earnings) == (3, 0, 3 * 7)
+        assert len(wire.to("/v1/nodes/me/verdicts")) >= 1
+        assert wire.to("/v1/providers/me/verdicts") == []
+        assert len(wire.to("/v1/providers/me/balance")) == 2  # the first refresh, the last
+
+
+async def test_a_worker_without_the_provider_key_shows_its_verdicts(app: Any, app_state: Any) -> None:
+    node_key, provider_key = generate_key(), generate_key()
+    async with pool_setup(app, app_state, economics=ECON) as s:
+        async with WorkerClient(BASE_URL, node_key, provider_key, transport=app_transport(app)) as provider:
+            await provider.register(SPECS, "1")  # the provider registers the machine beforehand
+        await s.enqueue(arithmetic_tasks(2, seed=6))
+        run = start(app, s.pool_id, node_key=node_key, provider_key=None, concurrency=2)
+        await run.until(lambda st: st.submitted == 2)
+        assert await drain(app_state) == 2
+        await run.until(lambda st: st.accepted == 2)
+        stats = await run.finish()
+        assert (stats.accepted, stats.awaiting_verdict, stats.earnings) == (2, 0, None)

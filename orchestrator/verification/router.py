@@ -22,7 +22,7 @@ from orchestrator.admin.tokens import AdminOnly, Principal, Role, require_roles
 from orchestrator.audit.service import record
 from orchestrator.core.pagination import ID_MAX
 from orchestrator.core.state import Session, State
-from orchestrator.identity.auth import CurrentProvider
+from orchestrator.identity.auth import CurrentProvider, SignedNode
 from orchestrator.pools.models import Pool
 from orchestrator.tasks.access import pool_for
 from orchestrator.tasks.models import Task
@@ -96,6 +96,19 @@ async def my_verdicts(
     if node_id is not None:
         where.append(Verdict.node_id == node_id)
     return await _page(session, where, cursor, limit)
+
+
+@router.get(
+    "/nodes/me/verdicts",
+    response_model=Page[VerdictOut],
+    summary="The signing node's verdicts with reasons, newest first",
+    description="What a worker reads to learn how its own results were judged, signed with its "
+    "node key: a provider's key (and its request budget) is not needed for it.",
+)
+async def my_node_verdicts(
+    node: SignedNode, session: Session, cursor: Cursor = None, limit: Limit = 100
+) -> Page[VerdictOut]:
+    return await _page(session, [Verdict.node_id == node.id], cursor, limit)
 
 
 @admin_router.get(

@@ -1,7 +1,7 @@
 """The contributor SDK: a signed, retrying async client for the worker wire protocol.
 
 Every request is signed with RFC 9421 (``SignatureAuth``): node calls with the node key,
-provider calls (registration, balance, verdicts) with the provider key. A retry is a new
+provider calls (registration, balance, the provider's verdicts) with the provider key. A retry is a new
 request with a new ``created`` time and a new nonce, never a replay of the old headers (the
 server refuses a replayed nonce). Bodies are serialised once per call, so every attempt of a
 result submission carries the same bytes and gets the same answer.
@@ -275,20 +275,18 @@ class WorkerClient:
     async def verdicts(
         self, limit: int = 100, *, node_only: bool = False, stop: asyncio.Event | None = None
     ) -> list[dict[str, Any]]:
-        """The provider's newest ``limit`` verdicts (all its nodes, or with ``node_only`` this
-        client's node's), newest first, following the server's pages (signed by the provider
-        key). Once ``stop`` is set, no further attempt is made."""
+        """The newest ``limit`` verdicts, newest first, following the server's pages: the
+        provider's (all its nodes; signed by the provider key), or with ``node_only`` this
+        client's node's (signed by the node key: no provider key needed, and none of the
+        provider's request budget used). Once ``stop`` is set, no further attempt is made."""
+        path = "/v1/nodes/me/verdicts" if node_only else "/v1/providers/me/verdicts"
         items: list[dict[str, Any]] = []
         cursor: str | None = None
         while len(items) < limit:
             params: dict[str, Any] = {"limit": min(500, limit - len(items))}
-            if node_only:
-                params["node_id"] = self.node_id
             if cursor is not None:
                 params["cursor"] = cursor
-            response = await self._call(
-                "GET", "/v1/providers/me/verdicts", provider=True, params=params, interrupt=stop
-            )
+            response = await self._call("GET", path, provider=not node_only, params=params, interrupt=stop)
             page = response.json()
             items.extend(page["items"])
             cursor = page.get("next_cursor")

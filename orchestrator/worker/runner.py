@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import os
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,8 +100,12 @@ class WorkerConfig:
     #: A generation running longer is cancelled and its lease given back as failed (a hung
     #: backend would otherwise hold it for ever: the heartbeats extend it). 0: no limit.
     generate_timeout_s: float = 3600.0
-    #: How often balance and verdicts are polled for the stats (needs the provider key).
+    #: How often this node's verdicts are polled for the stats (signed by the node key).
     stats_interval_s: float = 5.0
+    #: How often the provider's balance is read for the earnings (needs the provider key).
+    #: Every machine of a provider reads it with the provider's key, whose request budget the
+    #: provider's registrations share: at 30 s, thousands of machines fit in the default one.
+    earnings_interval_s: float = 30.0
     #: Wait after a no-work claim whose answer gives no Retry-After.
     idle_wait_s: float = 5.0
     #: Cap of the backoff after failed claims.
@@ -140,13 +145,12 @@ class WorkerStats:
     tasks_done: int = 0
     #: Results the server recorded.
     submitted: int = 0
-    #: Verdicts on this node's results (needs the provider key).
+    #: Verdicts on this node's results.
     accepted: int = 0
     rejected: int = 0
     #: Results recorded whose verdict has not been seen yet (the verifier decides them after
     #: the submission; a worker stopping right after its last submission shows them here).
-    #: None without the provider key, which reading verdicts needs.
-    awaiting_verdict: int | None = None
+    awaiting_verdict: int = 0
     #: Leases given back (backend failures, stop).
     released: int = 0
     #: Leases the server took back (drop_leases, lease_expired, task_cancelled, deadline_passed).
@@ -632,13 +636,17 @@ class _Worker:
         return beat
 
     async def _stats_loop(self) -> None:
+        earnings_read: float | None = None
         while not await self._closing_within(self.config.stats_interval_s):
-            await self._refresh()
+            now = time.monotonic()
+            due = earnings_read is None or now - earnings_read >= self.config.earnings_interval_s
+            if due:
+                earnings_read = now
+            await self._refresh(earnings=due)
 
-    async def _refresh(self) -> None:
-        """Verdicts and earnings from the server (provider-signed; skipped without the key)."""
-        if not self.has_provider_key:
-            return
+    async def _refresh(self, *, earnings: bool = True) -> None:
+        """This node's verdicts (node-signed) and, with ``earnings`` and the provider key, the
+        provider's balance."""
         try:
             if self.submissions.difference(self.outcomes):
                 pending = len(self.submissions) - len(self.outcomes)
@@ -655,8 +663,9 @@ class _Worker:
                 self.stats.accepted = outcomes.count("accepted")
                 self.stats.rejected = outcomes.count("rejected")
             self._count_awaiting()
-            balance = await self.client.balance(stop=self.stop)
-            self.stats.earnings = balance.rewards_pending + balance.rewards_claimable + balance.withdrawn
+            if earnings and self.has_provider_key:
+                balance = await self.client.balance(stop=self.stop)
+                self.stats.earnings = balance.rewards_pending + balance.rewards_claimable + balance.withdrawn
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
             log.warning("stats_refresh_failed", error=str(exc)[:200])
             return
@@ -667,8 +676,7 @@ class _Worker:
     def _count_awaiting(self) -> None:
         """Results recorded without a verdict seen yet: counted as results are recorded too,
         not only when verdicts are read, so the count stays true while they cannot be."""
-        if self.has_provider_key:
-            self.stats.awaiting_verdict = len(self.submissions) - len(self.outcomes)
+        self.stats.awaiting_verdict = len(self.submissions) - len(self.outcomes)
 
     def _error(self, event: str, **fields: Any) -> None:
         self.stats.errors += 1
