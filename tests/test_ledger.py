@@ -341,3 +341,61 @@ async def test_negative_balances_are_refused_by_the_database_too(
                     .where(LedgerAccount.owner_id == contributor.provider_id)
                     .values(balance=-1)
                 )
+
+
+BIGINT_MAX = 2**63 - 1
+
+
+async def _set_balance(app_state: Any, ref: ledger.AccountRef, balance: int) -> None:
+    async with app_state.sessionmaker() as session, session.begin():
+        await ledger.account_id(session, ref)
+        await session.execute(
+            update(LedgerAccount)
+            .where(
+                LedgerAccount.owner_type == ref.owner_type,
+                LedgerAccount.owner_id == ref.owner_id,
+                LedgerAccount.kind == ref.kind,
+            )
+            .values(balance=balance)
+        )
+
+
+async def test_a_transfer_past_the_largest_balance_is_refused_and_moves_nothing(
+    client: httpx.AsyncClient, admin_headers: dict[str, str], contributor: Contributor, app_state: Any
+) -> None:
+    """Balances are 64-bit: a credit (or a system account's debit) past that bound is a precise
+    409 that moves nothing, not a 500 (PostgreSQL: bigint out of range) or a balance silently
+    turned into a float (SQLite: integer arithmetic that overflows gives a REAL)."""
+    pid = contributor.provider_id
+    free = ledger.provider_account(pid, ProviderAccount.stake_free)
+    deposits = ledger.system_account(ledger.SystemAccount.deposits)
+    await _set_balance(app_state, free, BIGINT_MAX - 5)
+    await _set_balance(app_state, deposits, -(BIGINT_MAX - 5))
+    over = await deposit(client, admin_headers, pid, 10, "pay-over-1")
+    problem(over, 409, "balance_limit_exceeded")
+    assert (await balances(app_state, pid))["stake_free"] == BIGINT_MAX - 5
+    fits = await deposit(client, admin_headers, pid, 5, "pay-fits-1")
+    assert fits.status_code == 201, fits.text
+    assert fits.json()["balances"]["stake_free"] == BIGINT_MAX
+    async with app_state.sessionmaker() as session:
+        if app_state.engine.dialect.name == "sqlite":  # no balance turned into a REAL
+            types = (await session.execute(select(func.typeof(LedgerAccount.balance)).distinct())).scalars()
+            assert set(types) == {"integer"}
+        assert await session.scalar(select(func.count()).select_from(LedgerTransfer)) == 1
+    assert await ledger_sum(app_state) == 0
+
+
+async def test_a_system_account_debit_past_the_smallest_balance_is_refused(
+    app_state: Any, contributor: Contributor
+) -> None:
+    pid = contributor.provider_id
+    deposits = ledger.system_account(ledger.SystemAccount.deposits)
+    await _set_balance(app_state, deposits, -BIGINT_MAX + 3)
+    async with app_state.sessionmaker() as session:
+        with pytest.raises(ledger.BalanceLimitExceeded):
+            async with session.begin():
+                await ledger.deposit(session, pid, 4, key="d-under", actor="test", reference=None)
+    assert (await balances(app_state, pid))["stake_free"] == 0
+    async with app_state.sessionmaker() as session, session.begin():
+        await ledger.deposit(session, pid, 3, key="d-fits", actor="test", reference=None)
+    assert (await balances(app_state, pid))["stake_free"] == 3

@@ -40,6 +40,11 @@ from orchestrator.core.sql import insert_ignore
 from orchestrator.ledger.models import LedgerAccount, LedgerTransfer, StakeUnbonding
 
 MAX_AMOUNT = 10**15
+# Balances are 64-bit integers (BIGINT). A transfer that would carry one past these bounds is
+# refused (``BalanceLimitExceeded``): PostgreSQL would fail the statement (bigint out of range,
+# a 500), and SQLite would silently turn the balance into a REAL and round it.
+MAX_BALANCE = 2**63 - 1
+MIN_BALANCE = -MAX_BALANCE
 
 
 class ProviderAccount(enum.StrEnum):
@@ -88,6 +93,10 @@ class InsufficientFunds(Conflict):
 
 class IdempotencyKeyReused(Conflict):
     code = "idempotency_key_reused"
+
+
+class BalanceLimitExceeded(Conflict):
+    code = "balance_limit_exceeded"
 
 
 @dataclass(frozen=True)
@@ -247,10 +256,12 @@ async def transfer(
                 # foreign keys take, so two transfers on one account queue instead of deadlocking.
                 .with_for_update(key_share=True)
             )
+            # The bounds are computed here, not in SQL: the arithmetic must not overflow either.
             debited = await session.execute(
                 update(LedgerAccount)
                 .where(
                     LedgerAccount.id == debit_id,
+                    LedgerAccount.balance >= MIN_BALANCE + amount,
                     or_(LedgerAccount.allow_negative, LedgerAccount.balance >= amount),
                 )
                 .values(balance=LedgerAccount.balance - amount)
@@ -258,21 +269,34 @@ async def transfer(
                 .execution_options(synchronize_session=False)
             )
             if debited.scalar_one_or_none() is None:
+                if debit.allow_negative:
+                    raise _limit(debit, amount)
                 raise InsufficientFunds(
                     f"{debit.kind} holds less than {amount}", extra={"account": debit.kind, "needed": amount}
                 )
-            await session.execute(
+            credited = await session.execute(
                 update(LedgerAccount)
-                .where(LedgerAccount.id == credit_id)
+                .where(LedgerAccount.id == credit_id, LedgerAccount.balance <= MAX_BALANCE - amount)
                 .values(balance=LedgerAccount.balance + amount)
+                .returning(LedgerAccount.id)
                 .execution_options(synchronize_session=False)
             )
+            if credited.scalar_one_or_none() is None:
+                raise _limit(credit, amount)
     except IntegrityError:
         existing = await _existing(session, key)
         if existing is None:
             raise
         return TransferResult(_same(existing, debit_id, credit_id, amount), created=False)
     return TransferResult(row, created=True)
+
+
+def _limit(account: AccountRef, amount: int) -> BalanceLimitExceeded:
+    return BalanceLimitExceeded(
+        f"moving {amount} would carry the {account.kind} account past the ledger's largest balance "
+        f"(+/-{MAX_BALANCE}); nothing moved",
+        extra={"account": account.kind, "amount": amount},
+    )
 
 
 async def transfer_in_parts(
