@@ -27,6 +27,23 @@ class ShortAnswer:
         return 1.0 if len(completion.strip()) <= int(spec["max_chars"]) else 0.0
 
 
+@dataclass(frozen=True)
+class Broken:
+    """A faulty plugin: returns the spec's ``value`` as its reward (a string such as "nan" made
+    a float, anything else as it is), whatever the completion."""
+
+    name: str = "broken"
+
+    def canonical(self, completion: str) -> str:
+        return completion.strip()
+
+    def reward(self, completion: str, spec: Mapping[str, Any]) -> Any:
+        value = spec["value"]
+        return (
+            float(value[len("float:") :]) if isinstance(value, str) and value.startswith("float:") else value
+        )
+
+
 @pytest.fixture
 def plugin_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A package that declares ``short_answer`` in ``orchestrator.rewards``, installed on the
@@ -35,7 +52,7 @@ def plugin_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: short-answer-plugin\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text(
-        f"[{rewards.ENTRY_POINT_GROUP}]\nshort_answer = {__name__}:ShortAnswer\n"
+        f"[{rewards.ENTRY_POINT_GROUP}]\nshort_answer = {__name__}:ShortAnswer\nbroken = {__name__}:Broken\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     rewards._plugins.cache_clear()
@@ -75,3 +92,29 @@ async def test_a_pool_can_use_a_plugin_reward_function(
         await verify_all(app_state)
         [v] = await verdicts(s.admin, s.headers, s.pool_id)
         assert v["category"] == "valid" and v["server_reward"] == 1.0
+
+
+@pytest.mark.parametrize("value", ["float:nan", "float:inf", 1.5, -1, "yes", [1]])
+async def test_a_reward_outside_zero_to_one_is_inconclusive_and_pays_nothing(
+    plugin_installed: None, app: Any, app_state: Any, value: Any
+) -> None:
+    """A reward function returns a number in [0, 1] or None. A plugin that returns anything
+    else (NaN, infinity, a number out of range, a string) is the operator's bug, not the
+    worker's: the result is inconclusive (``reward_invalid``: no reward, no penalty). Before,
+    any truthy value (NaN, -1, "yes") counted the sample correct and paid it, and a NaN made
+    the verdict's JSON unstorable on PostgreSQL, so the job failed at every tick."""
+    from tests.tasks_helpers import pool_setup
+    from tests.verification_helpers import FixedDraw, submit, verdicts, verify_all
+
+    app_state.rng = FixedDraw(1.0)
+    async with pool_setup(
+        app, app_state, workers=1, reward_function="broken", economics={"reward_per_sample": 7}
+    ) as s:
+        spec = {"value": value}
+        await s.enqueue([{"prompt": "Anything.", "sampling": {"max_tokens": 8}, "verification": spec}])
+        lease = (await s.workers[0].claim(s.pool_id)).json()["leases"][0]
+        await submit(s.workers[0], lease, ["hi"], claimed_reward=None)
+        await verify_all(app_state)
+        [v] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (v["category"], v["reason"], v["reward_amount"]) == ("inconclusive", "reward_invalid", 0)
+        assert "broken" in v["details"]["findings"][0]["detail"]

@@ -38,6 +38,7 @@ import json
 import random
 import zlib
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -302,7 +303,35 @@ async def score_result(given: ScoreInput, scorer: Scorer) -> Scored:
         n = len(completions)
         unscorable = checks.Finding("reward_unscorable", "inconclusive", str(exc))
         return Scored(given.result, [None] * n, [""] * n, unscorable)
+    invalid = _invalid_output(given.reward_function, per_sample, canonical)
+    if invalid is not None:
+        # The operator's reward function is at fault, not the worker: no reward, no penalty.
+        log.error("reward_function_invalid", job_id=given.job_id, detail=invalid)
+        n = len(completions)
+        finding = checks.Finding("reward_invalid", "inconclusive", invalid)
+        return Scored(given.result, [None] * n, [""] * n, finding)
     return Scored(given.result, per_sample, canonical)
+
+
+def _invalid_output(name: str, per_sample: Sequence[object], canonical: Sequence[object]) -> str | None:
+    """What is wrong with a reward function's output, if anything: each reward must be a
+    number in [0, 1] (NaN is not) or None, and each canonical answer a string. A plugin's
+    NaN or -1 would otherwise count its sample correct and pay it, and a string fail the job
+    at every tick."""
+    for i, reward in enumerate(per_sample):
+        number = isinstance(reward, int | float)
+        if reward is not None and not (number and 0 <= reward <= 1):  # type: ignore[operator]
+            return (
+                f"reward function {name!r} returned {reward!r:.40} for sample {i}; "
+                "a reward is a number in [0, 1] or null"
+            )
+    for i, answer in enumerate(canonical):
+        if not isinstance(answer, str):
+            return (
+                f"reward function {name!r} returned {answer!r:.40} as sample {i}'s canonical "
+                "answer; it must be a string"
+            )
+    return None
 
 
 async def score(session: AsyncSession, job: VerificationJob, scorer: Scorer) -> Scored:
