@@ -14,6 +14,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 PLACEHOLDER_SECRETS = {"", "change-me", "changeme", "dev-secret", "secret", "placeholder"}
 DEV_SEED_SECRET = "dev-secret"  # noqa: S105 - the dev placeholder, refused in prod
+SUPPORTED_DB_DRIVERS = ("sqlite+aiosqlite", "postgresql+asyncpg")
+SUPPORTED_DB_URLS = "sqlite+aiosqlite:///path or postgresql+asyncpg://user:pass@host/db"
 
 
 class DatabaseSettings(BaseModel):
@@ -41,6 +43,23 @@ class DatabaseSettings(BaseModel):
         ),
     )
     echo: bool = False
+
+    @field_validator("url")
+    @classmethod
+    def _supported_url(cls, url: str) -> str:
+        # A URL SQLAlchemy cannot parse, or one for another driver (a plain postgresql:// picks
+        # psycopg, which is not installed), ended every command in a traceback. The message
+        # never holds the URL: it may carry a password.
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError
+
+        try:
+            driver = make_url(url).drivername
+        except (ArgumentError, ValueError):
+            raise ValueError(f"not a database URL; use {SUPPORTED_DB_URLS}") from None
+        if driver not in SUPPORTED_DB_DRIVERS:
+            raise ValueError(f"the driver {driver!r} is not supported; use {SUPPORTED_DB_URLS}")
+        return url
 
     @property
     def is_sqlite(self) -> bool:

@@ -165,6 +165,11 @@ def test_serve_refuses_an_unknown_log_level_before_starting(monkeypatch: pytest.
         ({"ORCH_HEARTBEAT__INTERVAL_S": "soon"}, "ORCH_HEARTBEAT__INTERVAL_S"),
         ({"ORCH_SIGNATURE__NONCE_TTL_S": "100"}, "nonce_ttl_s (100) must be 0 or at least"),
         ({"ORCH_ENV": "prod"}, "ORCH_SEED_SECRET must be set"),
+        # A URL of another driver (psycopg's plain postgresql://) or none at all used to end in
+        # a traceback (ModuleNotFoundError, ArgumentError), exit 1.
+        ({"ORCH_DB__URL": "postgresql://u:s3cret@127.0.0.1/x"}, "ORCH_DB__URL: the driver 'postgresql'"),
+        ({"ORCH_DB__URL": "sqlite:///./x.db"}, "ORCH_DB__URL: the driver 'sqlite'"),
+        ({"ORCH_DB__URL": "orchestrator.db"}, "ORCH_DB__URL: not a database URL"),
     ],
 )
 @pytest.mark.parametrize(
@@ -181,6 +186,7 @@ def test_a_setting_that_does_not_validate_is_named_in_a_line_and_exit_2(
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and named in lines[0], result.output
     assert lines[0].startswith("invalid setting"), result.output
+    assert "s3cret" not in result.output  # never the value: a URL may hold a password
     assert not (tmp_path / "x.db").exists()
 
 
