@@ -47,9 +47,18 @@ def _settings() -> Settings:
     """``get_settings()``; an ORCH_* value that does not validate is one line per error, naming
     the variable, and exit 2, rather than a traceback."""
     from pydantic import BaseModel, ValidationError
+    from pydantic_settings import SettingsError
 
     try:
         return get_settings()
+    except SettingsError:
+        # A list setting (ORCH_SERVER__ALLOWED_HOSTS) whose value is not JSON: pydantic-settings
+        # fails before validation, naming only the group, in a traceback.
+        example = '["api.example.org"]'
+        for name in _settings_not_json() or ["ORCH_*"]:
+            message = f"invalid setting {name}: not JSON; a list setting takes a JSON list, e.g. {example}"
+            console.print(escape(message), style="red")
+        raise typer.Exit(2) from None
     except ValidationError as exc:
         groups = {
             name
@@ -68,6 +77,27 @@ def _settings() -> Settings:
             # Not the value given: it may be a secret (a password in a URL).
             console.print(escape(f"{what}: {message}"), style="red")
         raise typer.Exit(2) from None
+
+
+def _settings_not_json() -> list[str]:
+    """The ORCH_* variables of list settings whose value does not parse as JSON."""
+    import typing
+
+    from pydantic import BaseModel
+
+    environ = {key.upper(): value for key, value in os.environ.items()}
+    names = []
+    for group, field in Settings.model_fields.items():
+        if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            continue
+        for name, inner in field.annotation.model_fields.items():
+            variable = f"ORCH_{group}__{name}".upper()
+            if typing.get_origin(inner.annotation) in (list, dict, set, tuple) and variable in environ:
+                try:
+                    json.loads(environ[variable])
+                except ValueError:
+                    names.append(variable)
+    return names
 
 
 def check_process_model(settings: Settings, workers: int) -> None:

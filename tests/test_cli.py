@@ -170,6 +170,8 @@ def test_serve_refuses_an_unknown_log_level_before_starting(monkeypatch: pytest.
         ({"ORCH_DB__URL": "postgresql://u:s3cret@127.0.0.1/x"}, "ORCH_DB__URL: the driver 'postgresql'"),
         ({"ORCH_DB__URL": "sqlite:///./x.db"}, "ORCH_DB__URL: the driver 'sqlite'"),
         ({"ORCH_DB__URL": "orchestrator.db"}, "ORCH_DB__URL: not a database URL"),
+        # A list setting that is not JSON: pydantic-settings' SettingsError, a traceback, exit 1.
+        ({"ORCH_SERVER__ALLOWED_HOSTS": "api.example.org"}, "ORCH_SERVER__ALLOWED_HOSTS: not JSON"),
     ],
 )
 @pytest.mark.parametrize(
