@@ -687,7 +687,14 @@ def _server_url(value: str) -> str:
 ServerOpt = Annotated[str, typer.Option(help="The orchestrator's base URL", callback=_server_url)]
 NodeKeyOpt = Annotated[Path, typer.Option("--node-key", help="The node's key file")]
 SpecsOpt = Annotated[
-    str | None, typer.Option("--specs", help='Node specs as JSON: {"gpu_model", "gpu_count", ...}')
+    str | None,
+    typer.Option(
+        "--specs",
+        help=(
+            'Node specs as JSON, the whole record: {"gpu_model", "gpu_count", "gpu_memory_mb", '
+            '"cpu_cores", "ram_mb"} (gpu_model null without GPUs); none from this machine'
+        ),
+    ),
 ]
 GpuModelOpt = Annotated[str | None, typer.Option(help="GPU model as the driver reports it")]
 GpuCountOpt = Annotated[int | None, typer.Option(min=0, help="Number of GPUs")]
