@@ -900,17 +900,23 @@ def worker_run(
 
 @app.command("demo")
 def demo_cmd(
-    duration: Annotated[float, typer.Option(help="Seconds to run at most")] = 45.0,
-    honest: Annotated[int, typer.Option(help="Honest workers")] = 6,
-    dishonest: Annotated[int, typer.Option(help="Dishonest workers, one of each kind in turn")] = 7,
+    duration: Annotated[float, typer.Option(min=1, help="Seconds to run at most")] = 45.0,
+    honest: Annotated[int, typer.Option(min=0, help="Honest workers")] = 6,
+    dishonest: Annotated[int, typer.Option(min=0, help="Dishonest workers, one of each kind in turn")] = 7,
     seed: Annotated[int, typer.Option(help="Seed of the problems and the workers' choices")] = 7,
-    tasks: Annotated[int, typer.Option(help="Arithmetic problems to enqueue")] = 150,
+    # One batch of the enqueue API, which takes 1 to 10,000 tasks.
+    tasks: Annotated[int, typer.Option(min=1, max=10_000, help="Arithmetic problems to enqueue")] = 150,
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Also write the summary here as JSON")
     ] = None,
 ) -> None:
     """Run a coordinator in-process with honest workers and cheaters, and show what is caught."""
     from orchestrator.demo.cli import demo
+
+    # Refused before the run, not in a traceback once it is over (--tasks 0 or 20000, and a
+    # --json in a missing directory, ended the run so).
+    if json_path is not None and (json_path.is_dir() or not json_path.parent.is_dir()):
+        raise typer.BadParameter(f"{json_path} is not a file in an existing directory", param_hint="--json")
 
     demo(duration=duration, honest=honest, dishonest=dishonest, seed=seed, tasks=tasks, json_path=json_path)
 

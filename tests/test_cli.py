@@ -452,3 +452,32 @@ def test_help_joins_a_docstrings_lines_into_paragraphs() -> None:
         "SIGINT or SIGTERM stops it cleanly: no new claims, held leases finish within --grace-s or are released."
         in run_help.output
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--tasks", "0"], "--tasks"),
+        (["--tasks", "10001"], "--tasks"),  # above one enqueue batch: a 422 once the run had started
+        (["--honest", "-1"], "--honest"),
+        (["--dishonest", "-1"], "--dishonest"),
+        (["--duration", "0"], "--duration"),
+        (["--json", "{missing}/summary.json"], "--json"),
+    ],
+)
+def test_demo_refuses_bad_arguments_before_it_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], named: str
+) -> None:
+    """--tasks 0 or 10001 ended the demo in a traceback (exit 1) and a --json in a missing
+    directory did so after the whole run; negative counts and durations ran as if fine."""
+    import orchestrator.demo.cli
+
+    ran: list[object] = []
+    monkeypatch.setattr(orchestrator.demo.cli, "demo", lambda **kwargs: ran.append(kwargs))
+    args = [arg.format(missing=tmp_path / "missing") for arg in args]
+    result = runner.invoke(app, ["demo", *args], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and not ran, (result.exit_code, result.output)
+    assert named in result.output
+
+    ok = runner.invoke(app, ["demo", "--tasks", "10000", "--json", str(tmp_path / "s.json")])
+    assert ok.exit_code == 0 and len(ran) == 1, ok.output
