@@ -24,9 +24,14 @@ def _check_no_nul(value: str) -> str:
     return value
 
 
-Text = Annotated[str, AfterValidator(_check_no_nul)]
+NoNul = AfterValidator(_check_no_nul)
+
+Text = Annotated[str, NoNul]
 """Free text that is stored or compared in SQL: PostgreSQL text cannot hold a NUL, so one is
-refused as bad input (422 in a body) instead of failing in the database (500)."""
+refused as bad input (422 in a body) instead of failing in the database (500). Give its length
+bounds on the field (``name: Text = Field(max_length=...)``); a type with bounds of its own is
+``Annotated[str, Field(...), NoNul]``: bounds after the validator are checked as a generic
+sequence's ("Value should have at least 1 item after validation")."""
 
 NO_NUL = r"^[^\x00]*$"
 """The same rule as a pattern, for path and query parameters (Path(pattern=...), Query(...))."""

@@ -17,7 +17,7 @@ from pydantic import (
     model_validator,
 )
 
-from api_schemas.common import JsonObject, StrictModel, Text
+from api_schemas.common import JsonObject, NoNul, StrictModel, Text
 
 SHA256 = r"^[0-9a-f]{64}$"
 MAX_PROOF_BYTES = 8 * 1024 * 1024
@@ -34,8 +34,9 @@ def _check_uri(value: str) -> str:
 
 
 # Where workers fetch a checkpoint or shard from: handed to every worker as given.
-Uri = Annotated[Text, Field(min_length=1, max_length=2048), AfterValidator(_check_uri)]
-ErrorText = Annotated[Text, Field(min_length=1, max_length=1000)]
+# The bounds come before the validators, so that they are checked (and worded) as a string's.
+Uri = Annotated[str, Field(min_length=1, max_length=2048), NoNul, AfterValidator(_check_uri)]
+ErrorText = Annotated[str, Field(min_length=1, max_length=1000), NoNul]
 
 
 class Shard(StrictModel):
