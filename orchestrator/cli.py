@@ -35,9 +35,11 @@ app = _typer("Coordinator for permissionless compute pools.")
 admin_app = _typer("Operator tokens and other admin tasks.")
 keys_app = _typer("Ed25519 key files for providers and nodes.")
 worker_app = _typer("Contribute compute: run a worker node.")
+provider_app = _typer("A provider's balance, withdrawals and payouts (signed with its key).")
 app.add_typer(admin_app, name="admin")
 app.add_typer(keys_app, name="keys")
 app.add_typer(worker_app, name="worker")
+app.add_typer(provider_app, name="provider")
 # Messages are not hard-wrapped at the terminal's width: a path, a URL or a database error in
 # them stays one line that can be copied (or grepped, in a log) whole.
 console = Console(stderr=True, soft_wrap=True)
@@ -778,6 +780,72 @@ def worker_register(
     with _worker_errors():
         node = asyncio.run(_register_node(server, *keys, node_specs))
     typer.echo(json.dumps({"provider_id": node.provider_id, "node_id": node.id, "status": node.status}))
+
+
+ProviderKeyOpt = Annotated[Path, typer.Option("--provider-key", help="The provider's key file")]
+
+
+async def _as_provider(server: str, provider_key: Any, call: Callable[[Any], Awaitable[Any]]) -> Any:
+    from orchestrator.worker.client import WorkerClient
+
+    async with WorkerClient(server, None, provider_key) as client:
+        return await call(client)
+
+
+def _print_model(value: Any) -> None:
+    typer.echo(value.model_dump_json())
+
+
+@provider_app.command("balance")
+def provider_balance(provider_key: ProviderKeyOpt, server: ServerOpt = DEFAULT_SERVER) -> None:
+    """Print the provider's balances as JSON: stake (free, locked, unbonding) and rewards
+    (pending, claimable, withdrawn)."""
+    key = _key_file(provider_key, "--provider-key")
+    with _worker_errors():
+        _print_model(asyncio.run(_as_provider(server, key, lambda c: c.balance())))
+
+
+@provider_app.command("withdraw")
+def provider_withdraw(
+    provider_key: ProviderKeyOpt,
+    amount: Annotated[int, typer.Option(min=1, max=10**15, help="How much of the claimable rewards")],
+    idempotency_key: Annotated[
+        str,
+        typer.Option(
+            help="8 to 100 characters, your own (e.g. a date and a counter): running the command "
+            "again with the same key answers the first withdrawal and moves nothing"
+        ),
+    ],
+    server: ServerOpt = DEFAULT_SERVER,
+) -> None:
+    """Withdraw claimable rewards into a payout, which an admin settles off-chain; prints the
+    payout and the balances after it as JSON. A command that failed or timed out is safe to
+    run again with the same `--idempotency-key`."""
+    if not 8 <= len(idempotency_key) <= 100:
+        raise typer.BadParameter("must be 8 to 100 characters", param_hint="--idempotency-key")
+    key = _key_file(provider_key, "--provider-key")
+    with _worker_errors():
+        out = asyncio.run(_as_provider(server, key, lambda c: c.withdraw(amount, idempotency_key)))
+    _print_model(out)
+
+
+@provider_app.command("payouts")
+def provider_payouts(
+    provider_key: ProviderKeyOpt,
+    status: Annotated[
+        str | None, typer.Option(help="Only payouts in this status: requested, paid or rejected")
+    ] = None,
+    limit: Annotated[int, typer.Option(min=1, max=10_000, help="How many, newest first")] = 100,
+    server: ServerOpt = DEFAULT_SERVER,
+) -> None:
+    """Print the provider's payouts, newest first, one JSON object per line."""
+    if status is not None and status not in {"requested", "paid", "rejected"}:
+        raise typer.BadParameter("must be requested, paid or rejected", param_hint="--status")
+    key = _key_file(provider_key, "--provider-key")
+    with _worker_errors():
+        payouts = asyncio.run(_as_provider(server, key, lambda c: c.payouts(limit, status=status)))
+    for payout in payouts:
+        _print_model(payout)
 
 
 def _log_level(value: str) -> str:

@@ -65,6 +65,21 @@ def test_bad_worker_arguments_are_refused_before_anything_runs(tmp_path: Path) -
         assert message in " ".join(result.output.split()), (extra, result.output)
 
 
+def test_bad_provider_arguments_are_refused_before_anything_runs(tmp_path: Path) -> None:
+    key = tmp_path / "provider.key"
+    assert runner.invoke(app, ["keys", "generate", str(key)]).exit_code == 0
+    base = ["--provider-key", str(key), "--server", "http://127.0.0.1:9"]
+    cases = [
+        (["withdraw", "--amount", "5", "--idempotency-key", "short"], "must be 8 to 100 characters"),
+        (["withdraw", "--amount", "0", "--idempotency-key", "long-enough"], "--amount"),
+        (["payouts", "--status", "lost"], "must be requested, paid or rejected"),
+    ]
+    for extra, message in cases:
+        result = runner.invoke(app, ["provider", extra[0], *base, *extra[1:]], env={"COLUMNS": "200"})
+        assert result.exit_code == 2, (extra, result.output)
+        assert message in " ".join(result.output.split()), (extra, result.output)
+
+
 def test_a_key_file_that_cannot_be_read_is_a_bad_argument(tmp_path: Path) -> None:
     """A missing or garbled key file is refused as a bad argument (exit 2, naming the option
     and the file) before anything runs; it used to be 'worker failed: FileNotFoundError: ...',
@@ -260,6 +275,19 @@ def test_worker_run_submits_results_and_exits_cleanly_on_sigint(
         out, err = once.communicate(timeout=20)  # ends by itself after one task
         assert once.returncode == 0, err
         assert json.loads(out.strip().splitlines()[-1])["submitted"] == 1
+
+        # The provider's own commands, with its key only: its stake is locked in the pool, and
+        # no reward is claimable yet (the hold), so a withdrawal is refused and moves nothing.
+        provider = ["--server", url, "--provider-key", str(keys["provider"])]
+        balance = runner.invoke(app, ["provider", "balance", *provider])
+        assert balance.exit_code == 0, balance.output
+        assert json.loads(balance.stdout)["stake_locked"] == 100
+        refused = runner.invoke(
+            app, ["provider", "withdraw", *provider, "--amount", "5", "--idempotency-key", "cli-payday-1"]
+        )
+        assert refused.exit_code == 1 and "409 insufficient_funds" in refused.output
+        listed = runner.invoke(app, ["provider", "payouts", *provider])
+        assert listed.exit_code == 0 and listed.stdout == ""
 
 
 @pytest.mark.timeout(60)

@@ -274,3 +274,44 @@ async def test_a_verdicts_node_filter_that_cannot_be_a_key_id_is_refused(
     assert r.status_code == 200 and r.json()["items"] == []
     bad = await client.get(url, params={"node_id": "not a key"}, auth=contributor.provider_auth)
     problem(bad, 400, "invalid_query")
+
+
+async def test_a_provider_withdraws_and_lists_its_payouts_without_a_node_key(
+    app: Any, app_state: Any
+) -> None:
+    """A provider keeps its key off the workers: its own client (no node key) reads the
+    balance, withdraws and lists payouts. A withdrawal whose answer is lost (a 502 after the
+    server handled it) is retried with the same ``Idempotency-Key``: one payout, paid once."""
+    from orchestrator.core.keys import generate_key
+    from orchestrator.worker.client import WorkerClient
+    from orchestrator.worker.errors import NodeKeyRequired
+    from tests.test_payouts import give_claimable
+    from tests.worker_helpers import BASE_URL, FaultyTransport, app_transport
+
+    provider_key = generate_key()
+    async with WorkerClient(BASE_URL, generate_key(), provider_key, transport=app_transport(app)) as machine:
+        await machine.register(SPECS, "1")  # registers the provider too
+    wire = FaultyTransport(app_transport(app))
+    async with WorkerClient(BASE_URL, None, provider_key, transport=wire) as provider:
+        provider.backoff_base_s = 0.01
+        assert provider.provider_id is not None
+        await give_claimable(app_state, provider.provider_id, 100)
+        assert (await provider.balance()).rewards_claimable == 100
+
+        wire.fail("/v1/providers/me/withdrawals", "forward+502")
+        out = await provider.withdraw(30, "payday-0001")
+        assert (out.payout.amount, out.payout.status, out.balances.rewards_claimable) == (30, "requested", 70)
+        assert len(wire.to("/v1/providers/me/withdrawals")) == 2  # the retry, answered 200
+        again = await provider.withdraw(30, "payday-0001")  # a later run of the same command
+        assert again.payout.id == out.payout.id and again.balances.rewards_claimable == 70
+        with pytest.raises(OrchestratorAPIError) as reused:
+            await provider.withdraw(40, "payday-0001")
+        assert (reused.value.status, reused.value.code) == (409, "idempotency_key_reused")
+        with pytest.raises(OrchestratorAPIError) as short:
+            await provider.withdraw(71, "payday-0002")
+        assert (short.value.status, short.value.code) == (409, "insufficient_funds")
+
+        assert [p.id for p in await provider.payouts()] == [out.payout.id]
+        assert await provider.payouts(status="paid") == []
+        with pytest.raises(NodeKeyRequired):
+            await provider.me()

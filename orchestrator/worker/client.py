@@ -8,8 +8,8 @@ result submission carries the same bytes and gets the same answer.
 
 Retries (tenacity; exponential backoff with full jitter, ``Retry-After`` honoured):
 
-* idempotent calls (GET, registration, join, leave, heartbeat, result submission, release)
-  retry on transport errors, 429 and 5xx;
+* idempotent calls (GET, registration, join, leave, heartbeat, result submission, release,
+  a withdrawal with its ``Idempotency-Key``) retry on transport errors, 429 and 5xx;
 * a claim is not idempotent (a claim whose answer was lost has leased tasks that the worker
   never saw), so it retries only when the request cannot have reached the server (connect
   errors and connection-pool timeouts) or was refused before any work (429, 503).
@@ -24,7 +24,7 @@ import enum
 import functools
 import json
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import TracebackType
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -43,14 +43,15 @@ from tenacity import (
 
 from api_schemas.identity import HeartbeatIn, HeartbeatOut, NodeOut, NodeRegister, NodeSpecs
 from api_schemas.ledger import Balances
+from api_schemas.payouts import PayoutOut, WithdrawalOut
 from api_schemas.pools import JoinIn, MembershipOut
 from api_schemas.tasks import ClaimIn, ClaimOut, Lease, LeasesOut, ReleaseIn, ResultIn, ResultOut
 from orchestrator import __version__
 from orchestrator.core.keys import attest_node, key_id_of
 from orchestrator.core.signing import SignatureAuth
-from orchestrator.worker.errors import OrchestratorAPIError, ProviderKeyRequired
+from orchestrator.worker.errors import NodeKeyRequired, OrchestratorAPIError, ProviderKeyRequired
 
-__all__ = ["OrchestratorAPIError", "ProviderKeyRequired", "WorkerClient"]
+__all__ = ["NodeKeyRequired", "OrchestratorAPIError", "ProviderKeyRequired", "WorkerClient"]
 
 log = structlog.get_logger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -99,7 +100,7 @@ class WorkerClient:
     def __init__(
         self,
         base_url: str,
-        node_key: SigningKey,
+        node_key: SigningKey | None,
         provider_key: SigningKey | None = None,
         *,
         transport: httpx.AsyncBaseTransport | None = None,
@@ -108,12 +109,12 @@ class WorkerClient:
     ) -> None:
         if max_retries < 0:
             raise ValueError("max_retries must be >= 0")
-        self._node_key = node_key
         self._provider_key = provider_key
-        self._node_auth = SignatureAuth(node_key)
+        # No node key: a provider's own client (balance, withdrawals, payouts) and nothing else.
+        self._node_auth = SignatureAuth(node_key) if node_key is not None else None
         self._provider_auth = SignatureAuth(provider_key) if provider_key is not None else None
         self._provider_id = key_id_of(provider_key) if provider_key is not None else None
-        self._node_id = key_id_of(node_key)
+        self._node_id = key_id_of(node_key) if node_key is not None else None
         self.max_retries = max_retries
         self._sleep: Callable[[float], Awaitable[None]] = anyio.sleep
         self._http = httpx.AsyncClient(
@@ -129,6 +130,8 @@ class WorkerClient:
     @property
     def node_id(self) -> str:
         """The node's key id (its Ed25519 public key, unpadded base64url)."""
+        if self._node_id is None:
+            raise NodeKeyRequired("this client was made without a node key")
         return self._node_id
 
     @property
@@ -174,7 +177,7 @@ class WorkerClient:
             provider_body = {"display_name": display_name} if display_name is not None else {}
             await self._call("POST", "/v1/providers", provider_body, provider=True)
             provider_id = key_id_of(self._provider_key)
-            attestation = attest_node(self._provider_key, self._node_id)
+            attestation = attest_node(self._provider_key, self.node_id)
         elif provider_id is None or attestation is None:
             raise ProviderKeyRequired(
                 "registering a node needs the provider key, or its provider_id and attestation"
@@ -272,6 +275,32 @@ class WorkerClient:
             Balances, "GET", "/v1/providers/me/balance", provider=True, interrupt=stop
         )
 
+    async def withdraw(
+        self, amount: int, idempotency_key: str, *, stop: asyncio.Event | None = None
+    ) -> WithdrawalOut:
+        """Withdraw ``amount`` of the provider's claimable rewards into a payout (signed by the
+        provider key). Idempotent by ``idempotency_key`` (8 to 100 characters): the same key
+        again, by a retry here or by a later call, answers the first withdrawal and moves
+        nothing; with another amount it is refused (409 ``idempotency_key_reused``)."""
+        response = await self._call(
+            "POST",
+            "/v1/providers/me/withdrawals",
+            {"amount": amount},
+            provider=True,
+            headers={"Idempotency-Key": idempotency_key},
+            interrupt=stop,
+        )
+        return WithdrawalOut.model_validate_json(response.content)
+
+    async def payouts(
+        self, limit: int = 100, *, status: str | None = None, stop: asyncio.Event | None = None
+    ) -> list[PayoutOut]:
+        """The provider's newest ``limit`` payouts (``status``: requested, paid or rejected),
+        newest first, following the server's pages (signed by the provider key)."""
+        params = {"status": status} if status is not None else {}
+        pages = self._pages("/v1/providers/me/payouts", limit, provider=True, params=params, stop=stop)
+        return [PayoutOut.model_validate(item) async for item in pages]
+
     async def verdicts(
         self, limit: int = 100, *, node_only: bool = False, stop: asyncio.Event | None = None
     ) -> list[dict[str, Any]]:
@@ -280,19 +309,32 @@ class WorkerClient:
         client's node's (signed by the node key: no provider key needed, and none of the
         provider's request budget used). Once ``stop`` is set, no further attempt is made."""
         path = "/v1/nodes/me/verdicts" if node_only else "/v1/providers/me/verdicts"
-        items: list[dict[str, Any]] = []
+        return [item async for item in self._pages(path, limit, provider=not node_only, stop=stop)]
+
+    async def _pages(
+        self,
+        path: str,
+        limit: int,
+        *,
+        provider: bool,
+        params: dict[str, Any] | None = None,
+        stop: asyncio.Event | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Up to ``limit`` items of a cursor-paged listing, page by page (500 at most each)."""
+        seen = 0
         cursor: str | None = None
-        while len(items) < limit:
-            params: dict[str, Any] = {"limit": min(500, limit - len(items))}
+        while seen < limit:
+            query: dict[str, Any] = {**(params or {}), "limit": min(500, limit - seen)}
             if cursor is not None:
-                params["cursor"] = cursor
-            response = await self._call("GET", path, provider=not node_only, params=params, interrupt=stop)
+                query["cursor"] = cursor
+            response = await self._call("GET", path, provider=provider, params=query, interrupt=stop)
             page = response.json()
-            items.extend(page["items"])
+            for item in page["items"][: limit - seen]:
+                seen += 1
+                yield item
             cursor = page.get("next_cursor")
             if not cursor or not page["items"]:
-                break
-        return items[:limit]
+                return
 
     # ------------------------------------------------------------------ plumbing
 
@@ -318,6 +360,7 @@ class WorkerClient:
         provider: bool = False,
         retry: Retry = Retry.IDEMPOTENT,
         params: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
         interrupt: asyncio.Event | None = None,
     ) -> httpx.Response:
         """One call, retried per ``retry``. Once ``interrupt`` is set there is no further
@@ -327,12 +370,14 @@ class WorkerClient:
                 raise ProviderKeyRequired(f"{method} {path} must be signed by the provider key")
             auth = self._provider_auth
         else:
+            if self._node_auth is None:
+                raise NodeKeyRequired(f"{method} {path} must be signed by the node key")
             auth = self._node_auth
         # Serialised once: every attempt sends (and signs a digest of) the same bytes.
         content = (
             json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode() if body is not None else None
         )
-        headers = {"Content-Type": "application/json"} if content is not None else {}
+        headers = {**({"Content-Type": "application/json"} if content is not None else {}), **(headers or {})}
         sleep = self._sleep if interrupt is None else functools.partial(self._sleep_unless, interrupt)
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.max_retries + 1),

@@ -71,6 +71,11 @@ class ProviderKeyRequired(WorkerError):
     """The call must be signed by the provider key, and this client was not given one."""
 
 
+class NodeKeyRequired(WorkerError):
+    """The call must be signed by the node key, and this client was made with the provider's
+    key only (``WorkerClient(base_url, None, provider_key)``: balance, withdrawals, payouts)."""
+
+
 class BackendError(WorkerError):
     """A backend failed to generate samples for a lease (the lease should be given back)."""
 
