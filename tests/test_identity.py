@@ -55,6 +55,18 @@ async def test_node_key_bound_to_another_provider_conflicts(
     )
 
 
+async def test_a_node_may_not_sign_with_its_providers_key(client: httpx.AsyncClient) -> None:
+    """The provider key is who gets paid; a node registered with it would put it on a worker's
+    machine (the README says to keep it safe). Refused, and nothing is registered."""
+    c = new_contributor()
+    assert (await client.post("/v1/providers", json={}, auth=c.provider_auth)).status_code == 201
+    body = c.node_body(attestation=attest_node(c.provider_key, c.provider_id))
+    body["provider_id"] = c.provider_id
+    r = await client.post("/v1/nodes", json=body, auth=c.provider_auth)
+    assert "keys generate" in problem(r, 422, "node_key_is_provider_key")["detail"]
+    problem(await client.get("/v1/nodes/me", auth=c.provider_auth), 401, "unknown_key")
+
+
 async def test_attestation_must_be_the_providers(client: httpx.AsyncClient) -> None:
     c = new_contributor()
     assert (await client.post("/v1/providers", json={}, auth=c.provider_auth)).status_code == 201

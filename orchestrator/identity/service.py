@@ -8,7 +8,7 @@ import ipaddress
 from sqlalchemy.ext.asyncio import AsyncSession, async_object_session
 
 from api_schemas.identity import NodeMembership, NodeOut, NodeRegister, NodeSpecs, ProviderOut
-from orchestrator.core.errors import Conflict, Forbidden, NotFound
+from orchestrator.core.errors import Conflict, Forbidden, NotFound, UnprocessableEntity
 from orchestrator.core.keys import verify_attestation
 from orchestrator.core.state import AppState
 from orchestrator.identity import repository as repo
@@ -76,6 +76,13 @@ async def register_node(
     session: AsyncSession, node_id: str, body: NodeRegister, ip: str
 ) -> tuple[Node, bool]:
     """Register a node under its provider; re-registering updates specs and version."""
+    if node_id == body.provider_id:
+        # The provider key is who gets paid: it belongs off the workers' machines.
+        raise UnprocessableEntity(
+            "a node signs with a key of its own, not the provider's (the key that gets paid must "
+            "not be on a worker's machine): generate one with `orchestrator keys generate`",
+            code="node_key_is_provider_key",
+        )
     if await repo.get_provider(session, body.provider_id) is None:
         raise NotFound(
             "the provider is not registered; register it first (POST /v1/providers)",
