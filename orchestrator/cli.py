@@ -718,8 +718,9 @@ def _table_ends_its_line() -> Iterator[None]:
 
 
 @contextmanager
-def _worker_errors() -> Iterator[None]:
-    """Refusals and failures as one readable line (plus a join's reasons) and exit 1."""
+def _worker_errors(hints: dict[str, str] | None = None) -> Iterator[None]:
+    """Refusals and failures as one readable line (plus a join's reasons, or the hint for the
+    problem's code) and exit 1."""
     import httpx
 
     from orchestrator.worker.errors import OrchestratorAPIError, WorkerError
@@ -730,6 +731,8 @@ def _worker_errors() -> Iterator[None]:
         console.print(f"[red]the server refused: {exc.status} {exc.code}: {exc.detail}[/red]")
         for reason in exc.body.get("reasons") or []:
             console.print(f"[red]  - {reason.get('code')}: {reason.get('detail')}[/red]")
+        if hints and exc.code in hints:
+            console.print(escape(hints[exc.code]), style="red")
         raise typer.Exit(1) from exc
     except (WorkerError, ValueError, KeyError, OSError, httpx.HTTPError) as exc:
         console.print(f"[red]worker failed: {type(exc).__name__}: {exc}[/red]")
@@ -750,6 +753,16 @@ def _key_file(path: Path, option: str) -> Any:
         raise typer.BadParameter(
             f"{path} is not a key file (`orchestrator keys generate` writes one): {exc}", param_hint=option
         ) from None
+
+
+def _separate_keys(provider_key: Any, node_key: Any) -> None:
+    """The provider key is who gets paid: it is not a node's key too (the server refuses it)."""
+    if bytes(provider_key) == bytes(node_key):
+        raise typer.BadParameter(
+            "the node key is the provider key; a node has a key of its own "
+            "(`orchestrator keys generate node.key`), and the provider key stays off the workers",
+            param_hint="--node-key",
+        )
 
 
 async def _register_node(server: str, provider_key: Any, node_key: Any, specs: Any) -> Any:
@@ -777,6 +790,7 @@ def worker_register(
     overrides = {"gpu_model": gpu_model, "gpu_count": gpu_count, "gpu_memory_mb": gpu_memory_mb}
     node_specs = _worker_specs(specs, {**overrides, "cpu_cores": cpu_cores, "ram_mb": ram_mb})
     keys = _key_file(provider_key, "--provider-key"), _key_file(node_key, "--node-key")
+    _separate_keys(*keys)
     with _worker_errors():
         node = asyncio.run(_register_node(server, *keys, node_specs))
     typer.echo(json.dumps({"provider_id": node.provider_id, "node_id": node.id, "status": node.status}))
@@ -926,9 +940,9 @@ def worker_run(
             param_hint="--provider-key",
         )
     node_specs = _worker_specs(specs, overrides)
-    _key_file(node_key, "--node-key")
+    node = _key_file(node_key, "--node-key")
     if provider_key is not None:
-        _key_file(provider_key, "--provider-key")
+        _separate_keys(_key_file(provider_key, "--provider-key"), node)
     config = WorkerConfig(
         server=server,
         pool_id=pool,
@@ -953,9 +967,15 @@ def worker_run(
     # Colours for the rich console, which drops them where stderr is not a terminal.
     configure_logging(log_level, json=False, colors=True)
     structlog.configure(logger_factory=lambda *_: _ConsoleLogger(console))
+    # Without the provider key the node must be registered already: say how, if it is not.
+    unregistered = (
+        "the node is not registered: register it once with `orchestrator worker register "
+        "--provider-key ... --node-key ...`, or pass --provider-key here"
+    )
+    hints = {"unknown_key": unregistered} if provider_key is None else None
     try:
         with (
-            _worker_errors(),
+            _worker_errors(hints),
             _table_ends_its_line(),
             Live(_stats_table(WorkerStats()), console=console, refresh_per_second=4) as live,
         ):

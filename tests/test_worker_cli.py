@@ -41,6 +41,7 @@ def test_bad_worker_arguments_are_refused_before_anything_runs(tmp_path: Path) -
     assert "which needs --provider-key" in " ".join(without_provider.output.split())
     base += ["--provider-key", str(provider)]
     cases = [
+        (["--node-key", str(provider)], "the node key is the provider key"),
         (["--backend", "quantum"], "unknown backend"),
         (["--backend-opt", "error_rate"], "is not key=value"),
         (["--specs", '{"gpu_count": 1}'], "cpu_cores: Field required"),
@@ -288,6 +289,20 @@ def test_worker_run_submits_results_and_exits_cleanly_on_sigint(
         assert refused.exit_code == 1 and "409 insufficient_funds" in refused.output
         listed = runner.invoke(app, ["provider", "payouts", *provider])
         assert listed.exit_code == 0 and listed.stdout == ""
+
+        # A node never registered, run without the provider key: refused, with what to do.
+        stranger = tmp_path / "stranger.key"
+        assert runner.invoke(app, ["keys", "generate", str(stranger)]).exit_code == 0
+        unknown = subprocess.run(
+            cli(*WORKER_ARGS[:-4], "--server", url, "--pool", staked, "--node-key", str(stranger)),
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert unknown.returncode == 1
+        assert "401 unknown_key" in unknown.stderr and "orchestrator worker register" in unknown.stderr
 
 
 @pytest.mark.timeout(60)
