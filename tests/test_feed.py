@@ -18,7 +18,7 @@ from orchestrator.verification import service as verification
 from orchestrator.verification.models import VerificationJob
 from tests.conftest import make_token, postgres_only, problem
 from tests.tasks_helpers import PoolSetup, Worker, pool_setup, task
-from tests.verification_helpers import submit, verify_all
+from tests.verification_helpers import answer_body, submit, verify_all
 
 pytestmark = pytest.mark.usefixtures("no_audits")
 
@@ -314,3 +314,36 @@ async def test_a_feed_read_that_waits_too_long_is_told_to_retry(
             release.set()
             await slow
         assert [i["submission_id"] for i in (await feed(s))["items"]] == [sub]
+
+
+async def test_integers_past_64_bits_are_served_by_the_page_and_the_export_alike(
+    app: Any, app_state: Any
+) -> None:
+    """A task's metadata may hold any JSON integer (the enqueue accepts it and the paged feed
+    serves it), and a body stored before token ids were bounded may too; orjson reads and writes
+    only 64-bit ones. The export used to fail on such a rollout (and the page on such a body)."""
+    from sqlalchemy import update
+
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=10) as s:
+        w = s.workers[0]
+        big = task(prompt="What is 2+2?", verification={"answer": "4"}, metadata={"id": 2**64})
+        r = await s.enqueue([big, arithmetic()], key="big-ints")
+        assert r.status_code == 201, r.text
+        r = await w.claim(s.pool_id, max_tasks=2)
+        first, second = sorted(r.json()["leases"], key=lambda lease: lease["task"]["task_id"])
+        await submit(w, first, ["4"])
+        sub = (await submit(w, second, ["4"]))["submission_id"]
+        await verify_all(app_state)
+        legacy = answer_body(second, ["4"])
+        legacy["samples"][0]["token_ids"] = [10**400, 7]
+        async with app_state.sessionmaker() as session, session.begin():
+            await session.execute(
+                update(Submission).where(Submission.id == sub).values(body=json.dumps(legacy).encode())
+            )
+
+        paged, _ = await whole_feed(s, limit=1)
+        assert [i["task"]["metadata"] for i in paged] == [{"id": 2**64}, {"source": "arith"}]
+        assert paged[1]["samples"][0]["token_ids"] == [10**400, 7]
+        r = await s.admin.get(f"/v1/pools/{s.pool_id}/rollouts/export", headers=s.headers)
+        assert r.status_code == 200, r.text
+        assert [json.loads(line) for line in r.text.splitlines()] == paged

@@ -436,3 +436,22 @@ async def test_problems_with_nul_text_or_nan_json_are_refused(app: Any, app_stat
                 next(iter(bad)),
             ]
         assert (await s.admin.get(base(s), headers=s.headers)).json()["items"] == []
+
+
+async def test_the_dataset_serves_metadata_integers_past_64_bits(app: Any, app_state: Any) -> None:
+    """Problem metadata may hold any JSON integer; orjson writes only 64-bit ones, and the
+    dataset used to fail on such a problem."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        body = iteration_body(problems=("p1",), keep_correct=10)
+        body["problems"][0]["metadata"] = {"row": 2**64}
+        r = await s.admin.post(base(s), json=body, headers=s.headers)
+        assert r.status_code == 201, r.text
+        it = r.json()
+        lease = (await claim_all(s.workers[0], s.pool_id, 1))["p1"]
+        await submit(s.workers[0], lease, ["4", "5", "4", "5"])
+        await verify_all(app_state)
+        lines = [json.loads(x) for x in (await dataset(s, it["id"])).splitlines()]
+        assert [x["sample_index"] for x in lines] == sorted(
+            [0, 2], key=lambda i: restem_service.rank_key(it["id"], lines[0]["submission_id"], i)
+        )
+        assert {x["metadata"]["row"] for x in lines} == {2**64}

@@ -19,6 +19,7 @@ and then reads below it in short unlocked transactions.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -64,6 +65,29 @@ def decode(cursor: str | None) -> int:
     ):
         raise BadRequest("the cursor is not one this feed issued", code="cursor_invalid")
     return int(number)
+
+
+# ------------------------------------------------------------------ JSON
+
+
+def load_body(raw: bytes) -> dict[str, Any]:
+    """A stored signed body. orjson reads almost all of them; what it refuses, the result route
+    accepted all the same (Python's parser read the request: an integer past 64 bits, say), so
+    the standard parser reads those rather than the feed failing on them for ever."""
+    try:
+        parsed: dict[str, Any] = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        parsed = json.loads(raw)
+    return parsed
+
+
+def dumps_line(obj: Any) -> bytes:
+    """One JSON Lines line. orjson refuses integers past 64 bits, which a task's metadata (or an
+    old signed body) may hold and the paged feed serves: the standard encoder writes those."""
+    try:
+        return orjson.dumps(obj) + b"\n"
+    except TypeError:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode() + b"\n"
 
 
 # ------------------------------------------------------------------ rewards
@@ -141,7 +165,7 @@ async def _rows(
 
 
 def rollout(row: Row[Any]) -> Rollout:
-    body = orjson.loads(row.body)
+    body = load_body(row.body)
     samples = body.get("samples") or []
     rewards = sample_rewards(row.details, row.server_reward, len(samples))
     return Rollout(
@@ -204,7 +228,7 @@ async def export_bound(session: AsyncSession, pool_id: str) -> int:
 
 
 def _lines(rows: Sequence[Row[Any]]) -> bytes:
-    return b"".join(orjson.dumps(rollout(r).model_dump(mode="json")) + b"\n" for r in rows)
+    return b"".join(dumps_line(rollout(r).model_dump(mode="json")) for r in rows)
 
 
 async def export_lines(

@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import anyio
-import orjson
 import structlog
 from sqlalchemy import Row, and_, exists, func, insert, or_, select
 from sqlalchemy.exc import IntegrityError
@@ -56,7 +55,7 @@ from api_schemas.restem import (
 from api_schemas.tasks import Sampling, TaskBatchIn, TaskIn
 from orchestrator.core.errors import Conflict, NotFound, UnprocessableEntity
 from orchestrator.core.sql import is_postgres
-from orchestrator.feed.service import sample_rewards
+from orchestrator.feed.service import dumps_line, load_body, sample_rewards
 from orchestrator.pools.models import Pool
 from orchestrator.restem.models import RestemIteration, RestemProblem
 from orchestrator.tasks import service as tasks_service
@@ -510,7 +509,7 @@ def _correct_flags(row: Row[Any], samples: list[dict[str, Any]], reward_function
 def _dataset_chunk(spec: DatasetSpec, problems: Sequence[Any], rows: Sequence[Any]) -> bytes:
     by_task: dict[int, list[tuple[str, dict[str, Any]]]] = {}
     for row in rows:
-        body = orjson.loads(row.body)
+        body = load_body(row.body)
         samples: list[dict[str, Any]] = body.get("samples") or []
         flags = _correct_flags(row, samples, spec.reward_function)
         for i, (sample, ok) in enumerate(zip(samples, flags, strict=True)):
@@ -542,7 +541,7 @@ def _dataset_chunk(spec: DatasetSpec, problems: Sequence[Any], rows: Sequence[An
         kept = sorted(by_task.get(problem.task_id, []), key=lambda pair: pair[0])[: spec.keep_correct]
         for _, line in kept:
             line["problem_id"] = problem.problem_id
-            out.append(orjson.dumps(line) + b"\n")
+            out.append(dumps_line(line))
     return b"".join(out)
 
 
