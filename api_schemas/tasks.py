@@ -37,6 +37,10 @@ def _check_uri(value: str) -> str:
 # The bounds come before the validators, so that they are checked (and worded) as a string's.
 Uri = Annotated[str, Field(min_length=1, max_length=2048), NoNul, AfterValidator(_check_uri)]
 ErrorText = Annotated[str, Field(min_length=1, max_length=1000), NoNul]
+# A vocabulary index, within the signed 64-bit range of every integer of the protocol: the feed
+# and the dataset read signed bodies with orjson, which reads a larger integer as a float (the
+# trainer got another token id) or not at all.
+TokenId = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 class Shard(StrictModel):
@@ -338,7 +342,7 @@ class ClaimOut(BaseModel):
 
 class Sample(StrictModel):
     completion: str | None = Field(default=None, max_length=4_000_000)
-    token_ids: list[int] | None = Field(default=None, max_length=1_000_000)
+    token_ids: list[TokenId] | None = Field(default=None, max_length=1_000_000)
     finish_reason: str = Field(
         min_length=1, max_length=32, description="stop | length (others are rejected later)"
     )

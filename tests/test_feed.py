@@ -347,3 +347,29 @@ async def test_integers_past_64_bits_are_served_by_the_page_and_the_export_alike
         r = await s.admin.get(f"/v1/pools/{s.pool_id}/rollouts/export", headers=s.headers)
         assert r.status_code == 200, r.text
         assert [json.loads(line) for line in r.text.splitlines()] == paged
+
+
+async def test_token_ids_past_64_bits_are_refused_so_the_feed_serves_them_exactly(
+    app: Any, app_state: Any
+) -> None:
+    """The feed reads signed bodies with orjson, which reads an integer past 64 bits as a float:
+    a token id of 2^64 + 1, accepted, reached the trainer as 2^64. Such a body is bad input."""
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=10) as s:
+        w = s.workers[0]
+        [lease] = await leases(s, w, 1)
+        for bad in (2**64 + 1, 2**63, -(2**63) - 1):
+            body = answer_body(lease, ["4"])
+            body["samples"][0]["token_ids"] = [5, bad]
+            r = await w.client.post(
+                f"/v1/assignments/{lease['assignment_id']}/result", json=body, auth=w.contributor.node_auth
+            )
+            problem(r, 422, "validation_failed")
+        body = answer_body(lease, ["4"])
+        body["samples"][0]["token_ids"] = [2**63 - 1, -(2**63), 0]
+        r = await w.client.post(
+            f"/v1/assignments/{lease['assignment_id']}/result", json=body, auth=w.contributor.node_auth
+        )
+        assert r.status_code == 201, r.text
+        await verify_all(app_state)
+        [item] = (await feed(s))["items"]
+        assert item["samples"][0]["token_ids"] == [2**63 - 1, -(2**63), 0]
