@@ -306,3 +306,21 @@ async def test_two_cancels_of_one_task_at_once_cancel_it_and_are_audited_once(
                 await session.scalars(select(AuditEntry.action).where(AuditEntry.target_type == "task"))
             ).all()
         assert actions == ["task.cancel"]
+
+
+@postgres_only
+async def test_a_policy_is_not_published_into_a_pool_completed_while_the_publish_waited(
+    app: Any, app_state: Any
+) -> None:
+    """The publish reads the pool (scope check), then locks it. A completion that commits in
+    between must be seen: the lock used to keep the pool as first read, status and all."""
+    async with pool_setup(app, app_state) as s:
+        async with app_state.sessionmaker() as session, session.begin():
+            await session.execute(select(Pool).where(Pool.id == s.pool_id).with_for_update())
+            publish = asyncio.create_task(s.publish(2))
+            await asyncio.sleep(1.0)
+            assert not publish.done()
+            await session.execute(update(Pool).where(Pool.id == s.pool_id).values(status="completed"))
+        problem(await publish, 409, "pool_completed")
+        listed = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/policies", headers=s.headers)).json()
+        assert [p["step"] for p in listed] == [1]

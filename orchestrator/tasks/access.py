@@ -21,8 +21,12 @@ def can_act_on(principal: Principal, pool: Pool) -> bool:
 async def pool_for(
     session: AsyncSession, principal: Principal, pool_id: str, *, for_update: bool = False
 ) -> Pool:
-    """The pool, or 404 ``pool_not_found`` when it is missing or not this token's (no existence leak)."""
-    pool = await session.get(Pool, pool_id, with_for_update=for_update)
+    """The pool, or 404 ``pool_not_found`` when it is missing or not this token's (no existence leak).
+
+    ``for_update``: the row is locked and read again. A route has usually loaded the pool already
+    (its scope check), and a locking ``get`` of an object in the session would otherwise keep
+    the attributes first read: a completion committed while the lock was awaited went unseen."""
+    pool = await session.get(Pool, pool_id, with_for_update=for_update, populate_existing=for_update)
     if pool is None or not can_act_on(principal, pool):
         raise NotFound("no pool with this id", code="pool_not_found")
     return pool
