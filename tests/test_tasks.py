@@ -284,6 +284,29 @@ async def test_operators_can_cancel_a_task(app: Any, app_state: Any) -> None:
         assert "task.cancel" in {e["action"] for e in audit["items"]}
 
 
+async def test_a_cancel_leaves_a_task_whose_results_are_all_in_to_their_verdicts(
+    app: Any, app_state: Any
+) -> None:
+    """Its result is judged and paid all the same (as when its pool completes), so the cancel
+    said ``cancelled`` of a task that was then accepted, paid and fed to the trainer, and that
+    stayed ``cancelled``. It now answers the task unchanged and audits nothing."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        task_id = (await s.enqueue([task()])).json()["first_task_id"]
+        [lease] = (await s.workers[0].claim(s.pool_id)).json()["leases"]
+        await submit(s.workers[0], lease, ["4"])
+        r = await s.admin.post(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}/cancel", headers=s.headers)
+        assert r.status_code == 200 and (r.json()["status"], r.json()["end_reason"]) == ("submitted", None)
+        await verify_all(app_state)
+        detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
+        assert (detail["status"], detail["end_reason"]) == ("completed", None)
+        fed = (await s.admin.get(f"/v1/pools/{s.pool_id}/rollouts", headers=s.headers)).json()["items"]
+        assert [item["task"]["task_id"] for item in fed] == [task_id]
+        audit = (
+            await s.admin.get("/v1/admin/audit", params={"pool_id": s.pool_id}, headers=s.headers)
+        ).json()
+        assert "task.cancel" not in {e["action"] for e in audit["items"]}
+
+
 @postgres_only
 async def test_two_cancels_of_one_task_at_once_cancel_it_and_are_audited_once(
     app: Any, app_state: Any

@@ -319,8 +319,12 @@ async def cancel_task(
 ) -> Task:
     """Idempotent. Live leases are cancelled (their heartbeats are told to drop them). ``reason``
     is text for people, ``end_reason`` one of ``models.END_REASONS`` for machines. The caller
-    locked the task's live leases (``lock_live_leases``) before the task."""
-    if task.status in ("cancelled", "completed", "failed"):
+    locked the task's live leases (``lock_live_leases``) before the task.
+
+    A task whose results are all in (``submitted``) is left as it is, as when its pool
+    completes: the results are judged and paid all the same (the nodes did the work in time),
+    so a ``cancelled`` task would have been accepted, paid and fed to the trainer."""
+    if task.status in ("cancelled", "completed", "failed", "submitted"):
         return task
     now = dt.datetime.now(dt.UTC)
     await _withdraw(session, [task.id], now=now)
@@ -354,6 +358,8 @@ async def _withdraw(
 async def fail_task(session: AsyncSession, task: Task, reason: str, *, end_reason: str) -> None:
     """An open task that can no longer be done (max attempts, deadline) ends ``failed``: its
     live leases are cancelled and waiting results settled, as for a cancellation."""
+    if task.status != "open":
+        return
     await cancel_task(session, task, reason, end_reason=end_reason)
     task.status = "failed"
 
