@@ -332,6 +332,25 @@ async def test_two_cancels_of_one_task_at_once_cancel_it_and_are_audited_once(
 
 
 @postgres_only
+async def test_a_cancel_of_another_pools_task_is_a_404_that_waits_on_no_lock(
+    app: Any, app_state: Any
+) -> None:
+    """The cancel locked the task's live leases before it checked that the task was the pool's:
+    an operator naming another pool's task waited on (and briefly held) that pool's leases
+    before its 404."""
+    from orchestrator.tasks.models import Assignment
+
+    async with pool_setup(app, app_state, workers=1) as theirs, pool_setup(app, app_state) as mine:
+        task_id = (await theirs.enqueue([task()])).json()["first_task_id"]
+        assert len((await theirs.workers[0].claim(theirs.pool_id)).json()["leases"]) == 1
+        url = f"/v1/admin/pools/{mine.pool_id}/tasks/{task_id}/cancel"
+        async with app_state.sessionmaker() as session, session.begin():
+            await session.execute(select(Assignment).where(Assignment.task_id == task_id).with_for_update())
+            r = await asyncio.wait_for(mine.admin.post(url, headers=mine.headers), timeout=5)
+        problem(r, 404, "task_not_found")
+
+
+@postgres_only
 async def test_a_policy_is_not_published_into_a_pool_completed_while_the_publish_waited(
     app: Any, app_state: Any
 ) -> None:

@@ -326,7 +326,8 @@ async def list_tasks(
 
 
 async def _task(session: Session, pool: Pool, task_id: int, *, for_update: bool = False) -> Task:
-    task = await session.get(Task, task_id, with_for_update=for_update)
+    # Locked, it is read again: a read earlier in the session would keep its attributes.
+    task = await session.get(Task, task_id, with_for_update=for_update, populate_existing=for_update)
     if task is None or task.pool_id != pool.id:
         raise NotFound("no task with this id in this pool", code="task_not_found")
     return task
@@ -450,7 +451,9 @@ def _submission_out(sub: Submission, replica_index: int, window_s: int, include_
 )
 async def cancel(pool: OperatorPool, task_id: TaskId, principal: Operator, session: Session) -> TaskOut:
     # Locked, as the reaper does before it fails a task: of two cancels at once, the second
-    # finds the task cancelled, changes nothing and is not audited. Its live leases first.
+    # finds the task cancelled, changes nothing and is not audited. Its live leases first, once
+    # the task is known to be this pool's: another pool's task id is a 404 that waits on nothing.
+    await _task(session, pool, task_id)
     await service.lock_live_leases(session, [task_id])
     task = await _task(session, pool, task_id, for_update=True)
     before = task.status
