@@ -553,6 +553,47 @@ async def test_evidence_keeps_every_signed_field(app: Any, app_state: Any) -> No
         }
 
 
+async def test_evidence_of_a_signature_that_covers_signature_input_verifies(app: Any, app_state: Any) -> None:
+    """A signature may cover the Signature-Input field itself (RFC 9421 does not forbid it): the
+    server accepts it, so its stored evidence must verify again too. Signature-Input was passed
+    to the re-check twice (its own column and its covered line), made two dictionary members of
+    one label, and the valid result read as ``signature_malformed``."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        task_id = (await s.enqueue([task()])).json()["first_task_id"]
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        key = w.contributor.node_key
+        url = f"http://testserver/v1/assignments/{lease['assignment_id']}/result"
+        body = json.dumps(result_body(lease)).encode()
+        digest = "sha-256=:" + base64.b64encode(hashlib.sha256(body).digest()).decode() + ":"
+        params = (
+            '("@method" "@target-uri" "content-digest" "signature-input")'
+            f';created={int(app_state.clock.now())};keyid="{w.node_id}";nonce="covers-its-input"'
+        )
+        signature_input = f"sig1={params}"
+        base = "\n".join(
+            [
+                '"@method": POST',
+                f'"@target-uri": {url}',
+                f'"content-digest": {digest}',
+                f'"signature-input": {signature_input}',
+                f'"@signature-params": {params}',
+            ]
+        )
+        signature = base64.b64encode(key.sign(base.encode()).signature).decode()
+        headers = {
+            "content-type": "application/json",
+            "content-digest": digest,
+            "signature-input": signature_input,
+            "signature": f"sig1=:{signature}:",
+        }
+        r = await w.client.post(url, content=body, headers=headers)
+        assert r.status_code == 201, r.text
+        (sub,) = await submissions_of(s, task_id)
+        assert sub["check"] == {"valid": True, "keyid": w.node_id, "code": None, "detail": None}
+        assert dict(sub["evidence"]["signed_fields"])["signature-input"] == signature_input
+
+
 async def test_a_task_is_submitted_when_all_replicas_are(app: Any, app_state: Any) -> None:
     async with pool_setup(app, app_state, workers=2, replication_factor=2) as s:
         task_id = (await s.enqueue([task()])).json()["first_task_id"]

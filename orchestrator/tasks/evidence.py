@@ -32,6 +32,11 @@ def covered_lines(sub: Submission) -> list[tuple[str, str]]:
     return [("content-digest", sub.content_digest)] if sub.content_digest is not None else []
 
 
+# Stored in their own columns, whole: a signature may cover Signature-Input itself (RFC 9421
+# does not forbid it), and passing its covered line as well would make two of the field.
+_OWN_COLUMNS = frozenset({"signature-input", "signature"})
+
+
 def recheck(sub: Submission, *, window_s: int) -> EvidenceCheck:
     """Verify ``sub``'s stored request again, at the time it was received (the nonce aside: it
     was spent then), and that its key is the node's that held the lease."""
@@ -45,7 +50,7 @@ def recheck(sub: Submission, *, window_s: int) -> EvidenceCheck:
             headers=[
                 ("signature-input", sub.signature_input),
                 ("signature", sub.signature),
-                *covered_lines(sub),
+                *((name, value) for name, value in covered_lines(sub) if name not in _OWN_COLUMNS),
             ],
             body=sub.body,
             now=sub.received_at.timestamp(),
