@@ -7,7 +7,9 @@ import asyncio
 import base64
 import datetime as dt
 import hashlib
+import itertools
 import json
+import math
 from typing import Any
 
 import pytest
@@ -15,7 +17,7 @@ from sqlalchemy import func, select
 
 from orchestrator.core.clock import FakeClock
 from orchestrator.core.keys import generate_key
-from orchestrator.core.signing import DEFAULT_COMPONENTS, MAX_TARGET_URI_LENGTH, SignatureAuth
+from orchestrator.core.signing import DEFAULT_COMPONENTS, MAX_TARGET_URI_LENGTH, SignatureAuth, sign_headers
 from orchestrator.tasks import jobs as task_jobs
 from orchestrator.tasks.jobs import reap_once
 from orchestrator.tasks.models import Assignment, Submission, Task, TaskReplica
@@ -592,6 +594,44 @@ async def test_evidence_of_a_signature_that_covers_signature_input_verifies(app:
         (sub,) = await submissions_of(s, task_id)
         assert sub["check"] == {"valid": True, "keyid": w.node_id, "code": None, "detail": None}
         assert dict(sub["evidence"]["signed_fields"])["signature-input"] == signature_input
+
+
+async def test_evidence_of_a_signature_at_the_edge_of_its_window_verifies(
+    app: Any, app_state: Any, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A result is recorded as received at the time its signature's created and expires were
+    checked, and its evidence is re-checked at received_at: taken later (after the nonce's round
+    trip), a signature accepted at the edge of its window (created window_s ago, or expires now)
+    read as ``signature_stale`` / ``signature_expired`` on every later re-check."""
+    window_s = app_state.settings.signature.window_s
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        task_id = (await s.enqueue([task()])).json()["first_task_id"]
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        clock.advance(math.ceil(clock.now()) - clock.now())  # a whole second: created can equal it
+        verified_at = int(clock.now())
+        url = f"http://testserver/v1/assignments/{lease['assignment_id']}/result"
+        body = json.dumps(result_body(lease)).encode()
+        headers = sign_headers(
+            w.contributor.node_key,
+            method="POST",
+            url=url,
+            body=body,
+            created=verified_at - window_s,
+            expires=verified_at,
+        )
+        # Server time moves on while the request is served (as a real clock does).
+        ticking = (verified_at + i / 4 for i in itertools.count())
+        monkeypatch.setattr(clock, "now", lambda: next(ticking))
+        monkeypatch.setattr(clock, "utcnow", lambda: dt.datetime.fromtimestamp(next(ticking), dt.UTC))
+        r = await w.client.post(url, content=body, headers={**headers, "content-type": "application/json"})
+        assert r.status_code == 201, r.text
+        monkeypatch.undo()
+        (sub,) = await submissions_of(s, task_id)
+        assert sub["check"] == {"valid": True, "keyid": w.node_id, "code": None, "detail": None}
+        assert r.json()["received_at"] == dt.datetime.fromtimestamp(verified_at, dt.UTC).isoformat().replace(
+            "+00:00", "Z"
+        )
 
 
 async def test_a_task_is_submitted_when_all_replicas_are(app: Any, app_state: Any) -> None:

@@ -121,6 +121,9 @@ class SignedRequest:
     # Each header line the signature covers, lower-cased name and value, as received: the
     # evidence a later check needs besides Signature-Input and Signature.
     signed_fields: tuple[tuple[str, str], ...] = ()
+    # The server time (epoch seconds) its created and expires were checked against: a result is
+    # recorded as received then, so that its evidence re-checked at that time holds as it did.
+    verified_at: float = 0.0
 
 
 def _fail(code: str, detail: str) -> Unauthorized:
@@ -333,6 +336,7 @@ def verify_request(
         signed_fields=tuple(
             (name.lower(), value) for name, value in header_lines if name.lower() in parsed.components
         ),
+        verified_at=now,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import datetime as dt
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query, Response
@@ -139,7 +140,11 @@ async def submit_result(
     response: Response,
 ) -> ResultOut:
     # The signer is checked (401 unknown_key, 403 node_banned) with the result's own first read.
-    result = await service.submit_result(session, signed, assignment_id, body, now=state.clock.utcnow())
+    # Received at the time its signature's created and expires were checked: the evidence is
+    # re-checked at received_at, and a later time (after the nonce's round trip) could put a
+    # valid signature at the edge of its window outside it.
+    received = dt.datetime.fromtimestamp(signed.verified_at, dt.UTC)
+    result = await service.submit_result(session, signed, assignment_id, body, now=received)
     if not result.created:
         response.status_code = 200
     metrics.RESULTS.labels("accepted" if result.created else "replayed").inc()
