@@ -521,6 +521,49 @@ async def test_missing_signature_parameter_is_refused(
     problem(await send(client, "GET", ME, headers), 401, "signature_param_missing")
 
 
+def _with_components(headers: dict[str, str], components: str) -> dict[str, str]:
+    """``headers`` whose Signature-Input covers ``components`` instead (the signature no longer
+    matters: no signature base can be built for them)."""
+    label, rest = headers["Signature-Input"].split("=", 1)
+    return {**headers, "Signature-Input": f"{label}=({components})" + rest[rest.index(")") + 1 :]}
+
+
+@pytest.mark.parametrize(
+    ("tamper", "says"),
+    [
+        pytest.param(lambda h: h, "foo", id="unknown-parameter"),
+        pytest.param(
+            lambda h: _with_components(h, '"@method" "@target-uri" "x-absent"'), "x-absent", id="absent-field"
+        ),
+        pytest.param(
+            lambda h: _with_components(h, '"@method" "@target-uri" "@nope"'), "@nope", id="unknown-derived"
+        ),
+        pytest.param(
+            lambda h: _with_components(h, '"@method" "@target-uri" "@method"'),
+            "multiple times",
+            id="repeated",
+        ),
+        pytest.param(
+            lambda h: _with_components(h, '"@method" "@target-uri" "X-Run"'), "lowercase", id="uppercase"
+        ),
+    ],
+)
+async def test_a_signature_whose_base_cannot_be_built_is_refused_as_malformed(
+    client: httpx.AsyncClient, contributor: Contributor, tamper: Any, says: str
+) -> None:
+    """A parameter or covered component the server cannot build a signature base for is a
+    malformed signature, and the refusal says which; it was ``signature_invalid``, "the
+    signature does not verify for this request", as for a forged one."""
+    headers = hand_signed(contributor.node_key, "GET", ME, foo="bar" if says == "foo" else None)
+    body = problem(
+        await send(client, "GET", ME, {**tamper(headers), "X-Run": "1"}), 401, "signature_malformed"
+    )
+    assert says in body["detail"], body
+    # A forged signature is still signature_invalid.
+    forged = hand_signed(generate_key(), "GET", ME, keyid=contributor.node_id)
+    problem(await send(client, "GET", ME, forged), 401, "signature_invalid")
+
+
 @pytest.mark.parametrize(
     "present",
     [

@@ -321,7 +321,11 @@ def verify_request(
     try:
         verifier.verify(_Message(method=method, url=url, headers=_HeaderLines(header_lines)), max_age=None)
     except (InvalidSignature, HTTPMessageSignaturesException) as exc:
-        raise _fail("signature_invalid", "the signature does not verify for this request") from exc
+        if isinstance(exc, InvalidSignature) and isinstance(exc.__cause__, BadSignatureError):
+            raise _fail("signature_invalid", "the signature does not verify for this request") from exc
+        # No signature base could be built (a parameter or covered component this server does
+        # not know, a covered field the request lacks ...): say which, not that it did not verify.
+        raise _fail("signature_malformed", f"the signature base cannot be built: {exc}") from exc
     return SignedRequest(
         keyid=keyid,
         nonce=nonce,
