@@ -247,8 +247,9 @@ class ServerSettings(BaseModel):
             "The host names (without port) that signed requests may address, as a JSON list, e.g. "
             '["api.example.org"]. A signed request whose Host names another is refused (400 '
             "host_not_allowed) before its signature is checked, so a request signed for another "
-            "deployment that knows the same keys cannot be replayed here. Empty: any host. Unsigned "
-            "routes (probes, public reads) are not affected."
+            "deployment that knows the same keys, over @authority or @target-uri, cannot be "
+            "replayed here (a signature over @path and @query alone does not sign the host). "
+            "Empty: any host. Unsigned routes (probes, public reads) are not affected."
         ),
     )
 
