@@ -63,8 +63,10 @@ async def _result_in_flight(
 
 
 async def test_a_cancel_waits_for_a_result_in_flight(app: Any, app_state: Any, clock: FakeClock) -> None:
+    # Two replicas: with one result in, the task is still open, and the cancel ends it (a task
+    # whose results are all in is left to their verdicts).
     async with pool_setup(app, app_state, workers=1) as s:
-        task_id = (await s.enqueue([task()])).json()["first_task_id"]
+        task_id = (await s.enqueue([task(replication=2)])).json()["first_task_id"]
         w = s.workers[0]
         [lease] = (await w.claim(s.pool_id)).json()["leases"]
         cancel = s.admin.post(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}/cancel", headers=s.headers)
