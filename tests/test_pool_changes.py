@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 from sqlalchemy import select, text, update
 
+from orchestrator.pools.models import PoolInvite
 from orchestrator.tasks.models import Submission, Task
 from orchestrator.verification.models import Verdict, VerificationJob
 from tests.conftest import postgres_only, problem
@@ -280,3 +281,34 @@ async def test_an_enqueue_waits_for_a_completion_in_progress_and_is_refused_afte
         problem(await enqueue, 409, "pool_completed")
         listed = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)).json()
         assert listed["items"] == []
+
+
+@postgres_only
+async def test_an_invite_waits_for_a_completion_in_progress_and_is_refused_after_it(
+    app: Any, app_state: Any
+) -> None:
+    """Creating an invite read the pool without a lock: while a completion was in progress
+    (the pool row held FOR NO KEY UPDATE, which the invite's foreign-key check does not wait
+    for) it stored an invite and an ``invite.create`` entry for a pool that then committed as
+    completed, which is read-only. It now waits for the completion and is refused (409
+    ``pool_completed``), recording nothing."""
+    async with pool_setup(app, app_state) as s:
+        await _lifecycle(s, "pause")
+        url = f"/v1/admin/pools/{s.pool_id}/invites"
+        async with app_state.sessionmaker() as session, session.begin():
+            await session.execute(
+                text("SELECT 1 FROM pools WHERE id = :id FOR NO KEY UPDATE"), {"id": s.pool_id}
+            )
+            created = asyncio.create_task(s.admin.post(url, headers=s.headers))
+            await asyncio.sleep(0.5)
+            assert not created.done()
+            await session.execute(
+                text("UPDATE pools SET status = 'completed' WHERE id = :id"), {"id": s.pool_id}
+            )
+        problem(await created, 409, "pool_completed")
+        async with app_state.sessionmaker() as session:
+            assert (await session.execute(select(PoolInvite))).scalars().all() == []
+        audit = (
+            await s.admin.get("/v1/admin/audit", params={"pool_id": s.pool_id}, headers=s.headers)
+        ).json()
+        assert "invite.create" not in [e["action"] for e in audit["items"]]

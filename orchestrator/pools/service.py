@@ -856,8 +856,10 @@ async def eject_node(
 async def create_invite(
     session: AsyncSession, principal: Principal, pool_id: str, expires_in_s: int, *, now: dt.datetime
 ) -> tuple[PoolInvite, str]:
-    """A single-use code, returned once; only its SHA-256 is stored."""
-    pool = await pool_for(session, principal, pool_id)
+    """A single-use code, returned once; only its SHA-256 is stored. The pool is locked, as for
+    every other change to it: a completion in progress (which the invite's foreign-key check
+    would not wait for) is waited for, and the invite then refused."""
+    pool = await pool_for(session, principal, pool_id, for_update=True)
     _writable(pool)
     code = secrets.token_urlsafe(24)
     invite = PoolInvite(
