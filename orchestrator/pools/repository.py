@@ -25,6 +25,8 @@ async def get_pool(session: AsyncSession, pool_id: str, *, for_update: bool = Fa
         # not blocked, so a membership change may wait for a claim of one of its nodes (see
         # tasks.service.release_member_leases) without deadlocking with it.
         stmt = stmt.with_for_update(key_share=True)
+        # Read again if the session holds it already: the lock waited for changes it must see.
+        stmt = stmt.execution_options(populate_existing=True)
     return (await session.execute(stmt)).scalar_one_or_none()
 
 
