@@ -12,7 +12,7 @@ import enum
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 from api_schemas.common import KeyId, StrictModel, Text
 from api_schemas.tasks import SAMPLES_MAX
@@ -228,9 +228,17 @@ MaxAsyncLevel = Annotated[
 MaxLeases = Annotated[int, Field(ge=1, le=1024, description="Most leases one node may hold at a time")]
 
 
-def _known_reward_function(name: str) -> str:
+# Validation context for settings read back from the database: a pool's reward function was
+# known when it was set, and its plugin being uninstalled since must not fail every view of the
+# pool (the public listing included); a change to the pool still names it.
+STORED: dict[str, bool] = {"stored": True}
+
+
+def _known_reward_function(name: str, info: ValidationInfo) -> str:
     from orchestrator.verification.rewards import available
 
+    if info.context and info.context.get("stored"):
+        return name
     if name not in available():
         raise ValueError(f"unknown reward function {name!r}; available: {', '.join(available())}")
     return name

@@ -118,3 +118,25 @@ async def test_a_reward_outside_zero_to_one_is_inconclusive_and_pays_nothing(
         [v] = await verdicts(s.admin, s.headers, s.pool_id)
         assert (v["category"], v["reason"], v["reward_amount"]) == ("inconclusive", "reward_invalid", 0)
         assert "broken" in v["details"]["findings"][0]["detail"]
+
+
+async def test_a_pool_whose_plugin_was_uninstalled_is_still_listed_and_names_it_on_change(
+    plugin_installed: None, app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Views validated the stored reward function against the installed ones: once a pool's
+    plugin was uninstalled, every listing of pools, the public one included, was a 500."""
+    from tests.tasks_helpers import pool_setup
+
+    async with pool_setup(app, app_state, reward_function="short_answer") as s:
+        monkeypatch.setattr(rewards, "available", lambda: ["exact_match", "math"])  # uninstalled
+        public = await s.admin.get("/v1/pools")
+        assert public.status_code == 200, public.text
+        assert [p["policy"]["reward_function"] for p in public.json()["items"]] == ["short_answer"]
+        mine = await s.admin.get(f"/v1/admin/pools/{s.pool_id}", headers=s.headers)
+        assert mine.status_code == 200 and mine.json()["policy"]["reward_function"] == "short_answer"
+        r = await s.admin.patch(f"/v1/admin/pools/{s.pool_id}", json={"name": "renamed"}, headers=s.headers)
+        assert r.status_code == 422 and "unknown reward function 'short_answer'" in r.json()["detail"]
+        fixed = {"policy": {"reward_function": "exact_match"}}
+        assert (
+            await s.admin.patch(f"/v1/admin/pools/{s.pool_id}", json=fixed, headers=s.headers)
+        ).status_code == 200

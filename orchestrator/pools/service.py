@@ -53,6 +53,7 @@ from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from api_schemas.pools import (
+    STORED,
     Admission,
     Caps,
     Economics,
@@ -111,7 +112,7 @@ def pool_settings(pool: Pool) -> PoolSettings:
         requirements=Requirements.model_validate(pool.requirements),
         caps=Caps.model_validate({name: getattr(pool, name) for name in CAPS}),
         economics=Economics.model_validate({name: getattr(pool, name) for name in ECONOMICS}),
-        policy=Policy.model_validate({name: getattr(pool, name) for name in POLICY}),
+        policy=Policy.model_validate({name: getattr(pool, name) for name in POLICY}, context=STORED),
     )
 
 
@@ -147,7 +148,8 @@ async def public_pool_views(session: AsyncSession, pools: list[Pool]) -> list[Pu
     views = []
     for p in pools:
         fields = _public_fields(p, counts[p.id])
-        fields["policy"] = PublicPolicy(**fields["policy"].model_dump(include=set(PublicPolicy.model_fields)))
+        public = fields["policy"].model_dump(include=set(PublicPolicy.model_fields))
+        fields["policy"] = PublicPolicy.model_validate(public, context=STORED)
         views.append(PublicPoolOut(**fields))
     return views
 
