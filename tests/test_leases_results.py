@@ -634,6 +634,28 @@ async def test_evidence_of_a_signature_at_the_edge_of_its_window_verifies(
         )
 
 
+async def test_evidence_is_rechecked_with_the_window_its_signature_was_accepted_in(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """The re-check read today's ``ORCH_SIGNATURE__WINDOW_S``: once an operator lowered it, a
+    result signed 100 s before its receipt (valid then, in a 300 s window) read as
+    ``signature_stale`` for good. A result keeps the window it was checked against."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        task_id = (await s.enqueue([task()])).json()["first_task_id"]
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        url = f"http://testserver/v1/assignments/{lease['assignment_id']}/result"
+        body = json.dumps(result_body(lease)).encode()
+        created = int(clock.now()) - 100
+        headers = sign_headers(w.contributor.node_key, method="POST", url=url, body=body, created=created)
+        r = await w.client.post(url, content=body, headers={**headers, "content-type": "application/json"})
+        assert r.status_code == 201, r.text
+        signature = app_state.settings.signature.model_copy(update={"window_s": 30})
+        app_state.settings = app_state.settings.model_copy(update={"signature": signature})
+        (sub,) = await submissions_of(s, task_id)
+        assert sub["check"] == {"valid": True, "keyid": w.node_id, "code": None, "detail": None}
+
+
 async def test_a_task_is_submitted_when_all_replicas_are(app: Any, app_state: Any) -> None:
     async with pool_setup(app, app_state, workers=2, replication_factor=2) as s:
         task_id = (await s.enqueue([task()])).json()["first_task_id"]

@@ -124,6 +124,9 @@ class SignedRequest:
     # The server time (epoch seconds) its created and expires were checked against: a result is
     # recorded as received then, so that its evidence re-checked at that time holds as it did.
     verified_at: float = 0.0
+    # The window (seconds) ``created`` was checked against then: a result keeps it, so that its
+    # evidence is re-checked by it, whatever the setting is later.
+    window_s: int = 0
 
 
 def _fail(code: str, detail: str) -> Unauthorized:
@@ -341,6 +344,7 @@ def verify_request(
             (name.lower(), value) for name, value in header_lines if name.lower() in parsed.components
         ),
         verified_at=now,
+        window_s=window_s,
     )
 
 

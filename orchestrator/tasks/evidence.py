@@ -38,8 +38,10 @@ _OWN_COLUMNS = frozenset({"signature-input", "signature"})
 
 
 def recheck(sub: Submission, *, window_s: int) -> EvidenceCheck:
-    """Verify ``sub``'s stored request again, at the time it was received (the nonce aside: it
-    was spent then), and that its key is the node's that held the lease."""
+    """Verify ``sub``'s stored request again, at the time it was received and with the
+    ``created`` window it was checked against then (``window_s``, today's setting, for results
+    stored before that was kept), the nonce aside (it was spent then), and that its key is the
+    node's that held the lease."""
     if hashlib.sha256(sub.body).hexdigest() != sub.body_sha256:
         return EvidenceCheck(False, code="body_altered", detail="the stored body does not match its SHA-256")
     try:
@@ -54,7 +56,7 @@ def recheck(sub: Submission, *, window_s: int) -> EvidenceCheck:
             ],
             body=sub.body,
             now=sub.received_at.timestamp(),
-            window_s=window_s,
+            window_s=sub.signature_window_s or window_s,
         )
     except Unauthorized as exc:
         return EvidenceCheck(False, code=exc.code, detail=exc.detail)

@@ -247,6 +247,9 @@ class Submission(Base):
     target_uri: Mapped[str] = mapped_column(String(2048))
     signature_input: Mapped[str] = mapped_column(Text)
     signature: Mapped[str] = mapped_column(Text)
+    signature_window_s: Mapped[int | None] = mapped_column(
+        Integer, doc="the created window its signature was checked against (NULL before 0025: today's)"
+    )
     content_digest: Mapped[str | None] = mapped_column(Text)
     signed_fields: Mapped[list[list[str]] | None] = mapped_column(
         JSON, doc="every header line the signature covers, [name, value], as received"

@@ -1396,6 +1396,7 @@ async def submit_result(
         "target_uri": signed.target_uri,
         "signature_input": signed.signature_input,
         "signature": signed.signature,
+        "signature_window_s": signed.window_s or None,
         "content_digest": signed.content_digest,
         "signed_fields": [list(line) for line in signed.signed_fields],
         "response": {**told, "received_at": now.isoformat()},
