@@ -137,6 +137,22 @@ async def test_a_running_iteration_blocks_the_next_one(app: Any, app_state: Any)
         assert (await s.publish(2)).status_code == 201
 
 
+async def test_an_iteration_retried_with_its_json_spelled_otherwise_is_the_same(
+    app: Any, app_state: Any
+) -> None:
+    """The name compared a hash of the body's JSON as validated: the same iteration with a
+    verification spec's keys in another order was refused (409 iteration_name_taken)."""
+    async with pool_setup(app, app_state) as s:
+        body = iteration_body()
+        answer = QUESTIONS["p1"][1]
+        body["problems"][0]["verification"] = {"answer": answer, "unit": "none"}
+        first = await s.admin.post(base(s), json=body, headers=s.headers)
+        assert first.status_code == 201, first.text
+        body["problems"][0]["verification"] = {"unit": "none", "answer": answer}
+        again = await s.admin.post(base(s), json=body, headers=s.headers)
+        assert (again.status_code, again.json()["id"]) == (200, first.json()["id"])
+
+
 async def test_an_iteration_needs_the_current_policy(app: Any, app_state: Any, clock: FakeClock) -> None:
     async with pool_setup(app, app_state) as s:
         assert (await s.publish(2)).status_code == 201

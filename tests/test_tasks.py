@@ -149,6 +149,35 @@ async def test_enqueue_is_atomic_and_idempotent_by_batch_key(app: Any, app_state
         assert len(listing["items"]) == 50
 
 
+async def test_an_enqueue_retried_with_its_json_spelled_otherwise_is_the_same_batch(
+    app: Any, app_state: Any
+) -> None:
+    """The batch key compared a hash of the body's JSON as validated: a retry whose metadata
+    keys came in another order, or whose deadline had another UTC offset, said the same and was
+    refused (409 batch_key_reused). A batch stored before (with that hash) still matches its
+    retry; a different body is still refused."""
+    from sqlalchemy import update as sql_update
+
+    from api_schemas.tasks import TaskBatchIn
+    from orchestrator.core.digest import body_digests
+    from orchestrator.tasks.models import TaskBatch
+
+    first = [{**task("a"), "metadata": {"x": 1, "y": 2}, "deadline_at": "2099-01-01T02:00:00+02:00"}]
+    respelled = [{**task("a"), "metadata": {"y": 2, "x": 1}, "deadline_at": "2099-01-01T00:00:00Z"}]
+    async with pool_setup(app, app_state) as s:
+        made = await s.enqueue(first, key="k-1")
+        assert made.status_code == 201, made.text
+        again = await s.enqueue(respelled, key="k-1")
+        assert (again.status_code, again.json()["batch_id"]) == (200, made.json()["batch_id"])
+        other = [{**respelled[0], "metadata": {"y": 2, "x": 3}}]
+        problem(await s.enqueue(other, key="k-1"), 409, "batch_key_reused")
+        # A batch stored with the former digest: the same request again is still the same batch.
+        legacy = body_digests(TaskBatchIn.model_validate({"batch_key": "k-1", "tasks": first}))[1]
+        async with app_state.sessionmaker() as session, session.begin():
+            await session.execute(sql_update(TaskBatch).values(body_sha256=legacy))
+        assert (await s.enqueue(first, key="k-1")).status_code == 200
+
+
 async def test_text_with_nul_and_json_with_nan_are_refused_not_stored(app: Any, app_state: Any) -> None:
     """PostgreSQL stores neither a NUL character in text nor NaN or Infinity in JSON (Python's
     JSON parser accepts the bare words), and SQLite would serve NaN back to workers as null:

@@ -53,6 +53,7 @@ from api_schemas.restem import (
     RestemSampling,
 )
 from api_schemas.tasks import Sampling, TaskBatchIn, TaskIn
+from orchestrator.core.digest import body_digests
 from orchestrator.core.errors import Conflict, NotFound, UnprocessableEntity
 from orchestrator.core.sql import is_postgres
 from orchestrator.feed.service import dumps_line, load_body, sample_rewards
@@ -71,10 +72,6 @@ CORRECT = 1.0 - 1e-9
 
 
 # ------------------------------------------------------------------ create
-
-
-def _digest(body: IterationIn) -> str:
-    return hashlib.sha256(body.model_dump_json().encode()).hexdigest()
 
 
 async def _by_name(session: AsyncSession, pool_id: str, name: str) -> RestemIteration | None:
@@ -107,10 +104,10 @@ async def create(
     session: AsyncSession, pool: Pool, body: IterationIn, *, secret: bytes, actor: str, now: dt.datetime
 ) -> tuple[RestemIteration, bool]:
     """Create the iteration and enqueue its tasks; the same name and body again is a no-op."""
-    digest = _digest(body)
+    digests = body_digests(body)  # content first (what a new iteration keeps), then as spelled
     existing = await _by_name(session, pool.id, body.name)
     if existing is not None:
-        if existing.body_sha256 != digest:
+        if existing.body_sha256 not in digests:
             raise Conflict(
                 "an iteration with this name already exists with another body",
                 code="iteration_name_taken",
@@ -143,7 +140,7 @@ async def create(
         keep_correct=body.keep_correct,
         sampling=body.sampling.model_dump(),
         problem_count=len(body.problems),
-        body_sha256=digest,
+        body_sha256=digests[0],
         created_by=actor,
         created_at=now,
         deadline_at=body.deadline_at,

@@ -53,6 +53,7 @@ from api_schemas.tasks import (
     TaskBatchIn,
 )
 from orchestrator.core.db import UTCDateTime
+from orchestrator.core.digest import body_digests
 from orchestrator.core.errors import Conflict, NotFound, ServiceUnavailable, UnprocessableEntity
 from orchestrator.core.signing import SignedRequest
 from orchestrator.core.sql import is_postgres
@@ -151,10 +152,11 @@ async def enqueue(
     session: AsyncSession, pool: Pool, body: TaskBatchIn, *, secret: bytes, actor: str, now: dt.datetime
 ) -> EnqueueResult:
     """Insert a batch of tasks and their replicas atomically; idempotent by ``batch_key``."""
-    digest = hashlib.sha256(body.model_dump_json().encode()).hexdigest()
+    digests = body_digests(body)
+    digest = digests[0]
     existing = await _batch(session, pool.id, body.batch_key)
     if existing is not None:
-        return await _same_batch(session, existing, digest)
+        return await _same_batch(session, existing, digests)
     if is_postgres(session):
         # The pool as it is now, and kept so until this commits (FOR SHARE: enqueues do not wait
         # for each other): a completion (which cancels the open tasks) or a settings change
@@ -189,7 +191,7 @@ async def enqueue(
         found = await _batch(session, pool.id, body.batch_key)
         if found is None:
             raise
-        return await _same_batch(session, found, digest)
+        return await _same_batch(session, found, digests)
 
     rows: list[dict[str, Any]] = []
     for index, t in enumerate(body.tasks):
@@ -280,8 +282,8 @@ async def _batch(session: AsyncSession, pool_id: str, key: str) -> TaskBatch | N
     ).scalar_one_or_none()
 
 
-async def _same_batch(session: AsyncSession, batch: TaskBatch, digest: str) -> EnqueueResult:
-    if batch.body_sha256 != digest:
+async def _same_batch(session: AsyncSession, batch: TaskBatch, digests: tuple[str, str]) -> EnqueueResult:
+    if batch.body_sha256 not in digests:
         raise Conflict(
             "this batch_key was already used for different tasks",
             code="batch_key_reused",
