@@ -254,7 +254,7 @@ def alive_cmd(
 
     age = alive_age(alive_file)
     if age is None:
-        console.print(f"[red]not alive: {alive_file} is missing or unreadable[/red]")
+        console.print(f"[red]not alive: {alive_file} is missing or unreadable, or holds no time[/red]")
         raise typer.Exit(1)
     if age > max_age:
         console.print(f"[red]not alive: {alive_file} was written {age:.1f} s ago (> {max_age:g} s)[/red]")

@@ -87,7 +87,8 @@ def test_the_alive_probe_fails_on_a_missing_or_stale_file(tmp_path: Path) -> Non
     result = runner.invoke(cli, ["alive", str(alive)])
     assert result.exit_code == 0, result.output
     alive.write_text("garbage")
-    assert runner.invoke(cli, ["alive", str(alive)]).exit_code == 1
+    result = runner.invoke(cli, ["alive", str(alive)])
+    assert result.exit_code == 1 and "holds no time" in result.output
 
 
 def invoke(args: list[str], env: dict[str, str]) -> Result:
