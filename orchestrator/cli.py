@@ -853,7 +853,9 @@ def provider_payouts(
     server: ServerOpt = DEFAULT_SERVER,
 ) -> None:
     """Print the provider's payouts, newest first, one JSON object per line."""
-    if status is not None and status not in {"requested", "paid", "rejected"}:
+    from api_schemas.payouts import PayoutStatus
+
+    if status is not None and status not in set(PayoutStatus):
         raise typer.BadParameter("must be requested, paid or rejected", param_hint="--status")
     key = _key_file(provider_key, "--provider-key")
     with _worker_errors():

@@ -675,9 +675,9 @@ async def claim(
     }
     if ip_known:
         params["ip_address"] = ctx.node_ip
+    retake = ctx.retake_expired_after_s is not None
     if ctx.retake_expired_after_s is not None:
         params["retake_before"] = now - dt.timedelta(seconds=ctx.retake_expired_after_s)
-    retake = "retake_before" in params
     picked: Sequence[Row[Any]] = []
     if postgres:
         # When every task the first step locked fails the second step's check (each was taken

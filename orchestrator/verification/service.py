@@ -319,8 +319,9 @@ def _invalid_output(name: str, per_sample: Sequence[object], canonical: Sequence
     NaN or -1 would otherwise count its sample correct and pay it, and a string fail the job
     at every tick."""
     for i, reward in enumerate(per_sample):
-        number = isinstance(reward, int | float)
-        if reward is not None and not (number and 0 <= reward <= 1):  # type: ignore[operator]
+        if reward is None:
+            continue
+        if not isinstance(reward, int | float) or not 0 <= reward <= 1:
             return (
                 f"reward function {name!r} returned {reward!r:.40} for sample {i}; "
                 "a reward is a number in [0, 1] or null"
