@@ -128,6 +128,8 @@ def serve(
     settings = _settings()
     n = workers or settings.server.workers
     check_process_model(settings, n)
+    bind = (host or settings.server.host, port or settings.server.port)
+    _require_free_port(*bind)
     if migrate if migrate is not None else settings.server.migrate_on_start:
         from orchestrator.core.migrate import upgrade
 
@@ -140,8 +142,8 @@ def serve(
     uvicorn.run(
         "orchestrator.app:create_app",
         factory=True,
-        host=host or settings.server.host,
-        port=port or settings.server.port,
+        host=bind[0],
+        port=bind[1],
         workers=n,
         proxy_headers=settings.server.trust_proxy_headers,
         forwarded_allow_ips=settings.server.forwarded_allow_ips
@@ -150,6 +152,34 @@ def serve(
         access_log=False,
         log_level=settings.log_level.lower(),
     )
+
+
+def _require_free_port(host: str, port: int) -> None:
+    """An address already in use is one line and exit 2 before the schema is touched. Without
+    this check the app started, logged "started" and migrated, and only then did uvicorn fail
+    to bind (its error among the start-up and shutdown lines, exit 3)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        console.print(escape(f"cannot serve on {host}:{port}: {exc.strerror}"), style="red")
+        raise typer.Exit(2) from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            console.print(
+                escape(
+                    f"cannot serve on {host}:{port}: {exc.strerror} (another process has it? "
+                    "pick another with --port or ORCH_SERVER__PORT)"
+                ),
+                style="red",
+                soft_wrap=True,
+            )
+            raise typer.Exit(2) from None
 
 
 def _require_current_schema(url: str) -> None:

@@ -21,12 +21,15 @@ from orchestrator.cli import app
 from orchestrator.core.keys import key_id_of, read_key_file
 from orchestrator.settings import get_settings
 from tests.conftest import DATABASE_URL, postgres_only
+from tests.process_helpers import free_port
 
 runner = CliRunner()
 
 
 @pytest.fixture(autouse=True)
-def _fresh_settings() -> Iterator[None]:
+def _fresh_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    # serve checks that its address is free: not the default 8000, which anything may hold.
+    monkeypatch.setenv("ORCH_SERVER__PORT", str(free_port()))
     get_settings.cache_clear()
     yield
     get_settings.cache_clear()
@@ -144,6 +147,32 @@ def test_serve_passes_the_trusted_proxies_to_uvicorn(tmp_path: Path, monkeypatch
         get_settings.cache_clear()
         assert runner.invoke(app, ["serve"], env={**env, **extra}).exit_code == 0
         assert (seen[-1]["proxy_headers"], seen[-1]["forwarded_allow_ips"]) == (proxy_headers, allowed)
+
+
+def test_serve_on_an_address_in_use_is_one_line_and_exit_2_before_anything_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It used to migrate the database, log "started", and only then fail in uvicorn's bind,
+    the error among its start-up and shutdown lines (exit 3)."""
+    import uvicorn
+
+    started: list[object] = []
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: started.append(kwargs))
+    path = tmp_path / "p.db"
+    env = {"ORCH_DB__URL": f"sqlite+aiosqlite:///{path}", "COLUMNS": "80"}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = runner.invoke(app, ["serve", "--host", "127.0.0.1", "--port", str(port)], env=env)
+    assert result.exit_code == 2 and not started, result.output
+    [line] = result.output.strip().splitlines()
+    assert f"cannot serve on 127.0.0.1:{port}" in line and "--port" in line
+    assert not path.exists()  # not migrated
+
+    result = runner.invoke(app, ["serve", "--host", "127.0.0.1", "--port", str(port)], env=env)
+    assert result.exit_code == 0 and started[-1]["port"] == port, result.output  # free again
+    assert path.exists()
 
 
 def test_serve_refuses_an_unknown_log_level_before_starting(monkeypatch: pytest.MonkeyPatch) -> None:
