@@ -6,9 +6,11 @@ import datetime as dt
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import event, func, select
+from sqlalchemy.orm import Session
 
 from orchestrator.core.clock import FakeClock
+from orchestrator.identity.models import Node
 from orchestrator.ledger.models import LedgerTransfer, StakeUnbonding
 from orchestrator.pools import service as pools_service
 from orchestrator.tasks.models import Assignment
@@ -96,6 +98,59 @@ async def test_a_ban_ejects_the_node_from_its_pools_releases_its_leases_and_unbo
         )
         problem(refused, 403, "node_banned")
     await books_balance(app_state)
+
+
+async def test_a_ban_that_does_not_commit_leaves_the_node_watched(app: Any, app_state: Any) -> None:
+    """The ban dropped the node from the hot store before its transaction committed: a ban that
+    then failed (a lost connection at COMMIT) left the node healthy in the database and unseen
+    by the sweeper, so it stayed healthy however long it was silent. The hot store now forgets
+    the node only once the ban has committed."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        node = s.workers[0]
+        assert await app_state.hot_store.last_beat(node.node_id) is not None
+
+        def fail_the_ban(session: Session) -> None:
+            status = session.execute(select(Node.status).where(Node.id == node.node_id)).scalar()
+            if status == "banned":
+                raise OSError("connection lost at COMMIT")
+
+        event.listen(Session, "before_commit", fail_the_ban)
+        try:
+            with pytest.raises(OSError):
+                await s.admin.post(
+                    f"/v1/admin/nodes/{node.node_id}/ban", json={"reason": "sybil"}, headers=s.admin_headers
+                )
+        finally:
+            event.remove(Session, "before_commit", fail_the_ban)
+        r = await s.admin.get(f"/v1/admin/nodes/{node.node_id}", headers=s.admin_headers)
+        assert r.json()["status"] == "healthy"
+        assert await app_state.hot_store.last_beat(node.node_id) is not None
+
+        r = await s.admin.post(
+            f"/v1/admin/nodes/{node.node_id}/ban", json={"reason": "sybil"}, headers=s.admin_headers
+        )
+        assert r.status_code == 200 and r.json()["status"] == "banned", r.text
+        assert await app_state.hot_store.last_beat(node.node_id) is None
+
+
+async def test_a_committed_ban_is_reported_as_done_when_the_hot_store_then_fails(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ban has committed before the hot store is told: a hot store down at that moment is
+    logged, and the answer is the ban (not a 503 for a ban that took effect)."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        node = s.workers[0]
+
+        async def down(node_id: str) -> None:
+            raise ConnectionError("hot store down")
+
+        monkeypatch.setattr(app_state.hot_store, "forget_node", down)
+        r = await s.admin.post(
+            f"/v1/admin/nodes/{node.node_id}/ban", json={"reason": "sybil"}, headers=s.admin_headers
+        )
+        assert r.status_code == 200 and r.json()["status"] == "banned", r.text
+        r = await s.admin.get(f"/v1/admin/nodes/{node.node_id}", headers=s.admin_headers)
+        assert r.json()["status"] == "banned"
 
 
 async def test_an_unban_lifts_the_bans_ejections_and_no_others(app: Any, app_state: Any, client: Any) -> None:

@@ -5,10 +5,13 @@ ejections, and only those (``pools.service.lift_ban_ejections``)."""
 
 from __future__ import annotations
 
+from functools import partial
+
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from orchestrator.admin.tokens import Principal
 from orchestrator.audit.service import record
+from orchestrator.core.db import after_commit
 from orchestrator.core.errors import NotFound
 from orchestrator.core.state import AppState
 from orchestrator.identity import repository as repo
@@ -59,7 +62,8 @@ async def ban(
             before=before,
             after={"status": NodeStatus.banned.value, "reason": reason, "ejected_from": ejected},
         )
-        await state.hot_store.forget_node(node_id)
+        # Once the ban has committed: a ban rolled back must leave the node watched.
+        after_commit(session, partial(state.hot_store.forget_node, node_id))
     await session.refresh(node)
     return node
 

@@ -9,9 +9,10 @@ half-way with ``SQLITE_BUSY`` when it upgrades. WAL mode keeps readers going mea
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
+import structlog
 from sqlalchemy import DateTime, MetaData, event
 from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
@@ -27,6 +28,8 @@ NAMING_CONVENTION = {
     "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
     "pk": "pk_%(table_name)s",
 }
+
+log = structlog.get_logger(__name__)
 
 
 class UTCDateTime(TypeDecorator[dt.datetime]):
@@ -111,6 +114,28 @@ def autocommit(engine: AsyncEngine) -> AsyncEngine:
 
 def make_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     return async_sessionmaker(engine, expire_on_commit=False, autoflush=False)
+
+
+_AFTER_COMMIT = "orchestrator.after_commit"
+
+
+def after_commit(session: AsyncSession, action: Callable[[], Awaitable[None]]) -> None:
+    """Run ``action`` once the request's transaction (``state.get_session``) has committed, and
+    never if it rolls back: for effects outside the database, such as the hot store, that must
+    not run ahead of the change they follow."""
+    session.info.setdefault(_AFTER_COMMIT, []).append(action)
+
+
+async def run_after_commit(session: AsyncSession) -> None:
+    """The actions ``after_commit`` queued, in order. The commit stands whatever they do: a
+    failure is logged, not raised."""
+    for action in session.info.pop(_AFTER_COMMIT, []):
+        try:
+            await action()
+        except Exception:
+            log.warning(
+                "after_commit_failed", action=getattr(action, "__qualname__", repr(action)), exc_info=True
+            )
 
 
 async def session_scope(sessionmaker: async_sessionmaker[AsyncSession]) -> AsyncIterator[AsyncSession]:

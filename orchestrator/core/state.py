@@ -13,7 +13,7 @@ from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from orchestrator.core.clock import Clock, SystemClock
-from orchestrator.core.db import autocommit, make_engine, make_sessionmaker
+from orchestrator.core.db import autocommit, make_engine, make_sessionmaker, run_after_commit
 from orchestrator.core.hotstore import HotStore, make_hot_store
 from orchestrator.settings import Settings
 
@@ -62,10 +62,13 @@ State = Annotated[AppState, Depends(get_state)]
 
 
 async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
-    """The request's one transaction: committed after the handler, rolled back on error."""
+    """The request's one transaction: committed after the handler, rolled back on error; then
+    what the handler queued with ``db.after_commit``."""
     state = app_state(request)
-    async with state.sessionmaker() as session, session.begin():
-        yield session
+    async with state.sessionmaker() as session:
+        async with session.begin():
+            yield session
+        await run_after_commit(session)
 
 
 # scope="function": commit before the response is sent, so a failed commit is never reported as success.
