@@ -377,6 +377,38 @@ async def test_the_per_ip_cap_counts_nodes_registered_from_one_address(
     assert (await join(client, elsewhere, pool["id"])).status_code == 201
 
 
+async def test_a_member_that_registers_again_from_another_address_stays_within_the_per_ip_cap(
+    client: httpx.AsyncClient, app: Any, operator_headers: dict[str, str]
+) -> None:
+    """The per-IP cap was checked only at the join: a node could join from one address and then
+    register again from another, so a few addresses held any number of nodes in the pool."""
+    capped = await active_pool(client, operator_headers, caps={"max_nodes_per_ip": 1})
+    uncapped = await active_pool(client, operator_headers)
+    async with client_from(app, "203.0.113.7") as home, client_from(app, "198.51.100.9") as away:
+        settled, mover = await registered(home), await registered(away)
+        for node in (settled, mover):
+            assert (await join(client, node, capped["id"])).status_code == 201
+        assert (await join(client, mover, uncapped["id"])).status_code == 201
+
+        # Moving to the address whose one allowed node is already in the capped pool: refused,
+        # and nothing changes (the node keeps its address, its specs, its memberships).
+        moved = mover.node_body()
+        moved["version"] = "moved"
+        body = problem(await home.post("/v1/nodes", json=moved, auth=mover.node_auth), 409, "ip_cap")
+        assert body["pools"] == [{"pool_id": capped["id"], "nodes_from_address": 1, "max_nodes_per_ip": 1}]
+        r = await away.post("/v1/nodes", json=mover.node_body(), auth=mover.node_auth)
+        assert r.status_code == 200 and r.json()["version"] != "moved", r.text
+        assert (
+            await home.post("/v1/nodes", json=settled.node_body(), auth=settled.node_auth)
+        ).status_code == 200
+
+        # Once the settled node has left, the move is within the cap.
+        await leave(client, settled, capped["id"])
+        r = await home.post("/v1/nodes", json=moved, auth=mover.node_auth)
+        assert r.status_code == 200 and r.json()["version"] == "moved", r.text
+        problem(await join(home, settled, capped["id"]), 403, "ip_cap")
+
+
 async def test_a_join_refused_for_several_reasons_names_them_all(
     client: httpx.AsyncClient,
     operator_headers: dict[str, str],

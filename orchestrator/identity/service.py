@@ -115,6 +115,8 @@ async def register_node(
     if node.status == NodeStatus.banned:
         raise Forbidden("this node is banned", code="node_banned")
     if not created:
+        if values["ip_address"] != node.ip_address:
+            await _within_ip_caps(session, node, str(values["ip_address"]))
         for field in (
             "attestation",
             "gpu_model",
@@ -128,3 +130,26 @@ async def register_node(
             setattr(node, field, values[field])
         await session.flush()
     return node, created
+
+
+async def _within_ip_caps(session: AsyncSession, node: Node, network: str) -> None:
+    """A node that registers again from another address must stay within ``max_nodes_per_ip``
+    in every pool it is a member of, as a join from that address would: otherwise joining from
+    one address and then moving to another let a few addresses hold any number of nodes."""
+    over: list[dict[str, object]] = []
+    for pool in await pools_repo.live_pools_capping_ip(session, node.id):
+        cap = pool.max_nodes_per_ip
+        assert cap is not None
+        count = await pools_repo.count_live(session, pool.id, ip_address=network)
+        if count >= cap:
+            over.append({"pool_id": pool.id, "nodes_from_address": count, "max_nodes_per_ip": cap})
+    if over:
+        names = ", ".join(
+            f"{o['pool_id']} ({o['nodes_from_address']} of {o['max_nodes_per_ip']})" for o in over
+        )
+        raise Conflict(
+            f"this address already has as many nodes as allowed in the pools this node is a member "
+            f"of: {names}; leave those pools first, or register from the address the node had",
+            code="ip_cap",
+            extra={"pools": over},
+        )

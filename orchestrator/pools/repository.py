@@ -175,6 +175,24 @@ async def count_live(
     return int((await session.execute(stmt)).scalar_one())
 
 
+async def live_pools_capping_ip(session: AsyncSession, node_id: str) -> list[Pool]:
+    """The pools with ``max_nodes_per_ip`` that the node is a live member of, locked as a join
+    locks its pool (in id order), so that the per-IP counts hold while its address changes."""
+    stmt = (
+        select(Pool)
+        .join(PoolMembership, PoolMembership.pool_id == Pool.id)
+        .where(
+            PoolMembership.node_id == node_id,
+            PoolMembership.status.in_(LIVE),
+            Pool.max_nodes_per_ip.is_not(None),
+        )
+        .order_by(Pool.id)
+        .with_for_update(of=Pool, key_share=True)
+        .execution_options(populate_existing=True)
+    )
+    return list((await session.execute(stmt)).scalars())
+
+
 # ------------------------------------------------------------------ invites
 
 
