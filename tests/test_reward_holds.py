@@ -5,12 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import insert, select, update
 
 from orchestrator.core.clock import FakeClock
+from orchestrator.ledger import service as ledger
 from orchestrator.ledger.models import LedgerTransfer
+from orchestrator.ledger.service import ProviderAccount, SystemAccount
+from orchestrator.tasks.models import Assignment, Submission
 from orchestrator.verification.jobs import release_once
-from orchestrator.verification.models import RewardHold
+from orchestrator.verification.models import RewardHold, Verdict
 from tests.tasks_helpers import pool_setup
 from tests.test_verification import ECON, one_lease
 from tests.verification_helpers import (
@@ -57,6 +60,62 @@ async def test_a_hold_that_cannot_be_released_does_not_block_the_others(
         clock.advance(31)  # the next tick tries it again, and still releases nothing twice
         assert await release_once(app_state) == 0
         assert await hold_statuses(app_state) == {broken.node_id: ["held"], fine.node_id: ["released"]}
+        await books_balance(app_state)
+
+
+async def copy_the_hold(app_state: Any, copies: int) -> None:
+    """``copies`` more rewards on hold like the one there is, each with its own lease, result
+    and verdict (copied rows: deciding that many results would take minutes), paid into the
+    provider's pending rewards as the verifier pays them."""
+    async with app_state.sessionmaker() as session, session.begin():
+
+        async def row(model: Any) -> dict[str, Any]:
+            return dict((await session.execute(select(model.__table__))).mappings().one())
+
+        lease, result, verdict, hold = [await row(m) for m in (Assignment, Submission, Verdict, RewardHold)]
+        numbers = range(1, copies + 1)
+        copied = {
+            Assignment: [{**lease, "id": f"asg_copy{i:06d}"} for i in numbers],
+            Submission: [
+                {**result, "id": result["id"] + i, "assignment_id": f"asg_copy{i:06d}"} for i in numbers
+            ],
+            Verdict: [
+                {**verdict, "id": verdict["id"] + i, "submission_id": result["id"] + i} for i in numbers
+            ],
+            RewardHold: [{**hold, "id": hold["id"] + i, "verdict_id": verdict["id"] + i} for i in numbers],
+        }
+        for model, rows in copied.items():
+            await session.execute(insert(model.__table__), rows)
+        await ledger.transfer(
+            session,
+            debit=ledger.system_account(SystemAccount.rewards),
+            credit=ledger.provider_account(hold["provider_id"], ProviderAccount.rewards_pending),
+            amount=hold["amount"] * copies,
+            key="test:copied-holds",
+            reason="reward",
+            actor="verifier",
+        )
+
+
+async def test_one_tick_releases_a_backlog_of_more_than_a_thousand_holds(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    """One transaction of at most 1,000 holds per 30 s tick released at most 33 rewards a
+    second, fewer than one verifier pays: under load claimable rewards fell ever further behind
+    their hold. The tick now goes on, batch after batch, until nothing more is due."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        await submit(w, await one_lease(s, w), ["4"])
+        await verify_all(app_state)
+        await copy_the_hold(app_state, 1050)
+        clock.advance(3601)
+        assert await release_once(app_state) == 1051
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (0, 7 * 1051)
+        assert set(*(await hold_statuses(app_state)).values()) == {"released"}
+        clock.advance(31)
+        assert await release_once(app_state) == 0
+        await pending_matches_holds(app_state)
         await books_balance(app_state)
 
 
