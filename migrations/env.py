@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from alembic import context
-from sqlalchemy import event
+from sqlalchemy import event, text
 from sqlalchemy.engine import Connection
 
 from orchestrator.all_models import Base
@@ -40,9 +40,18 @@ def run_migrations_offline() -> None:
         context.run_migrations()
 
 
+#: The advisory lock's key ("MG") that serialises migrations on PostgreSQL.
+MIGRATE_LOCK = 0x4D47
+
+
 def _run_sync(connection: Connection) -> None:
     _configure(connection=connection)
     with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            # Processes migrating at once (several `serve` starting together, each upgrading
+            # first) would each run the same DDL, and all but one failed on a duplicate; the
+            # lock makes the later ones wait, then read the version the first one left.
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key, 0)"), {"key": MIGRATE_LOCK})
         context.run_migrations()
         if connection.dialect.name == "sqlite":
             broken = connection.exec_driver_sql("PRAGMA foreign_key_check").all()

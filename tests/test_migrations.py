@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,8 +20,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from orchestrator.all_models import Base
-from orchestrator.core.migrate import downgrade, upgrade
-from tests.conftest import DATABASE_URL, IS_POSTGRES
+from orchestrator.core.migrate import current_revision, downgrade, head_revision, upgrade
+from tests.conftest import DATABASE_URL, IS_POSTGRES, postgres_only
 
 
 async def _admin(url: str, sql: str) -> None:
@@ -77,6 +80,22 @@ def test_upgrade_downgrade_upgrade_round_trip(scratch_url: str) -> None:
     upgrade(scratch_url)
     tables, _ = asyncio.run(_inspect(scratch_url))
     assert {t.name for t in Base.metadata.sorted_tables} <= tables
+
+
+@postgres_only
+def test_processes_migrating_one_database_at_once_all_succeed(scratch_url: str) -> None:
+    """Several ``serve`` processes started together each migrate first (the default): they ran
+    the same DDL side by side and all but one died on a duplicate (UniqueViolationError, with a
+    long traceback). They now take turns, and the later ones find the schema at head."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ORCH_", "PROMETHEUS_"))}
+    env |= {"ORCH_ENV": "test", "ORCH_DB__URL": scratch_url}
+    command = [sys.executable, "-m", "orchestrator.cli", "migrate"]
+    runs = [
+        subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(3)
+    ]
+    outputs = [run.communicate(timeout=120)[0].decode() for run in runs]
+    assert [run.returncode for run in runs] == [0, 0, 0], outputs
+    assert current_revision(scratch_url) == head_revision()
 
 
 def test_models_and_migrations_do_not_drift(scratch_url: str) -> None:
