@@ -320,6 +320,55 @@ async def test_the_leases_of_a_claim_whose_answer_was_lost_are_taken_up(app: Any
         assert (await s.workers[0].claim(s.pool_id)).json()["reason"] == "no_tasks"
 
 
+@dataclass
+class StaleLeasesTransport(FaultyTransport):
+    """Answers the second ``GET /v1/nodes/me/leases`` (the look after a failed claim) as the
+    server read it, but only once the lease it lists has been worked and its result accepted:
+    a slow answer, overtaken by the worker's own submission."""
+
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+    accepted: asyncio.Event = field(default_factory=asyncio.Event)
+    looks: int = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await super().handle_async_request(request)
+        if request.url.path.endswith("/result") and response.status_code == 201:
+            self.accepted.set()
+        if request.url.path == "/v1/nodes/me/leases":
+            self.looks += 1
+            if self.looks == 2:
+                assert len(response.json()) == 1  # the lease being worked, still live when read
+                self.gate.set()
+                await self.accepted.wait()
+                await asyncio.sleep(0.2)  # the worker forgets the finished lease
+        return response
+
+
+async def test_a_lease_finished_while_its_leases_were_read_is_not_worked_again(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a failed claim the worker reads its live leases and works those it does not know.
+    A lease it was working itself, whose result went in while that read was on its way back,
+    looked unknown (no longer in flight) and was generated and submitted a second time: a whole
+    generation wasted, counted twice in the stats (seen as one result more acknowledged than
+    stored after an API process was killed), and refused as result_conflict for a backend that
+    does not repeat itself."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        await s.enqueue(arithmetic_tasks(1, seed=2))
+        wire = StaleLeasesTransport(app_transport(app))
+        monkeypatch.setitem(registry.BUILT_IN, "gated", lambda options: GatedBackend(wire.gate))
+        wire.fail("/v1/assignments/claim", "pass", "forward+timeout")  # the first claim gets the task
+        run = start(app, s.pool_id, transport=wire, backend="gated", concurrency=2)
+        while not wire.seen or wire.looks < 2 or not wire.gate.is_set():
+            await asyncio.sleep(0.02)
+            assert not run.task.done()
+        await asyncio.sleep(0.5)  # what the stale answer would start
+        run.stop.set()
+        stats = await asyncio.wait_for(run.task, 10)
+        results = [x for x in wire.seen if x.path.endswith("/result")]
+        assert (stats.recovered, stats.submitted, len(results)) == (0, 1, 1), (stats, results)
+
+
 async def test_a_restarted_worker_takes_up_the_leases_its_previous_run_left(app: Any, app_state: Any) -> None:
     """A run killed while it held leases left them on the server, filling the pool's lease cap:
     the next run with the same node key works them (as many as --concurrency; the rest are

@@ -382,6 +382,10 @@ class _Worker:
         ``max_tasks`` allows); the rest are given back at once. Held, they would count against
         the pool's lease cap until they expired. True when it took some up."""
         c = self.config
+        # Leases in flight now are this run's even if they end before the answer comes: one
+        # whose result went in meanwhile is listed (the server read it still live) but no longer
+        # running, and would be generated and submitted again.
+        known = set(self.running)
         try:
             held = await self.client.leases(c.pool_id)
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
@@ -389,7 +393,8 @@ class _Worker:
             log.warning("recover_failed", error=str(exc)[:200])
             return False
         self.recover = False
-        unknown = [lease for lease in held if lease.assignment_id not in self.running]
+        known.update(self.running)
+        unknown = [lease for lease in held if lease.assignment_id not in known]
         if not unknown:
             return False
         room = c.concurrency - len(self.running)
