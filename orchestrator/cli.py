@@ -267,9 +267,32 @@ def background_cmd(
         directory = alive_file.parent
         if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
             raise typer.BadParameter(f"{directory} is not a writable directory", param_hint="--alive-file")
+    _require_redis(settings.redis_url)
     _require_current_schema(settings.db.url)
     configure_logging(settings.log_level, json=settings.log_json)
     asyncio.run(background.run(settings, alive_file=alive_file))
+
+
+def _require_redis(url: str) -> None:
+    """Redis that does not answer at start is one line and exit 2, as a database that cannot be
+    reached is; it used to start, then log a traceback for every tick of every loop."""
+    import redis
+    from sqlalchemy.engine import make_url
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        where = make_url(url).render_as_string(hide_password=True)
+        why = str(exc).rstrip(".")
+        console.print(
+            escape(f"cannot reach Redis at {where}: {why}. Start it, or set ORCH_REDIS__URL to it."),
+            style="red",
+            soft_wrap=True,
+        )
+        raise typer.Exit(2) from None
+    finally:
+        client.close()
 
 
 @app.command("alive")

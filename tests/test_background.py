@@ -12,9 +12,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import structlog
+from redis.exceptions import ConnectionError as RedisConnectionError
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 from typer.testing import CliRunner, Result
@@ -22,7 +25,8 @@ from typer.testing import CliRunner, Result
 from orchestrator import background
 from orchestrator.cli import app as cli
 from orchestrator.core.alive import ALIVE_INTERVAL_S, alive_age, keep_alive
-from orchestrator.core.loops import STOP_GRACE_S
+from orchestrator.core.clock import SystemClock
+from orchestrator.core.loops import STOP_GRACE_S, run_periodically
 from orchestrator.settings import Settings, get_settings
 from tests.conftest import REDIS_URL, postgres_only
 from tests.tasks_helpers import pool_setup, task
@@ -140,6 +144,61 @@ def test_the_command_refuses_a_database_it_cannot_use_before_starting() -> None:
     assert result.exit_code == 2, (result.output, result.exception)
     [line] = result.output.strip().splitlines()
     assert "connection refused" in line and "ORCH_DB__URL" in line
+
+
+def test_the_command_refuses_a_redis_it_cannot_reach_before_starting() -> None:
+    """An ORCH_REDIS__URL that does not answer used to start the loops anyway, each tick of each
+    loop logging a traceback every few seconds; now it is one line and exit 2, as for the database."""
+    with socket.socket() as bound:  # bound, never listening: connections to it are refused
+        bound.bind(("127.0.0.1", 0))
+        port = bound.getsockname()[1]
+        env = {
+            "ORCH_REDIS__URL": f"redis://:s3cret@127.0.0.1:{port}/0",
+            "ORCH_DB__URL": "postgresql+asyncpg://u@h/db",
+        }
+        result = invoke(["background"], env)
+    assert result.exit_code == 2, (result.output, result.exception)
+    [line] = result.output.strip().splitlines()
+    assert f"cannot reach Redis at redis://:***@127.0.0.1:{port}/0" in line and "ORCH_REDIS__URL" in line
+    assert "s3cret" not in line
+
+
+async def test_a_tick_that_cannot_reach_redis_or_the_database_logs_a_line_not_a_traceback(
+    settings: Settings,
+) -> None:
+    """During an outage every loop fails at every tick: each failure is one warning naming the
+    error, while any other failure keeps its traceback."""
+    errors: list[BaseException] = [
+        RedisConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused."),
+        ConnectionRefusedError(111, "Connection refused"),
+        RuntimeError("a bug"),
+    ]
+    stop = asyncio.Event()
+
+    async def tick(_: Any) -> None:
+        error = errors.pop(0)
+        if not errors:
+            stop.set()
+        raise error
+
+    state = SimpleNamespace(clock=SystemClock())
+    with structlog.testing.capture_logs() as logs:
+        await asyncio.wait_for(run_periodically(state, "sweeper", 0.01, tick, stop), timeout=10)  # type: ignore[arg-type]
+    assert [(e["event"], e["log_level"], e.get("exc_info"), e.get("error")) for e in logs] == [
+        (
+            "background_tick_unavailable",
+            "warning",
+            None,
+            "ConnectionError: Error 111 connecting to 127.0.0.1:6379. Connection refused.",
+        ),
+        (
+            "background_tick_unavailable",
+            "warning",
+            None,
+            "ConnectionRefusedError: [Errno 111] Connection refused",
+        ),
+        ("background_tick_failed", "error", True, None),
+    ]
 
 
 def test_the_command_refuses_an_alive_file_in_a_missing_directory(tmp_path: Path) -> None:

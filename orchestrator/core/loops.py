@@ -7,7 +7,10 @@ import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 
 import structlog
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from orchestrator.core.errors import database_unavailable
 from orchestrator.core.state import AppState
 
 log = structlog.get_logger(__name__)
@@ -28,13 +31,21 @@ async def run_periodically(
     while not stop.is_set():
         try:
             await tick(state)
-        except Exception:
-            log.exception("background_tick_failed", loop=name)
+        except Exception as exc:
+            if _unreachable(exc):  # an outage: one line a tick, not the same traceback each time
+                log.warning("background_tick_unavailable", loop=name, error=f"{type(exc).__name__}: {exc}")
+            else:
+                log.exception("background_tick_failed", loop=name)
         delay = interval_s - (state.clock.now() % interval_s) + 0.05
         try:
             await asyncio.wait_for(stop.wait(), timeout=delay)
         except TimeoutError:
             pass
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether the tick failed because Redis or the database could not be reached."""
+    return isinstance(exc, RedisConnectionError | RedisTimeoutError) or database_unavailable(exc)
 
 
 #: How long a stopping process lets a tick under way finish before it cancels it.
