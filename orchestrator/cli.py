@@ -787,9 +787,25 @@ def _worker_errors(hints: dict[str, str] | None = None) -> Iterator[None]:
         if hints and exc.code in hints:
             console.print(escape(hints[exc.code]), style="red")
         raise typer.Exit(1) from exc
-    except (WorkerError, ValueError, KeyError, OSError, httpx.HTTPError) as exc:
-        console.print(f"[red]worker failed: {type(exc).__name__}: {exc}[/red]")
+    except httpx.TransportError as exc:  # after the client's retries
+        console.print(
+            escape(f"cannot reach {_server_of(exc)}: {type(exc).__name__}: {exc}"),
+            style="red",
+            soft_wrap=True,
+        )
         raise typer.Exit(1) from exc
+    except (WorkerError, ValueError, KeyError, OSError, httpx.HTTPError) as exc:
+        console.print(escape(f"failed: {type(exc).__name__}: {exc}"), style="red", soft_wrap=True)
+        raise typer.Exit(1) from exc
+
+
+def _server_of(exc: Any) -> str:
+    """The server a transport error failed to reach (its origin), as far as the error knows."""
+    try:
+        url = exc.request.url
+    except RuntimeError:  # httpx: an error raised without its request
+        return "the server"
+    return str(url.copy_with(path="/", query=None))
 
 
 def _key_file(path: Path, option: str) -> Any:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -79,6 +80,32 @@ def test_bad_provider_arguments_are_refused_before_anything_runs(tmp_path: Path)
         result = runner.invoke(app, ["provider", extra[0], *base, *extra[1:]], env={"COLUMNS": "200"})
         assert result.exit_code == 2, (extra, result.output)
         assert message in " ".join(result.output.split()), (extra, result.output)
+
+
+def test_a_server_that_cannot_be_reached_is_named_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the client's retries, a closed port used to end in 'worker failed: ConnectError:
+    All connection attempts failed', for the provider commands too, naming no server."""
+    import anyio
+
+    async def no_wait(_: float) -> None:
+        return None
+
+    monkeypatch.setattr(anyio, "sleep", no_wait)  # the client's retries, without their waits
+    key = tmp_path / "provider.key"
+    assert runner.invoke(app, ["keys", "generate", str(key)]).exit_code == 0
+    with socket.socket() as bound:  # bound, never listening: connections to it are refused
+        bound.bind(("127.0.0.1", 0))
+        server = f"http://127.0.0.1:{bound.getsockname()[1]}"
+        result = runner.invoke(
+            app,
+            ["provider", "balance", "--provider-key", str(key), "--server", server],
+            env={"COLUMNS": "200"},
+        )
+    assert result.exit_code == 1, (result.output, result.exception)
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith(f"cannot reach {server}/: ConnectError"), result.output
 
 
 def test_a_key_file_that_cannot_be_read_is_a_bad_argument(tmp_path: Path) -> None:
