@@ -13,6 +13,7 @@ from sqlalchemy.exc import DBAPIError
 
 from orchestrator.core.clock import FakeClock
 from orchestrator.core.keys import generate_key, key_id_of
+from orchestrator.ledger import jobs as ledger_jobs
 from orchestrator.ledger import service as ledger
 from orchestrator.ledger.jobs import release_once
 from orchestrator.ledger.models import LedgerAccount, LedgerTransfer
@@ -212,6 +213,27 @@ async def test_unbonded_stake_becomes_free_after_the_period_once(
     assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (400, 0, 600)
     clock.advance(60)
     assert (await release_once(app_state)).released == 0
+    assert await ledger_sum(app_state) == 0
+
+
+async def test_one_tick_releases_a_backlog_of_unbondings_larger_than_a_batch(
+    app_state: Any, contributor: Contributor, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tick released at most one batch (500), whatever was due: after a large pool completed,
+    its members' stake came free at 16 a second, hours past their unbonding period."""
+    monkeypatch.setattr(ledger_jobs, "RELEASE_BATCH", 3)
+    pid = contributor.provider_id
+    release_at = clock.utcnow() + dt.timedelta(days=1)
+    async with app_state.sessionmaker() as session, session.begin():
+        await ledger.deposit(session, pid, 1000, key="d5", actor="test", reference=None)
+        await ledger.lock_stake(session, pid, 1000, key="lock-d5", actor="test")
+        for i in range(7):
+            await ledger.start_unbonding(session, pid, 100, release_at=release_at, key=f"u{i}", actor="test")
+    clock.advance(86400 + 31)
+    report = await release_once(app_state)
+    assert (report.ran, report.released) == (True, 7)
+    b = await balances(app_state, pid)
+    assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (300, 0, 700)
     assert await ledger_sum(app_state) == 0
 
 

@@ -9,13 +9,18 @@ the claim commits together with the tick's work.
 from __future__ import annotations
 
 import datetime as dt
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from sqlalchemy import BigInteger, String, select, update
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Mapped, mapped_column
 
 from orchestrator.core.db import Base, UTCDateTime, utcnow
 from orchestrator.core.sql import insert_ignore
+
+T = TypeVar("T")
 
 
 class BackgroundTick(Base):
@@ -48,3 +53,30 @@ async def claim_tick(session: AsyncSession, name: str, tick: int, runner: str) -
 async def tick_runs(session: AsyncSession, name: str) -> int:
     runs = await session.scalar(select(BackgroundTick.runs).where(BackgroundTick.name == name))
     return int(runs or 0)
+
+
+async def tick_in_batches(
+    sessionmaker: async_sessionmaker[AsyncSession],
+    name: str,
+    tick: int,
+    runner: str,
+    batch: Callable[[AsyncSession], Awaitable[T]],
+    *,
+    more: Callable[[T], bool],
+    budget_s: float,
+) -> list[T] | None:
+    """Tick ``tick`` of loop ``name`` as a series of transactions: the first claims the tick and
+    runs ``batch``, each next one runs ``batch`` again while ``more`` says the last one left work
+    behind, for up to ``budget_s`` (the loop's interval). Short transactions let other work at
+    the rows between batches; a backlog still drains within one tick. Returns every batch's
+    result in order, or None if another process had the tick."""
+    until = time.monotonic() + budget_s
+    results: list[T] = []
+    while True:
+        async with sessionmaker() as session, session.begin():
+            if not results and not await claim_tick(session, name, tick, runner):
+                return None
+            result = await batch(session)
+        results.append(result)
+        if not more(result) or time.monotonic() >= until:
+            return results

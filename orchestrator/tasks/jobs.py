@@ -10,13 +10,13 @@ SQLite, its write lock).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import structlog
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from orchestrator.core.state import AppState
-from orchestrator.core.ticks import claim_tick
+from orchestrator.core.ticks import tick_in_batches
 from orchestrator.tasks.service import fail_past_deadline, reap_expired
 
 log = structlog.get_logger(__name__)
@@ -37,23 +37,25 @@ class ReapReport:
 
 
 async def reap_once(state: AppState) -> ReapReport:
-    now = state.clock.now()
-    tick = int(now // INTERVAL_S)
-    until = time.monotonic() + INTERVAL_S
-    totals = [0, 0, 0]  # leases expired, tasks failed (max attempts), tasks past their deadline
-    batches = 0
-    while True:
-        async with state.sessionmaker() as session, session.begin():
-            if not batches and not await claim_tick(session, LEASE_REAPER, tick, state.instance_id):
-                return ReapReport(tick=tick, ran=False)
-            utcnow = state.clock.utcnow()
-            expired, failed = await reap_expired(session, now=utcnow, limit=REAP_BATCH)
-            past_deadline = await fail_past_deadline(session, now=utcnow, limit=REAP_BATCH)
-        batches += 1
-        totals = [a + b for a, b in zip(totals, (expired, failed, past_deadline), strict=True)]
-        if max(expired, past_deadline) < REAP_BATCH or time.monotonic() >= until:
-            break
-    expired, failed, past_deadline = totals
+    tick = int(state.clock.now() // INTERVAL_S)
+
+    async def batch(session: AsyncSession) -> tuple[int, int, int]:
+        utcnow = state.clock.utcnow()
+        expired, failed = await reap_expired(session, now=utcnow, limit=REAP_BATCH)
+        return expired, failed, await fail_past_deadline(session, now=utcnow, limit=REAP_BATCH)
+
+    batches = await tick_in_batches(
+        state.sessionmaker,
+        LEASE_REAPER,
+        tick,
+        state.instance_id,
+        batch,
+        more=lambda done: max(done[0], done[2]) >= REAP_BATCH,
+        budget_s=INTERVAL_S,
+    )
+    if batches is None:
+        return ReapReport(tick=tick, ran=False)
+    expired, failed, past_deadline = (sum(column) for column in zip(*batches, strict=True))
     if expired:
-        log.info("leases_expired", count=expired, failed_tasks=failed, batches=batches)
-    return ReapReport(tick, True, expired, failed, past_deadline, batches)
+        log.info("leases_expired", count=expired, failed_tasks=failed, batches=len(batches))
+    return ReapReport(tick, True, expired, failed, past_deadline, len(batches))

@@ -12,9 +12,10 @@ import time
 from dataclasses import dataclass
 
 import structlog
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from orchestrator.core.state import AppState
-from orchestrator.core.ticks import claim_tick
+from orchestrator.core.ticks import claim_tick, tick_in_batches
 from orchestrator.verification import service, validators
 from orchestrator.verification.scoring import scorer_for
 
@@ -140,19 +141,21 @@ async def release_once(state: AppState) -> int:
     first with the tick's claim, until a batch releases none (nothing more is due, or only
     holds that cannot be released, which the next tick tries again) or the tick's interval
     has passed. Returns how many were released."""
-    now = state.clock.now()
-    tick = int(now // RELEASE_INTERVAL_S)
-    until = time.monotonic() + RELEASE_INTERVAL_S
-    released = batches = 0
-    while True:
-        async with state.sessionmaker() as session, session.begin():
-            if not batches and not await claim_tick(session, REWARD_RELEASE, tick, state.instance_id):
-                return 0
-            done = await service.release_due_rewards(session, now=state.clock.utcnow(), limit=RELEASE_BATCH)
-        batches += 1
-        released += done
-        if not done or time.monotonic() >= until:
-            break
+    tick = int(state.clock.now() // RELEASE_INTERVAL_S)
+
+    async def batch(session: AsyncSession) -> int:
+        return await service.release_due_rewards(session, now=state.clock.utcnow(), limit=RELEASE_BATCH)
+
+    batches = await tick_in_batches(
+        state.sessionmaker,
+        REWARD_RELEASE,
+        tick,
+        state.instance_id,
+        batch,
+        more=bool,
+        budget_s=RELEASE_INTERVAL_S,
+    )
+    released = sum(batches or ())
     if released:
         log.info("rewards_released", count=released)
     return released
