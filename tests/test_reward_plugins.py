@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,25 @@ class Broken:
         )
 
 
+@dataclass(frozen=True)
+class Dies:
+    """A plugin whose scoring process dies (as if the OOM killer took it) the first
+    ``spec['deaths']`` times it scores, counted in the file ``spec['marker']``; then full reward."""
+
+    name: str = "dies"
+
+    def canonical(self, completion: str) -> str:
+        return completion.strip()
+
+    def reward(self, completion: str, spec: Mapping[str, Any]) -> float | None:
+        marker = Path(spec["marker"])
+        died = len(marker.read_text()) if marker.exists() else 0
+        if died < int(spec["deaths"]):
+            marker.write_text("x" * (died + 1))
+            os._exit(9)
+        return 1.0
+
+
 @pytest.fixture
 def plugin_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A package that declares ``short_answer`` in ``orchestrator.rewards``, installed on the
@@ -53,6 +73,7 @@ def plugin_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: short-answer-plugin\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text(
         f"[{rewards.ENTRY_POINT_GROUP}]\nshort_answer = {__name__}:ShortAnswer\nbroken = {__name__}:Broken\n"
+        f"dies = {__name__}:Dies\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     rewards._plugins.cache_clear()
@@ -140,3 +161,20 @@ async def test_a_pool_whose_plugin_was_uninstalled_is_still_listed_and_names_it_
         assert (
             await s.admin.patch(f"/v1/admin/pools/{s.pool_id}", json=fixed, headers=s.headers)
         ).status_code == 200
+
+
+async def test_a_result_whose_scoring_process_is_killed_once_is_scored_again(
+    plugin_installed: None, tmp_path: Path
+) -> None:
+    """A scoring process killed from outside (the kernel's OOM killer under memory pressure)
+    made the result it was scoring inconclusive for good: an honest result, never paid. It is
+    scored once more in a new process; only a result whose process dies twice is unscorable."""
+    scorer = scoring.Scorer(timeout_s=60, purpose="test-deaths")
+    once = tmp_path / "once"
+    assert await scorer.score("dies", ["42"], {"marker": str(once), "deaths": 1}) == ([1.0], ["42"])
+    assert once.read_text() == "x"
+
+    always = tmp_path / "always"
+    with pytest.raises(scoring.Unscorable, match="died 2 times"):
+        await scorer.score("dies", ["42"], {"marker": str(always), "deaths": 5})
+    assert always.read_text() == "xx"

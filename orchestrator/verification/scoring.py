@@ -11,7 +11,8 @@ behind a verifier batch's slow results in a process running both): scoring a res
 that takes longer than ``timeout_s`` kills its worker (a new one takes its place), and each
 worker's address space is capped at ``memory_mb``. Such a result is ``Unscorable``; the
 verifier judges it ``inconclusive`` (``reward_unscorable``: no reward, no penalty, since the
-limit may be the verifier's own fault, under load).
+limit may be the verifier's own fault, under load). A worker that dies while scoring (killed
+from outside) is replaced and the result tried once more before it is unscorable.
 """
 
 from __future__ import annotations
@@ -26,12 +27,18 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
 from pebble import ProcessExpired, ProcessPool
 
 from orchestrator.settings import VerifierSettings
 from orchestrator.verification import rewards
 
 Scores = tuple[list[float | None], list[str]]
+
+log = structlog.get_logger(__name__)
+
+#: How many times a result's scoring process may die before the result is ``Unscorable``.
+DEATHS_ALLOWED = 2
 
 
 class Unscorable(Exception):
@@ -96,18 +103,28 @@ class Scorer:
         self, reward_function: str, completions: Sequence[str], spec: Mapping[str, Any]
     ) -> Scores:
         """Each completion's reward and canonical answer; ``Unscorable`` past the limits. Any
-        other error of the reward function is raised as it is."""
-        future = _pool(self.purpose, self.processes, self.memory_mb).schedule(
-            _score, args=(reward_function, list(completions), dict(spec)), timeout=self.timeout_s
-        )
-        try:
-            return await asyncio.wrap_future(future)
-        except FutureTimeout as exc:
-            raise Unscorable(f"scoring took longer than {self.timeout_s:g} s") from exc
-        except MemoryError as exc:
-            raise Unscorable(f"scoring needed more than {self.memory_mb} MB") from exc
-        except ProcessExpired as exc:
-            raise Unscorable(f"the scoring process died (exit code {exc.exitcode})") from exc
+        other error of the reward function is raised as it is. A scoring process that dies (the
+        kernel's OOM killer, an operator's kill) is replaced and the result scored once more: a
+        result is unscorable only if its process dies ``DEATHS_ALLOWED`` times, as one whose
+        scoring crashes the process would."""
+        args = (reward_function, list(completions), dict(spec))
+        for death in range(1, DEATHS_ALLOWED + 1):
+            future = _pool(self.purpose, self.processes, self.memory_mb).schedule(
+                _score, args=args, timeout=self.timeout_s
+            )
+            try:
+                return await asyncio.wrap_future(future)
+            except FutureTimeout as exc:
+                raise Unscorable(f"scoring took longer than {self.timeout_s:g} s") from exc
+            except MemoryError as exc:
+                raise Unscorable(f"scoring needed more than {self.memory_mb} MB") from exc
+            except ProcessExpired as exc:
+                if death == DEATHS_ALLOWED:
+                    raise Unscorable(
+                        f"the scoring process died {death} times (last exit code {exc.exitcode})"
+                    ) from exc
+                log.warning("scoring_process_died", exit_code=exc.exitcode, retrying=True)
+        raise AssertionError("unreachable")
 
 
 def scorer_for(settings: VerifierSettings, purpose: str = "verifier") -> Scorer:
