@@ -148,6 +148,25 @@ async def test_a_banned_node_is_refused_everywhere_until_unbanned(
     ]
 
 
+async def test_a_ban_keeps_a_reason_of_the_longest_length_in_the_status_history(
+    client: httpx.AsyncClient, admin_headers: dict[str, str], contributor: Contributor
+) -> None:
+    """A reason may be 500 characters; the history records it as 'banned: <reason>' (a column of
+    200 characters answered 500 on PostgreSQL past 192)."""
+    reason = "r" * 500
+    r = await client.post(
+        f"/v1/admin/nodes/{contributor.node_id}/ban", json={"reason": reason}, headers=admin_headers
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["ban_reason"] == reason
+    detail = (await client.get(f"/v1/admin/nodes/{contributor.node_id}", headers=admin_headers)).json()
+    assert detail["status_history"][0]["reason"] == f"banned: {reason}"
+    too_long = await client.post(
+        f"/v1/admin/nodes/{contributor.node_id}/ban", json={"reason": reason + "r"}, headers=admin_headers
+    )
+    problem(too_long, 422, "validation_failed")
+
+
 async def test_ban_needs_a_reason(
     client: httpx.AsyncClient, admin_headers: dict[str, str], contributor: Contributor
 ) -> None:

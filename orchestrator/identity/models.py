@@ -75,6 +75,6 @@ class NodeStatusChange(Base):
     node_id: Mapped[str] = mapped_column(KEY_ID, ForeignKey("nodes.id", ondelete="CASCADE"))
     from_status: Mapped[str | None] = mapped_column(String(16))
     to_status: Mapped[str] = mapped_column(String(16))
-    reason: Mapped[str] = mapped_column(String(200))
+    reason: Mapped[str] = mapped_column(Text)
     actor: Mapped[str] = mapped_column(String(100))
     at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
