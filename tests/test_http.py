@@ -23,6 +23,20 @@ async def test_unknown_route_and_wrong_method_are_problems(client: httpx.AsyncCl
     problem(await client.delete("/v1/nodes/me"), 405, "method_not_allowed")
 
 
+async def test_a_405_names_every_method_of_its_path_in_allow(client: httpx.AsyncClient) -> None:
+    """RFC 9110: a 405 lists the methods the resource supports. A path served by several routes
+    (GET and POST /v1/admin/pools are two) named only the first route's."""
+    for path, allowed in (
+        ("/v1/admin/pools", "GET, POST"),
+        ("/v1/admin/pools/pool_0000000000000000", "GET, PATCH"),
+        ("/v1/admin/pools/pool_0000000000000000/tasks", "GET, POST"),
+        ("/v1/nodes/me", "GET"),
+    ):
+        r = await client.request("OPTIONS", path)
+        problem(r, 405, "method_not_allowed")
+        assert r.headers["allow"] == allowed, (path, r.headers.get("allow"))
+
+
 async def test_a_body_that_does_not_parse_is_a_422_problem(
     client: httpx.AsyncClient, contributor: Contributor
 ) -> None:

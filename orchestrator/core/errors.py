@@ -42,6 +42,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 PROBLEM_TYPE_BASE = "/problems/"
@@ -205,15 +206,32 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     detail = exc.detail if isinstance(exc.detail, str) else title
     if exc.status_code == 404 and detail == "Not Found":
         detail = f"No route matches {request.method} {request.url.path}"
+    headers = dict(exc.headers or {})
     if exc.status_code == 405:
         detail = f"{request.method} is not allowed on {request.url.path}"
+        headers["Allow"] = _allowed_methods(request) or headers.get("Allow", "")
     return problem_response(
         status=exc.status_code,
         code=code,
         title=title,
         detail=detail,
         request=request,
-        headers=dict(exc.headers or {}),
+        headers=headers,
+    )
+
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def _allowed_methods(request: Request) -> str:
+    """The methods some route serves on this path (a 405's ``Allow``, RFC 9110): Starlette
+    names only the first matching route's, and a path may be served by several (GET and POST
+    /v1/admin/pools are two routes)."""
+    routes = request.app.router.routes
+    return ", ".join(
+        method
+        for method in _METHODS
+        if any(route.matches({**request.scope, "method": method})[0] is Match.FULL for route in routes)
     )
 
 
