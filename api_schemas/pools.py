@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import enum
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
@@ -343,13 +343,23 @@ class PoolCreate(PoolSettings):
 
 def _described_like(source: type[BaseModel]) -> Callable[[dict[str, Any]], None]:
     """For PATCH models: document each optional field with the description of the field it
-    changes (an ``X | None`` field would otherwise carry it only inside ``anyOf``)."""
+    changes (an ``X | None`` field would otherwise carry it only inside ``anyOf``), and offer
+    null only where that field takes it: its ``| None`` means "omitted", and the merged
+    settings refuse a null for any other field (422)."""
 
     def extra(schema: dict[str, Any]) -> None:
         for name, prop in schema.get("properties", {}).items():
             field = source.model_fields.get(name)
-            if field is not None and field.description and not prop.get("description"):
+            if field is None:
+                continue
+            if field.description and not prop.get("description"):
                 prop["description"] = field.description + ". Omit to keep the current value."
+            if type(None) not in get_args(field.annotation) and "anyOf" in prop:
+                branches = [b for b in prop.pop("anyOf") if b.get("type") != "null"]
+                if len(branches) == 1:
+                    prop.update({k: v for k, v in branches[0].items() if k not in prop})
+                else:
+                    prop["anyOf"] = branches
 
     return extra
 

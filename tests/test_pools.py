@@ -198,6 +198,34 @@ async def test_patch_validates_the_merged_settings_and_changes_nothing_when_refu
     assert after.json() == pool
 
 
+def _offers_null(spec: dict[str, Any]) -> bool:
+    return spec.get("type") == "null" or any(_offers_null(branch) for branch in spec.get("anyOf", []))
+
+
+async def test_patch_schemas_offer_null_exactly_where_a_null_is_taken(
+    client: httpx.AsyncClient, operator_headers: dict[str, str]
+) -> None:
+    """A field PATCH sets to null (a cap, the description, ...) offers null in the OpenAPI
+    schema; the others (the name, a whole group, a stake ...) refuse it with a 422, so their
+    schema does not offer it (it did, for every field: a client following it got 422s)."""
+    schemas = (await client.get("/openapi.json")).json()["components"]["schemas"]
+    pool = await create_pool(client, operator_headers, **FULL_SETTINGS)
+    cases: list[tuple[dict[str, Any], bool]] = [
+        ({name: None}, _offers_null(spec)) for name, spec in schemas["PoolPatch"]["properties"].items()
+    ]
+    for group, model in (("caps", "CapsPatch"), ("economics", "EconomicsPatch"), ("policy", "PolicyPatch")):
+        cases += [
+            ({group: {name: None}}, _offers_null(spec)) for name, spec in schemas[model]["properties"].items()
+        ]
+    assert sum(offered for _, offered in cases) == 5  # description, three caps, retake_expired_after_s
+    for patch, offered in cases:
+        r = await client.patch(f"/v1/admin/pools/{pool['id']}", json=patch, headers=operator_headers)
+        if offered:
+            assert r.status_code == 200, (patch, r.text)
+        else:
+            problem(r, 422, "validation_failed")
+
+
 async def test_lifecycle_runs_pending_active_paused_active_paused_completed(
     client: httpx.AsyncClient, operator_headers: dict[str, str]
 ) -> None:
