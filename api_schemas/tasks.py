@@ -39,8 +39,10 @@ Uri = Annotated[str, Field(min_length=1, max_length=2048), NoNul, AfterValidator
 ErrorText = Annotated[str, Field(min_length=1, max_length=1000), NoNul]
 # A vocabulary index, within the signed 64-bit range of every integer of the protocol: the feed
 # and the dataset read signed bodies with orjson, which reads a larger integer as a float (the
-# trainer got another token id) or not at all.
-TokenId = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# trainer got another token id) or not at all. The bound is ``lt=2**63``, not ``le=2**63 - 1``:
+# the OpenAPI document writes bounds as floats, and 2^63 - 1 as a float is 2^63.
+INT64_END = 2**63
+TokenId = Annotated[int, Field(ge=-(2**63), lt=INT64_END)]
 
 
 class Shard(StrictModel):
@@ -361,10 +363,10 @@ class Sample(StrictModel):
 class ResultIn(StrictModel):
     fencing_token: int = Field(ge=1)
     policy_step: int = Field(
-        ge=0, le=2**63 - 1, description="The policy step the samples were generated with"
+        ge=0, lt=INT64_END, description="The policy step the samples were generated with"
     )
     seed: int = Field(
-        ge=-(2**63), le=2**63 - 1, description="The seed from the lease, echoed (a signed 64-bit integer)"
+        ge=-(2**63), lt=INT64_END, description="The seed from the lease, echoed (a signed 64-bit integer)"
     )
     samples: list[Sample] = Field(min_length=1, max_length=1024)
     claimed_reward: float | None = Field(default=None, allow_inf_nan=False)

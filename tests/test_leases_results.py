@@ -12,6 +12,7 @@ import json
 import math
 from typing import Any
 
+import httpx
 import pytest
 from sqlalchemy import func, select
 
@@ -952,6 +953,26 @@ async def test_a_policy_step_beyond_a_64_bit_integer_is_a_body_that_does_not_val
         async with app_state.sessionmaker() as session:
             assert await session.scalar(select(func.count()).select_from(Submission)) == 0
         assert (await w.submit(lease)).status_code == 201
+
+
+async def test_the_openapi_schema_gives_a_result_s_64_bit_bounds_exactly(client: httpx.AsyncClient) -> None:
+    """FastAPI writes a schema's bounds as JSON floats: ``le=2**63 - 1`` was documented as
+    9.223372036854776e18, which is 2^63, a value the server refuses (422). The bounds are
+    exclusive of 2^63 now, which a float holds exactly."""
+
+    def largest(spec: dict[str, Any]) -> int:
+        if "exclusiveMaximum" in spec:
+            bound = spec["exclusiveMaximum"]
+            return int(bound) - 1 if int(bound) == bound else int(bound)
+        return int(spec["maximum"])
+
+    schemas = (await client.get("/openapi.json")).json()["components"]["schemas"]
+    result, sample = schemas["ResultIn"]["properties"], schemas["Sample"]["properties"]
+    token_id = next(b for b in sample["token_ids"]["anyOf"] if b.get("type") == "array")["items"]
+    for spec in (result["policy_step"], result["seed"], token_id):
+        assert largest(spec) == 2**63 - 1, spec
+    for spec in (result["seed"], token_id):
+        assert spec["minimum"] == -(2**63), spec
 
 
 async def test_leaving_a_pool_with_a_lease_that_ran_out_counts_its_expiry(
