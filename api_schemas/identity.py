@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, JsonValue, model_validator
 
 from api_schemas.common import KeyId, StrictModel, Text
 
@@ -83,11 +83,21 @@ class NodeOut(BaseModel):
 RESERVED_METRICS = frozenset({"at"})
 
 
+# What _metric_names below takes, for the OpenAPI document (it keeps its own messages).
+METRIC_NAMES: dict[str, JsonValue] = {
+    "pattern": r"^[A-Za-z0-9_]*[A-Za-z0-9][A-Za-z0-9_]*$",
+    "maxLength": 64,
+    "not": {"const": "at"},
+}
+
+
 class HeartbeatIn(StrictModel):
     metrics: dict[str, float] = Field(
         default_factory=dict,
         max_length=32,
-        description="Free-form numeric gauges (gpu_util, tokens_per_s, ...); at most 32.",
+        description="Free-form numeric gauges (gpu_util, tokens_per_s, ...); at most 32, each named "
+        'with 1 to 64 ASCII letters, digits and _ (not only _), other than "at".',
+        json_schema_extra={"propertyNames": METRIC_NAMES},
     )
     leases: list[Text] = Field(
         default_factory=list,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import httpx
@@ -229,6 +230,26 @@ async def test_sweeper_cost_does_not_grow_with_beating_nodes(
         await store.record_beat(f"beating-{i:05d}", clock.now(), {}, ttl_s=600)
     report = await sweep_once(app_state)
     assert (report.to_unhealthy, report.to_dead) == (1, 0)
+
+
+async def test_the_openapi_schema_names_the_metric_names_a_heartbeat_takes(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    """The schema gave metrics any names; the server takes 1-64 ASCII letters, digits and _ (not
+    only _), other than "at". A client that follows the schema gets no 422 for a name."""
+    spec = (await client.get("/openapi.json")).json()["components"]["schemas"]["HeartbeatIn"]
+    names = spec["properties"]["metrics"]["propertyNames"]
+
+    def documented(name: str) -> bool:
+        return (
+            re.search(names["pattern"], name) is not None
+            and len(name) <= names["maxLength"]
+            and name != names["not"]["const"]
+        )
+
+    for name in ("gpu_util", "_9", "A" * 64, "A" * 65, "_", "", "at", "x-y", "tokens/s", "é", "gpu util"):
+        r = await contributor.beat(client, metrics={name: 1.0})
+        assert (r.status_code == 200) is documented(name), (name, r.status_code, r.text)
 
 
 async def test_heartbeat_rejects_bad_metrics(client: httpx.AsyncClient, contributor: Contributor) -> None:
