@@ -50,7 +50,7 @@ class PoolStatsOut(BaseModel):
 
 
 class ValidationClaimIn(StrictModel):
-    pool_id: str | None = Field(
+    pool_id: Text | None = Field(
         default=None, max_length=40, description="Only this pool (default: all in scope)"
     )
     max_jobs: int = Field(default=1, ge=1, le=50)

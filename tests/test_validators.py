@@ -193,3 +193,12 @@ async def test_a_validator_verdict_does_not_wait_behind_the_verifiers_scoring(
         assert r.status_code == 200, r.text
         assert await verifier == 1
         assert took < 3.0, f"the validator's verdict waited {took:.1f} s behind the verifier's scoring"
+
+
+async def test_a_claim_naming_a_pool_id_with_a_nul_is_a_body_that_does_not_validate(
+    client: Any, admin_headers: dict[str, str]
+) -> None:
+    """PostgreSQL text cannot hold a NUL: an admin's claim naming such a pool answered 500."""
+    r = await client.post("/v1/validation/claim", json={"pool_id": "pool_\x00"}, headers=admin_headers)
+    body = problem(r, 422, "validation_failed")
+    assert body["errors"][0]["loc"] == ["body", "pool_id"]
