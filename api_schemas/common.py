@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Generic, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, GetJsonSchemaHandler
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
 from orchestrator.core.keys import is_key_id
 
@@ -18,13 +20,29 @@ def _check_key_id(value: str) -> str:
     return value
 
 
+NO_NUL = r"^[^\x00]*$"
+"""The same rule as a pattern, for path and query parameters (Path(pattern=...), Query(...))."""
+
+
 def _check_no_nul(value: str) -> str:
     if "\x00" in value:
         raise ValueError("must not contain a NUL character (U+0000)")
     return value
 
 
-NoNul = AfterValidator(_check_no_nul)
+class _NoNul(AfterValidator):
+    """The validator, said in the OpenAPI document too: a ``pattern`` without NUL, unless the
+    field has a pattern of its own."""
+
+    def __get_pydantic_json_schema__(
+        self, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        schema = handler(core_schema)
+        schema.setdefault("pattern", NO_NUL)
+        return schema
+
+
+NoNul = _NoNul(_check_no_nul)
 
 Text = Annotated[str, NoNul]
 """Free text that is stored or compared in SQL: PostgreSQL text cannot hold a NUL, so one is
@@ -33,8 +51,6 @@ bounds on the field (``name: Text = Field(max_length=...)``); a type with bounds
 ``Annotated[str, Field(...), NoNul]``: bounds after the validator are checked as a generic
 sequence's ("Value should have at least 1 item after validation")."""
 
-NO_NUL = r"^[^\x00]*$"
-"""The same rule as a pattern, for path and query parameters (Path(pattern=...), Query(...))."""
 
 KeyId = Annotated[
     str,

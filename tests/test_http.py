@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -236,6 +237,54 @@ async def test_readyz_is_503_when_the_hot_store_is_down(settings: Settings, cloc
     body = problem(r, 503, "not_ready")
     assert body["checks"]["database"] == "ok"
     assert body["checks"]["hot_store"].startswith("unavailable")
+
+
+# Body strings whose schema may let a NUL through: refused another way (a key id, a known
+# reward function's name, base64), or kept as the signed body's bytes, never a SQL text value.
+NUL_REFUSED_OTHERWISE_OR_HARMLESS = {
+    "BlacklistIn.provider_id",
+    "NodeRegister.provider_id",
+    "Policy.reward_function",
+    "PolicyPatch.reward_function",
+    "ResultIn.proof",
+    "Sample.completion",
+    "Sample.finish_reason",
+    "ToplocEvidence.notes",
+}
+
+
+async def test_openapi_says_which_body_strings_refuse_a_nul(client: httpx.AsyncClient) -> None:
+    """A string of a request body that is refused with a NUL (Text: PostgreSQL text cannot hold
+    one) says so with a pattern; the schema offered NUL everywhere, and a client following it
+    got 422s."""
+    spec = (await client.get("/openapi.json")).json()
+    schemas = spec["components"]["schemas"]
+    silent: set[str] = set()
+
+    def walk(node: Any, where: str, seen: frozenset[str]) -> None:
+        if isinstance(node, list):
+            for item in node:
+                walk(item, where, seen)
+        if not isinstance(node, dict):
+            return
+        ref = node.get("$ref", "").rsplit("/", 1)[-1]
+        if ref and ref not in seen:
+            walk(schemas[ref], ref, seen | {ref})
+        if node.get("type") == "string" and "enum" not in node and "format" not in node:
+            if re.search(node.get("pattern", ""), "a\x00b") is not None:
+                silent.add(where)
+        for key, value in node.items():
+            if key == "properties":
+                for name, prop in value.items():
+                    walk(prop, f"{where}.{name}", seen)
+            elif key in ("anyOf", "items", "additionalProperties"):
+                walk(value, where, seen)
+
+    for operations in spec["paths"].values():
+        for operation in operations.values():
+            for content in operation.get("requestBody", {}).get("content", {}).values():
+                walk(content["schema"], "", frozenset())
+    assert silent == NUL_REFUSED_OTHERWISE_OR_HARMLESS
 
 
 async def test_openapi_documents_both_security_schemes(client: httpx.AsyncClient) -> None:
