@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 from typing import Annotated, Any, Generic, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, GetJsonSchemaHandler
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, GetJsonSchemaHandler
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
 
@@ -50,6 +51,19 @@ refused as bad input (422 in a body) instead of failing in the database (500). G
 bounds on the field (``name: Text = Field(max_length=...)``); a type with bounds of its own is
 ``Annotated[str, Field(...), NoNul]``: bounds after the validator are checked as a generic
 sequence's ("Value should have at least 1 item after validation")."""
+
+
+def _utc_representable(value: dt.datetime) -> dt.datetime:
+    try:
+        value.astimezone(dt.UTC)
+    except OverflowError:
+        raise ValueError("must be a time whose UTC date is in the years 1 to 9999") from None
+    return value
+
+
+UtcTime = Annotated[AwareDatetime, AfterValidator(_utc_representable)]
+"""A time with a UTC offset, for a body: its UTC time must exist too (9999-12-31T23:59:59-12:00
+is in the year 10000 in UTC, which no time can hold: comparing or storing it failed, 500)."""
 
 
 KeyId = Annotated[

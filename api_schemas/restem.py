@@ -5,9 +5,9 @@ from __future__ import annotations
 import datetime as dt
 from typing import Literal
 
-from pydantic import AwareDatetime, BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
-from api_schemas.common import JsonObject, StrictModel, Text
+from api_schemas.common import JsonObject, StrictModel, Text, UtcTime
 
 IterationStatus = Literal["running", "complete", "expired"]
 
@@ -58,7 +58,7 @@ class IterationIn(StrictModel):
         le=16,
         description="Replicas per problem task; 1 by default, since the server checks every answer itself",
     )
-    deadline_at: AwareDatetime | None = Field(
+    deadline_at: UtcTime | None = Field(
         default=None, description="The iteration expires here if not every problem is verified by then"
     )
 

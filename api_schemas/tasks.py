@@ -9,7 +9,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
-    AwareDatetime,
     BaseModel,
     Field,
     ValidationInfo,
@@ -17,7 +16,7 @@ from pydantic import (
     model_validator,
 )
 
-from api_schemas.common import JsonObject, NoNul, StrictModel, Text
+from api_schemas.common import JsonObject, NoNul, StrictModel, Text, UtcTime
 
 SHA256 = r"^[0-9a-f]{64}$"
 MAX_PROOF_BYTES = 8 * 1024 * 1024
@@ -130,7 +129,7 @@ class TaskIn(StrictModel):
         default=False,
         description="A task with a known answer that workers cannot tell apart; a wrong answer is fraud",
     )
-    deadline_at: AwareDatetime | None = Field(
+    deadline_at: UtcTime | None = Field(
         default=None,
         description="With a UTC offset. After it the task is no longer leased, its results are refused "
         "(409 deadline_passed) and the lease reaper fails it",

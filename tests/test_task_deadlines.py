@@ -79,6 +79,20 @@ async def test_a_deadline_without_a_utc_offset_is_refused(app: Any, app_state: A
         assert listing["items"] == []
 
 
+async def test_a_deadline_outside_the_years_utc_can_name_is_refused(app: Any, app_state: Any) -> None:
+    """9999-12-31T23:59:59-12:00 is in the year 10000 in UTC (and 0001-01-01T00:00:00+14:00 in
+    the year 0), which no time can hold: such a deadline answered 500; it is bad input."""
+    async with pool_setup(app, app_state) as s:
+        for deadline in ("9999-12-31T23:59:59-12:00", "0001-01-01T00:00:00+14:00"):
+            r = await s.enqueue([task("whenever"), task("never", deadline_at=deadline)])
+            body = problem(r, 422, "validation_failed")
+            assert body["errors"][0]["loc"] == ["body", "tasks", 1, "deadline_at"]
+        listing = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)).json()
+        assert listing["items"] == []
+        r = await s.enqueue([task("late", deadline_at="9999-12-31T23:59:59+00:00")])
+        assert r.status_code == 201, r.text
+
+
 async def test_a_deadline_already_past_is_refused_but_a_replay_is_not(
     app: Any, app_state: Any, clock: FakeClock
 ) -> None:
