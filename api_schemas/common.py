@@ -129,5 +129,9 @@ PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
         414: "Signed request URL longer than 2048 characters (uri_too_long)",
         422: "Body does not parse or validate",
         429: "Rate limited; see Retry-After",
+        503: "Service unavailable; see Retry-After. transient_conflict: the database aborted the "
+        "transaction to resolve a conflict with concurrent work, nothing was recorded, send it "
+        "again; database_unavailable, hot_store_unavailable: the database or Redis did not answer; "
+        "hot_store_full: the in-process hot store is at its limit",
     }.items()
 }

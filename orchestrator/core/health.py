@@ -33,7 +33,7 @@ async def _check_db(state: State) -> None:
 @router.get(
     "/readyz",
     summary="Readiness: database and hot store reachable (503 otherwise)",
-    responses={503: {"description": "A dependency is down"}},
+    responses={503: {"description": "A dependency is down", "content": {"application/problem+json": {}}}},
 )
 async def readyz(state: State) -> JSONResponse:
     checks: dict[str, str] = {}

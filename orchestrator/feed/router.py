@@ -35,13 +35,20 @@ async def _reader_pool(pool_id: PoolId, principal: Reader, session: Session) -> 
 ReaderPool = Annotated[Pool, Depends(_reader_pool)]
 
 
+# Besides the 503s of every route (PROBLEM_RESPONSES), the feed's own.
+FEED_BUSY = {
+    **PROBLEM_RESPONSES[503],
+    "description": "feed_busy: verdicts are being written. " + PROBLEM_RESPONSES[503]["description"],
+}
+
+
 @router.get(
     "/pools/{pool_id}/rollouts",
     response_model=RolloutPage,
     summary="Accepted rollouts in acceptance order, after a cursor",
     description="Only accepted, unreversed verdicts; rewards are the server's. A verdict reversed "
     "after it was served is absent when the same range is read again. Poll with `next_cursor`.",
-    responses={503: {"description": "feed_busy: verdicts are being written; see Retry-After"}},
+    responses={503: FEED_BUSY},
 )
 async def rollouts(
     pool: ReaderPool,
@@ -62,7 +69,7 @@ async def rollouts(
             "own `cursor`), covering the accepted rollouts that existed when the export started.",
             "content": {"application/x-ndjson": {}},
         },
-        503: {"description": "feed_busy: verdicts are being written; see Retry-After"},
+        503: FEED_BUSY,
     },
 )
 async def export(pool: ReaderPool, session: Session, state: State, after: After = None) -> StreamingResponse:
