@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import structlog
 from fastapi import FastAPI
@@ -13,7 +14,7 @@ from orchestrator import __version__, background
 from orchestrator.admin.router import router as admin_router
 from orchestrator.audit.router import router as audit_router
 from orchestrator.core.clock import Clock
-from orchestrator.core.errors import install_error_handlers
+from orchestrator.core.errors import PROBLEM_MEDIA_TYPE, install_error_handlers
 from orchestrator.core.health import router as health_router
 from orchestrator.core.hotstore import HotStore
 from orchestrator.core.instance_lock import InstanceLock
@@ -131,4 +132,22 @@ def create_app(
     app.include_router(validation_router)
     app.include_router(feed_router)
     app.include_router(restem_admin_router)
+    generate_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        return _problems_as_served(generate_openapi())
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def _problems_as_served(schema: dict[str, Any]) -> dict[str, Any]:
+    """Errors are served as application/problem+json only, but FastAPI files a response model's
+    schema under the route's media type (application/json): move it to problem+json."""
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            for response in operation.get("responses", {}).values():
+                content = response.get("content", {})
+                if PROBLEM_MEDIA_TYPE in content and "application/json" in content:
+                    content[PROBLEM_MEDIA_TYPE] = content.pop("application/json")
+    return schema

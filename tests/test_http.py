@@ -305,6 +305,28 @@ async def test_openapi_documents_the_503s_every_route_that_reaches_a_backend_can
     assert undocumented == []
 
 
+async def test_openapi_documents_errors_as_the_problem_json_they_are_served_as(
+    client: httpx.AsyncClient,
+) -> None:
+    """Errors are served as application/problem+json only. The schema gave their Problem model
+    under application/json, a media type no error is served with, and problem+json without a
+    schema, so a client (or a fuzzer) could not check an error's body against it."""
+    spec = (await client.get("/openapi.json")).json()
+    misfiled = []
+    for path, operations in spec["paths"].items():
+        for method, operation in operations.items():
+            for status, response in operation["responses"].items():
+                content = response.get("content", {})
+                if "application/problem+json" not in content:
+                    continue
+                schema = content["application/problem+json"].get("schema")
+                if "application/json" in content or (path != "/readyz" and schema is None):
+                    misfiled.append(f"{method.upper()} {path} {status}")
+    assert misfiled == []
+    r = await client.get("/v1/admin/pools")
+    problem(r, 401, "token_missing")
+
+
 async def test_openapi_documents_both_security_schemes(client: httpx.AsyncClient) -> None:
     spec = (await client.get("/openapi.json")).json()
     schemes = spec["components"]["securitySchemes"]
