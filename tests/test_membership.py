@@ -105,8 +105,17 @@ async def test_a_banned_node_cannot_join(
         f"/v1/admin/nodes/{contributor.node_id}/ban", json={"reason": "x"}, headers=admin_headers
     )
     assert r.status_code == 200
-    problem(await join(client, contributor, pool["id"]), 403, "node_banned")
+    body = problem(await join(client, contributor, pool["id"]), 403, "node_banned")
     assert await members(client, operator_headers, pool["id"]) == {}
+    # Its 403 is a plain problem, without the reasons of a refused join: the schema says so
+    # (it documented every 403 of a join as a JoinRefusal, reasons required).
+    assert "reasons" not in body
+    spec = (await client.get("/openapi.json")).json()
+    documented = spec["paths"]["/v1/pools/{pool_id}/join"]["post"]["responses"]["403"]
+    branches = documented["content"]["application/problem+json"]["schema"].get("anyOf", [])
+    schemas = spec["components"]["schemas"]
+    required = [schemas[b["$ref"].rsplit("/", 1)[-1]]["required"] for b in branches]
+    assert any("reasons" not in r for r in required) and any("reasons" in r for r in required)
 
 
 async def test_joining_a_missing_pool_is_not_found(

@@ -52,9 +52,10 @@ class JoinRefusal(Problem):
 JOIN_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"model": MembershipOut, "description": "Already a member (active or pending); nothing changed"},
     403: {
-        "model": JoinRefusal,
+        "model": JoinRefusal | Problem,
         "content": {"application/problem+json": {}},
-        "description": "Refused: every unmet rule is listed in `reasons`",
+        "description": "Refused: every unmet rule is listed in `reasons`; a banned node's join is a "
+        "plain problem (node_banned), without them",
     },
     404: {"model": Problem, "content": {"application/problem+json": {}}, "description": "pool_not_found"},
 }
