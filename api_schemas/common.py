@@ -66,9 +66,18 @@ UtcTime = Annotated[AwareDatetime, AfterValidator(_utc_representable)]
 is in the year 10000 in UTC, which no time can hold: comparing or storing it failed, 500)."""
 
 
+# The canonical unpadded base64url of 32 bytes: its last character carries 2 unused bits, which
+# are 0. Documented only: _check_key_id decides, with its own message.
+KEY_ID_PATTERN = r"^[A-Za-z0-9_-]{42}[AEIMQUYcgkosw048]$"
+
 KeyId = Annotated[
     str,
-    Field(min_length=43, max_length=43, examples=["Q2FsbWx5IGFuZCBjYXJlZnVsbHkgc2lnbmVkIGtleSE"]),
+    Field(
+        min_length=43,
+        max_length=43,
+        examples=["Q2FsbWx5IGFuZCBjYXJlZnVsbHkgc2lnbmVkIGtleSE"],
+        json_schema_extra={"pattern": KEY_ID_PATTERN},
+    ),
     AfterValidator(_check_key_id),
 ]
 

@@ -239,11 +239,9 @@ async def test_readyz_is_503_when_the_hot_store_is_down(settings: Settings, cloc
     assert body["checks"]["hot_store"].startswith("unavailable")
 
 
-# Body strings whose schema may let a NUL through: refused another way (a key id, a known
-# reward function's name, base64), or kept as the signed body's bytes, never a SQL text value.
+# Body strings whose schema may let a NUL through: refused another way (a known reward
+# function's name, base64), or kept as the signed body's bytes, never a SQL text value.
 NUL_REFUSED_OTHERWISE_OR_HARMLESS = {
-    "BlacklistIn.provider_id",
-    "NodeRegister.provider_id",
     "Policy.reward_function",
     "PolicyPatch.reward_function",
     "ResultIn.proof",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import httpx
 
-from orchestrator.core.keys import attest_node, generate_key
+from orchestrator.core.keys import attest_node, generate_key, is_key_id
 from tests.conftest import Contributor, new_contributor, problem
 
 
@@ -126,3 +128,18 @@ async def test_a_provider_key_cannot_act_as_a_node(
     client: httpx.AsyncClient, contributor: Contributor
 ) -> None:
     problem(await client.get("/v1/nodes/me", auth=contributor.provider_auth), 401, "unknown_key")
+
+
+async def test_the_openapi_schema_gives_the_exact_form_of_a_key_id(client: httpx.AsyncClient) -> None:
+    """A key id is the canonical unpadded base64url of 32 bytes: 43 characters, the last of
+    which carries 2 unused bits. The schema said only "43 characters", and a client following
+    it got 422 (400 in a query, 404 in a path) for most such strings."""
+    spec = (await client.get("/openapi.json")).json()
+    body = spec["components"]["schemas"]["NodeRegister"]["properties"]["provider_id"]
+    [path] = [p for p in spec["paths"]["/v1/admin/nodes/{node_id}"]["get"]["parameters"] if p["in"] == "path"]
+    assert body["pattern"] == path["schema"]["pattern"]
+    key_id = new_contributor().provider_id
+    candidates = [key_id, key_id[:42] + "B", key_id[:42] + "w", key_id[:42] + "-", key_id[:42], key_id + "A"]
+    candidates += [key_id[:42] + c for c in "AEIMQUYcgkosw048"] + ["+" * 43, "A" * 42 + "_"]
+    for candidate in candidates:  # is_key_id: the check every key id of a request goes through
+        assert (re.search(body["pattern"], candidate) is not None) is is_key_id(candidate), candidate
