@@ -230,6 +230,55 @@ def test_0012_gives_tasks_that_already_ended_their_end_reason(scratch_url: str) 
     ]
 
 
+async def _seed_replicas(url: str, replicas: list[tuple[int, int]]) -> None:
+    """One task with a replica per (seed, leases_issued)."""
+    from orchestrator.tasks.models import TaskReplica
+
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as conn:
+            await _seed_pool(conn)
+            await _seed_tasks(conn, [("open", None)])
+            await conn.execute(
+                TaskReplica.__table__.insert(),
+                [
+                    {
+                        "task_id": 1,
+                        "replica_index": i,
+                        "seed": seed,
+                        "status": "available",
+                        "leases_issued": issued,
+                    }
+                    for i, (seed, issued) in enumerate(replicas)
+                ],
+            )
+    finally:
+        await engine.dispose()
+
+
+async def _seeds(url: str) -> list[int]:
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            rows = await conn.execute(text("SELECT seed FROM task_replicas ORDER BY replica_index"))
+            return [int(seed) for (seed,) in rows]
+    finally:
+        await engine.dispose()
+
+
+def test_0027_brings_the_seeds_of_replicas_never_leased_below_2_53(scratch_url: str) -> None:
+    """A worker that reads JSON numbers as doubles echoes a seed of 2^53 or more rounded (judged
+    fraud); a replica no lease has shown yet gets a seed it reads exactly, one already leased
+    keeps the seed its leases gave."""
+    upgrade(scratch_url, "0026")
+    big = 2**62 + 12_345
+    asyncio.run(_seed_replicas(scratch_url, [(big, 0), (big, 1), (77, 0), (2**53, 0)]))
+    upgrade(scratch_url)
+    assert asyncio.run(_seeds(scratch_url)) == [big // 1024, big, 77, 2**43]
+    downgrade(scratch_url, "0026")
+    assert asyncio.run(_seeds(scratch_url)) == [big // 1024, big, 77, 2**43]
+
+
 async def _seed_failed_everywhere(url: str) -> None:
     """A task that ended max_failures (revision 0020) and one that ended max_attempts."""
     engine = create_async_engine(url)

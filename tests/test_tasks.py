@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
@@ -275,6 +276,27 @@ async def test_seeds_are_assigned_by_the_server_per_replica(app: Any, app_state:
         assert seeds == [derive_seed(secret, task_id, i) for i in range(3)]
         assert len(set(seeds)) == 3
         assert derive_seed(b"another secret", task_id, 0) != seeds[0]
+
+
+async def test_a_client_that_reads_json_numbers_as_doubles_echoes_its_seed_exactly(
+    app: Any, app_state: Any
+) -> None:
+    """A worker in JavaScript (JSON.parse reads every number as a double) is a third-party client
+    the protocol is for. Seeds used to take 63 bits: such a client read 5194911570601331987 as
+    5194911570601332000, echoed that, and every result it sent was judged fraud (seed_mismatch)."""
+    app_state.rng = FixedDraw(1.0)  # no audit
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        await s.enqueue([task() for _ in range(20)], key="many")
+        r = await w.claim(s.pool_id, max_tasks=4)
+        as_doubles = json.loads(r.text, parse_int=float)  # what JSON.parse gives
+        for lease, exact in zip(as_doubles["leases"], r.json()["leases"], strict=True):
+            assert 0 <= exact["seed"] < 2**53
+            echoed = int(lease["seed"])  # JSON.stringify writes the double's integer back
+            await submit(w, exact, ["4"], seed=echoed)
+        await verify_all(app_state)
+        found = await verdicts(s.admin, s.headers, s.pool_id)
+        assert [(v["category"], v["reason"]) for v in found] == [("valid", "verified")] * 4
 
 
 async def test_a_seed_secret_change_keeps_the_seeds_already_handed_out(app: Any, app_state: Any) -> None:
