@@ -40,6 +40,19 @@ class ReverseIn(StrictModel):
     reason: Text = Field(min_length=1, max_length=500, description="Why the verdict is reversed (kept)")
 
 
+class PlacementOut(BaseModel):
+    """A task's replicas go to distinct providers and distinct addresses: with the members there
+    are now, at most min(providers, addresses) replicas of one task can be leased."""
+
+    healthy_members: int = Field(description="Active members whose node is healthy")
+    providers: int = Field(description="Distinct providers among them")
+    addresses: int = Field(description="Distinct addresses among them (an IPv6 address by its /64)")
+    open_tasks_beyond_members: int = Field(
+        description="Open tasks with more replicas than min(providers, addresses): their other "
+        "replicas are not leased until more providers or addresses join"
+    )
+
+
 class PoolStatsOut(BaseModel):
     pool_id: str
     verdicts: int
@@ -47,6 +60,7 @@ class PoolStatsOut(BaseModel):
     acceptance_rate: float | None = Field(description="valid / all verdicts not reversed")
     fraud_rate: float | None = Field(description="fraud / all verdicts not reversed")
     tasks_by_status: dict[str, int]
+    placement: PlacementOut
 
 
 class ValidationClaimIn(StrictModel):

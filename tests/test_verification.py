@@ -565,6 +565,34 @@ async def test_pool_stats_and_histories(app: Any, app_state: Any, client: Any) -
         assert len(node["items"]) == 3
 
 
+async def test_pool_stats_say_which_open_tasks_have_more_replicas_than_the_members_can_take(
+    app: Any, app_state: Any
+) -> None:
+    """A task's replicas go to distinct providers and addresses: in a pool with fewer of them
+    than a task's replicas, its other replicas were never leased and nothing said why."""
+    async with pool_setup(app, app_state, replication_factor=3) as s:
+        first = await s.add_worker(ip="203.0.113.1")
+        await s.add_worker(first.contributor.provider_key, ip="203.0.113.2")  # same provider
+        await s.add_worker(ip="203.0.113.1")  # another provider, same address as the first
+        await s.add_worker(ip="203.0.113.3", beat=False)  # not healthy yet
+        await s.enqueue([task()], key="three")
+        await s.enqueue([task(replication=1), task(replication=2)], key="fewer")
+
+        async def placement() -> dict[str, int]:
+            r = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/stats", headers=s.headers)
+            assert r.status_code == 200, r.text
+            return dict(r.json()["placement"])
+
+        assert await placement() == {
+            "healthy_members": 3,
+            "providers": 2,
+            "addresses": 2,
+            "open_tasks_beyond_members": 1,
+        }
+        assert (await s.workers[-1].beat()).status_code == 200  # a third provider and address
+        assert (await placement())["open_tasks_beyond_members"] == 0
+
+
 async def test_a_node_reads_its_own_verdicts_with_its_node_key(app: Any, app_state: Any, client: Any) -> None:
     """``GET /v1/nodes/me/verdicts``: a worker learns how its results were judged without its
     provider's key, and without spending the provider key's request budget, which every

@@ -58,7 +58,7 @@ from orchestrator.core.errors import Conflict, NotFound, ServiceUnavailable, Unp
 from orchestrator.core.signing import SignedRequest
 from orchestrator.core.sql import is_postgres
 from orchestrator.identity.auth import banned_node, unknown_node
-from orchestrator.identity.models import NodeStatus
+from orchestrator.identity.models import Node, NodeStatus
 from orchestrator.ledger.service import MAX_AMOUNT
 from orchestrator.pools.models import Pool, PoolMembership
 from orchestrator.tasks.models import (
@@ -777,6 +777,40 @@ _LIVE_LEASES = (
     .bindparams(bindparam("now", type_=UTCDateTime()))
     .columns(lease_expires_at=UTCDateTime(), **_PICK_COLUMNS)
 )
+
+
+async def placement(session: AsyncSession, pool_id: str) -> dict[str, int]:
+    """What the pool's healthy active members can take of a task: its replicas go to distinct
+    providers and distinct addresses, so at most as many as the fewer of those; an open task
+    with more replicas waits for members to join (or come back) before its others are leased."""
+    members, providers, addresses = (
+        await session.execute(
+            select(
+                func.count(),
+                func.count(func.distinct(PoolMembership.provider_id)),
+                func.count(func.distinct(Node.ip_address)),
+            )
+            .select_from(PoolMembership)
+            .join(Node, Node.id == PoolMembership.node_id)
+            .where(
+                PoolMembership.pool_id == pool_id,
+                PoolMembership.status == "active",
+                Node.status == NodeStatus.healthy.value,
+            )
+        )
+    ).one()
+    bound = min(providers, addresses)
+    waiting = await session.scalar(
+        select(func.count())
+        .select_from(Task)
+        .where(Task.pool_id == pool_id, Task.status == "open", Task.replication > bound)
+    )
+    return {
+        "healthy_members": int(members),
+        "providers": int(providers),
+        "addresses": int(addresses),
+        "open_tasks_beyond_members": int(waiting or 0),
+    }
 
 
 async def live_leases(

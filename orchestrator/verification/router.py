@@ -9,6 +9,7 @@ from sqlalchemy import func, select
 
 from api_schemas.common import NO_NUL, PROBLEM_RESPONSES, KeyId, Page
 from api_schemas.verification import (
+    PlacementOut,
     PoolStatsOut,
     ReverseIn,
     ValidationClaimIn,
@@ -24,6 +25,7 @@ from orchestrator.core.pagination import ID_MAX
 from orchestrator.core.state import Session, State
 from orchestrator.identity.auth import CurrentProvider, SignedNode
 from orchestrator.pools.models import Pool
+from orchestrator.tasks import service as tasks_service
 from orchestrator.tasks.access import pool_for
 from orchestrator.tasks.models import Task
 from orchestrator.verification import service, validators
@@ -164,7 +166,7 @@ async def pool_verdicts(
 @admin_router.get(
     "/pools/{pool_id}/stats",
     response_model=PoolStatsOut,
-    summary="Acceptance and fraud rates, and tasks by status",
+    summary="Acceptance and fraud rates, tasks by status, and what the members can place",
 )
 async def pool_stats(pool: Annotated[Pool, Depends(_operator_pool)], session: Session) -> PoolStatsOut:
     stats = await service.pool_stats(session, pool.id)
@@ -173,7 +175,12 @@ async def pool_stats(pool: Annotated[Pool, Depends(_operator_pool)], session: Se
             select(Task.status, func.count()).where(Task.pool_id == pool.id).group_by(Task.status)
         )
     ).all()
-    return PoolStatsOut(pool_id=pool.id, tasks_by_status={status: int(n) for status, n in rows}, **stats)
+    return PoolStatsOut(
+        pool_id=pool.id,
+        tasks_by_status={status: int(n) for status, n in rows},
+        placement=PlacementOut(**await tasks_service.placement(session, pool.id)),
+        **stats,
+    )
 
 
 @admin_router.post(
