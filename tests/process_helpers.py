@@ -1,4 +1,5 @@
-"""Shared pieces of the tests that start real server processes: a free port, waiting for ready."""
+"""Shared pieces of the tests that start real server processes: a free port, waiting for ready,
+stopping."""
 
 from __future__ import annotations
 
@@ -30,3 +31,13 @@ def wait_ready(
             pass
         time.sleep(0.2)
     raise AssertionError("the server did not become ready")
+
+
+def stop(server: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout``."""
+    server.terminate()
+    try:
+        server.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()

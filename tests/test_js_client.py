@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.process_helpers import free_port, wait_ready
+from tests.process_helpers import free_port, stop, wait_ready
 
 WORKER = Path(__file__).parent / "js" / "worker.mjs"
 TASKS = 3
@@ -54,12 +54,7 @@ def served(tmp_path: Path) -> Iterator[tuple[str, str]]:
         )
         yield f"http://127.0.0.1:{port}", made.stdout.strip().splitlines()[-1]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def test_a_javascript_worker_written_from_the_protocol_is_paid_for_its_answers(

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.process_helpers import free_port, wait_ready
+from tests.process_helpers import free_port, stop, wait_ready
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 README_ADDRESS = "http://127.0.0.1:8000"
@@ -78,12 +78,7 @@ def server(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
         wait_ready(port, proc, timeout=60, log=tmp_path / "serve.log")
         yield f"http://127.0.0.1:{port}", env
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
         log.close()
 
 
