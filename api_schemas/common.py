@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-from typing import Annotated, Any, Generic, TypeVar
+import types
+from typing import Annotated, Any, Generic, TypeVar, Union, get_args, get_origin
 
-from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, GetJsonSchemaHandler
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    ValidationInfo,
+    field_validator,
+)
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
 
@@ -100,10 +110,31 @@ def _finite_json(value: dict[str, Any]) -> dict[str, Any]:
 JsonObject = Annotated[dict[str, Any], AfterValidator(_finite_json)]
 
 
+def _is_number(annotation: Any) -> bool:
+    """Whether a field's type is int or float (possibly optional or annotated), not bool."""
+    while get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    if get_origin(annotation) in (Union, types.UnionType):
+        kinds = [a for a in get_args(annotation) if a is not type(None)]
+        return bool(kinds) and all(_is_number(a) for a in kinds)
+    return annotation in (int, float)
+
+
 class StrictModel(BaseModel):
-    """Request bodies: unknown fields are refused, so typos do not pass silently."""
+    """Request bodies: unknown fields are refused, so typos do not pass silently; a number field
+    takes a JSON number only (pydantic alone reads true as 1 and "5" as 5)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _json_number(cls, value: Any, info: ValidationInfo) -> Any:
+        if (isinstance(value, bool) or isinstance(value, str)) and info.field_name is not None:
+            field = cls.model_fields.get(info.field_name)
+            if field is not None and _is_number(field.annotation):
+                kind = "true or false" if isinstance(value, bool) else "a string"
+                raise ValueError(f"must be a JSON number, not {kind}")
+        return value
 
 
 class Problem(BaseModel):

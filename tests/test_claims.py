@@ -30,6 +30,32 @@ async def test_a_claim_returns_a_lease_without_the_verification_spec(app: Any, a
         assert isinstance(lease["seed"], int)
 
 
+async def test_a_number_field_takes_a_json_number_only(app: Any, app_state: Any) -> None:
+    """pydantic reads true as 1 and "5" as 5: a claim with max_tasks true leased a task, and a
+    task enqueued with "temperature": "0.5" was queued. Both are 422 now, naming the field, and
+    change nothing."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        await s.enqueue([task()], key="one")
+        w = s.workers[0]
+        for bad, kind in ((True, "true or false"), ("1", "a string")):
+            r = await w.client.post(
+                "/v1/assignments/claim",
+                json={"pool_id": s.pool_id, "max_tasks": bad},
+                auth=w.contributor.node_auth,
+            )
+            body = problem(r, 422, "validation_failed")
+            assert any(
+                e["loc"][-1] == "max_tasks" and f"must be a JSON number, not {kind}" in e["msg"]
+                for e in body["errors"]
+            ), body
+        r = await s.enqueue([task(sampling={"temperature": "0.5", "max_tokens": 8})], key="text")
+        assert r.status_code == 422 and "temperature" in r.text, r.text
+        async with app_state.sessionmaker() as session:
+            assert await session.scalar(select(func.count()).select_from(Assignment)) == 0
+        leases = (await w.claim(s.pool_id, max_tasks=4)).json()["leases"]  # still there, as it was
+        assert [lease["task"]["sampling"]["temperature"] for lease in leases] == [0.6]
+
+
 async def test_no_work_reasons(app: Any, app_state: Any, clock: Any) -> None:
     async with pool_setup(app, app_state, workers=1, step=None, max_leases_per_node=1) as s:
         w = s.workers[0]
