@@ -11,11 +11,10 @@ from pydantic import (
     AfterValidator,
     AwareDatetime,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     GetJsonSchemaHandler,
-    ValidationInfo,
-    field_validator,
 )
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
@@ -120,21 +119,36 @@ def _is_number(annotation: Any) -> bool:
     return annotation in (int, float)
 
 
+def _json_number(value: Any) -> Any:
+    if isinstance(value, bool | str):
+        kind = "true or false" if isinstance(value, bool) else "a string"
+        raise ValueError(f"must be a JSON number, not {kind}")
+    return value
+
+
+_JSON_NUMBER = BeforeValidator(_json_number)
+
+
 class StrictModel(BaseModel):
     """Request bodies: unknown fields are refused, so typos do not pass silently; a number field
-    takes a JSON number only (pydantic alone reads true as 1 and "5" as 5)."""
+    takes a JSON number only (pydantic alone reads true as 1 and "5" as 5). The check is given
+    to the number fields alone, once, when each body model is defined: validating a body runs it
+    for those fields only."""
 
     model_config = ConfigDict(extra="forbid")
 
-    @field_validator("*", mode="before")
     @classmethod
-    def _json_number(cls, value: Any, info: ValidationInfo) -> Any:
-        if (isinstance(value, bool) or isinstance(value, str)) and info.field_name is not None:
-            field = cls.model_fields.get(info.field_name)
-            if field is not None and _is_number(field.annotation):
-                kind = "true or false" if isinstance(value, bool) else "a string"
-                raise ValueError(f"must be a JSON number, not {kind}")
-        return value
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        numbers = [
+            field
+            for field in cls.model_fields.values()
+            if _is_number(field.annotation) and _JSON_NUMBER not in field.metadata
+        ]
+        for field in numbers:
+            field.metadata.append(_JSON_NUMBER)
+        if numbers:
+            cls.model_rebuild(force=True)
 
 
 class Problem(BaseModel):
