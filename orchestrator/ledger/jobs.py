@@ -32,8 +32,7 @@ async def release_once(state: AppState) -> ReleaseReport:
     first with the tick's claim, for as long as batches come back full (up to the tick's
     interval). One transaction of 500 a tick released at most 16 unbondings a second: after a
     large pool completed, the last of its members waited hours past their unbonding period."""
-    now = state.clock.now()
-    tick = int(now // INTERVAL_S)
+    tick = int(state.clock.now() // INTERVAL_S)
 
     async def batch(session: AsyncSession) -> int:
         due_at = dt.datetime.fromtimestamp(state.clock.now(), dt.UTC)
