@@ -15,6 +15,7 @@ from pydantic import (
     ConfigDict,
     Field,
     GetJsonSchemaHandler,
+    Strict,
 )
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
@@ -107,6 +108,13 @@ def _finite_json(value: dict[str, Any]) -> dict[str, Any]:
 # A JSON object kept in a JSON column: Python's JSON parser accepts the bare words NaN and
 # Infinity, which PostgreSQL's json type refuses (a 500) and SQLite's would serve back as null.
 JsonObject = Annotated[dict[str, Any], AfterValidator(_finite_json)]
+
+# Numbers inside lists and maps of a request body (token ids, heartbeat metrics, logprob
+# summaries): pydantic's strict mode, checked in its core rather than by a Python call per item,
+# refuses true and strings as StrictModel does for number fields. A strict integer also refuses a
+# float written with a fraction part of zero (3.0).
+JsonInt = Annotated[int, Strict()]
+JsonFloat = Annotated[float, Strict()]
 
 
 def _is_number(annotation: Any) -> bool:

@@ -16,7 +16,7 @@ from pydantic import (
     model_validator,
 )
 
-from api_schemas.common import JsonObject, NoNul, StrictModel, Text, UtcTime
+from api_schemas.common import JsonFloat, JsonInt, JsonObject, NoNul, StrictModel, Text, UtcTime
 
 SHA256 = r"^[0-9a-f]{64}$"
 MAX_PROOF_BYTES = 8 * 1024 * 1024
@@ -41,7 +41,7 @@ ErrorText = Annotated[str, Field(min_length=1, max_length=1000), NoNul]
 # trainer got another token id) or not at all. The bound is ``lt=2**63``, not ``le=2**63 - 1``:
 # the OpenAPI document writes bounds as floats, and 2^63 - 1 as a float is 2^63.
 INT64_END = 2**63
-TokenId = Annotated[int, Field(ge=-(2**63), lt=INT64_END)]
+TokenId = Annotated[JsonInt, Field(ge=-(2**63), lt=INT64_END)]
 
 
 class Shard(StrictModel):
@@ -349,7 +349,7 @@ class Sample(StrictModel):
     )
     prompt_tokens: int = Field(ge=0, le=10_000_000)
     completion_tokens: int = Field(ge=0, le=10_000_000)
-    logprob_summary: dict[str, float] | None = Field(default=None, max_length=64)
+    logprob_summary: dict[str, JsonFloat] | None = Field(default=None, max_length=64)
 
     @field_validator("logprob_summary")
     @classmethod

@@ -690,6 +690,38 @@ async def test_results_are_validated(app: Any, app_state: Any) -> None:
         assert (await w.submit(lease)).status_code == 201
 
 
+async def test_numbers_inside_a_results_lists_and_maps_are_json_numbers(app: Any, app_state: Any) -> None:
+    """Token ids and logprob summaries were read leniently: a token id true or "5" was stored as
+    1 or 5, and a logprob summary of "-0.5" as -0.5. Each is 422 naming the place now, and the
+    result is not recorded: the lease takes the right answer afterwards."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        await s.enqueue([task(n=1)])
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        sample = {"completion": "42", "finish_reason": "stop", "prompt_tokens": 3, "completion_tokens": 2}
+        for bad, loc in (
+            ({"token_ids": [5, True]}, ["token_ids", 1]),
+            ({"token_ids": ["5"]}, ["token_ids", 0]),
+            ({"token_ids": [5.0]}, ["token_ids", 0]),
+            ({"logprob_summary": {"mean": "-0.5"}}, ["logprob_summary", "mean"]),
+            ({"logprob_summary": {"mean": False}}, ["logprob_summary", "mean"]),
+        ):
+            r = await w.client.post(
+                f"/v1/assignments/{lease['assignment_id']}/result",
+                json=result_body(lease, samples=[{**sample, **bad}]),
+                auth=w.contributor.node_auth,
+            )
+            body = problem(r, 422, "validation_failed")
+            assert any(e["loc"][-len(loc) :] == loc for e in body["errors"]), (bad, body)
+        good = [{**sample, "token_ids": [5, 7], "logprob_summary": {"mean": -0.5, "min": -2}}]
+        r = await w.client.post(
+            f"/v1/assignments/{lease['assignment_id']}/result",
+            json=result_body(lease, samples=good),
+            auth=w.contributor.node_auth,
+        )
+        assert r.status_code == 201, r.text
+
+
 async def test_leaving_a_pool_gives_its_leases_back_at_once(app: Any, app_state: Any) -> None:
     async with pool_setup(app, app_state, workers=2) as s:
         quitter, other = s.workers

@@ -17,7 +17,7 @@ from orchestrator.core.ticks import tick_runs
 from orchestrator.identity.models import Node, NodeStatusChange
 from orchestrator.liveness.service import SWEEPER, sweep_once
 from orchestrator.settings import Settings
-from tests.conftest import Contributor, new_contributor
+from tests.conftest import Contributor, new_contributor, problem
 
 
 async def status_of(client: httpx.AsyncClient, c: Contributor) -> str:
@@ -261,4 +261,9 @@ async def test_heartbeat_rejects_bad_metrics(client: httpx.AsyncClient, contribu
     # node views that read it).
     r = await contributor.beat(client, metrics={"at": 1e300})
     assert r.status_code == 422 and "reserved" in r.json()["detail"]
+    # A metric is a JSON number: true and "0.9" were read as 1.0 and 0.9.
+    for bad in (True, "0.9"):
+        r = await contributor.beat(client, metrics={"gpu_util": bad})
+        body = problem(r, 422, "validation_failed")
+        assert any(e["loc"][-2:] == ["metrics", "gpu_util"] for e in body["errors"]), body
     assert (await status_of(client, contributor)) == "waiting"
