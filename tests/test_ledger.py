@@ -16,7 +16,7 @@ from orchestrator.core.keys import generate_key, key_id_of
 from orchestrator.ledger import jobs as ledger_jobs
 from orchestrator.ledger import service as ledger
 from orchestrator.ledger.jobs import release_once
-from orchestrator.ledger.models import LedgerAccount, LedgerTransfer
+from orchestrator.ledger.models import LedgerAccount, LedgerTransfer, StakeUnbonding
 from orchestrator.ledger.service import InsufficientFunds, ProviderAccount
 from tests.conftest import Contributor, postgres_only, problem
 
@@ -234,6 +234,43 @@ async def test_one_tick_releases_a_backlog_of_unbondings_larger_than_a_batch(
     assert (report.ran, report.released) == (True, 7)
     b = await balances(app_state, pid)
     assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (300, 0, 700)
+    assert await ledger_sum(app_state) == 0
+
+
+async def test_unbondings_that_cannot_be_released_do_not_hold_up_the_others(
+    app_state: Any, contributor: Contributor, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One unbonding whose transfer failed (its provider's unbonding stake holding less than
+    it) rolled back its whole batch, tick after tick: no stake came free for anyone. Each is
+    released in its own savepoint now, and a batch full of such unbondings at the head of the
+    queue does not stop the tick before the ones behind them."""
+    monkeypatch.setattr(ledger_jobs, "RELEASE_BATCH", 2)
+    pid = contributor.provider_id
+    release_at = clock.utcnow() + dt.timedelta(days=1)
+    async with app_state.sessionmaker() as session, session.begin():
+        await ledger.deposit(session, pid, 1000, key="d6", actor="test", reference=None)
+        await ledger.lock_stake(session, pid, 1000, key="lock-d6", actor="test")
+        for i in range(5):
+            await ledger.start_unbonding(session, pid, 100, release_at=release_at, key=f"v{i}", actor="test")
+        ids = list(
+            await session.scalars(
+                select(StakeUnbonding.id).order_by(StakeUnbonding.release_at, StakeUnbonding.id)
+            )
+        )
+        await session.execute(
+            update(StakeUnbonding).where(StakeUnbonding.id.in_(ids[:2])).values(amount=10_000)
+        )
+    clock.advance(86400 + 31)
+    report = await release_once(app_state)
+    assert (report.ran, report.released) == (True, 3)
+    b = await balances(app_state, pid)
+    assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (500, 200, 300)
+    async with app_state.sessionmaker() as session:
+        left = await session.scalars(select(StakeUnbonding.id).where(StakeUnbonding.released.is_(False)))
+        assert sorted(left) == sorted(ids[:2])
+    clock.advance(31)  # the next tick tries them again, and releases nothing twice
+    assert (await release_once(app_state)).released == 0
+    assert (await balances(app_state, pid))["stake_free"] == 300
     assert await ledger_sum(app_state) == 0
 
 

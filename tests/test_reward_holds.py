@@ -12,6 +12,7 @@ from orchestrator.ledger import service as ledger
 from orchestrator.ledger.models import LedgerTransfer
 from orchestrator.ledger.service import ProviderAccount, SystemAccount
 from orchestrator.tasks.models import Assignment, Submission
+from orchestrator.verification import jobs as verification_jobs
 from orchestrator.verification.jobs import release_once
 from orchestrator.verification.models import RewardHold, Verdict
 from tests.tasks_helpers import pool_setup
@@ -60,6 +61,33 @@ async def test_a_hold_that_cannot_be_released_does_not_block_the_others(
         clock.advance(31)  # the next tick tries it again, and still releases nothing twice
         assert await release_once(app_state) == 0
         assert await hold_statuses(app_state) == {broken.node_id: ["held"], fine.node_id: ["released"]}
+        await books_balance(app_state)
+
+
+async def test_a_full_batch_of_holds_that_cannot_be_released_does_not_stop_the_tick(
+    app: Any, app_state: Any, client: Any, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tick went on while a batch released something. With a whole batch of holds that
+    cannot be released at the head of the queue, it released none and stopped, tick after
+    tick, and no reward behind them became claimable. Each batch now reads on from where the
+    last one stopped."""
+    monkeypatch.setattr(verification_jobs, "RELEASE_BATCH", 2)
+    async with pool_setup(app, app_state, workers=3, economics=ECON, stake=1000) as s:
+        *broken, fine = s.workers
+        for w in s.workers:  # one at a time: the holds are queued in this order
+            await submit(w, await one_lease(s, w), ["4"])
+            await verify_all(app_state)
+        async with app_state.sessionmaker() as session, session.begin():
+            await session.execute(
+                update(RewardHold).where(RewardHold.node_id.in_([w.node_id for w in broken])).values(amount=8)
+            )
+        clock.advance(3601)
+        assert await release_once(app_state) == 1
+        assert (await balances(client, fine))["rewards_claimable"] == 7
+        assert await hold_statuses(app_state) == {
+            **{w.node_id: ["held"] for w in broken},
+            fine.node_id: ["released"],
+        }
         await books_balance(app_state)
 
 

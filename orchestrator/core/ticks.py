@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from sqlalchemy import BigInteger, String, select, update
+from sqlalchemy import BigInteger, ColumnElement, String, and_, or_, select, true, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -80,3 +81,26 @@ async def tick_in_batches(
         results.append(result)
         if not more(result) or time.monotonic() >= until:
             return results
+
+
+@dataclass
+class Keyset:
+    """How far a tick's batches have read a queue taken in (due time, id) order. Each batch reads
+    after the last row the one before it read, so the rows a batch could not handle (logged, and
+    left for the next tick) do not come back at the head of every later batch: with a full batch
+    of them there, a tick ended without reaching the rows behind them, and so did every tick."""
+
+    after: tuple[dt.datetime, Any] | None = None
+    read: int = 0  # rows the last batch read
+
+    def where(self, due: Any, ident: Any) -> ColumnElement[bool]:
+        if self.after is None:
+            return true()
+        at, last = self.after
+        return or_(due > at, and_(due == at, ident > last))
+
+    def saw(self, rows: Sequence[tuple[dt.datetime, Any]]) -> None:
+        """Record a batch's rows, in the order read."""
+        self.read = len(rows)
+        if rows:
+            self.after = rows[-1]

@@ -9,7 +9,7 @@ import structlog
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from orchestrator.core.state import AppState
-from orchestrator.core.ticks import tick_in_batches
+from orchestrator.core.ticks import Keyset, tick_in_batches
 from orchestrator.ledger.service import release_due_unbondings
 
 log = structlog.get_logger(__name__)
@@ -29,14 +29,16 @@ class ReleaseReport:
 
 async def release_once(state: AppState) -> ReleaseReport:
     """One tick of the stake release: due unbondings in transactions of ``RELEASE_BATCH``, the
-    first with the tick's claim, for as long as batches come back full (up to the tick's
-    interval). One transaction of 500 a tick released at most 16 unbondings a second: after a
-    large pool completed, the last of its members waited hours past their unbonding period."""
+    first with the tick's claim, each reading on from where the last one stopped, for as long as
+    batches come back full (up to the tick's interval). One transaction of 500 a tick released
+    at most 16 unbondings a second: after a large pool completed, the last of its members waited
+    hours past their unbonding period."""
     tick = int(state.clock.now() // INTERVAL_S)
+    keyset = Keyset()
 
     async def batch(session: AsyncSession) -> int:
         due_at = dt.datetime.fromtimestamp(state.clock.now(), dt.UTC)
-        return await release_due_unbondings(session, due_at, limit=RELEASE_BATCH)
+        return await release_due_unbondings(session, due_at, limit=RELEASE_BATCH, keyset=keyset)
 
     batches = await tick_in_batches(
         state.sessionmaker,
@@ -44,7 +46,7 @@ async def release_once(state: AppState) -> ReleaseReport:
         tick,
         state.instance_id,
         batch,
-        more=lambda released: released >= RELEASE_BATCH,
+        more=lambda _: keyset.read >= RELEASE_BATCH,
         budget_s=INTERVAL_S,
     )
     if batches is None:

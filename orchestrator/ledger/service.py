@@ -31,13 +31,17 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import structlog
 from sqlalchemy import or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from orchestrator.core.errors import Conflict
 from orchestrator.core.sql import insert_ignore
+from orchestrator.core.ticks import Keyset
 from orchestrator.ledger.models import LedgerAccount, LedgerTransfer, StakeUnbonding
+
+log = structlog.get_logger(__name__)
 
 MAX_AMOUNT = 10**15
 # Balances are 64-bit integers (BIGINT). A transfer that would carry one past these bounds is
@@ -554,16 +558,30 @@ async def slash_unbonding(
     return result.transfer.amount
 
 
-async def release_due_unbondings(session: AsyncSession, now: dt.datetime, *, limit: int = 500) -> int:
-    """Move every unbonding whose time has come back to free stake; returns how many."""
+async def release_due_unbondings(
+    session: AsyncSession, now: dt.datetime, *, limit: int = 500, keyset: Keyset | None = None
+) -> int:
+    """Move the unbondings whose time has come back to free stake, up to ``limit`` of them (after
+    ``keyset``'s place, which is moved on); returns how many were released.
+
+    Each is released in its own savepoint: one whose transfer fails (its provider's unbonding
+    stake holds less than it, say) is logged and left unreleased, and the others are still
+    released; before, one such unbonding failed its whole batch, tick after tick, and no stake
+    came free for anyone."""
+    keyset = keyset or Keyset()
     stmt = (
         select(StakeUnbonding)
-        .where(StakeUnbonding.released.is_(False), StakeUnbonding.release_at <= now)
+        .where(
+            StakeUnbonding.released.is_(False),
+            StakeUnbonding.release_at <= now,
+            keyset.where(StakeUnbonding.release_at, StakeUnbonding.id),
+        )
         .order_by(StakeUnbonding.release_at, StakeUnbonding.id)
         .limit(limit)
         .with_for_update(skip_locked=True)
     )
     due = list((await session.execute(stmt)).scalars())
+    keyset.saw([(u.release_at, u.id) for u in due])
     await lock_accounts(
         session,
         [
@@ -572,18 +590,25 @@ async def release_due_unbondings(session: AsyncSession, now: dt.datetime, *, lim
             for kind in (ProviderAccount.stake_unbonding, ProviderAccount.stake_free)
         ],
     )
-    for unbonding in due:
-        result = await transfer(
-            session,
-            debit=provider_account(unbonding.provider_id, ProviderAccount.stake_unbonding),
-            credit=provider_account(unbonding.provider_id, ProviderAccount.stake_free),
-            amount=unbonding.amount,
-            key=f"unbonding-release:{unbonding.id}",
-            reason="stake_release",
-            actor="system",
-            reference=("unbonding", str(unbonding.id)),
-        )
-        unbonding.released = True
-        unbonding.release_transfer_id = result.transfer.id
-    await session.flush()
-    return len(due)
+    released = 0
+    for unbonding, unbonding_id, provider_id in [(u, u.id, u.provider_id) for u in due]:
+        try:
+            async with session.begin_nested():
+                result = await transfer(
+                    session,
+                    debit=provider_account(provider_id, ProviderAccount.stake_unbonding),
+                    credit=provider_account(provider_id, ProviderAccount.stake_free),
+                    amount=unbonding.amount,
+                    key=f"unbonding-release:{unbonding_id}",
+                    reason="stake_release",
+                    actor="system",
+                    reference=("unbonding", str(unbonding_id)),
+                )
+                unbonding.released = True
+                unbonding.release_transfer_id = result.transfer.id
+                await session.flush()  # in the savepoint: a failure rolls back the transfer with it
+        except Exception:  # a rolled-back savepoint expires the row: log with what was read
+            log.exception("stake_release_failed", unbonding_id=unbonding_id, provider_id=provider_id)
+            continue
+        released += 1
+    return released

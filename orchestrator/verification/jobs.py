@@ -15,7 +15,7 @@ import structlog
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from orchestrator.core.state import AppState
-from orchestrator.core.ticks import claim_tick, tick_in_batches
+from orchestrator.core.ticks import Keyset, claim_tick, tick_in_batches
 from orchestrator.verification import service, validators
 from orchestrator.verification.scoring import scorer_for
 
@@ -138,13 +138,16 @@ async def drain(state: AppState, *, max_rounds: int = 100) -> int:
 
 async def release_once(state: AppState) -> int:
     """One tick of the reward release: due holds in transactions of ``RELEASE_BATCH``, the
-    first with the tick's claim, until a batch releases none (nothing more is due, or only
-    holds that cannot be released, which the next tick tries again) or the tick's interval
-    has passed. Returns how many were released."""
+    first with the tick's claim, each reading on from where the last one stopped (a hold that
+    cannot be released is logged and tried again by the next tick), until a batch comes back
+    short or the tick's interval has passed. Returns how many were released."""
     tick = int(state.clock.now() // RELEASE_INTERVAL_S)
+    keyset = Keyset()
 
     async def batch(session: AsyncSession) -> int:
-        return await service.release_due_rewards(session, now=state.clock.utcnow(), limit=RELEASE_BATCH)
+        return await service.release_due_rewards(
+            session, now=state.clock.utcnow(), limit=RELEASE_BATCH, keyset=keyset
+        )
 
     batches = await tick_in_batches(
         state.sessionmaker,
@@ -152,7 +155,7 @@ async def release_once(state: AppState) -> int:
         tick,
         state.instance_id,
         batch,
-        more=bool,
+        more=lambda _: keyset.read >= RELEASE_BATCH,
         budget_s=RELEASE_INTERVAL_S,
     )
     released = sum(batches or ())

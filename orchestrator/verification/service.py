@@ -65,6 +65,7 @@ from sqlalchemy.orm import aliased
 
 from orchestrator.core.db import UTCDateTime
 from orchestrator.core.sql import is_postgres
+from orchestrator.core.ticks import Keyset
 from orchestrator.identity.models import Node
 from orchestrator.ledger import service as ledger
 from orchestrator.ledger.models import LedgerTransfer
@@ -1219,8 +1220,11 @@ async def _maybe_complete(session: AsyncSession, task_id: int) -> None:
         task.status = "completed"
 
 
-async def release_due_rewards(session: AsyncSession, *, now: dt.datetime, limit: int = 1000) -> int:
-    """Rewards whose hold window has passed become claimable.
+async def release_due_rewards(
+    session: AsyncSession, *, now: dt.datetime, limit: int = 1000, keyset: Keyset | None = None
+) -> int:
+    """Rewards whose hold window has passed become claimable, up to ``limit`` of them (after
+    ``keyset``'s place, which is moved on).
 
     Lock order as everywhere (accounts, then holds): the due holds are read without a lock,
     their providers' accounts locked up front, and only then the holds, which a fraud verdict
@@ -1229,23 +1233,29 @@ async def release_due_rewards(session: AsyncSession, *, now: dt.datetime, limit:
     Each hold is released in its own savepoint: one whose transfer fails (its provider's
     pending rewards hold less than it, say) is logged and left held, and the others are still
     released. Returns how many were released."""
+    keyset = keyset or Keyset()
     candidates = (
         await session.execute(
-            select(RewardHold.id, RewardHold.provider_id)
-            .where(RewardHold.status == "held", RewardHold.release_at <= now)
+            select(RewardHold.id, RewardHold.provider_id, RewardHold.release_at)
+            .where(
+                RewardHold.status == "held",
+                RewardHold.release_at <= now,
+                keyset.where(RewardHold.release_at, RewardHold.id),
+            )
             .order_by(RewardHold.release_at, RewardHold.id)
             .limit(limit)
         )
     ).all()
+    keyset.saw([(at, i) for i, _, at in candidates])
     if not candidates:
         return 0
     kinds = (ProviderAccount.rewards_pending, ProviderAccount.rewards_claimable)
-    await ledger.lock_accounts(session, [provider_account(p, k) for _, p in candidates for k in kinds])
+    await ledger.lock_accounts(session, [provider_account(p, k) for _, p, _ in candidates for k in kinds])
     due = list(
         (
             await session.execute(
                 select(RewardHold)
-                .where(RewardHold.id.in_([i for i, _ in candidates]), RewardHold.status == "held")
+                .where(RewardHold.id.in_([i for i, _, _ in candidates]), RewardHold.status == "held")
                 .order_by(RewardHold.release_at, RewardHold.id)
                 .with_for_update()
                 .execution_options(populate_existing=True)
