@@ -49,6 +49,7 @@ class PayoutOut(BaseModel):
 class AdminPayoutOut(PayoutOut):
     paid_by: str | None = Field(description="Token id of the admin who marked it paid")
     rejected_by: str | None = Field(description="Token id of the admin who rejected it")
+    run_id: int | None = Field(description="The payout run that took it for settlement, if one has")
 
 
 class WithdrawalOut(BaseModel):
@@ -72,4 +73,30 @@ class RejectPayoutIn(StrictModel):
         max_length=500,
         description="Why the payout cannot be settled (kept on the payout, shown to the provider, "
         "audited). Rejecting a rejected payout again changes nothing and keeps the first reason.",
+    )
+
+
+class PayoutRunIn(StrictModel):
+    max_payouts: int = Field(
+        default=1000,
+        ge=1,
+        le=10_000,
+        description="Take at most this many requested payouts, oldest first (default 1,000)",
+    )
+
+
+class RunStatusCount(BaseModel):
+    payouts: int
+    amount: int = Field(description=AMOUNT_DOC)
+
+
+class PayoutRunOut(BaseModel):
+    id: int = Field(description="Run id; export its payouts with GET /v1/admin/payouts/export?run_id=")
+    max_payouts: int = Field(description="The most payouts the run was asked to take")
+    payouts: int = Field(description="How many requested payouts it took (none that another run holds)")
+    amount: int = Field(description="Their total amount")
+    created_at: dt.datetime
+    created_by: str = Field(description="Token id of the admin who started it")
+    by_status: dict[PayoutStatus, RunStatusCount] = Field(
+        description="Its payouts by their status now: how far its settlement has got"
     )

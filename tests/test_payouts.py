@@ -20,7 +20,7 @@ from orchestrator.ledger.models import LedgerAccount, LedgerTransfer
 from orchestrator.ledger.service import ProviderAccount, SystemAccount, provider_account, system_account
 from orchestrator.payouts import export
 from orchestrator.payouts import service as payouts
-from orchestrator.payouts.models import Payout
+from orchestrator.payouts.models import Payout, PayoutRun
 from tests.conftest import Contributor, make_token, new_contributor, postgres_only, problem
 from tests.verification_helpers import books_balance
 
@@ -34,6 +34,7 @@ EXPORT_COLUMNS = [
     "external_reference",
     "rejected_at",
     "rejection_reason",
+    "run_id",
 ]
 
 
@@ -490,7 +491,7 @@ async def test_rejecting_a_payout_gives_its_amount_back_to_claimable_once(
 
     # Both views show it, the provider's without the admin's token id.
     mine = (await client.get("/v1/providers/me/payouts", auth=contributor.provider_auth)).json()["items"]
-    assert mine == [{k: v for k, v in rejected.items() if k not in ("paid_by", "rejected_by")}]
+    assert mine == [{k: v for k, v in rejected.items() if k not in ("paid_by", "rejected_by", "run_id")}]
     listed = (await client.get("/v1/admin/payouts?status=rejected", headers=admin_headers)).json()["items"]
     assert listed == [rejected]
     assert (await client.get("/v1/admin/payouts?status=requested", headers=admin_headers)).json()[
@@ -675,6 +676,7 @@ def _expected(p: dict[str, Any]) -> dict[str, Any]:
         "external_reference": p["external_reference"],
         "rejected_at": dt.datetime.fromisoformat(p["rejected_at"]) if p["rejected_at"] else None,
         "rejection_reason": p["rejection_reason"],
+        "run_id": p["run_id"],
     }
 
 
@@ -688,6 +690,7 @@ def _parsed(record: dict[str, Any]) -> dict[str, Any]:
         "external_reference": record["external_reference"] or None,
         "rejected_at": dt.datetime.fromisoformat(record["rejected_at"]) if record["rejected_at"] else None,
         "rejection_reason": record["rejection_reason"] or None,
+        "run_id": int(record["run_id"]) if record["run_id"] not in (None, "") else None,
     }
 
 
@@ -767,3 +770,140 @@ async def test_an_empty_export_is_a_header_or_nothing(
         400,
         "invalid_query",
     )
+
+
+# ------------------------------------------------------------------ payout runs
+
+
+async def start_run(
+    client: httpx.AsyncClient, headers: dict[str, str], key: str | None, **body: Any
+) -> httpx.Response:
+    return await client.post(
+        "/v1/admin/payouts/runs",
+        json=body or None,
+        headers={**headers, **({"Idempotency-Key": key} if key else {})},
+    )
+
+
+async def test_a_payout_run_takes_the_requested_payouts_that_no_run_holds_once(
+    client: httpx.AsyncClient, app_state: Any, admin_headers: dict[str, str], contributor: Contributor
+) -> None:
+    """The export listed every requested payout each time: two exports before the payouts were
+    marked paid listed them twice, and an operator could pay them twice outside. A run takes the
+    requested payouts no run holds, and its export lists those alone, however often it is
+    downloaded."""
+    payouts = await _settlement_fixture(client, app_state, admin_headers, contributor)
+    for i in range(3):
+        assert (await withdraw(client, contributor, 10 + i, f"withdraw-later-{i}")).status_code == 201
+    listed = (await client.get("/v1/admin/payouts?status=requested", headers=admin_headers)).json()
+    requested = sorted(listed["items"], key=lambda p: p["id"])
+    assert len(requested) == 5 and all(p["run_id"] is None for p in requested)
+    before = await api_balances(client, contributor)
+
+    r = await start_run(client, admin_headers, "run-0001", max_payouts=3)
+    assert r.status_code == 201, r.text
+    first = r.json()
+    oldest = requested[:3]
+    assert (first["max_payouts"], first["payouts"], first["amount"]) == (
+        3,
+        3,
+        sum(p["amount"] for p in oldest),
+    )
+    assert first["by_status"] == {"requested": {"payouts": 3, "amount": first["amount"]}}
+    assert first["created_by"].startswith("tok_")
+    # A retry (the same key and body) is the same run and takes nothing more; another body is refused.
+    again = await start_run(client, admin_headers, "run-0001", max_payouts=3)
+    assert again.status_code == 200 and again.json() == first
+    problem(await start_run(client, admin_headers, "run-0001", max_payouts=2), 409, "idempotency_key_reused")
+    in_first = (await client.get(f"/v1/admin/payouts?run_id={first['id']}", headers=admin_headers)).json()
+    assert sorted(p["id"] for p in in_first["items"]) == [p["id"] for p in oldest]
+
+    second = (await start_run(client, admin_headers, "run-0002")).json()  # no body: up to 1,000
+    assert (second["max_payouts"], second["payouts"]) == (1000, 2)
+    problem(await start_run(client, admin_headers, "run-0003"), 409, "nothing_to_settle")
+    runs = (await client.get("/v1/admin/payouts/runs", headers=admin_headers)).json()["items"]
+    assert [run["id"] for run in runs] == [second["id"], first["id"]]  # no run recorded for run-0003
+
+    # The run's file: its payouts alone, the same on every download, with the run's id.
+    url = f"/v1/admin/payouts/export?run_id={first['id']}"
+    files = [await client.get(url, headers=admin_headers) for _ in range(2)]
+    assert f'filename="payouts-run-{first["id"]}-all-' in files[0].headers["content-disposition"]
+    rows = [_parsed(row) for row in csv.DictReader(io.StringIO(files[0].text, newline=""))]
+    assert [row["payout_id"] for row in rows] == [p["id"] for p in oldest]
+    assert {row["run_id"] for row in rows} == {first["id"]} and files[1].text == files[0].text
+    everything = await client.get("/v1/admin/payouts/export", headers=admin_headers)
+    ran = [_parsed(row) for row in csv.DictReader(io.StringIO(everything.text, newline=""))]
+    assert [row["run_id"] for row in ran if row["status"] != "requested"] == [None] * 3  # settled before
+
+    # Settling the run shows in it: one paid, one rejected, one still to do.
+    assert (await mark_paid(client, admin_headers, oldest[0]["id"], "wire-77")).status_code == 200
+    assert (await reject(client, admin_headers, oldest[1]["id"], "closed account")).status_code == 200
+    now = (await client.get(f"/v1/admin/payouts/runs/{first['id']}", headers=admin_headers)).json()
+    assert now["by_status"] == {
+        "paid": {"payouts": 1, "amount": oldest[0]["amount"]},
+        "rejected": {"payouts": 1, "amount": oldest[1]["amount"]},
+        "requested": {"payouts": 1, "amount": oldest[2]["amount"]},
+    }
+    # A run moves no money: the provider's balances are what its withdrawals and the reject made.
+    after = await api_balances(client, contributor)
+    assert claimable_and_withdrawn(after) == (
+        before["rewards_claimable"]
+        + oldest[1]["amount"] * (oldest[1]["provider_id"] == contributor.provider_id),
+        before["withdrawn"] - oldest[1]["amount"] * (oldest[1]["provider_id"] == contributor.provider_id),
+    )
+    async with app_state.sessionmaker() as session:
+        entries = (
+            await session.scalars(
+                select(AuditEntry).where(AuditEntry.action == "payout.run").order_by(AuditEntry.id)
+            )
+        ).all()
+    assert [(e.target_id, e.after["payouts"]) for e in entries] == [
+        (str(first["id"]), 3),
+        (str(second["id"]), 2),
+    ]
+    assert payouts  # the fixture's paid and rejected payouts were never taken
+    await books_balance(app_state)
+
+
+async def test_payout_runs_need_an_admin_and_a_key_and_name_real_runs(
+    client: httpx.AsyncClient, app_state: Any, admin_headers: dict[str, str], operator_headers: dict[str, str]
+) -> None:
+    trainer = {"Authorization": f"Bearer {await make_token(app_state, 'trainer')}"}
+    for headers in (operator_headers, trainer):
+        problem(await start_run(client, headers, "run-0009"), 403, "role_forbidden")
+        problem(await client.get("/v1/admin/payouts/runs", headers=headers), 403, "role_forbidden")
+    problem(await start_run(client, admin_headers, None), 400, "invalid_header")
+    for bad in (0, 10_001, True, "5"):
+        problem(await start_run(client, admin_headers, "run-0010", max_payouts=bad), 422, "validation_failed")
+    problem(await client.get("/v1/admin/payouts/runs/7", headers=admin_headers), 404, "payout_run_not_found")
+    r = await client.get("/v1/admin/payouts/export?run_id=7", headers=admin_headers)
+    problem(r, 404, "payout_run_not_found")
+    async with app_state.sessionmaker() as session:
+        assert await session.scalar(select(func.count()).select_from(PayoutRun)) == 0
+
+
+@postgres_only
+async def test_concurrent_payout_runs_never_take_one_payout_twice(
+    client: httpx.AsyncClient, app_state: Any, admin_headers: dict[str, str]
+) -> None:
+    who = [new_contributor() for _ in range(4)]
+    for c in who:
+        await c.register(client)
+        await give_claimable(app_state, c.provider_id, 1000)
+    for i in range(60):  # more than the runs below take in all: each takes its whole count
+        assert (await withdraw(client, who[i % 4], 5, f"withdraw-{i:04}")).status_code == 201
+    distinct = await asyncio.gather(
+        *(start_run(client, admin_headers, f"run-{i:04}", max_payouts=3) for i in range(12))
+    )
+    same = await asyncio.gather(
+        *(start_run(client, admin_headers, "run-same", max_payouts=5) for _ in range(12))
+    )
+    assert sorted(r.status_code for r in distinct) == [201] * 12, [r.text for r in distinct]
+    assert sorted(r.status_code for r in same) == [200] * 11 + [201]
+    assert len({r.json()["id"] for r in same}) == 1
+    async with app_state.sessionmaker() as session:
+        taken = (await session.execute(select(Payout.run_id, func.count()).group_by(Payout.run_id))).all()
+        runs = {run.id: run.payouts for run in (await session.scalars(select(PayoutRun))).all()}
+    per_run = {run_id: n for run_id, n in taken if run_id is not None}
+    assert per_run == runs and len(runs) == 13
+    assert sum(runs.values()) == 60 - dict(taken).get(None, 0) == 12 * 3 + 5

@@ -4,7 +4,8 @@ Each chunk is read in its own short transaction, so a slow download holds no con
 lock while the client reads (on SQLite every transaction takes the write lock). The export is
 bounded by the newest payout id when it started, so new withdrawals cannot make it run on; a
 payout marked paid or rejected while the export runs appears with whichever status its chunk saw.
-The rejection columns come last, so a reader of the earlier columns by position reads them as before.
+The rejection columns and then the run come last, so a reader of the earlier columns by position
+reads them as before.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ COLUMNS = (
     "external_reference",
     "rejected_at",
     "rejection_reason",
+    "run_id",
 )
 CHUNK_SIZE = 500
 
@@ -56,6 +58,7 @@ def export_record(p: Payout) -> dict[str, Any]:
         "external_reference": p.external_reference,
         "rejected_at": _timestamp(p.rejected_at),
         "rejection_reason": p.rejection_reason,
+        "run_id": p.run_id,
     }
 
 
@@ -65,14 +68,16 @@ async def payout_chunks(
     status: str | None,
     upto_id: int,
     chunk_size: int | None = None,
+    run_id: int | None = None,
 ) -> AsyncIterator[list[Payout]]:
-    """Payouts with ``id <= upto_id`` (and ``status``, if given) in id order, a chunk at a time."""
+    """Payouts with ``id <= upto_id`` (and ``status`` and ``run_id``, if given) in id order, a
+    chunk at a time."""
     limit = chunk_size or CHUNK_SIZE
     after_id = 0
     while True:
         async with sessionmaker() as session, session.begin():
             chunk = await repo.oldest_first_chunk(
-                session, status=status, after_id=after_id, upto_id=upto_id, limit=limit
+                session, status=status, after_id=after_id, upto_id=upto_id, limit=limit, run_id=run_id
             )
         if chunk:
             yield chunk

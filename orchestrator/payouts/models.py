@@ -1,4 +1,5 @@
-"""Tables for payouts: one row per withdrawal, settled off-chain and then marked paid, or rejected.
+"""Tables for payouts: one row per withdrawal, settled off-chain and then marked paid, or rejected;
+and payout runs, the sets of requested payouts an admin takes to settle together.
 
 The money moved when the payout was requested (``rewards_claimable -> withdrawn``, the ledger
 transfer named by ``transfer_id``); this row tracks the settlement of that money outside. A
@@ -40,6 +41,7 @@ class Payout(Base):
         CheckConstraint(FIELDS_MATCH_STATUS, name="fields_match_status"),
         Index("ix_payouts_provider_id_id", "provider_id", "id"),
         Index("ix_payouts_status_id", "status", "id"),
+        Index("ix_payouts_run_id_id", "run_id", "id"),
     )
 
     id: Mapped[int] = mapped_column(ID, primary_key=True, autoincrement=True)
@@ -59,3 +61,27 @@ class Payout(Base):
     rejected_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
     rejected_by: Mapped[str | None] = mapped_column(TOKEN_ID, doc="Token id of whoever rejected it")
     rejection_reason: Mapped[str | None] = mapped_column(String(500))
+    run_id: Mapped[int | None] = mapped_column(
+        ID,
+        ForeignKey("payout_runs.id", ondelete="RESTRICT"),
+        doc="The payout run that took it for settlement; a payout is in one run at most",
+    )
+
+
+class PayoutRun(Base):
+    """Requested payouts taken together to be settled: a run takes only payouts no run holds, so
+    two exports for settlement never list one payout twice."""
+
+    __tablename__ = "payout_runs"
+    __table_args__ = (
+        CheckConstraint("max_payouts > 0", name="max_payouts_positive"),
+        CheckConstraint("payouts > 0 AND amount > 0", name="not_empty"),
+    )
+
+    id: Mapped[int] = mapped_column(ID, primary_key=True, autoincrement=True)
+    idempotency_key: Mapped[str] = mapped_column(String(100), unique=True)
+    max_payouts: Mapped[int] = mapped_column(Integer, doc="The most payouts the run was asked to take")
+    payouts: Mapped[int] = mapped_column(Integer, doc="How many payouts it took")
+    amount: Mapped[int] = mapped_column(BigInteger, doc="Their total amount")
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    created_by: Mapped[str] = mapped_column(TOKEN_ID, doc="Token id of the admin who started it")

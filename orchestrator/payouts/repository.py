@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from orchestrator.payouts.models import Payout
+from orchestrator.payouts.models import Payout, PayoutRun
 
 
 async def get(session: AsyncSession, payout_id: int, *, for_update: bool = False) -> Payout | None:
@@ -28,10 +28,13 @@ async def newest_first(
     status: str | None,
     before_id: int | None,
     limit: int,
+    run_id: int | None = None,
 ) -> list[Payout]:
     stmt = select(Payout).order_by(Payout.id.desc()).limit(limit)
     if provider_id is not None:
         stmt = stmt.where(Payout.provider_id == provider_id)
+    if run_id is not None:
+        stmt = stmt.where(Payout.run_id == run_id)
     if status is not None:
         stmt = stmt.where(Payout.status == status)
     if before_id is not None:
@@ -44,10 +47,59 @@ async def last_id(session: AsyncSession) -> int:
 
 
 async def oldest_first_chunk(
-    session: AsyncSession, *, status: str | None, after_id: int, upto_id: int, limit: int
+    session: AsyncSession,
+    *,
+    status: str | None,
+    after_id: int,
+    upto_id: int,
+    limit: int,
+    run_id: int | None = None,
 ) -> list[Payout]:
-    """Payouts with ``after_id < id <= upto_id``, in id order: one chunk of an export."""
+    """Payouts with ``after_id < id <= upto_id`` (of run ``run_id``, if given), in id order: one
+    chunk of an export."""
     stmt = select(Payout).where(Payout.id > after_id, Payout.id <= upto_id).order_by(Payout.id).limit(limit)
     if status is not None:
         stmt = stmt.where(Payout.status == status)
+    if run_id is not None:
+        stmt = stmt.where(Payout.run_id == run_id)
+    return list((await session.execute(stmt)).scalars())
+
+
+async def run(session: AsyncSession, run_id: int) -> PayoutRun | None:
+    return await session.get(PayoutRun, run_id)
+
+
+async def run_by_key(session: AsyncSession, key: str) -> PayoutRun | None:
+    return (
+        await session.execute(select(PayoutRun).where(PayoutRun.idempotency_key == key))
+    ).scalar_one_or_none()
+
+
+async def take_for_run(session: AsyncSession, *, limit: int) -> list[Payout]:
+    """The oldest requested payouts no run holds, locked; those another transaction has locked
+    (a mark-paid, a reject, another run) are skipped, not waited for."""
+    stmt = (
+        select(Payout)
+        .where(Payout.status == "requested", Payout.run_id.is_(None))
+        .order_by(Payout.id)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+    return list((await session.execute(stmt)).scalars())
+
+
+async def run_by_status(session: AsyncSession, run_id: int) -> dict[str, tuple[int, int]]:
+    """A run's payouts by status: (count, total amount)."""
+    rows = await session.execute(
+        select(Payout.status, func.count(), func.sum(Payout.amount))
+        .where(Payout.run_id == run_id)
+        .group_by(Payout.status)
+    )
+    return {status: (int(n), int(total)) for status, n, total in rows}
+
+
+async def runs_newest_first(session: AsyncSession, *, before_id: int | None, limit: int) -> list[PayoutRun]:
+    stmt = select(PayoutRun).order_by(PayoutRun.id.desc()).limit(limit)
+    if before_id is not None:
+        stmt = stmt.where(PayoutRun.id < before_id)
     return list((await session.execute(stmt)).scalars())

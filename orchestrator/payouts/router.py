@@ -14,8 +14,11 @@ from api_schemas.payouts import (
     ExportFormat,
     MarkPaidIn,
     PayoutOut,
+    PayoutRunIn,
+    PayoutRunOut,
     PayoutStatus,
     RejectPayoutIn,
+    RunStatusCount,
     WithdrawalIn,
     WithdrawalOut,
 )
@@ -27,12 +30,14 @@ from orchestrator.ledger import service as ledger
 from orchestrator.ledger.router import IdempotencyKey
 from orchestrator.payouts import export, service
 from orchestrator.payouts import repository as repo
-from orchestrator.payouts.models import Payout
+from orchestrator.payouts.models import Payout, PayoutRun
 
 router = APIRouter(prefix="/v1", tags=["payouts"], responses=PROBLEM_RESPONSES)
 admin_router = APIRouter(prefix="/v1/admin", tags=["admin: payouts"], responses=PROBLEM_RESPONSES)
 
 PayoutId = Annotated[int, Path(ge=1, le=ID_MAX, description="Payout id")]
+RunId = Annotated[int, Path(ge=1, le=ID_MAX, description="Payout run id")]
+RunFilter = Annotated[int | None, Query(ge=1, le=ID_MAX, description="Only the payouts of this payout run")]
 Cursor = Annotated[str | None, Query(max_length=200, description="next_cursor of the previous page")]
 Limit = Annotated[int, Query(ge=1, le=500, description="Page size")]
 StatusFilter = Annotated[PayoutStatus | None, Query(description="Only payouts in this status")]
@@ -58,7 +63,25 @@ def _out(p: Payout) -> PayoutOut:
 
 
 def _admin_out(p: Payout) -> AdminPayoutOut:
-    return AdminPayoutOut.model_validate({**_fields(p), "paid_by": p.paid_by, "rejected_by": p.rejected_by})
+    return AdminPayoutOut.model_validate(
+        {**_fields(p), "paid_by": p.paid_by, "rejected_by": p.rejected_by, "run_id": p.run_id}
+    )
+
+
+async def _run_out(session: Session, run: PayoutRun) -> PayoutRunOut:
+    counts = await repo.run_by_status(session, run.id)
+    return PayoutRunOut(
+        id=run.id,
+        max_payouts=run.max_payouts,
+        payouts=run.payouts,
+        amount=run.amount,
+        created_at=run.created_at,
+        created_by=run.created_by,
+        by_status={
+            PayoutStatus(status): RunStatusCount(payouts=n, amount=total)
+            for status, (n, total) in sorted(counts.items())
+        },
+    )
 
 
 async def _page(
@@ -68,6 +91,7 @@ async def _page(
     status: PayoutStatus | None,
     cursor: str | None,
     limit: int,
+    run_id: int | None = None,
 ) -> tuple[list[Payout], str | None]:
     rows = await repo.newest_first(
         session,
@@ -75,6 +99,7 @@ async def _page(
         status=status.value if status else None,
         before_id=decode_int_cursor(cursor),
         limit=limit + 1,
+        run_id=run_id,
     )
     more = len(rows) > limit
     rows = rows[:limit]
@@ -137,11 +162,12 @@ async def list_payouts(
     provider_id: Annotated[
         str | None, Query(max_length=43, pattern=NO_NUL, description="Only payouts to this provider")
     ] = None,
+    run_id: RunFilter = None,
     cursor: Cursor = None,
     limit: Limit = 100,
 ) -> Page[AdminPayoutOut]:
     rows, next_cursor = await _page(
-        session, provider_id=provider_id, status=status, cursor=cursor, limit=limit
+        session, provider_id=provider_id, status=status, cursor=cursor, limit=limit, run_id=run_id
     )
     return Page[AdminPayoutOut](items=[_admin_out(p) for p in rows], next_cursor=next_cursor)
 
@@ -153,8 +179,9 @@ async def list_payouts(
     responses={
         200: {
             "description": "One record per payout with the columns payout_id, provider_id, amount, "
-            "status, requested_at, paid_at, external_reference, rejected_at, rejection_reason (CSV: a "
-            "header row, empty cells for null). Covers the payouts that existed when the export started.",
+            "status, requested_at, paid_at, external_reference, rejected_at, rejection_reason, run_id "
+            "(CSV: a header row, empty cells for null). Covers the payouts that existed when the "
+            "export started.",
             "content": {"text/csv": {}, "application/x-ndjson": {}},
         }
     },
@@ -167,13 +194,25 @@ async def export_payouts(
         ExportFormat, Query(alias="format", description="csv (RFC 4180) or jsonl (one JSON object a line)")
     ] = ExportFormat.csv,
     status: StatusFilter = None,
+    run_id: Annotated[
+        int | None,
+        Query(
+            ge=1,
+            le=ID_MAX,
+            description="Only the payouts of this payout run: the file to settle them from, the same "
+            "payouts however often it is downloaded",
+        ),
+    ] = None,
 ) -> StreamingResponse:
+    if run_id is not None:
+        await service.get_run(session, run_id)
     upto_id = await repo.last_id(session)
     chunks = export.payout_chunks(
-        state.sessionmaker, status=status.value if status else None, upto_id=upto_id
+        state.sessionmaker, status=status.value if status else None, upto_id=upto_id, run_id=run_id
     )
     stamp = state.clock.utcnow().strftime("%Y%m%dT%H%M%SZ")
-    filename = f"payouts-{status.value if status else 'all'}-{stamp}.{export_format.value}"
+    scope = f"run-{run_id}-" if run_id is not None else ""
+    filename = f"payouts-{scope}{status.value if status else 'all'}-{stamp}.{export_format.value}"
     return StreamingResponse(
         export.render(export_format, chunks),
         media_type=export.MEDIA_TYPES[export_format],
@@ -182,6 +221,51 @@ async def export_payouts(
             "Cache-Control": "no-store",
         },
     )
+
+
+@admin_router.post(
+    "/payouts/runs",
+    response_model=PayoutRunOut,
+    status_code=201,
+    summary="Take the requested payouts no run holds, oldest first, to settle them together "
+    "(idempotent by Idempotency-Key)",
+    responses={
+        200: {"model": PayoutRunOut, "description": "A retry: the run this key started, nothing taken"}
+    },
+)
+async def start_run(
+    idempotency_key: IdempotencyKey,
+    principal: AdminOnly,
+    session: Session,
+    state: State,
+    response: Response,
+    body: PayoutRunIn | None = None,
+) -> PayoutRunOut:
+    max_payouts = (body or PayoutRunIn()).max_payouts
+    run, created = await service.start_run(
+        session, principal, idempotency_key, max_payouts, now=state.clock.utcnow()
+    )
+    if not created:
+        response.status_code = 200
+    return await _run_out(session, run)
+
+
+@admin_router.get("/payouts/runs", response_model=Page[PayoutRunOut], summary="Payout runs, newest first")
+async def list_runs(
+    _: AdminOnly, session: Session, cursor: Cursor = None, limit: Limit = 100
+) -> Page[PayoutRunOut]:
+    rows = await repo.runs_newest_first(session, before_id=decode_int_cursor(cursor), limit=limit + 1)
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return Page[PayoutRunOut](
+        items=[await _run_out(session, run) for run in rows],
+        next_cursor=encode_cursor(str(rows[-1].id)) if more else None,
+    )
+
+
+@admin_router.get("/payouts/runs/{run_id}", response_model=PayoutRunOut, summary="One payout run")
+async def get_run(run_id: RunId, _: AdminOnly, session: Session) -> PayoutRunOut:
+    return await _run_out(session, await service.get_run(session, run_id))
 
 
 @admin_router.post(

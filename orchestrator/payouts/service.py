@@ -14,6 +14,12 @@ queue on it, and the second finds the first's status. A reject then locks the pr
 ``withdrawn`` and ``rewards_claimable`` accounts (one transfer); no transaction locks a payout
 after a ledger account (a withdrawal inserts its payout and locks none), so this order cannot
 deadlock (docs/architecture.md, "Lock order").
+
+A payout run takes requested payouts for settlement together: the oldest that no run holds, up to
+a number, once per ``Idempotency-Key``. Its export lists those payouts alone, however often it is
+downloaded, and a later run never takes them again, so two settlement files never list one
+payout twice. It locks payouts only (``SKIP LOCKED``: a payout being marked paid or rejected, or
+taken by another run, is left to that transaction).
 """
 
 from __future__ import annotations
@@ -28,9 +34,9 @@ from orchestrator.admin.tokens import Principal
 from orchestrator.audit.service import record
 from orchestrator.core.errors import Conflict, NotFound
 from orchestrator.ledger import service as ledger
-from orchestrator.ledger.service import ProviderAccount, provider_account
+from orchestrator.ledger.service import IdempotencyKeyReused, ProviderAccount, provider_account
 from orchestrator.payouts import repository as repo
-from orchestrator.payouts.models import Payout
+from orchestrator.payouts.models import Payout, PayoutRun
 
 
 class PayoutNotFound(NotFound):
@@ -43,6 +49,14 @@ class PayoutAlreadyPaid(Conflict):
 
 class PayoutRejected(Conflict):
     code = "payout_rejected"
+
+
+class PayoutRunNotFound(NotFound):
+    code = "payout_run_not_found"
+
+
+class NothingToSettle(Conflict):
+    code = "nothing_to_settle"
 
 
 def ledger_key(provider_id: str, idempotency_key: str) -> str:
@@ -204,3 +218,70 @@ async def reject(
         },
     )
     return payout, True
+
+
+def _same_run(run: PayoutRun, max_payouts: int) -> PayoutRun:
+    if run.max_payouts != max_payouts:
+        raise IdempotencyKeyReused(
+            "this Idempotency-Key started a payout run with another max_payouts",
+            extra={"run_id": run.id, "max_payouts": run.max_payouts},
+        )
+    return run
+
+
+async def start_run(
+    session: AsyncSession, principal: Principal, key: str, max_payouts: int, *, now: dt.datetime
+) -> tuple[PayoutRun, bool]:
+    """Take up to ``max_payouts`` requested payouts that no run holds, oldest first, into a new
+    run; returns (run, created). The same key again returns its run and takes nothing more (with
+    another ``max_payouts``: ``IdempotencyKeyReused``). With nothing to take, ``NothingToSettle``
+    (409), and no run is recorded."""
+    found = await repo.run_by_key(session, key)
+    if found is not None:
+        return _same_run(found, max_payouts), False
+    run = PayoutRun(
+        idempotency_key=key,
+        max_payouts=max_payouts,
+        payouts=1,  # set below, once the payouts are taken
+        amount=1,
+        created_at=now,
+        created_by=principal.token_id,
+    )
+    try:
+        async with session.begin_nested():
+            session.add(run)
+            await session.flush()  # the unique key decides a race; the loser reads the winner
+    except IntegrityError:
+        found = await repo.run_by_key(session, key)
+        if found is None:
+            raise
+        return _same_run(found, max_payouts), False
+    taken = await repo.take_for_run(session, limit=max_payouts)
+    if not taken:
+        raise NothingToSettle("no requested payout is waiting outside a run")
+    for payout in taken:
+        payout.run_id = run.id
+    run.payouts = len(taken)
+    run.amount = sum(p.amount for p in taken)
+    await session.flush()
+    await record(
+        session,
+        principal,
+        "payout.run",
+        target_type="payout_run",
+        target_id=str(run.id),
+        after={
+            "payouts": run.payouts,
+            "amount": run.amount,
+            "first_payout_id": taken[0].id,
+            "last_payout_id": taken[-1].id,
+        },
+    )
+    return run, True
+
+
+async def get_run(session: AsyncSession, run_id: int) -> PayoutRun:
+    run = await repo.run(session, run_id)
+    if run is None:
+        raise PayoutRunNotFound("no payout run with this id")
+    return run
