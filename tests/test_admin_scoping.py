@@ -55,6 +55,7 @@ SAMPLE_BODIES: dict[tuple[str, str], dict[str, Any]] = {
 }
 SAMPLE_HEADERS: dict[tuple[str, str], dict[str, str]] = {
     ("POST", "/v1/admin/providers/{provider_id}/deposits"): {"Idempotency-Key": "scoping-test-0001"},
+    ("POST", "/v1/admin/payouts/runs"): {"Idempotency-Key": "scoping-test-0002"},
 }
 
 
@@ -156,6 +157,9 @@ async def test_no_admin_route_serves_or_changes_another_owners_pool(
     assert r.status_code == 201, r.text
     task_id = str(r.json()["first_task_id"])
     verdict_id, payout_id = await _verdict_and_payout(client, app_state, owner, pool["id"], node)
+    r = await client.post("/v1/admin/payouts/runs", headers={**admin_headers, "Idempotency-Key": "run-1234"})
+    assert r.status_code == 201, r.text
+    run_id = str(r.json()["id"])
     r = await client.post(
         f"/v1/admin/pools/{pool['id']}/restem/iterations",
         headers=owner,
@@ -174,6 +178,7 @@ async def test_no_admin_route_serves_or_changes_another_owners_pool(
         "task_id": task_id,
         "verdict_id": verdict_id,
         "payout_id": payout_id,
+        "run_id": run_id,
         "iteration_id": iteration_id,
         "token_id": owner_token_id,
     }
