@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import multiprocessing
+import os
+import signal
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -58,6 +63,26 @@ LARGE_BODY_PATHS = (
 )
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def end_with_supervisor() -> None:
+    """In a worker of ``serve --workers N`` (a multiprocessing child of uvicorn's supervisor),
+    ask Linux for a SIGTERM when the supervisor dies, which uvicorn takes as a graceful stop.
+    Without it a supervisor killed outright (SIGKILL, the OOM killer, a process manager that
+    signals only the process it started) left its workers serving the port, and a restart found
+    the port in use. Elsewhere (one process, another system) this does nothing."""
+    parent = multiprocessing.parent_process()
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        log.warning("parent_death_signal_unavailable", errno=ctypes.get_errno())
+        return
+    if os.getppid() != parent.pid:  # the supervisor died before the call: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def create_app(
     settings: Settings | None = None, *, clock: Clock | None = None, hot_store: HotStore | None = None
 ) -> FastAPI:
@@ -66,6 +91,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        end_with_supervisor()
         state = open_state(settings, clock=clock, hot_store=hot_store)
         engine, store = state.engine, state.hot_store
         # An in-process store of our own serves this process only: no other process may serve
