@@ -13,9 +13,13 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    FailFast,
     Field,
     GetJsonSchemaHandler,
+    PlainValidator,
     Strict,
+    WrapValidator,
+    model_validator,
 )
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
@@ -137,25 +141,63 @@ def _json_number(value: Any) -> Any:
 _JSON_NUMBER = BeforeValidator(_json_number)
 
 
+def _is_collection(annotation: Any) -> bool:
+    """Whether a field's type is a plain list or dict, possibly optional (an annotated one, such
+    as ``JsonObject``, carries validators of its own, which the constraint cannot wrap)."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        return any(_is_collection(a) for a in get_args(annotation) if a is not type(None))
+    return get_origin(annotation) in (list, dict) or annotation in (list, dict)
+
+
+# A list or dict field stops at its first item that does not validate, and an object with more
+# unknown fields than this is refused as one error: a body of a few MiB otherwise made pydantic
+# report an error per item or field (a million "x" token ids, a million unknown keys), and
+# building and sending those (hundreds of MB) blocked the event loop for seconds.
+_FAIL_FAST = FailFast()
+# A field whose type carries validators of its own (JsonObject) is left as it is: the constraint
+# cannot wrap them, and such a dict's items (Any) cannot fail one by one anyway.
+_VALIDATORS = (AfterValidator, BeforeValidator, PlainValidator, WrapValidator)
+MAX_UNKNOWN_FIELDS = 10
+
+
 class StrictModel(BaseModel):
     """Request bodies: unknown fields are refused, so typos do not pass silently; a number field
     takes a JSON number only (pydantic alone reads true as 1 and "5" as 5). The check is given
     to the number fields alone, once, when each body model is defined: validating a body runs it
-    for those fields only."""
+    for those fields only.
+
+    The errors of a body are bounded, whatever its size: a list or dict field reports its first
+    item that does not validate, not every one (``FailFast``, given to those fields the same
+    way), and more than ``MAX_UNKNOWN_FIELDS`` unknown fields are one error."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and len(data) > len(cls.model_fields) + MAX_UNKNOWN_FIELDS:
+            unknown = [key for key in data if key not in cls.model_fields]
+            if len(unknown) > MAX_UNKNOWN_FIELDS:
+                named = ", ".join(repr(str(key)[:40]) for key in unknown[:3])
+                raise ValueError(f"{len(unknown)} unknown fields ({named}, ...); none is allowed")
+        return data
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
-        numbers = [
-            field
-            for field in cls.model_fields.values()
-            if _is_number(field.annotation) and _JSON_NUMBER not in field.metadata
-        ]
-        for field in numbers:
-            field.metadata.append(_JSON_NUMBER)
-        if numbers:
+        changed = False
+        for field in cls.model_fields.values():
+            if _is_number(field.annotation) and _JSON_NUMBER not in field.metadata:
+                field.metadata.append(_JSON_NUMBER)
+                changed = True
+            if (
+                _is_collection(field.annotation)
+                and _FAIL_FAST not in field.metadata
+                and not any(isinstance(m, _VALIDATORS) for m in field.metadata)
+            ):
+                field.metadata.append(_FAIL_FAST)
+                changed = True
+        if changed:
             cls.model_rebuild(force=True)
 
 
