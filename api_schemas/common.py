@@ -96,21 +96,29 @@ KeyId = Annotated[
 ]
 
 
+# The deepest nesting of objects and arrays a JsonObject may have (the object itself is level 1).
+MAX_JSON_DEPTH = 64
+
+
 def _finite_json(value: dict[str, Any]) -> dict[str, Any]:
-    stack: list[Any] = [value]
+    stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
-        item = stack.pop()
+        item, depth = stack.pop()
         if isinstance(item, float) and not math.isfinite(item):
             raise ValueError("NaN and Infinity are not JSON numbers")
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
+        if isinstance(item, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                raise ValueError(f"objects and arrays may be nested at most {MAX_JSON_DEPTH} deep")
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
     return value
 
 
 # A JSON object kept in a JSON column: Python's JSON parser accepts the bare words NaN and
 # Infinity, which PostgreSQL's json type refuses (a 500) and SQLite's would serve back as null.
+# Nesting is bounded: pydantic serializes at most some 255 levels, so a task's metadata 300 deep
+# failed the enqueue with a 500, and one a little less deep could be stored and then fail every
+# answer that wraps it in more levels (a validator's job carries the verification spec).
 JsonObject = Annotated[dict[str, Any], AfterValidator(_finite_json)]
 
 # Numbers inside lists and maps of a request body (token ids, heartbeat metrics, logprob

@@ -212,6 +212,38 @@ async def test_text_with_nul_and_json_with_nan_are_refused_not_stored(app: Any, 
         assert listing["items"] == []
 
 
+def _nested(depth: int) -> dict[str, Any]:
+    """An object holding objects ``depth`` deep (itself is level 1)."""
+    value: dict[str, Any] = {}
+    for _ in range(depth - 1):
+        value = {"a": value}
+    return value
+
+
+async def test_metadata_or_verification_nested_too_deep_is_refused(app: Any, app_state: Any) -> None:
+    """Pydantic serializes some 255 levels at most: a task's metadata 300 deep failed the enqueue
+    with a 500, and a verification spec 256 deep was stored and then failed every validator's
+    claim of its results (500). Nesting past 64 levels is 422 naming the field, and nothing is
+    recorded; 64 levels are taken."""
+    async with pool_setup(app, app_state) as s:
+        for field, depth in (("metadata", 300), ("verification", 256), ("metadata", 65)):
+            r = await s.enqueue([task(), task(**{field: _nested(depth)})], key=f"{field}-{depth}")
+            body = problem(r, 422, "validation_failed")
+            assert body["errors"][0]["loc"] == ["body", "tasks", 1, field], body
+            assert "nested at most 64 deep" in body["detail"]
+        problem_set = {"problem_id": "q", "prompt": "p", "verification": _nested(300)}
+        r = await s.admin.post(
+            f"/v1/admin/pools/{s.pool_id}/restem/iterations",
+            json={"name": "deep", "policy_step": 1, "problems": [problem_set]},
+            headers=s.headers,
+        )
+        problem(r, 422, "validation_failed")
+        listing = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)).json()
+        assert listing["items"] == []
+        r = await s.enqueue([task(metadata=_nested(64), verification={"answer": "4", "x": _nested(63)})])
+        assert r.status_code == 201, r.text
+
+
 async def test_enqueue_refuses_tasks_whose_reward_could_never_be_paid(app: Any, app_state: Any) -> None:
     """A pool stored before reward_per_sample was bounded may pay more per sample than a result
     of many samples can be paid in one ledger transfer (10^15): such tasks are refused when
