@@ -66,6 +66,24 @@ async def test_a_json_body_that_is_not_utf8_is_a_422_problem(
     assert (await client.get("/v1/admin/pools", headers=admin_headers)).json()["items"] == []
 
 
+async def test_a_json_body_nested_too_deeply_to_parse_is_a_422_problem(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    """PROTOCOL.md: 422 for a body that does not parse. One nested past the depth Python's JSON
+    parser goes to (a RecursionError) was 400 bad_request, 'There was an error parsing the body'."""
+    for path, auth in (("/v1/nodes/me/heartbeat", contributor.node_auth), ("/v1/providers", None)):
+        r = await client.post(
+            path,
+            content=b'{"metrics": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            auth=auth,
+            headers={"content-type": "application/json"},
+        )
+        body = problem(r, 422, "validation_failed")
+        assert body["errors"] == [
+            {"loc": ["body"], "msg": "JSON nested too deeply to parse", "type": "json_invalid"}
+        ]
+
+
 async def test_a_path_parameter_that_cannot_be_an_id_is_the_same_404_as_an_unknown_id(
     client: httpx.AsyncClient, contributor: Contributor, admin_headers: dict[str, str]
 ) -> None:

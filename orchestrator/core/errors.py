@@ -192,15 +192,21 @@ async def _orchestrator_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):
-        # FastAPI's 400 for a JSON body that is not UTF-8: a body that does not parse, as any other.
+    if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError | RecursionError):
+        # FastAPI's 400 for a JSON body that is not UTF-8, or nested deeper than Python's parser
+        # goes (some 1,000 levels): a body that does not parse, as any other.
+        msg = (
+            "not UTF-8, so not JSON"
+            if isinstance(exc.__cause__, UnicodeDecodeError)
+            else "JSON nested too deeply to parse"
+        )
         return problem_response(
             status=422,
             code="validation_failed",
             title="Request did not validate",
-            detail="body: not UTF-8, so not JSON",
+            detail=f"body: {msg}",
             request=request,
-            extra={"errors": [{"loc": ["body"], "msg": "not UTF-8, so not JSON", "type": "json_invalid"}]},
+            extra={"errors": [{"loc": ["body"], "msg": msg, "type": "json_invalid"}]},
         )
     code, title = _STATUS_CODES.get(exc.status_code, ("http_error", "HTTP error"))
     detail = exc.detail if isinstance(exc.detail, str) else title
