@@ -139,12 +139,15 @@ def serve(
         _require_current_schema(settings.db.url)
     if settings.redis_url is None:
         _refuse_a_second_instance(settings)
+    from orchestrator.core.http_protocol import BoundedHeadProtocol
+
     uvicorn.run(
         "orchestrator.app:create_app",
         factory=True,
         host=bind[0],
         port=bind[1],
         workers=n,
+        http=BoundedHeadProtocol,
         proxy_headers=settings.server.trust_proxy_headers,
         forwarded_allow_ips=settings.server.forwarded_allow_ips
         if settings.server.trust_proxy_headers
