@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import random
 import time
 from typing import Any
@@ -295,6 +297,34 @@ async def test_quorum_minority_is_fraud_when_the_server_cannot_check(app: Any, a
         liar = s.workers[1].node_id
         assert (vs[liar]["category"], vs[liar]["reason"]) == ("fraud", "quorum_minority")
         assert all(v["category"] == "valid" for n, v in vs.items() if n != liar)
+
+
+async def test_a_replicas_long_answer_is_not_copied_into_the_other_replicas_verdicts(
+    app: Any, app_state: Any
+) -> None:
+    """Every waiting replica's verdict lists the task's votes: a hostile replica's answer of
+    3.8 MB (its last line, the canonical answer) was copied whole into the other replicas'
+    verdicts, so each honest worker's verdict poll (every 5 s) read 3.8 MB. A long answer's vote
+    is its SHA-256; equal long answers still agree, and short ones are named as they are."""
+    async with pool_setup(app, app_state, workers=3, replication_factor=3) as s:
+        essay = "an ode to Paris " * 240_000  # 3.8 MB on one line
+        digest = (
+            "sha256:" + hashlib.sha256(json.dumps([" ".join(essay.split()).casefold()]).encode()).hexdigest()
+        )
+        await _quorum(s, ["Paris", essay, "Paris"], None)
+        await verify_all(app_state)
+        vs = {v["node_id"]: v for v in await verdicts(s.admin, s.headers, s.pool_id)}
+        honest, hostile = vs[s.workers[0].node_id], vs[s.workers[1].node_id]
+        assert (honest["category"], hostile["reason"]) == ("valid", "quorum_minority")
+        assert honest["details"]["votes"] == {'["paris"]': 2, digest: 1}
+        w = s.workers[0]
+        r = await w.client.get("/v1/nodes/me/verdicts", auth=w.contributor.node_auth)
+        assert r.status_code == 200 and len(r.content) < 5000, len(r.content)
+
+        await _quorum(s, [essay, essay, "Lyon"], None)
+        await verify_all(app_state)
+        vs = {v["node_id"]: v for v in await verdicts(s.admin, s.headers, s.pool_id) if v["task_id"] == 2}
+        assert [vs[w.node_id]["category"] for w in s.workers] == ["valid", "valid", "fraud"]
 
 
 async def test_an_inconclusive_quorum_adds_a_replica(app: Any, app_state: Any) -> None:

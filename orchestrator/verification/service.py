@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import hashlib
 import json
 import random
 import zlib
@@ -689,7 +690,7 @@ async def try_quorum(
     if not waiting:
         return
     valid = [j for j in jobs if j.stage == "quorum" or _accepted_valid(j)]
-    votes = Counter(j.canonical for j in valid)
+    votes = Counter(vote_of(j.canonical) for j in valid)
     answer, count = votes.most_common(1)[0] if votes else (None, 0)
     if count >= 2 and count * 2 > task.min_quorum:
         for job in waiting:
@@ -703,7 +704,7 @@ async def try_quorum(
                 **({"quorum_timeout": timeout_note} if timeout_note else {}),
             }
             checkable = job.server_reward is not None
-            if job.canonical == answer:
+            if vote_of(job.canonical) == answer:
                 decision = by_reward(checkable, job.correct_samples or 0, details, "quorum")
             elif checkable:
                 # The server checks answers itself: disagreeing is an honest mistake, not fraud.
@@ -888,6 +889,20 @@ async def settle_abandoned(session: AsyncSession, task_id: int, *, now: dt.datet
         )
         await decide(session, job, submission, decision, now=now)
     return len(waiting)
+
+
+# The longest answers a vote names as they are; a longer one is named by its SHA-256.
+VOTE_MAX_CHARS = 200
+
+
+def vote_of(canonical: str | None) -> str | None:
+    """A result's vote: its canonical answers (their JSON) when short, else their SHA-256, so
+    that the same answers make the same vote either way. Every waiting replica's verdict lists
+    the votes: a completion of megabytes, made its canonical answer, was copied whole into the
+    verdicts of every other replica of its task, which their workers read every few seconds."""
+    if canonical is None or len(canonical) <= VOTE_MAX_CHARS:
+        return canonical
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def _accepted_valid(job: VerificationJob) -> bool:
