@@ -175,6 +175,16 @@ Unbonding = Annotated[
 LeaseDuration = Annotated[
     int, Field(ge=10, le=7 * DAY_S, description="Seconds a task lease lasts unless heartbeats extend it")
 ]
+MaxLease = Annotated[
+    int,
+    Field(
+        ge=10,
+        le=30 * DAY_S,
+        description="Seconds a lease may last from its claim, however its heartbeats extend it (at "
+        "least lease_duration_s; a day by default): past it the lease runs out like any other (an "
+        "attempt; the replica is reissued), so a node cannot hold a task for ever by beating",
+    ),
+]
 MaxAttempts = Annotated[
     int,
     Field(
@@ -301,6 +311,7 @@ class PublicPolicy(StrictModel):
     a worker that knows how rarely it is checked can price cheating)."""
 
     lease_duration_s: LeaseDuration = 600
+    max_lease_s: MaxLease = DAY_S
     max_attempts: MaxAttempts = 3
     max_failures: MaxFailures = 3
     retake_expired_after_s: RetakeExpiredAfter = None
@@ -309,6 +320,15 @@ class PublicPolicy(StrictModel):
     max_leases_per_node: MaxLeases = 1
     reward_function: RewardFunctionName = "exact_match"
     require_proof: RequireProof = False
+
+    @model_validator(mode="after")
+    def _lease_within_its_maximum(self) -> PublicPolicy:
+        if self.max_lease_s < self.lease_duration_s:
+            raise ValueError(
+                f"max_lease_s ({self.max_lease_s}) must be at least lease_duration_s "
+                f"({self.lease_duration_s}); raise max_lease_s with it"
+            )
+        return self
 
 
 class Policy(PublicPolicy):
@@ -389,6 +409,7 @@ class PolicyPatch(StrictModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra=_described_like(Policy))
 
     lease_duration_s: LeaseDuration | None = None
+    max_lease_s: MaxLease | None = None
     max_attempts: MaxAttempts | None = None
     max_failures: MaxFailures | None = None
     retake_expired_after_s: RetakeExpiredAfter = None

@@ -42,6 +42,48 @@ async def test_heartbeats_extend_leases_and_name_the_ones_to_drop(
         assert (await w.submit(lease)).status_code == 201
 
 
+async def test_heartbeats_extend_a_lease_no_further_than_max_lease_s_from_its_claim(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A node that listed a lease in every heartbeat and never answered kept it for ever: the
+    replica was never reissued. A lease now runs out at the pool's max_lease_s from its claim,
+    whatever the beats, and its replica goes to another node."""
+    async with pool_setup(app, app_state, workers=2, lease_duration_s=60, max_lease_s=150) as s:
+        squatter, other = s.workers
+        await s.enqueue([task()])
+        lease = (await squatter.claim(s.pool_id)).json()["leases"][0]
+        for _ in range(4):  # 4 x 35 s = 140 s: each beat extends it, up to 150 s from the claim
+            clock.advance(35)
+            assert (await squatter.beat([lease["assignment_id"]])).json()["drop_leases"] == []
+            await other.beat()
+        clock.advance(11)  # 151 s from the claim
+        assert (await squatter.beat([lease["assignment_id"]])).json()["drop_leases"] == [
+            lease["assignment_id"]
+        ]
+        await other.beat()
+        assert (await reap_once(app_state)).expired == 1
+        again = (await other.claim(s.pool_id)).json()["leases"]
+        assert [x["task"]["task_id"] for x in again] == [lease["task"]["task_id"]]
+        problem(await squatter.submit(lease), 409, "lease_expired")
+        assert (await other.submit(again[0])).status_code == 201
+
+
+async def test_max_lease_s_is_at_least_the_lease_duration(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, lease_duration_s=600) as s:
+        url = f"/v1/admin/pools/{s.pool_id}"
+        r = await s.admin.patch(url, json={"policy": {"max_lease_s": 599}}, headers=s.headers)
+        problem(r, 422, "validation_failed")
+        assert "max_lease_s (599) must be at least lease_duration_s (600)" in r.text
+        r = await s.admin.patch(url, json={"policy": {"lease_duration_s": 2 * 86400}}, headers=s.headers)
+        problem(r, 422, "validation_failed")
+        pool = (await s.admin.get(url, headers=s.headers)).json()
+        assert (pool["policy"]["lease_duration_s"], pool["policy"]["max_lease_s"]) == (600, 86400)
+        body = {"policy": {"lease_duration_s": 2 * 86400, "max_lease_s": 3 * 86400}}
+        r = await s.admin.patch(url, json=body, headers=s.headers)
+        assert r.status_code == 200, r.text
+        assert r.json()["policy"]["max_lease_s"] == 3 * 86400
+
+
 async def test_an_expired_lease_is_reissued_and_the_old_holder_is_fenced_off(
     app: Any, app_state: Any, clock: FakeClock
 ) -> None:

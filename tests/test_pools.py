@@ -40,6 +40,7 @@ FULL_SETTINGS: dict[str, Any] = {
     },
     "policy": {
         "lease_duration_s": 300,
+        "max_lease_s": 7200,
         "max_attempts": 4,
         "max_failures": 5,
         "retake_expired_after_s": 900,

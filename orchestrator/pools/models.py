@@ -66,6 +66,8 @@ class Pool(Base):
     unbonding_period_s: Mapped[int] = mapped_column(Integer)
     # policy
     lease_duration_s: Mapped[int] = mapped_column(Integer)
+    # The server default is migration 0029's, which added the column to existing pools.
+    max_lease_s: Mapped[int] = mapped_column(Integer, default=86400, server_default="86400")
     max_attempts: Mapped[int] = mapped_column(Integer)
     # The server default is migration 0020's, which added the column to existing pools.
     max_failures: Mapped[int] = mapped_column(Integer, default=3, server_default="3")

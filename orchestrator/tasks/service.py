@@ -842,13 +842,21 @@ async def extend_leases(
     costs one indexed read, and a write per lease only every half lease period; and whenever
     less than ``keep_s`` is left (the liveness sweeper's unhealthy threshold), so that a node
     that is still healthy, having missed fewer beats than that, never loses a lease it lists
-    (a short lease is then written at each beat).
+    (a short lease is then written at each beat). No lease is extended past its pool's
+    ``max_lease_s`` from its claim: a node that beats and never answers loses the lease then,
+    as if it had stopped beating, and the replica is reissued.
     """
     if not lease_ids:
         return []
     rows = (
         await session.execute(
-            select(Assignment.id, Assignment.lease_expires_at, Pool.lease_duration_s)
+            select(
+                Assignment.id,
+                Assignment.lease_expires_at,
+                Assignment.created_at,
+                Pool.lease_duration_s,
+                Pool.max_lease_s,
+            )
             .join(Pool, Pool.id == Assignment.pool_id)
             .where(
                 Assignment.id.in_(lease_ids),
@@ -859,15 +867,21 @@ async def extend_leases(
         )
     ).all()
     live = {row.id for row in rows}
-    by_duration: dict[int, list[str]] = {}
+    by_deadline: dict[dt.datetime, list[str]] = {}
     for row in rows:
-        if row.lease_expires_at - now < dt.timedelta(seconds=max(row.lease_duration_s / 2, keep_s)):
-            by_duration.setdefault(row.lease_duration_s, []).append(row.id)
-    for duration, ids in by_duration.items():
+        if row.lease_expires_at - now >= dt.timedelta(seconds=max(row.lease_duration_s / 2, keep_s)):
+            continue
+        deadline = min(
+            now + dt.timedelta(seconds=row.lease_duration_s),
+            row.created_at + dt.timedelta(seconds=row.max_lease_s),
+        )
+        if deadline > row.lease_expires_at:
+            by_deadline.setdefault(deadline, []).append(row.id)
+    for deadline, ids in by_deadline.items():
         extended = await session.execute(
             update(Assignment)
             .where(Assignment.id.in_(ids), Assignment.status == "active")
-            .values(lease_expires_at=now + dt.timedelta(seconds=duration))
+            .values(lease_expires_at=deadline)
             .returning(Assignment.id)
             .execution_options(synchronize_session=False)
         )
