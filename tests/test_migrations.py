@@ -873,3 +873,40 @@ def test_0018_downgrade_refuses_to_drop_rejected_payouts_and_keeps_the_others(sc
     assert asyncio.run(_payouts_and_revision(scratch_url)) == (kept, "0017")
     upgrade(scratch_url, "0018")
     assert asyncio.run(_payouts_and_revision(scratch_url)) == (kept, "0018")
+
+
+async def _max_leases(url: str) -> list[tuple[str, int]]:
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            rows = await conn.execute(text("SELECT id, max_lease_s FROM pools ORDER BY id"))
+            return [(r[0], r[1]) for r in rows]
+    finally:
+        await engine.dispose()
+
+
+async def _seed_pools_with_leases(url: str, durations: dict[str, int]) -> None:
+    from orchestrator.admin.models import ApiToken
+    from orchestrator.pools.models import Pool
+
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                ApiToken.__table__.insert(),
+                [{"id": "tok-mig", "name": "m", "role": "admin", "token_hash": "0" * 64}],
+            )
+            rows = [
+                {**POOL_ROW, "id": pool_id, "name": pool_id, "lease_duration_s": duration}
+                for pool_id, duration in durations.items()
+            ]
+            await _insert_known_columns(conn, Pool.__table__, rows)
+    finally:
+        await engine.dispose()
+
+
+def test_0029_gives_existing_pools_a_day_or_their_longer_lease_as_max_lease_s(scratch_url: str) -> None:
+    upgrade(scratch_url, "0028")
+    asyncio.run(_seed_pools_with_leases(scratch_url, {"pool-a": 60, "pool-b": 2 * 86400}))
+    upgrade(scratch_url)
+    assert asyncio.run(_max_leases(scratch_url)) == [("pool-a", 86400), ("pool-b", 2 * 86400)]
