@@ -91,6 +91,29 @@ async def test_a_key_reused_for_another_payment_reference_is_refused(
     assert me.json()["stake_free"] == 5000
 
 
+async def test_a_deposit_reference_of_the_longest_allowed_length_is_kept(
+    client: httpx.AsyncClient, admin_headers: dict[str, str], contributor: Contributor
+) -> None:
+    """A reference may be 200 characters; one over 100 was written into a 100-character column
+    as well and failed on PostgreSQL (500, nothing credited)."""
+    url = f"/v1/admin/providers/{contributor.provider_id}/deposits"
+    h = {**admin_headers, "Idempotency-Key": "pay-long-ref"}
+    wire = "W" * 200
+    first = await client.post(url, json={"amount": 300, "reference": wire}, headers=h)
+    assert first.status_code == 201, first.text
+    assert first.json()["transfer"]["memo"] == wire
+    again = await client.post(url, json={"amount": 300, "reference": wire}, headers=h)
+    assert again.status_code == 200 and again.json()["transfer"]["id"] == first.json()["transfer"]["id"]
+    other = "X" * 199 + "Y"
+    problem(
+        await client.post(url, json={"amount": 300, "reference": other}, headers=h),
+        409,
+        "idempotency_key_reused",
+    )
+    me = await client.get("/v1/providers/me/balance", auth=contributor.provider_auth)
+    assert me.json()["stake_free"] == 300
+
+
 async def test_deposits_need_an_admin_a_key_and_a_known_provider(
     client: httpx.AsyncClient,
     admin_headers: dict[str, str],

@@ -397,6 +397,9 @@ async def deposit(
     """Stake paid in off-chain, credited to the provider's free stake. A retry with the same
     ``key`` returns the first deposit; the same key with another amount or ``reference`` is
     refused (``IdempotencyKeyReused``): it names another payment, which must not be dropped."""
+    # The payment reference is free text of up to 200 characters: it is kept as the memo only
+    # (``reference_id`` names a record of this service and holds 100; a longer reference written
+    # there as well failed the deposit on PostgreSQL).
     result = await transfer(
         session,
         debit=system_account(SystemAccount.deposits),
@@ -406,7 +409,6 @@ async def deposit(
         reason="deposit",
         actor=actor,
         memo=reference,
-        reference=("deposit", reference) if reference else None,
     )
     if not result.created and result.transfer.memo != reference:
         raise IdempotencyKeyReused(
