@@ -479,6 +479,42 @@ async def test_leaving_before_the_verdict_does_not_escape_the_stake_slash(
         await books_balance(app_state)
 
 
+async def test_a_pending_rejoin_withdrawn_before_the_verdict_does_not_escape_the_stake_slash(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    """The slash of an ended membership looked for the unbonding of its latest episode only: a
+    node that left, asked to join again (pending, in an approval pool) and withdrew that join
+    before the verdict ended an episode with nothing unbonding, and kept its whole stake."""
+    econ = {**ECON, "unbonding_period_s": 86_400}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=2000) as s:
+        w = s.workers[0]
+        await submit(w, await one_lease(s, w), ["5"], claimed_reward=1.0)
+        pool_url = f"/v1/pools/{s.pool_id}"
+        assert (
+            await w.client.post(f"{pool_url}/leave", json={}, auth=w.contributor.node_auth)
+        ).status_code == 200
+        r = await s.admin.patch(
+            f"/v1/admin/pools/{s.pool_id}", json={"admission": "approval"}, headers=s.headers
+        )
+        assert r.status_code == 200, r.text
+        r = await w.client.post(f"{pool_url}/join", json={}, auth=w.contributor.node_auth)
+        assert r.status_code == 201 and r.json()["status"] == "pending", r.text
+        assert (
+            await w.client.post(f"{pool_url}/leave", json={}, auth=w.contributor.node_auth)
+        ).status_code == 200
+        b = await balances(client, w)
+        assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (0, 1000, 1000)
+        await verify_all(app_state)
+        [v] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (v["category"], v["slashed_amount"]) == ("fraud", 200)
+        b = await balances(client, w)
+        assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (0, 800, 1000)
+        clock.advance(86_401)
+        assert (await stake_release_once(app_state)).released == 1
+        assert (await balances(client, w))["stake_free"] == 1800
+        await books_balance(app_state)
+
+
 async def test_an_appeal_gives_back_stake_slashed_while_it_was_unbonding(
     app: Any, app_state: Any, client: Any, clock: FakeClock
 ) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -505,7 +505,7 @@ async def start_unbonding(
 
 async def slash_unbonding(
     session: AsyncSession,
-    start_key: str,
+    start_keys: Sequence[str],
     amount: int,
     *,
     now: dt.datetime,
@@ -515,30 +515,47 @@ async def slash_unbonding(
     memo: str | None = None,
     reference: tuple[str, str] | None = None,
 ) -> int:
-    """Slash up to ``amount`` of the stake still unbonding from the unbonding that the transfer
-    keyed ``start_key`` started (``stake_unbonding -> credit``), if it is not yet due: the
-    unbonding period is when stake that left a pool can still be slashed. The unbonding keeps
-    the rest, released when due; one slashed wholly is marked released (nothing is left to
-    release). Returns the amount slashed: 0 if there is no such unbonding, it is due or
-    released, or the release job holds it right now (taken ``SKIP LOCKED``: the release job
+    """Slash up to ``amount`` of the stake still unbonding from one of the unbondings that the
+    transfers keyed ``start_keys`` started (``stake_unbonding -> credit``): the first of them, in
+    that order, that is not yet due. The unbonding period is when stake that left a pool can
+    still be slashed, whatever happened since (a membership that left, joined again and ended
+    again has an unbonding per episode; looking at its latest episode alone let a pending join
+    withdrawn at once, which unbonds nothing, hide the earlier one). The unbonding keeps the
+    rest, released when due; one slashed wholly is marked released (nothing is left to
+    release). Returns the amount slashed: 0 if there is no such unbonding, they are due or
+    released, or the release job holds them right now (taken ``SKIP LOCKED``: the release job
     locks unbondings before their accounts, so a caller holding the accounts must not wait)."""
-    start = await _existing(session, start_key)
-    if start is None:
+    if not start_keys:
         return 0
-    unbonding = (
+    order = {k: i for i, k in enumerate(start_keys)}
+    starts = (
         await session.execute(
-            select(StakeUnbonding)
-            .where(
-                StakeUnbonding.start_transfer_id == start.id,
-                StakeUnbonding.released.is_(False),
-                StakeUnbonding.release_at > now,
+            select(LedgerTransfer.id, LedgerTransfer.idempotency_key).where(
+                LedgerTransfer.idempotency_key.in_(list(start_keys))
             )
-            .with_for_update(skip_locked=True)
-            .execution_options(populate_existing=True)
         )
-    ).scalar_one_or_none()
-    if unbonding is None:
+    ).all()
+    if not starts:
         return 0
+    rank = {transfer_id: order[k] for transfer_id, k in starts}
+    candidates = list(
+        (
+            await session.execute(
+                select(StakeUnbonding)
+                .where(
+                    StakeUnbonding.start_transfer_id.in_(list(rank)),
+                    StakeUnbonding.released.is_(False),
+                    StakeUnbonding.release_at > now,
+                )
+                .order_by(StakeUnbonding.id)
+                .with_for_update(skip_locked=True)
+                .execution_options(populate_existing=True)
+            )
+        ).scalars()
+    )
+    if not candidates:
+        return 0
+    unbonding = min(candidates, key=lambda u: rank[u.start_transfer_id])
     take = min(amount, unbonding.amount)
     result = await transfer(
         session,

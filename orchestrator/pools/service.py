@@ -400,10 +400,11 @@ def _key(m: PoolMembership, what: str) -> str:
     return f"membership:{m.id}:{m.episode}:{what}"
 
 
-def unbonding_key(m: PoolMembership) -> str:
-    """The ledger key of the transfer that started the unbonding of ``m``'s stake when its
-    latest episode ended (no such transfer if that episode never became active)."""
-    return _key(m, "unbond")
+def unbonding_keys(m: PoolMembership) -> list[str]:
+    """The ledger keys of the transfers that started the unbonding of ``m``'s stake when its
+    episodes ended, latest first (none for an episode that never became active). Every one of
+    them may still be unbonding: a node that left may join again and leave again meanwhile."""
+    return [f"membership:{m.id}:{episode}:unbond" for episode in range(m.episode, 0, -1)]
 
 
 async def _end_membership(

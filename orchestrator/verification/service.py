@@ -1073,7 +1073,7 @@ async def _punish(
         # until the unbonding period ends, so that leaving before the verdict escapes nothing.
         slashed += await ledger.slash_unbonding(
             session,
-            pools_service.unbonding_key(membership),
+            pools_service.unbonding_keys(membership),
             pool.fraud_slash_amount,
             now=now,
             credit=_system_account(session, SystemAccount.slashed),
