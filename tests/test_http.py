@@ -110,6 +110,16 @@ async def test_a_path_parameter_that_cannot_be_an_id_is_the_same_404_as_an_unkno
             headers=admin_headers,
         )
         problem(r, 404, "payout_not_found")
+    # A payout run's id and, on a pool's member routes, a node id: a malformed one was 404
+    # not_found and node_not_found, where an unknown one is payout_run_not_found and
+    # member_not_found.
+    for run_id in ("999999", "not-a-number"):
+        r = await client.get(f"/v1/admin/payouts/runs/{run_id}", headers=admin_headers)
+        problem(r, 404, "payout_run_not_found")
+    pool = (await client.post("/v1/admin/pools", json={"name": "p"}, headers=admin_headers)).json()["id"]
+    for node_id in ("n" * 43, "not-a-key"):
+        r = await client.post(f"/v1/admin/pools/{pool}/members/{node_id}/approve", headers=admin_headers)
+        problem(r, 404, "member_not_found")
 
 
 async def test_a_query_or_header_that_does_not_validate_is_a_400_problem(

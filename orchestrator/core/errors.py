@@ -254,7 +254,17 @@ _PATH_NOT_FOUND = {
     "verdict_id": "verdict_not_found",
     "job_id": "validation_job_not_found",
     "token_id": "token_not_found",
+    "run_id": "payout_run_not_found",
 }
+
+
+def _path_not_found_code(request: Request, param: str) -> str:
+    """The not-found code of a path parameter that does not validate. On a pool's member routes
+    a node id names a membership: a well-formed one that has none is ``member_not_found``."""
+    route_path = getattr(request.scope.get("route"), "path", "")
+    if param == "node_id" and "/members/{node_id}" in route_path:
+        return "member_not_found"
+    return _PATH_NOT_FOUND.get(param, "not_found")
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -280,7 +290,7 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
         param = str(in_path[0]["loc"][1]) if len(in_path[0]["loc"]) > 1 else ""
         return problem_response(
             status=404,
-            code=_PATH_NOT_FOUND.get(param, "not_found"),
+            code=_path_not_found_code(request, param),
             title="Not found",
             detail=f"no such resource ({detail(in_path[0])})",
             request=request,
