@@ -283,8 +283,9 @@ async def test_a_provider_withdraws_and_lists_its_payouts_without_a_node_key(
     balance, withdraws and lists payouts. A withdrawal whose answer is lost (a 502 after the
     server handled it) is retried with the same ``Idempotency-Key``: one payout, paid once."""
     from orchestrator.core.keys import generate_key
-    from orchestrator.worker.client import WorkerClient
-    from orchestrator.worker.errors import NodeKeyRequired
+
+    # As the README names them: the SDK's client and errors from the package itself.
+    from orchestrator.worker import NodeKeyRequired, WorkerClient
     from tests.test_payouts import give_claimable
     from tests.worker_helpers import BASE_URL, FaultyTransport, app_transport
 

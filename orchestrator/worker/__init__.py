@@ -7,11 +7,18 @@
 """
 
 from orchestrator.worker.client import WorkerClient
-from orchestrator.worker.errors import BackendError, OrchestratorAPIError, ProviderKeyRequired, WorkerError
+from orchestrator.worker.errors import (
+    BackendError,
+    NodeKeyRequired,
+    OrchestratorAPIError,
+    ProviderKeyRequired,
+    WorkerError,
+)
 from orchestrator.worker.runner import WorkerConfig, WorkerStats, run_worker
 
 __all__ = [
     "BackendError",
+    "NodeKeyRequired",
     "OrchestratorAPIError",
     "ProviderKeyRequired",
     "WorkerClient",
