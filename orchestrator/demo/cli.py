@@ -72,7 +72,7 @@ def _verdict_lines(summary: dict[str, Any]) -> list[str]:
         f"rewards paid: {summary['rewards_paid']}; stake slashed: {summary['stake_slashed']}",
         f"cheaters ejected: {summary['cheaters_ejected']} ({', '.join(ejections) or 'none'})",
         f"honest nodes slashed: {summary['honest_nodes_slashed']} (must be 0)",
-        f"fraudulent submissions paid: {summary['fraudulent_submissions_paid']} (should be 0)",
+        f"fraudulent submissions paid: {summary['fraudulent_submissions_paid']} (must be 0)",
         f"dishonest kinds caught: {sum(bool(k['caught']) for n, k in kinds.items() if n != 'honest')} "
         f"of {sum(1 for n in kinds if n != 'honest')}",
         f"ledger sum: {summary['ledger_sum']} (always 0)",
