@@ -13,6 +13,7 @@ import pytest
 from sqlalchemy import select
 
 from orchestrator.core.clock import FakeClock
+from orchestrator.core.keys import generate_key, key_id_of
 from orchestrator.ledger.jobs import release_once as stake_release_once
 from orchestrator.ledger.models import LedgerTransfer
 from orchestrator.tasks.models import Submission
@@ -629,6 +630,17 @@ async def test_pool_stats_and_histories(app: Any, app_state: Any, client: Any) -
         assert [v["reason"] for v in mine] == ["seed_mismatch", "wrong_answer", "verified"]
         node = (await s.admin.get(f"/v1/admin/nodes/{w.node_id}/verdicts", headers=s.admin_headers)).json()
         assert len(node["items"]) == 3
+        provider = await s.admin.get(
+            f"/v1/admin/providers/{w.contributor.provider_id}/verdicts", headers=s.admin_headers
+        )
+        assert len(provider.json()["items"]) == 3
+        # An id that names no node or provider is the same 404 as one that cannot be an id (an
+        # unknown one was an empty page, a malformed one a 404).
+        unknown = key_id_of(generate_key())
+        for path, code in (("nodes", "node_not_found"), ("providers", "provider_not_found")):
+            for missing in (unknown, "not-an-id"):
+                r = await s.admin.get(f"/v1/admin/{path}/{missing}/verdicts", headers=s.admin_headers)
+                problem(r, 404, code)
 
 
 async def test_pool_stats_say_which_open_tasks_have_more_replicas_than_the_members_can_take(

@@ -21,8 +21,10 @@ from api_schemas.verification import (
 )
 from orchestrator.admin.tokens import AdminOnly, Principal, Role, require_roles
 from orchestrator.audit.service import record
+from orchestrator.core.errors import NotFound
 from orchestrator.core.pagination import ID_MAX
 from orchestrator.core.state import Session, State
+from orchestrator.identity import repository as identity_repo
 from orchestrator.identity.auth import CurrentProvider, SignedNode
 from orchestrator.pools.models import Pool
 from orchestrator.tasks import service as tasks_service
@@ -121,6 +123,8 @@ async def my_node_verdicts(
 async def node_verdicts(
     node_id: KeyId, _: AdminOnly, session: Session, cursor: Cursor = None, limit: Limit = 100
 ) -> Page[VerdictOut]:
+    if await identity_repo.get_node(session, node_id) is None:
+        raise NotFound("no node with this id", code="node_not_found")
     return await _page(session, [Verdict.node_id == node_id], cursor, limit)
 
 
@@ -132,6 +136,8 @@ async def node_verdicts(
 async def provider_verdicts(
     provider_id: KeyId, _: AdminOnly, session: Session, cursor: Cursor = None, limit: Limit = 100
 ) -> Page[VerdictOut]:
+    if await identity_repo.get_provider(session, provider_id) is None:
+        raise NotFound("no provider with this id", code="provider_not_found")
     return await _page(session, [Verdict.provider_id == provider_id], cursor, limit)
 
 
