@@ -907,3 +907,27 @@ async def test_concurrent_payout_runs_never_take_one_payout_twice(
     per_run = {run_id: n for run_id, n in taken if run_id is not None}
     assert per_run == runs and len(runs) == 13
     assert sum(runs.values()) == 60 - dict(taken).get(None, 0) == 12 * 3 + 5
+
+
+async def test_two_idempotency_keys_are_refused_and_move_nothing(
+    client: httpx.AsyncClient, app_state: Any, admin_headers: dict[str, str], contributor: Contributor
+) -> None:
+    """Two Idempotency-Key headers were taken silently, one of them used: the client could not
+    know which operation its retries would repeat."""
+    await give_claimable(app_state, contributor.provider_id, 100)
+    two = [("Idempotency-Key", "withdraw-0001"), ("Idempotency-Key", "withdraw-0002")]
+    r = await client.post(
+        "/v1/providers/me/withdrawals", json={"amount": 10}, headers=two, auth=contributor.provider_auth
+    )
+    problem(r, 400, "invalid_header")
+    r = await client.post(
+        f"/v1/admin/providers/{contributor.provider_id}/deposits",
+        json={"amount": 10},
+        headers=[*admin_headers.items(), *two],
+    )
+    problem(r, 400, "invalid_header")
+    r = await client.post("/v1/admin/payouts/runs", headers=[*admin_headers.items(), *two])
+    problem(r, 400, "invalid_header")
+    assert await count(app_state, Payout) == 0
+    assert claimable_and_withdrawn(await api_balances(client, contributor)) == (100, 0)
+    assert (await balances(app_state, contributor.provider_id))["stake_free"] == 0

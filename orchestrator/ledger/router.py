@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Response
+from fastapi import APIRouter, Depends, Header, Request, Response
 
 from api_schemas.common import PROBLEM_RESPONSES, KeyId
 from api_schemas.ledger import Balances, DepositIn, DepositOut, TransferOut
 from orchestrator.admin.tokens import AdminOnly
 from orchestrator.audit.service import record
-from orchestrator.core.errors import NotFound
+from orchestrator.core.errors import BadRequest, NotFound
 from orchestrator.core.state import Session
 from orchestrator.identity import repository as identity_repo
 from orchestrator.identity.auth import CurrentProvider
@@ -18,16 +18,28 @@ from orchestrator.ledger import service
 
 router = APIRouter(prefix="/v1", tags=["ledger"], responses=PROBLEM_RESPONSES)
 
-IdempotencyKey = Annotated[
-    str,
-    Header(
-        alias="Idempotency-Key",
-        min_length=8,
-        max_length=100,
-        pattern=r"^[A-Za-z0-9._:-]+$",
-        description="Unique per intended operation; a retry with the same key has no further effect",
-    ),
-]
+
+async def _idempotency_key(
+    request: Request,
+    key: Annotated[
+        str,
+        Header(
+            alias="Idempotency-Key",
+            min_length=8,
+            max_length=100,
+            pattern=r"^[A-Za-z0-9._:-]+$",
+            description="Unique per intended operation; a retry with the same key has no further effect",
+        ),
+    ],
+) -> str:
+    """The request's one ``Idempotency-Key``. Two were taken silently, one of them used: a
+    client that sent two keys could not know which operation its retries would repeat."""
+    if len(request.headers.getlist("idempotency-key")) > 1:
+        raise BadRequest("send one Idempotency-Key header, not several", code="invalid_header")
+    return key
+
+
+IdempotencyKey = Annotated[str, Depends(_idempotency_key)]
 
 
 async def _balances(session: Session, provider_id: str) -> Balances:
