@@ -88,14 +88,18 @@ async def take_for_run(session: AsyncSession, *, limit: int) -> list[Payout]:
     return list((await session.execute(stmt)).scalars())
 
 
-async def run_by_status(session: AsyncSession, run_id: int) -> dict[str, tuple[int, int]]:
-    """A run's payouts by status: (count, total amount)."""
+async def runs_by_status(session: AsyncSession, run_ids: list[int]) -> dict[int, dict[str, tuple[int, int]]]:
+    """The runs' payouts by status, (count, total amount), in one query for a page of runs."""
     rows = await session.execute(
-        select(Payout.status, func.count(), func.sum(Payout.amount))
-        .where(Payout.run_id == run_id)
-        .group_by(Payout.status)
+        select(Payout.run_id, Payout.status, func.count(), func.sum(Payout.amount))
+        .where(Payout.run_id.in_(run_ids))
+        .group_by(Payout.run_id, Payout.status)
     )
-    return {status: (int(n), int(total)) for status, n, total in rows}
+    found: dict[int, dict[str, tuple[int, int]]] = {run_id: {} for run_id in run_ids}
+    for run_id, status, n, total in rows:
+        if run_id is not None:  # the IN above leaves out payouts without a run
+            found[run_id][status] = (int(n), int(total))
+    return found
 
 
 async def runs_newest_first(session: AsyncSession, *, before_id: int | None, limit: int) -> list[PayoutRun]:

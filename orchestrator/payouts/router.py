@@ -68,8 +68,12 @@ def _admin_out(p: Payout) -> AdminPayoutOut:
     )
 
 
-async def _run_out(session: Session, run: PayoutRun) -> PayoutRunOut:
-    counts = await repo.run_by_status(session, run.id)
+async def _runs_out(session: Session, runs: list[PayoutRun]) -> list[PayoutRunOut]:
+    by_run = await repo.runs_by_status(session, [run.id for run in runs]) if runs else {}
+    return [_run_out(run, by_run[run.id]) for run in runs]
+
+
+def _run_out(run: PayoutRun, counts: dict[str, tuple[int, int]]) -> PayoutRunOut:
     return PayoutRunOut(
         id=run.id,
         max_payouts=run.max_payouts,
@@ -247,7 +251,7 @@ async def start_run(
     )
     if not created:
         response.status_code = 200
-    return await _run_out(session, run)
+    return (await _runs_out(session, [run]))[0]
 
 
 @admin_router.get("/payouts/runs", response_model=Page[PayoutRunOut], summary="Payout runs, newest first")
@@ -258,14 +262,14 @@ async def list_runs(
     more = len(rows) > limit
     rows = rows[:limit]
     return Page[PayoutRunOut](
-        items=[await _run_out(session, run) for run in rows],
+        items=await _runs_out(session, rows),
         next_cursor=encode_cursor(str(rows[-1].id)) if more else None,
     )
 
 
 @admin_router.get("/payouts/runs/{run_id}", response_model=PayoutRunOut, summary="One payout run")
 async def get_run(run_id: RunId, _: AdminOnly, session: Session) -> PayoutRunOut:
-    return await _run_out(session, await service.get_run(session, run_id))
+    return (await _runs_out(session, [await service.get_run(session, run_id)]))[0]
 
 
 @admin_router.post(
