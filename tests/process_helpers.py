@@ -3,9 +3,13 @@ stopping."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -41,3 +45,32 @@ def stop(server: subprocess.Popen[bytes], timeout: float = 30) -> None:
     except subprocess.TimeoutExpired:
         server.kill()
         server.wait()
+
+
+def embedded_env(**settings: str) -> dict[str, str]:
+    """This process's environment without any ORCH_* setting (the embedded default), plus
+    ``settings``."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("ORCH_")} | settings
+
+
+@contextlib.contextmanager
+def serving(
+    tmp_path: Path, env: dict[str, str], *args: str, timeout: float = 60
+) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """``orchestrator serve`` with ``args``, run by this interpreter in ``tmp_path`` on a free port,
+    its output in ``tmp_path/serve.log``: ready when yielded, stopped afterwards."""
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "serve", "--port", str(port), *args],
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_ready(port, server, timeout=timeout, log=log)
+        yield server, port
+    finally:
+        stop(server)

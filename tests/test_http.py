@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import select
 import socket
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +20,7 @@ from orchestrator.core.keys import generate_key
 from orchestrator.core.signing import SignatureAuth
 from orchestrator.settings import LimitSettings, Settings
 from tests.conftest import Contributor, problem
-from tests.process_helpers import free_port, stop, wait_ready
+from tests.process_helpers import embedded_env, serving
 
 
 async def test_unknown_route_and_wrong_method_are_problems(client: httpx.AsyncClient) -> None:
@@ -326,35 +323,22 @@ def test_orchestrator_serve_refuses_a_request_head_past_64_kib(tmp_path: Path) -
     header field of 300 MB each were answered 200 and took the server to 1.5 GB, before the app
     saw them. A head past 64 KiB is now 431 header_fields_too_large and the connection closed; a
     smaller one, and a large body, go through as before."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_")}
-    port = free_port()
-    with (tmp_path / "serve.log").open("wb") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "serve", "--port", str(port)],
-            cwd=tmp_path,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
+    with serving(tmp_path, embedded_env()) as (_, port):
+        host = f"Host: 127.0.0.1:{port}\r\n".encode()
+        answer = _raw_request(
+            port, b"GET /healthz HTTP/1.1\r\n" + host + b"X-Big: " + b"a" * 2**20 + b"\r\n\r\n"
         )
-        try:
-            wait_ready(port, server, timeout=60, log=tmp_path / "serve.log")
-            host = f"Host: 127.0.0.1:{port}\r\n".encode()
-            answer = _raw_request(
-                port, b"GET /healthz HTTP/1.1\r\n" + host + b"X-Big: " + b"a" * 2**20 + b"\r\n\r\n"
-            )
-            status, _, rest = answer.partition(b"\r\n")
-            assert status == b"HTTP/1.1 431 Request Header Fields Too Large", answer[:300]
-            problem_json = json.loads(rest.split(b"\r\n\r\n", 1)[1])
-            assert problem_json["status"] == 431 and problem_json["code"] == "header_fields_too_large"
-            fine = b"GET /healthz HTTP/1.1\r\n" + host + b"X-Big: " + b"a" * 60_000 + b"\r\n\r\n"
-            assert _raw_request(port, fine).startswith(b"HTTP/1.1 200 OK")
-            body = b"[" + b"0," * 1_500_000 + b"0]"
-            post = b"POST /v1/assignments/asg_x/result HTTP/1.1\r\n" + host
-            post += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-            answer = _raw_request(port, post, body, piece=256 * 1024)
-            assert answer.startswith(b"HTTP/1.1 401 Unauthorized") and b"signature_missing" in answer
-        finally:
-            stop(server)
+        status, _, rest = answer.partition(b"\r\n")
+        assert status == b"HTTP/1.1 431 Request Header Fields Too Large", answer[:300]
+        problem_json = json.loads(rest.split(b"\r\n\r\n", 1)[1])
+        assert problem_json["status"] == 431 and problem_json["code"] == "header_fields_too_large"
+        fine = b"GET /healthz HTTP/1.1\r\n" + host + b"X-Big: " + b"a" * 60_000 + b"\r\n\r\n"
+        assert _raw_request(port, fine).startswith(b"HTTP/1.1 200 OK")
+        body = b"[" + b"0," * 1_500_000 + b"0]"
+        post = b"POST /v1/assignments/asg_x/result HTTP/1.1\r\n" + host
+        post += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        answer = _raw_request(port, post, body, piece=256 * 1024)
+        assert answer.startswith(b"HTTP/1.1 401 Unauthorized") and b"signature_missing" in answer
 
 
 async def test_healthz_and_readyz(client: httpx.AsyncClient) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.process_helpers import free_port, stop, wait_ready
+from tests.process_helpers import embedded_env, serving
 
 WORKER = Path(__file__).parent / "js" / "worker.mjs"
 TASKS = 3
@@ -35,17 +35,20 @@ pytestmark = [
 def served(tmp_path: Path) -> Iterator[tuple[str, str]]:
     """`orchestrator serve` on the embedded default, with its background loops (the verifier),
     and an admin token."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_")}
-    cli = [sys.executable, "-m", "orchestrator.cli"]
-    port = free_port()
-    with (tmp_path / "serve.log").open("wb") as log:
-        proc = subprocess.Popen(
-            [*cli, "serve", "--port", str(port)], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT
-        )
-    try:
-        wait_ready(port, proc, timeout=60, log=tmp_path / "serve.log")
+    env = embedded_env()
+    with serving(tmp_path, env) as (_, port):
         made = subprocess.run(
-            [*cli, "admin", "create-token", "--role", "admin", "--name", "js"],
+            [
+                sys.executable,
+                "-m",
+                "orchestrator.cli",
+                "admin",
+                "create-token",
+                "--role",
+                "admin",
+                "--name",
+                "js",
+            ],
             cwd=tmp_path,
             env=env,
             capture_output=True,
@@ -53,8 +56,6 @@ def served(tmp_path: Path) -> Iterator[tuple[str, str]]:
             check=True,
         )
         yield f"http://127.0.0.1:{port}", made.stdout.strip().splitlines()[-1]
-    finally:
-        stop(proc)
 
 
 def test_a_javascript_worker_written_from_the_protocol_is_paid_for_its_answers(

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.process_helpers import free_port, stop, wait_ready
+from tests.process_helpers import embedded_env, serving
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 README_ADDRESS = "http://127.0.0.1:8000"
@@ -63,23 +63,10 @@ def _commands(block: str) -> list[str]:
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
     """`orchestrator serve` in an empty directory, with no ORCH_* setting: the embedded default."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_")}
+    env = embedded_env()
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    port = free_port()
-    log = (tmp_path / "serve.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "serve", "--port", str(port)],
-        cwd=tmp_path,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        wait_ready(port, proc, timeout=60, log=tmp_path / "serve.log")
+    with serving(tmp_path, env) as (_, port):
         yield f"http://127.0.0.1:{port}", env
-    finally:
-        stop(proc)
-        log.close()
 
 
 def _as_reader_would(command: str, base: str) -> str:

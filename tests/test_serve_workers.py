@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 import uuid
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REDIS_URL
-from tests.process_helpers import free_port, wait_ready
+from tests.process_helpers import embedded_env, serving
 
 pytestmark = pytest.mark.skipif(
     not REDIS_URL,
@@ -61,42 +60,29 @@ def test_the_workers_end_when_serve_is_killed(tmp_path: Path) -> None:
     """A SIGKILL of `serve --workers 2` (an OOM kill, a supervisor that kills only the process it
     started) left both workers running, still serving the port: a restart then found the port in
     use. The workers now get a SIGTERM when the process that started them dies, and stop."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_")}
-    env |= {
-        "ORCH_DB__URL": f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}",
-        "ORCH_REDIS__URL": REDIS_URL or "",
-        "ORCH_REDIS__PREFIX": f"t{uuid.uuid4().hex[:12]}:",
-        "ORCH_SERVER__BACKGROUND_LOOPS": "false",
-        "ORCH_LOG_LEVEL": "WARNING",
-    }
+    env = embedded_env(
+        ORCH_DB__URL=f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}",
+        ORCH_REDIS__URL=REDIS_URL or "",
+        ORCH_REDIS__PREFIX=f"t{uuid.uuid4().hex[:12]}:",
+        ORCH_SERVER__BACKGROUND_LOOPS="false",
+        ORCH_LOG_LEVEL="WARNING",
+    )
     log = tmp_path / "serve.log"
-    with log.open("wb") as out:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "serve", "--workers", "2", "--port", str(port)],
-            cwd=tmp_path,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
     workers: list[int] = []
     try:
-        wait_ready(port, server, timeout=60, log=log)
-        deadline = time.monotonic() + 30
-        while len(workers := _workers_of(server.pid)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert len(workers) == 2, (workers, log.read_text())
-        server.send_signal(signal.SIGKILL)
-        server.wait(timeout=10)
-        deadline = time.monotonic() + 20
-        while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [pid for pid in workers if _running(pid)], log.read_text()
-        assert not _answers(port)
+        with serving(tmp_path, env, "--workers", "2") as (server, port):
+            deadline = time.monotonic() + 30
+            while len(workers := _workers_of(server.pid)) < 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert len(workers) == 2, (workers, log.read_text())
+            server.send_signal(signal.SIGKILL)
+            server.wait(timeout=10)
+            deadline = time.monotonic() + 20
+            while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not [pid for pid in workers if _running(pid)], log.read_text()
+            assert not _answers(port)
     finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
         for pid in workers:
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
