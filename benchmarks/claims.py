@@ -1,6 +1,6 @@
 """Claim throughput: the HTTP API against a raw asyncpg SKIP LOCKED loop on the same database.
 
-    python -m benchmarks.claims [--pollers 64] [--seconds 20] [--workers 1] [--tasks 20000]
+    python -m benchmarks.claims [--pollers 64] [--seconds 20] [--workers 1] [--tasks N]
 
 Needs PostgreSQL and Redis (defaults: postgres@127.0.0.1:5432, database ``orch_bench``, created
 if missing and rebuilt on every run; redis://127.0.0.1:6379/15). It starts ``orchestrator serve``
@@ -93,7 +93,7 @@ async def api_phase(base: str, pool_id: str, nodes: list[Any], seconds: float) -
         signer = FastSigner(bytes(key), host)
         conn = Conn(address, int(port))
         try:
-            while time.monotonic() < stop:
+            while time.monotonic() < stop and stats.drained_at is None:
                 try:
                     await cycle(signer, conn)
                 except (OSError, asyncio.IncompleteReadError):
@@ -106,8 +106,12 @@ async def api_phase(base: str, pool_id: str, nodes: list[Any], seconds: float) -
         t0 = time.perf_counter()
         status, raw = await conn.request(signer.request("/v1/assignments/claim", claim_body))
         stats.latencies.append(time.perf_counter() - t0)
-        leases = orjson.loads(raw).get("leases") if status == 200 else None
+        out = orjson.loads(raw) if status == 200 else {}
+        leases = out.get("leases")
         if not leases:
+            if out.get("reason") == "no_tasks":
+                stats.drained()  # every task is taken: the rate counts the time until now
+                return
             stats.errors += 1
             await asyncio.sleep(0.05)
             return
@@ -159,6 +163,9 @@ async def service_phase(
             stats.latencies.append(time.perf_counter() - t0)
             if not out.leases:
                 if until_empty:
+                    return
+                if out.reason == "no_tasks":
+                    stats.drained()
                     return
                 stats.errors += 1
                 await asyncio.sleep(0.05)
@@ -221,7 +228,8 @@ async def raw_phase(dsn: str, workers: int, seconds: float) -> Stats:
                     "LIMIT 1 FOR UPDATE SKIP LOCKED"
                 )
                 if row is None:
-                    return  # the queue is empty: this worker is done
+                    stats.drained()  # the queue is empty: this worker is done
+                    return
                 await c.execute(
                     "UPDATE bench_jobs SET status = 'leased', node = $2 WHERE id = $1", row["id"], str(i)
                 )
@@ -244,7 +252,12 @@ async def main() -> None:
     parser.add_argument("--pollers", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=20)
     parser.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
-    parser.add_argument("--tasks", type=int, default=20_000)
+    parser.add_argument(
+        "--tasks",
+        type=int,
+        help="tasks enqueued for the api and service phases (default: 1,000 per second of --seconds, "
+        "at least 20,000); a phase that empties the queue is timed until then",
+    )
     parser.add_argument("--raw-jobs", type=int, default=300_000, help="rows in the raw loop's queue")
     add_store_args(parser)
     parser.add_argument("--json", help="also write the results here")
@@ -257,6 +270,8 @@ async def main() -> None:
         help="extra server setting, repeatable (e.g. ORCH_SERVER__BACKGROUND_LOOPS=false)",
     )
     args = parser.parse_args()
+    if args.tasks is None:
+        args.tasks = max(20_000, int(1000 * args.seconds))
     # Each poller registers from its own address (X-Forwarded-For), as in the harness.
     # A poller cycles far faster than a real node: the per-key limit is still counted (the same
     # Redis script as in production), only set out of reach.
@@ -308,12 +323,14 @@ async def main() -> None:
         f"\npollers={args.pollers} seconds={args.seconds} uvicorn_workers={args.workers} "
         f"cores={os.cpu_count()}"
     )
-    print(f"{'path':42} {'claims/s':>10} {'p50 ms':>9} {'p99 ms':>9} {'claims':>8} {'errors':>7}")
+    print(f"{'path':42} {'claims/s':>10} {'p50 ms':>9} {'p99 ms':>9} {'claims':>8} {'errors':>7} {'s':>6}")
     for r in rows:
         print(
             f"{r['path']:42} {r['claims_per_s']:>10} {r['p50_ms']:>9} {r['p99_ms']:>9} {r['claims']:>8} "
-            f"{r['errors']:>7}"
+            f"{r['errors']:>7} {r['seconds']:>6}"
         )
+    if any(r["seconds"] < args.seconds for r in rows):
+        print("(s < --seconds: that phase emptied its queue then; its rate counts the time until then)")
     print(f"ratio api/raw = {ratio:.3f} (target >= 0.5); service/raw = {service_ratio:.3f}")
 
     # Where each claim's CPU went: the ratio cannot beat the ratio of these totals once the

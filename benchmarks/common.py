@@ -57,12 +57,23 @@ class Stats:
     latencies: list[float] = field(default_factory=list)
     done: int = 0
     errors: int = 0
+    # When the phase's queue first ran dry (time.monotonic()), if it did before the phase ended.
+    drained_at: float | None = None
+    started_at: float = field(default_factory=time.monotonic)
+
+    def drained(self) -> None:
+        """The queue ran dry: the phase's rate counts only the time until now."""
+        if self.drained_at is None:
+            self.drained_at = time.monotonic()
 
     def line(self, name: str, seconds: float) -> dict[str, Any]:
         lat = sorted(self.latencies) or [0.0]
+        if self.drained_at is not None:
+            seconds = min(seconds, self.drained_at - self.started_at)
         return {
             "path": name,
-            "claims_per_s": round(self.done / seconds, 1),
+            "claims_per_s": round(self.done / seconds, 1) if seconds > 0 else 0.0,
+            "seconds": round(seconds, 2),
             "p50_ms": round(statistics.median(lat) * 1000, 2),
             "p99_ms": round(percentile(lat, 0.99) * 1000, 2),
             "claims": self.done,
