@@ -116,8 +116,12 @@ def check_process_model(settings: Settings, workers: int) -> None:
 @app.command()
 def serve(
     host: Annotated[str | None, typer.Option(help="Bind address [ORCH_SERVER__HOST]")] = None,
-    port: Annotated[int | None, typer.Option(help="Port [ORCH_SERVER__PORT]")] = None,
-    workers: Annotated[int | None, typer.Option(help="Worker processes [ORCH_SERVER__WORKERS]")] = None,
+    # The bounds ORCH_SERVER__PORT and ORCH_SERVER__WORKERS have: a port past 65535 was taken
+    # modulo 65536 by the socket while uvicorn announced the number given.
+    port: Annotated[int | None, typer.Option(min=1, max=65535, help="Port [ORCH_SERVER__PORT]")] = None,
+    workers: Annotated[
+        int | None, typer.Option(min=1, max=64, help="Worker processes [ORCH_SERVER__WORKERS]")
+    ] = None,
     migrate: Annotated[
         bool | None, typer.Option(help="Upgrade the schema first [ORCH_SERVER__MIGRATE_ON_START]")
     ] = None,

@@ -175,6 +175,32 @@ def test_serve_on_an_address_in_use_is_one_line_and_exit_2_before_anything_runs(
     assert path.exists()
 
 
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--port", "70000"], "--port"),
+        (["--port", "0"], "--port"),
+        (["--workers", "0"], "--workers"),
+        (["--workers", "65"], "--workers"),
+    ],
+)
+def test_serve_refuses_a_port_or_worker_count_its_settings_refuse(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], named: str
+) -> None:
+    """`serve --port 70000` used to start and announce http://127.0.0.1:70000 while the socket
+    listened on 70000 - 65536 = 4464 (`--port 0` served on 8000), where ORCH_SERVER__PORT=70000
+    is refused: the flags now have the settings' bounds, a bad argument before anything runs."""
+    import uvicorn
+
+    started: list[object] = []
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: started.append(kwargs))
+    path = tmp_path / "p.db"
+    result = runner.invoke(app, ["serve", *args], env={"ORCH_DB__URL": f"sqlite+aiosqlite:///{path}"})
+    assert result.exit_code == 2 and not started, result.output
+    assert f"Invalid value for '{named}'" in result.output
+    assert not path.exists()  # not migrated
+
+
 def test_serve_refuses_an_unknown_log_level_before_starting(monkeypatch: pytest.MonkeyPatch) -> None:
     import uvicorn
 
