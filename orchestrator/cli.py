@@ -948,6 +948,21 @@ def _log_level(value: str) -> str:
     return level
 
 
+def _invite_code(value: str | None) -> str | None:
+    """--invite-code: what the join's body takes; another used to end the run after registering,
+    in pydantic's ValidationError for JoinIn (exit 1)."""
+    from pydantic import ValidationError
+
+    from api_schemas.pools import JoinIn
+
+    try:
+        JoinIn(invite_code=value)
+    except ValidationError:
+        # Without the value: a code is a secret, if a mistyped one.
+        raise typer.BadParameter("not an invite code: 8 to 100 letters, digits, '-' or '_'") from None
+    return value
+
+
 @worker_app.command("run")
 def worker_run(
     pool: Annotated[str, typer.Option("--pool", help="The pool to work for")],
@@ -975,7 +990,9 @@ def worker_run(
     gpu_memory_mb: GpuMemoryOpt = None,
     cpu_cores: CpuCoresOpt = None,
     ram_mb: RamOpt = None,
-    invite_code: Annotated[str | None, typer.Option(help="Invite code, for invite-only pools")] = None,
+    invite_code: Annotated[
+        str | None, typer.Option(callback=_invite_code, help="Invite code, for invite-only pools")
+    ] = None,
     grace_s: Annotated[
         float, typer.Option(min=0, help="On stop, seconds held leases get to finish before release")
     ] = 30.0,

@@ -60,6 +60,11 @@ def test_bad_worker_arguments_are_refused_before_anything_runs(tmp_path: Path) -
         (["--log-level", "trace"], "Invalid value for '--log-level'"),
         # In any case: accepted, so the next check is the one to refuse.
         (["--log-level", "warning", "--backend", "quantum"], "unknown backend"),
+        # Codes the join's body refuses: they registered, then ended in pydantic's
+        # ValidationError for JoinIn, exit 1. The code is not repeated: it is a secret.
+        (["--invite-code", "short"], "'--invite-code': not an invite code: 8 to 100"),
+        (["--invite-code", "has spaces in it"], "'--invite-code': not an invite code"),
+        (["--invite-code", "x" * 101], "'--invite-code': not an invite code"),
     ]
     for extra, message in cases:
         result = runner.invoke(app, [*base, *extra])
