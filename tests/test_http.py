@@ -341,6 +341,35 @@ def test_orchestrator_serve_refuses_a_request_head_past_64_kib(tmp_path: Path) -
         assert answer.startswith(b"HTTP/1.1 401 Unauthorized") and b"signature_missing" in answer
 
 
+def test_orchestrator_serve_answers_a_request_it_cannot_parse_with_a_problem(tmp_path: Path) -> None:
+    """uvicorn answered a request httptools refused with a text/plain 400, "Invalid HTTP request
+    received.": a request line past 64 KiB (httptools parses no URL longer than 65535 bytes,
+    though the README promises such a head 431 header_fields_too_large), a header line without a
+    colon, bytes that are not HTTP at all. Each is now a problem, and a URL just below the limit
+    is served."""
+    with serving(tmp_path, embedded_env()) as (_, port):
+        host = f"Host: 127.0.0.1:{port}\r\n".encode()
+
+        def problem_of(answer: bytes) -> tuple[bytes, dict[str, Any]]:
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert b"content-type: application/problem+json" in head.lower(), answer[:300]
+            return head.split(b"\r\n")[0], json.loads(body)
+
+        long_target = b"GET /healthz?x=" + b"a" * 66_000 + b" HTTP/1.1\r\n"
+        status, body = problem_of(_raw_request(port, long_target + host + b"\r\n"))
+        assert status == b"HTTP/1.1 431 Request Header Fields Too Large"
+        assert body["code"] == "header_fields_too_large"
+        for bad in (
+            b"GET /healthz HTTP/1.1\r\n" + host + b"No colon here\r\n\r\n",
+            b"\x16\x03\x01\x02\x00\r\n\r\n",
+        ):
+            status, body = problem_of(_raw_request(port, bad))
+            assert status == b"HTTP/1.1 400 Bad Request"
+            assert (body["status"], body["code"]) == (400, "request_malformed")
+        fine = b"GET /healthz?x=" + b"a" * 64_000 + b" HTTP/1.1\r\n" + host + b"\r\n"
+        assert _raw_request(port, fine).startswith(b"HTTP/1.1 200 OK")
+
+
 async def test_healthz_and_readyz(client: httpx.AsyncClient) -> None:
     assert (await client.get("/healthz")).json() == {"status": "ok"}
     r = await client.get("/readyz")

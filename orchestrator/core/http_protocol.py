@@ -12,6 +12,10 @@ The bytes of a head are counted as they arrive: every chunk read while a head is
 that neither starts the request nor ends its head (such a chunk may carry another request's
 end or this one's body, which are not the head's), so a head is refused at most two reads
 (some 256 KiB each) past the limit and a body is never counted.
+
+A request line whose target is 64 KiB or more, which httptools cannot parse, is refused the same
+way, and a request that is not HTTP/1.1 at all is a 400 ``request_malformed`` problem: uvicorn
+answered both with a ``text/plain`` 400, "Invalid HTTP request received."
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from orchestrator.core.errors import PROBLEM_MEDIA_TYPE, problem_body
 # smaller (Signature-Input and Signature at most 4 KiB each, the signed URL at most 2 KiB), and a
 # proxy such as nginx refuses more than 32 KiB by default.
 MAX_HEAD_BYTES = 64 * 1024
+# The longest request target httptools.parse_url takes (its offsets are 16-bit).
+MAX_URL_BYTES = 2**16 - 1
 
 log = structlog.get_logger(__name__)
 
@@ -59,18 +65,35 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._head_bytes = None
         super().on_headers_complete()
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request httptools refused: a problem, as every error is."""
+        if len(getattr(self, "url", b"")) > MAX_URL_BYTES:
+            self._refuse_head()
+            return
+        log.warning("request_malformed", client=self.client)
+        self._refuse(
+            400,
+            "Bad Request",
+            code="request_malformed",
+            title="Bad request",
+            detail="the request is not valid HTTP/1.1; the connection is closed",
+        )
+
     def _refuse_head(self) -> None:
         log.warning("request_head_too_large", limit=MAX_HEAD_BYTES, client=self.client)
-        body = orjson.dumps(
-            problem_body(
-                status=431,
-                code="header_fields_too_large",
-                title="Request header fields too large",
-                detail=f"the request line and header fields exceed {MAX_HEAD_BYTES} bytes",
-            )
+        self._refuse(
+            431,
+            "Request Header Fields Too Large",
+            code="header_fields_too_large",
+            title="Request header fields too large",
+            detail=f"the request line and header fields exceed {MAX_HEAD_BYTES} bytes",
         )
+
+    def _refuse(self, status: int, reason: str, *, code: str, title: str, detail: str) -> None:
+        """Answer ``status`` (its status line's ``reason``) as a problem; close the connection."""
+        body = orjson.dumps(problem_body(status=status, code=code, title=title, detail=detail))
         self.transport.write(
-            b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+            f"HTTP/1.1 {status} {reason}\r\n".encode()
             + f"content-type: {PROBLEM_MEDIA_TYPE}\r\n".encode()
             + f"content-length: {len(body)}\r\n".encode()
             + b"connection: close\r\n\r\n"
