@@ -529,6 +529,21 @@ async def test_metrics_are_labelled_by_route_template(
     assert 'orchestrator_nodes{status="healthy"} 1.0' in text
 
 
+async def test_the_served_docs_are_counted_under_their_own_route_in_the_metrics(
+    client: httpx.AsyncClient,
+) -> None:
+    """/openapi.json and /docs were counted as route="unmatched" although they answered 200 (the
+    README promises requests by route template), mixed with the 404s of unknown paths."""
+    for path in ("/openapi.json", "/docs"):
+        assert (await client.get(path)).status_code == 200
+    assert (await client.get("/no/such/path")).status_code == 404
+    text = (await client.get("/metrics")).text
+    for path in ("/openapi.json", "/docs"):  # the counters are the process's: other tests count too
+        assert f'orchestrator_http_requests_total{{method="GET",route="{path}",status="200"}}' in text
+    assert 'route="unmatched",status="200"' not in text
+    assert 'orchestrator_http_requests_total{method="GET",route="unmatched",status="404"}' in text
+
+
 async def test_an_unknown_method_is_one_metrics_label_whatever_its_name(client: httpx.AsyncClient) -> None:
     """A client may send any method token: the metrics name the standard ones and count the
     rest as "other", so a scanner cannot grow the label sets without bound."""

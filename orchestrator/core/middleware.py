@@ -54,8 +54,7 @@ class RequestContextMiddleware:
             await self.app(scope, receive, send_wrapper)
         finally:
             elapsed = time.perf_counter() - started
-            route = scope.get("route")
-            template = getattr(route, "path", None) or "unmatched"
+            template = _route_template(scope)
             method = scope["method"]
             label = method if method in _KNOWN_METHODS else "other"
             metrics.REQUESTS.labels(label, template, str(status)).inc()
@@ -68,6 +67,18 @@ class RequestContextMiddleware:
                 duration_ms=round(elapsed * 1000, 2),
             )
             structlog.contextvars.clear_contextvars()
+
+
+def _route_template(scope: Scope) -> str:
+    """The path template of the route that answered, or "unmatched". FastAPI names its own
+    routes in ``scope["route"]``, but not plain Starlette ones (``/openapi.json``, ``/docs``),
+    which were counted as "unmatched" although they answered 200: those are found by endpoint."""
+    path = getattr(scope.get("route"), "path", None)
+    endpoint = scope.get("endpoint")
+    if path is None and endpoint is not None:
+        routes = getattr(scope.get("app"), "routes", ())
+        path = next((r.path for r in routes if getattr(r, "endpoint", None) is endpoint), None)
+    return path or "unmatched"
 
 
 class HostCheckMiddleware:
