@@ -310,7 +310,15 @@ def alive_cmd(
     """Liveness probe for `orchestrator background`: exit 0 if its alive file was written within
     --max-age seconds, 1 otherwise (missing, unreadable or stale). Its event loop writes the file,
     so a blocked event loop or a dead process fails the probe; a database outage does not."""
-    from orchestrator.core.alive import alive_age
+    from orchestrator.core.alive import ALIVE_INTERVAL_S, alive_age
+
+    if max_age < 2 * ALIVE_INTERVAL_S:
+        # Below that a healthy process, which writes every ALIVE_INTERVAL_S, fails some probes.
+        raise typer.BadParameter(
+            f"must be at least {2 * ALIVE_INTERVAL_S:g} s: the file is rewritten every "
+            f"{ALIVE_INTERVAL_S:g} s",
+            param_hint="'--max-age'",
+        )
 
     age = alive_age(alive_file)
     if age is None:
@@ -578,20 +586,39 @@ def list_tokens_cmd() -> None:
 
 @admin_app.command("revoke-token")
 def revoke_token_cmd(
-    token_id: Annotated[str, typer.Argument(help="The token's id (tok_...), not its secret")],
+    token: Annotated[
+        str,
+        typer.Argument(
+            help="The token's id (tok_..., as list-tokens shows it), or the secret itself "
+            "(orch_...: a leaked token whose id is not known)"
+        ),
+    ],
 ) -> None:
     """Revoke an API token at once and for good (every request with it is then 401)."""
-    from orchestrator.admin.tokens import revoke_token
+    from sqlalchemy import select
 
-    async def work(session: AsyncSession) -> tuple[bool, Any]:
+    from orchestrator.admin.models import ApiToken
+    from orchestrator.admin.tokens import TOKEN_PREFIX, hash_token, revoke_token
+
+    by_secret = token.startswith(TOKEN_PREFIX)
+    # A secret is never printed back: it is named by its id once found, else as "this secret".
+    named = "with this secret" if by_secret else token
+
+    async def work(session: AsyncSession) -> tuple[str | None, Any]:
+        token_id = token
+        if by_secret:
+            found = await session.scalar(select(ApiToken.id).where(ApiToken.token_hash == hash_token(token)))
+            if found is None:
+                return None, None
+            token_id = found
         row, revoked_now = await revoke_token(session, token_id)
         if row is not None and revoked_now:
             await _audit_token(session, "token.revoke", row)
-        return row is not None, row.revoked_at if row is not None else None
+        return (row.id, row.revoked_at) if row is not None else (None, None)
 
-    found, revoked_at = _run_on_tokens(work)
-    if not found:
-        console.print(f"[red]no token {token_id}[/red] (see `orchestrator admin list-tokens`)")
+    token_id, revoked_at = _run_on_tokens(work)
+    if token_id is None:
+        console.print(f"[red]no token {named}[/red] (see `orchestrator admin list-tokens`)")
         raise typer.Exit(1)
     console.print(f"token {token_id} revoked (at {revoked_at:%Y-%m-%d %H:%M:%S} UTC)")
 

@@ -87,6 +87,9 @@ def test_the_alive_probe_fails_on_a_missing_or_stale_file(tmp_path: Path) -> Non
     assert result.exit_code == 1
     assert "was written" in result.output and "(> 30 s)" in result.output
     assert runner.invoke(cli, ["alive", str(alive), "--max-age", "120"]).exit_code == 0
+    # The file is rewritten every 5 s: a shorter --max-age would fail a healthy process.
+    result = runner.invoke(cli, ["alive", str(alive), "--max-age", "4"])
+    assert result.exit_code == 2 and "at least 10 s" in " ".join(result.output.split())
     alive.write_text(f"{time.time():.3f}\n")
     result = runner.invoke(cli, ["alive", str(alive)])
     assert result.exit_code == 0, result.output

@@ -45,7 +45,8 @@ def test_keys_generate_writes_a_private_file_and_refuses_to_overwrite(tmp_path: 
 
     again = runner.invoke(app, ["keys", "generate", str(path)])
     assert again.exit_code == 1
-    assert "--force" in again.output
+    said = " ".join(again.output.split())
+    assert "--force" in said and "loses that identity" in said
     assert read_key_file(path).encode() == key.encode()
 
     forced = runner.invoke(app, ["keys", "generate", str(path), "--force"])
@@ -347,6 +348,39 @@ def test_tokens_are_listed_and_revoked_from_the_command_line(database_url: str) 
 
     missing = runner.invoke(app, ["admin", "revoke-token", "tok_0000"], env=env)
     assert missing.exit_code == 1 and "no token tok_0000" in missing.output
+
+
+def test_a_leaked_secret_is_revoked_by_itself_and_never_printed(database_url: str) -> None:
+    """An admin who holds only a leaked secret (not its id) revokes it with the secret, and no
+    answer prints a secret back."""
+    env = {"ORCH_DB__URL": database_url, "COLUMNS": "200"}
+    made = runner.invoke(app, ["admin", "create-token", "--role", "operator", "--name", "leaked"], env=env)
+    assert made.exit_code == 0, made.output
+    token = made.stdout.strip().splitlines()[-1]
+
+    unknown = "orch_" + "x" * 43
+    missing = runner.invoke(app, ["admin", "revoke-token", unknown], env=env)
+    assert missing.exit_code == 1
+    assert "no token with this secret" in missing.output and unknown not in missing.output
+
+    revoked = runner.invoke(app, ["admin", "revoke-token", token], env=env)
+    assert revoked.exit_code == 0, revoked.output
+    assert token not in revoked.output
+    listed = runner.invoke(app, ["admin", "list-tokens"], env=env)
+    token_id = next(word for word in listed.stdout.split() if word.startswith("tok_"))
+    assert f"token {token_id} revoked" in revoked.output
+
+    async def revoked_at() -> object:
+        engine = create_async_engine(database_url)
+        try:
+            async with engine.connect() as conn:
+                return (
+                    await conn.execute(select(ApiToken.revoked_at).where(ApiToken.id == token_id))
+                ).scalar()
+        finally:
+            await engine.dispose()
+
+    assert asyncio.run(revoked_at()) is not None
 
 
 @pytest.mark.parametrize(
