@@ -770,6 +770,22 @@ def _server_url(value: str) -> str:
         url = None
     if url is None or url.scheme not in ("http", "https") or not url.host:
         raise typer.BadParameter(f"{value!r} is not an http:// or https:// URL, e.g. {DEFAULT_SERVER}")
+    if url.query or url.fragment or value.rstrip("/").endswith(("?", "#")):
+        # The API's paths are appended to it: "/?x=1" ended in 404 "No route matches GET /".
+        raise typer.BadParameter(f"{value!r}: a base URL takes no query or fragment, e.g. {DEFAULT_SERVER}")
+    return value
+
+
+def _pool_id(value: str) -> str:
+    """--pool: a pool id as the API's paths take it; "" or "a/b" ended in a 404 "No route matches"
+    after the node had registered."""
+    if (
+        not 1 <= len(value) <= 40
+        or any(c in value for c in "/?#%")
+        or not value.isprintable()
+        or " " in value
+    ):
+        raise typer.BadParameter(f"{value!r} is not a pool id (e.g. pool_0123456789abcdef)")
     return value
 
 
@@ -992,7 +1008,7 @@ def _invite_code(value: str | None) -> str | None:
 
 @worker_app.command("run")
 def worker_run(
-    pool: Annotated[str, typer.Option("--pool", help="The pool to work for")],
+    pool: Annotated[str, typer.Option("--pool", help="The pool to work for", callback=_pool_id)],
     node_key: NodeKeyOpt,
     provider_key: Annotated[
         Path | None,

@@ -65,9 +65,14 @@ def test_bad_worker_arguments_are_refused_before_anything_runs(tmp_path: Path) -
         (["--invite-code", "short"], "'--invite-code': not an invite code: 8 to 100"),
         (["--invite-code", "has spaces in it"], "'--invite-code': not an invite code"),
         (["--invite-code", "x" * 101], "'--invite-code': not an invite code"),
+        # The API's paths are built from these: they ended in 404 "No route matches ...".
+        (["--pool", ""], "'' is not a pool id"),
+        (["--pool", "pool/x"], "'pool/x' is not a pool id"),
+        (["--server", "http://127.0.0.1:9/?x=1"], "a base URL takes no query or fragment"),
+        (["--server", "http://127.0.0.1:9/#top"], "a base URL takes no query or fragment"),
     ]
     for extra, message in cases:
-        result = runner.invoke(app, [*base, *extra])
+        result = runner.invoke(app, [*base, *extra], env={"COLUMNS": "200"})
         assert result.exit_code == 2, (extra, result.output)
         assert message in " ".join(result.output.split()), (extra, result.output)
 
