@@ -480,6 +480,31 @@ async def test_leaving_before_the_verdict_does_not_escape_the_stake_slash(
         await books_balance(app_state)
 
 
+async def test_leaving_before_the_verdict_does_not_escape_the_ejection(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    """A fraud strike that reaches the pool's limit ejects the node for good, whether or not it
+    is still a member when the verdict comes: a node that left right after sending a forged
+    result was only slashed, and could join again at once and go on."""
+    econ = {**ECON, "strikes_before_ejection": 1, "unbonding_period_s": 86_400}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=2000) as s:
+        w = s.workers[0]
+        await submit(w, await one_lease(s, w), ["4"], seed=1)  # not the assigned seed: fraud
+        pool_url = f"/v1/pools/{s.pool_id}"
+        r = await w.client.post(f"{pool_url}/leave", json={}, auth=w.contributor.node_auth)
+        assert r.status_code == 200, r.text
+        await verify_all(app_state)
+        [v] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (v["category"], v["reason"], v["slashed_amount"]) == ("fraud", "seed_mismatch", 200)
+        me = (await w.client.get("/v1/nodes/me", auth=w.contributor.node_auth)).json()
+        assert [m["status"] for m in me["memberships"] if m["pool_id"] == s.pool_id] == ["ejected"]
+        r = await w.client.post(f"{pool_url}/join", json={}, auth=w.contributor.node_auth)
+        problem(r, 403, "node_ejected")
+        b = await balances(client, w)
+        assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (0, 800, 1000)
+        await books_balance(app_state)
+
+
 async def test_a_pending_rejoin_withdrawn_before_the_verdict_does_not_escape_the_stake_slash(
     app: Any, app_state: Any, client: Any, clock: FakeClock
 ) -> None:

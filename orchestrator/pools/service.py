@@ -960,7 +960,8 @@ async def eject_for_fraud(
     session: AsyncSession, pool: Pool, m: PoolMembership, *, reason: str, now: dt.datetime
 ) -> None:
     """The verifier's ejection after the pool's strike limit (audited as actor ``system``); of
-    a live membership, or of one a ban ejected, which it makes final."""
+    a live membership, of one that ended before the verdict (left or rejected: nothing moves,
+    it only may not join again), or of one a ban ejected, which it makes final."""
     await _eject(session, SYSTEM, pool, m, reason, by=EJECTED_BY_VERIFIER, now=now)
 
 

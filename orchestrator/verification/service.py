@@ -1095,8 +1095,10 @@ async def _punish(
     verdict.slashed_amount = slashed
     if (
         membership is not None
-        # Live, or ejected by a ban (which an unban would lift): the verifier's ejection is final.
-        and (membership.status in ("active", "pending") or membership.ejected_by == "ban")
+        # Any membership but one already ejected for good: a live one; one that ended (the node
+        # left, or was rejected, before the verdict: it must not join again and go on); or one
+        # ejected by a ban, which an unban would lift. The verifier's ejection is final.
+        and (membership.status != "ejected" or membership.ejected_by == "ban")
         and trust.strikes >= pool.strikes_before_ejection
     ):
         await pools_service.eject_for_fraud(
