@@ -200,7 +200,8 @@ MaxFailures = Annotated[
         ge=1,
         le=100,
         description="Providers whose nodes gave a lease of the task back saying it failed on them "
-        "(a release with an error) before the task is given up as failed",
+        "(a release with an error), at as many different addresses, before the task is given up "
+        "as failed",
     ),
 ]
 RetakeExpiredAfter = Annotated[

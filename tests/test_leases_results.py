@@ -356,6 +356,30 @@ async def test_a_task_that_fails_on_the_nodes_of_max_failures_providers_ends_fai
         }
 
 
+async def test_the_nodes_of_several_providers_at_one_address_count_as_one_failure(
+    app: Any, app_state: Any
+) -> None:
+    """max_failures counts providers at distinct addresses, as the placement rule does: one
+    machine holding several provider keys (registering a provider costs nothing) could
+    otherwise end any task by claiming it with each and releasing it with an error."""
+    async with pool_setup(app, app_state, max_failures=2) as s:
+        a = await s.add_worker(ip="203.0.113.7")
+        b = await s.add_worker(ip="203.0.113.7")  # another provider, the same machine
+        c = await s.add_worker()
+        assert a.contributor.provider_id != b.contributor.provider_id
+        task_id = (await s.enqueue([task()])).json()["first_task_id"]
+        for node in (a, b):
+            [lease] = (await node.claim(s.pool_id)).json()["leases"]
+            assert (await node.release(lease, error="CUDA out of memory")).status_code == 200
+        view = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)
+        assert view.json()["status"] == "open"  # two providers, but one address
+        [lease] = (await c.claim(s.pool_id)).json()["leases"]
+        assert (await c.release(lease, error="vLLM engine died")).status_code == 200
+        detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
+        assert (detail["status"], detail["end_reason"]) == ("failed", "max_failures")
+        assert detail["failure_reason"] == "failed on the nodes of 3 providers at 2 addresses (max failures)"
+
+
 async def test_a_node_whose_leases_keep_failing_is_kept_from_claiming_for_a_while(
     app: Any, app_state: Any, clock: FakeClock
 ) -> None:

@@ -994,9 +994,11 @@ async def _count_failure(session: AsyncSession, membership: PoolMembership, now:
     await session.flush()
 
 
+# The addresses as the leases recorded them at their claims; a node with no recorded address
+# shares the unknown one, as in the placement rule.
 _FAILED_PROVIDERS = text(
     """
-    SELECT count(DISTINCT a.provider_id), p.max_failures
+    SELECT count(DISTINCT a.provider_id), count(DISTINCT COALESCE(a.ip_address, '')), p.max_failures
       FROM assignments a JOIN pools p ON p.id = a.pool_id
      WHERE a.task_id = :task_id AND a.error IS NOT NULL
      GROUP BY p.max_failures
@@ -1005,22 +1007,25 @@ _FAILED_PROVIDERS = text(
 
 
 async def _fail_if_failing_everywhere(session: AsyncSession, task_id: int) -> None:
-    """The task fails (``max_failures``) once it failed on the nodes of as many providers as the
-    pool allows. Providers, not nodes: one provider's nodes cannot end a task on their own
-    unless the pool allows a single failure."""
-    providers, allowed = (await session.execute(_FAILED_PROVIDERS, {"task_id": task_id})).one()
-    if providers < allowed:
+    """The task fails (``max_failures``) once it failed on the nodes of as many providers, at as
+    many addresses, as the pool allows. Providers and addresses, not nodes, as the placement
+    rule counts them: one provider's nodes, or the providers of one machine (a provider key
+    costs nothing), cannot end a task on their own unless the pool allows a single failure."""
+    providers, addresses, allowed = (await session.execute(_FAILED_PROVIDERS, {"task_id": task_id})).one()
+    if min(providers, addresses) < allowed:
         return
     task = await session.get(Task, task_id, with_for_update=True, populate_existing=True)
     if task is not None and task.status == "open":
         await fail_task(
             session,
             task,
-            f"failed on the nodes of {providers} providers (max failures)",
+            f"failed on the nodes of {providers} providers"
+            + (f" at {addresses} addresses" if addresses < providers else "")
+            + " (max failures)",
             end_reason="max_failures",
         )
         await session.flush()
-        log.warning("task_failed_everywhere", task_id=task_id, providers=providers)
+        log.warning("task_failed_everywhere", task_id=task_id, providers=providers, addresses=addresses)
 
 
 async def release_member_leases(
