@@ -378,6 +378,46 @@ async def test_an_audited_result_gets_a_second_replica(app: Any, app_state: Any)
         assert [v["category"] for v in vs] == ["valid", "valid"]
 
 
+async def test_a_result_accepted_unchecked_does_not_lower_the_nodes_audit_rate(
+    app: Any, app_state: Any
+) -> None:
+    """Only results that were verified (the server's own answer check, a quorum, a validator)
+    build the trust that lowers a node's audit rate (BOINC's adaptive replication counts
+    validated results). A result the server cannot check and did not audit is paid unchecked;
+    counted as valid too, a cheater's every unaudited answer made its next audit less likely."""
+    app_state.rng = FixedDraw(0.0)  # the first result is audited
+    async with pool_setup(app, app_state, workers=2) as s:
+        cheater, other = s.workers
+        open_ended = {"prompt": "Name the capital of France.", "sampling": {"max_tokens": 64}}
+        await s.enqueue([open_ended], key="q0")
+        lease = (await cheater.claim(s.pool_id)).json()["leases"][0]
+        await submit(cheater, lease, ["Paris"])
+        await verify_all(app_state)
+        second = (await other.claim(s.pool_id)).json()["leases"][0]
+        await submit(other, second, ["Paris"])
+        await verify_all(app_state)  # agreed: one verified result, audit rate 1/2
+        assert [v["verifier"] for v in await verdicts(s.admin, s.headers, s.pool_id)] == ["quorum"] * 2
+        app_state.rng = FixedDraw(0.6)  # above 1/2: not audited, accepted unchecked
+        await s.enqueue([open_ended], key="q1")
+        lease = (await cheater.claim(s.pool_id)).json()["leases"][0]
+        await submit(cheater, lease, ["made up"])
+        await verify_all(app_state)
+        unchecked = (await verdicts(s.admin, s.headers, s.pool_id))[-1]
+        assert (unchecked["node_id"], unchecked["verifier"], unchecked["category"]) == (
+            cheater.node_id,
+            "reward",
+            "valid",
+        )
+        app_state.rng = FixedDraw(0.4)  # below 1/2 (one verified result), above 1/3 (two)
+        await s.enqueue([open_ended], key="q2")
+        lease = (await cheater.claim(s.pool_id)).json()["leases"][0]
+        await submit(cheater, lease, ["made up again"])
+        await verify_all(app_state)
+        assert len(await verdicts(s.admin, s.headers, s.pool_id)) == 3  # audited: it waits
+        audit = (await other.claim(s.pool_id)).json()["leases"][0]
+        assert audit["task"]["task_id"] == lease["task"]["task_id"]
+
+
 @pytest.mark.parametrize("other", ["same_provider", "same_address", "unhealthy"])
 async def test_an_audit_nobody_could_repeat_is_skipped_not_left_waiting(
     app: Any, app_state: Any, other: str

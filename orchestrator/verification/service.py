@@ -20,8 +20,9 @@ the server's own reward function, then either decides at once or waits for more 
 * otherwise accepted: ``reward_per_sample`` x correct samples into ``rewards_pending``, released
   to ``rewards_claimable`` after the pool's hold window.
 
-The audit probability falls as the node's run of valid results grows (1 / (1 + run)) but never
-below the pool's ``audit_rate_floor``; the draw uses the server's random source, which workers
+The audit probability falls as the node's run of verified valid results grows (1 / (1 + run);
+a result accepted unchecked, which the server cannot check and did not audit, does not count)
+but never below the pool's ``audit_rate_floor``; the draw uses the server's random source, which workers
 cannot see.
 
 Every transfer's idempotency key is derived from the submission and the kind of entry, and
@@ -970,7 +971,8 @@ async def decide(
     trust.updated_at = now
     if decision.category == "valid":
         trust.valid += 1
-        trust.consecutive_valid += 1
+        if _verified(decision, job):
+            trust.consecutive_valid += 1
         await _reward(session, pool, verdict, now=now)
     elif decision.category == "fraud":
         trust.fraud += 1
@@ -993,6 +995,16 @@ async def decide(
         reason=decision.reason,
     )
     return verdict
+
+
+def _verified(decision: Decision, job: VerificationJob) -> bool:
+    """Whether a valid verdict verified the result: the server checked its answers itself, or a
+    quorum or a validator judged it. Only such results build the trust that lowers the node's
+    audit rate (BOINC counts validated results): a result the server cannot check, accepted
+    without an audit (not drawn, or skipped), was never checked, and a cheater's every such
+    answer would otherwise make its next audit less likely. It neither builds trust nor breaks
+    the run."""
+    return decision.verifier in ("quorum", "validator") or job.server_reward is not None
 
 
 async def _trust(session: AsyncSession, pool_id: str, node_id: str, provider_id: str) -> NodeTrust:
