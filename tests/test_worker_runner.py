@@ -679,10 +679,13 @@ async def test_a_result_the_server_did_not_take_is_not_given_back_as_a_failure(
                 break
             await asyncio.sleep(0.01)
         stats = await run.finish(within=10)
-        assert (stats.submitted, stats.released) == (0, 1)
+        # The node may take back a lease it gave back without an error, and before the stop
+        # it can have done so (and been refused again): every lease is given back, none failed.
+        assert stats.submitted == 0 and stats.released >= 1
         view = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)
-        [assignment] = view.json()["assignments"]
-        assert (assignment["status"], assignment["error"]) == ("released", None)
+        assignments = view.json()["assignments"]
+        assert len(assignments) == stats.released
+        assert {(a["status"], a["error"]) for a in assignments} == {("released", None)}
         assert view.json()["status"] == "open"  # not failed (max_failures=1)
 
 
