@@ -75,7 +75,10 @@ async def test_a_json_body_nested_too_deeply_to_parse_is_a_422_problem(
 ) -> None:
     """PROTOCOL.md: 422 for a body that does not parse. One nested past the depth Python's JSON
     parser goes to (a RecursionError) was 400 bad_request, 'There was an error parsing the body'."""
-    for path, auth in (("/v1/nodes/me/heartbeat", contributor.node_auth), ("/v1/providers", None)):
+    for path, auth in (
+        ("/v1/nodes/me/heartbeat", contributor.node_auth),
+        ("/v1/providers", contributor.provider_auth),
+    ):
         r = await client.post(
             path,
             content=b'{"metrics": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",

@@ -17,12 +17,13 @@ from orchestrator.admin.tokens import AdminOnly, Role
 from orchestrator.audit.service import record
 from orchestrator.core.errors import NotFound
 from orchestrator.core.pagination import decode_cursor, encode_cursor
+from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import Session, State
 from orchestrator.identity import repository as repo
 from orchestrator.identity.models import NODE_STATUSES, Node
 from orchestrator.identity.service import node_out
 
-router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=PROBLEM_RESPONSES)
+router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute)
 
 StatusFilter = Annotated[
     str | None, Query(pattern="^(" + "|".join(NODE_STATUSES) + ")$", description="Only nodes in this status")

@@ -15,15 +15,16 @@ from dataclasses import dataclass
 from typing import Annotated
 
 import structlog
-from fastapi import Depends, Security
+from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from orchestrator.admin.models import ApiToken
 from orchestrator.core.db import utcnow
 from orchestrator.core.errors import Forbidden, Unauthorized, UnprocessableEntity
-from orchestrator.core.state import Session, State
+from orchestrator.core.routing import before_body, guarded_answer
+from orchestrator.core.state import app_state
 from orchestrator.pools.models import Pool
 
 TOKEN_PREFIX = "orch_"  # noqa: S105 - a prefix, not a secret
@@ -124,29 +125,53 @@ bearer_scheme = HTTPBearer(
 )
 
 
+_TOKEN_BY_HASH = select(
+    ApiToken.id,
+    ApiToken.name,
+    ApiToken.role,
+    ApiToken.pool_ids,
+    ApiToken.revoked_at,
+    ApiToken.expires_at,
+    ApiToken.token_hash,
+).where(ApiToken.token_hash == bindparam("digest"))
+
+
+async def _principal(request: Request) -> Principal:
+    """The bearer token's principal, read once per request outside its transaction (an
+    autocommit read, as for a signed node): ``core.routing`` runs this before the body is
+    decoded, so a request without a valid token is refused before its body costs anything."""
+
+    async def read() -> Principal:
+        credentials = await bearer_scheme(request)
+        if credentials is None or credentials.scheme.lower() != "bearer":
+            raise Unauthorized(
+                "a bearer token is required", code="token_missing", headers={"WWW-Authenticate": "Bearer"}
+            )
+        state = app_state(request)
+        digest = hash_token(credentials.credentials)
+        async with state.reader.connect() as conn:
+            row = (await conn.execute(_TOKEN_BY_HASH, {"digest": digest})).first()
+        if row is None or row.revoked_at is not None or not hmac.compare_digest(row.token_hash, digest):
+            raise Unauthorized(
+                "the bearer token is not valid", code="token_invalid", headers={"WWW-Authenticate": "Bearer"}
+            )
+        if row.expires_at is not None and row.expires_at <= state.clock.utcnow():
+            raise Unauthorized(
+                "the bearer token has expired", code="token_expired", headers={"WWW-Authenticate": "Bearer"}
+            )
+        structlog.contextvars.bind_contextvars(token_id=row.id)
+        return Principal(
+            token_id=row.id, name=row.name, role=Role(row.role), pool_ids=frozenset(row.pool_ids or ())
+        )
+
+    return await guarded_answer(request, "bearer", read)
+
+
+@before_body(_principal)
 async def authenticate(
-    session: Session,
-    state: State,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer_scheme)],
+    request: Request, _credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer_scheme)]
 ) -> Principal:
-    if credentials is None or credentials.scheme.lower() != "bearer":
-        raise Unauthorized(
-            "a bearer token is required", code="token_missing", headers={"WWW-Authenticate": "Bearer"}
-        )
-    digest = hash_token(credentials.credentials)
-    row = (await session.execute(select(ApiToken).where(ApiToken.token_hash == digest))).scalar_one_or_none()
-    if row is None or row.revoked_at is not None or not hmac.compare_digest(row.token_hash, digest):
-        raise Unauthorized(
-            "the bearer token is not valid", code="token_invalid", headers={"WWW-Authenticate": "Bearer"}
-        )
-    if row.expires_at is not None and row.expires_at <= state.clock.utcnow():
-        raise Unauthorized(
-            "the bearer token has expired", code="token_expired", headers={"WWW-Authenticate": "Bearer"}
-        )
-    structlog.contextvars.bind_contextvars(token_id=row.id)
-    return Principal(
-        token_id=row.id, name=row.name, role=Role(row.role), pool_ids=frozenset(row.pool_ids or ())
-    )
+    return await _principal(request)
 
 
 def require_roles(*roles: Role) -> object:

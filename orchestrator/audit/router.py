@@ -18,10 +18,13 @@ from api_schemas.common import NO_NUL, PROBLEM_RESPONSES, Page
 from orchestrator.admin.tokens import Principal, Role, require_roles
 from orchestrator.audit.models import AuditEntry
 from orchestrator.core.pagination import decode_int_cursor, encode_cursor
+from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import Session
 from orchestrator.pools.models import Pool
 
-router = APIRouter(prefix="/v1/admin", tags=["admin: audit"], responses=PROBLEM_RESPONSES)
+router = APIRouter(
+    prefix="/v1/admin", tags=["admin: audit"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute
+)
 
 OperatorOrAdmin = Annotated[Principal, require_roles(Role.admin, Role.operator)]
 

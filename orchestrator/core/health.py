@@ -13,11 +13,12 @@ from sqlalchemy import Integer, text
 from orchestrator import background
 from orchestrator.core import metrics
 from orchestrator.core.db import UTCDateTime, utcnow
+from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import State
 from orchestrator.identity import repository as identity_repo
 from orchestrator.identity.models import NODE_STATUSES
 
-router = APIRouter(tags=["operations"])
+router = APIRouter(tags=["operations"], route_class=GuardedRoute)
 
 
 @router.get("/healthz", summary="Liveness: the process answers")

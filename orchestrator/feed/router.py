@@ -10,12 +10,13 @@ from fastapi.responses import StreamingResponse
 from api_schemas.common import NO_NUL, PROBLEM_RESPONSES
 from api_schemas.feed import RolloutPage
 from orchestrator.admin.tokens import Principal, Role, require_roles
+from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import Session, State
 from orchestrator.feed import service
 from orchestrator.pools.models import Pool
 from orchestrator.tasks.access import pool_for
 
-router = APIRouter(prefix="/v1", tags=["trainer feed"], responses=PROBLEM_RESPONSES)
+router = APIRouter(prefix="/v1", tags=["trainer feed"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute)
 
 PoolId = Annotated[str, Path(min_length=1, max_length=40, pattern=NO_NUL)]
 Reader = Annotated[Principal, require_roles(Role.admin, Role.operator, Role.trainer)]

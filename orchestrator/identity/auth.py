@@ -18,8 +18,9 @@ from fastapi.security import APIKeyHeader
 from sqlalchemy import bindparam, select
 
 from orchestrator.core.errors import BadRequest, Forbidden, RateLimited, Unauthorized
+from orchestrator.core.routing import before_body, guarded_answer
 from orchestrator.core.signing import SignedRequest, target_uri, verify_request
-from orchestrator.core.state import Session, State
+from orchestrator.core.state import AppState, Session, State, app_state
 from orchestrator.identity import repository as repo
 from orchestrator.identity.models import Node, NodeStatus, Provider
 
@@ -37,7 +38,7 @@ signature_scheme = APIKeyHeader(
 )
 
 
-async def _verified(request: Request, state: State, *, limit: int, budget: str) -> SignedRequest:
+async def _verified(request: Request, state: AppState, *, limit: int, budget: str) -> SignedRequest:
     """Check the signature, claim the nonce and count the request toward its key's ``limit``
     (the settings field named ``budget``)."""
     body = await request.body()
@@ -85,22 +86,38 @@ async def _verified(request: Request, state: State, *, limit: int, budget: str) 
     return signed
 
 
-async def signed_request(
-    request: Request, state: State, _scheme: Annotated[str | None, Security(signature_scheme)] = None
-) -> SignedRequest:
-    """A request signed by a node key (one per machine): ``limits.signed_per_key``."""
-    return await _verified(
-        request, state, limit=state.settings.limits.signed_per_key, budget="signed_per_key"
+async def node_signature(request: Request) -> SignedRequest:
+    state = app_state(request)
+    limit = state.settings.limits.signed_per_key
+    return await guarded_answer(
+        request, "signed", lambda: _verified(request, state, limit=limit, budget="signed_per_key")
     )
 
 
+async def provider_signature(request: Request) -> SignedRequest:
+    state = app_state(request)
+    limit = state.settings.limits.signed_per_provider_key
+    return await guarded_answer(
+        request, "signed", lambda: _verified(request, state, limit=limit, budget="signed_per_provider_key")
+    )
+
+
+@before_body(node_signature)
+async def signed_request(
+    request: Request, _scheme: Annotated[str | None, Security(signature_scheme)] = None
+) -> SignedRequest:
+    """A request signed by a node key (one per machine): ``limits.signed_per_key``. Checked
+    before the body is decoded (``core.routing``)."""
+    return await node_signature(request)
+
+
+@before_body(provider_signature)
 async def provider_signed_request(
-    request: Request, state: State, _scheme: Annotated[str | None, Security(signature_scheme)] = None
+    request: Request, _scheme: Annotated[str | None, Security(signature_scheme)] = None
 ) -> SignedRequest:
     """A request signed by a provider key, which every machine of the provider shares (each
     worker reads its balance and verdicts with it): ``limits.signed_per_provider_key``."""
-    limit = state.settings.limits.signed_per_provider_key
-    return await _verified(request, state, limit=limit, budget="signed_per_provider_key")
+    return await provider_signature(request)
 
 
 Signed = Annotated[SignedRequest, Depends(signed_request)]

@@ -7,12 +7,13 @@ from fastapi import APIRouter, Request, Response
 from api_schemas.common import PROBLEM_RESPONSES
 from api_schemas.identity import NodeOut, NodeRegister, ProviderOut, ProviderRegister
 from orchestrator.core import ratelimit
+from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import Session, State
 from orchestrator.identity import repository as repo
 from orchestrator.identity import service
 from orchestrator.identity.auth import CurrentNode, ProviderSigned, Signed, client_ip
 
-router = APIRouter(prefix="/v1", tags=["contributors"], responses=PROBLEM_RESPONSES)
+router = APIRouter(prefix="/v1", tags=["contributors"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute)
 
 
 async def _limit_registration(state: State, request: Request, keyid: str, *, registered: bool) -> None:

@@ -11,12 +11,13 @@ from api_schemas.ledger import Balances, DepositIn, DepositOut, TransferOut
 from orchestrator.admin.tokens import AdminOnly
 from orchestrator.audit.service import record
 from orchestrator.core.errors import BadRequest, NotFound
+from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import Session
 from orchestrator.identity import repository as identity_repo
 from orchestrator.identity.auth import CurrentProvider
 from orchestrator.ledger import service
 
-router = APIRouter(prefix="/v1", tags=["ledger"], responses=PROBLEM_RESPONSES)
+router = APIRouter(prefix="/v1", tags=["ledger"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute)
 
 
 async def _idempotency_key(

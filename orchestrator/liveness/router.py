@@ -6,11 +6,12 @@ from fastapi import APIRouter
 
 from api_schemas.common import PROBLEM_RESPONSES
 from api_schemas.identity import HeartbeatIn, HeartbeatOut
+from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import State
 from orchestrator.identity.auth import SignedNode
 from orchestrator.liveness import service
 
-router = APIRouter(prefix="/v1", tags=["contributors"], responses=PROBLEM_RESPONSES)
+router = APIRouter(prefix="/v1", tags=["contributors"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute)
 
 
 @router.post(

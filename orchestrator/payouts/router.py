@@ -24,6 +24,7 @@ from api_schemas.payouts import (
 )
 from orchestrator.admin.tokens import AdminOnly
 from orchestrator.core.pagination import ID_MAX, decode_int_cursor, encode_cursor
+from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import Session, State
 from orchestrator.identity.auth import CurrentProvider
 from orchestrator.ledger import service as ledger
@@ -32,8 +33,10 @@ from orchestrator.payouts import export, service
 from orchestrator.payouts import repository as repo
 from orchestrator.payouts.models import Payout, PayoutRun
 
-router = APIRouter(prefix="/v1", tags=["payouts"], responses=PROBLEM_RESPONSES)
-admin_router = APIRouter(prefix="/v1/admin", tags=["admin: payouts"], responses=PROBLEM_RESPONSES)
+router = APIRouter(prefix="/v1", tags=["payouts"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute)
+admin_router = APIRouter(
+    prefix="/v1/admin", tags=["admin: payouts"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute
+)
 
 PayoutId = Annotated[int, Path(ge=1, le=ID_MAX, description="Payout id")]
 RunId = Annotated[int, Path(ge=1, le=ID_MAX, description="Payout run id")]

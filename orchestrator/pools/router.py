@@ -28,12 +28,15 @@ from api_schemas.pools import (
 from orchestrator.admin.tokens import Principal, Role, require_roles
 from orchestrator.core.errors import UnprocessableEntity
 from orchestrator.core.pagination import decode_cursor, decode_int_cursor, encode_cursor
+from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import AppState, Session, State
 from orchestrator.identity.auth import CurrentNode
 from orchestrator.pools import service
 
-router = APIRouter(prefix="/v1", tags=["pools"], responses=PROBLEM_RESPONSES)
-admin_router = APIRouter(prefix="/v1/admin", tags=["admin: pools"], responses=PROBLEM_RESPONSES)
+router = APIRouter(prefix="/v1", tags=["pools"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute)
+admin_router = APIRouter(
+    prefix="/v1/admin", tags=["admin: pools"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute
+)
 
 OperatorOrAdmin = Annotated[Principal, require_roles(Role.admin, Role.operator)]
 PoolId = Annotated[

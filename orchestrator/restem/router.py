@@ -12,13 +12,16 @@ from api_schemas.restem import IterationIn, IterationOut, IterationReport, Itera
 from orchestrator.admin.tokens import Principal, Role, require_roles
 from orchestrator.audit.service import record
 from orchestrator.core.pagination import ID_MAX, decode_int_cursor, encode_cursor
+from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import Session, State
 from orchestrator.pools.models import Pool
 from orchestrator.restem import service
 from orchestrator.restem.models import RestemIteration
 from orchestrator.tasks.access import pool_for
 
-admin_router = APIRouter(prefix="/v1/admin", tags=["admin: rest-em"], responses=PROBLEM_RESPONSES)
+admin_router = APIRouter(
+    prefix="/v1/admin", tags=["admin: rest-em"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute
+)
 
 PoolId = Annotated[str, Path(min_length=1, max_length=40, pattern=NO_NUL)]
 IterationId = Annotated[int, Path(ge=1, le=ID_MAX, description="Iteration id")]

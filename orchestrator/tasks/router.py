@@ -7,7 +7,7 @@ import dataclasses
 import datetime as dt
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Query, Response
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from sqlalchemy import func, select
 
 from api_schemas.common import NO_NUL, PROBLEM_RESPONSES, Page
@@ -40,15 +40,19 @@ from orchestrator.audit.service import record
 from orchestrator.core import metrics
 from orchestrator.core.errors import NotFound
 from orchestrator.core.pagination import ID_MAX
-from orchestrator.core.state import Session, State
-from orchestrator.identity.auth import CurrentNode, Signed
+from orchestrator.core.routing import GuardedRoute, before_body
+from orchestrator.core.signing import SignedRequest
+from orchestrator.core.state import Session, State, app_state
+from orchestrator.identity.auth import CurrentNode, Signed, node_signature
 from orchestrator.pools.models import Pool, PoolMembership
 from orchestrator.tasks import evidence, service
 from orchestrator.tasks.access import pool_for
 from orchestrator.tasks.models import Assignment, PolicyVersion, Submission, Task, TaskReplica
 
-router = APIRouter(prefix="/v1", tags=["tasks"], responses=PROBLEM_RESPONSES)
-admin_router = APIRouter(prefix="/v1/admin", tags=["admin: tasks"], responses=PROBLEM_RESPONSES)
+router = APIRouter(prefix="/v1", tags=["tasks"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute)
+admin_router = APIRouter(
+    prefix="/v1/admin", tags=["admin: tasks"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute
+)
 
 PoolId = Annotated[str, Path(min_length=1, max_length=40, pattern=NO_NUL)]
 TaskId = Annotated[int, Path(ge=1, le=ID_MAX, description="Task id")]
@@ -124,6 +128,23 @@ async def claim(
     return out
 
 
+async def _large_result_holder(request: Request) -> None:
+    signed = await node_signature(request)
+    state = app_state(request)
+    if len(signed.body) <= state.settings.limits.max_body_bytes:
+        return  # as cheap to decode as any body: the result's own first read checks the signer
+    async with state.reader.connect() as conn:
+        await service.refuse_foreign_result(conn, signed.keyid, str(request.path_params["assignment_id"]))
+
+
+@before_body(_large_result_holder)
+async def result_signature(signed: Signed) -> SignedRequest:
+    """The result's signature. A body larger than the general limit (``limits.max_body_bytes``)
+    is decoded only once the signer is known to be the node that holds the lease: anyone else's
+    is refused before it costs the event loop its decoding."""
+    return signed
+
+
 @router.post(
     "/assignments/{assignment_id}/result",
     response_model=ResultOut,
@@ -134,7 +155,7 @@ async def claim(
 async def submit_result(
     assignment_id: Annotated[str, Path(max_length=40, pattern=NO_NUL)],
     body: ResultIn,
-    signed: Signed,
+    signed: Annotated[SignedRequest, Depends(result_signature)],
     session: Session,
     state: State,
     response: Response,

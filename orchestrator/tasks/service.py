@@ -1325,6 +1325,19 @@ async def _refuse_signer(conn: AsyncConnection, node_id: str) -> None:
         raise banned_node()
 
 
+_HOLDER_OF = text("SELECT node_id FROM assignments WHERE id = :assignment_id")
+
+
+async def refuse_foreign_result(conn: AsyncConnection, node_id: str, assignment_id: str) -> None:
+    """Before a large result body is decoded: the signer must be a registered node that is not
+    banned and the lease must be its own, with the same answers as ``submit_result`` (401
+    unknown_key, 403 node_banned, 404 assignment_not_found). Two primary-key reads."""
+    await _refuse_signer(conn, node_id)
+    holder = (await conn.execute(_HOLDER_OF, {"assignment_id": assignment_id})).scalar_one_or_none()
+    if holder != node_id:
+        raise NotFound("no assignment with this id for this node", code="assignment_not_found")
+
+
 async def submit_result(
     session: AsyncSession,
     signed: SignedRequest,

@@ -23,6 +23,7 @@ from orchestrator.admin.tokens import AdminOnly, Principal, Role, require_roles
 from orchestrator.audit.service import record
 from orchestrator.core.errors import NotFound
 from orchestrator.core.pagination import ID_MAX
+from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import Session, State
 from orchestrator.identity import repository as identity_repo
 from orchestrator.identity.auth import CurrentProvider, SignedNode
@@ -34,9 +35,13 @@ from orchestrator.verification import service, validators
 from orchestrator.verification.models import Verdict
 from orchestrator.verification.scoring import scorer_for
 
-router = APIRouter(prefix="/v1", tags=["verification"], responses=PROBLEM_RESPONSES)
-admin_router = APIRouter(prefix="/v1/admin", tags=["admin: verification"], responses=PROBLEM_RESPONSES)
-validation_router = APIRouter(prefix="/v1/validation", tags=["validators"], responses=PROBLEM_RESPONSES)
+router = APIRouter(prefix="/v1", tags=["verification"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute)
+admin_router = APIRouter(
+    prefix="/v1/admin", tags=["admin: verification"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute
+)
+validation_router = APIRouter(
+    prefix="/v1/validation", tags=["validators"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute
+)
 
 Validator = Annotated[Principal, require_roles(Role.validator, Role.admin)]
 Operator = Annotated[Principal, require_roles(Role.admin, Role.operator)]
