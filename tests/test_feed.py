@@ -18,7 +18,7 @@ from orchestrator.verification import service as verification
 from orchestrator.verification.models import VerificationJob
 from tests.conftest import make_token, postgres_only, problem
 from tests.tasks_helpers import PoolSetup, Worker, pool_setup, task
-from tests.verification_helpers import answer_body, submit, verify_all
+from tests.verification_helpers import answer_body, submit, verdicts, verify_all
 
 pytestmark = pytest.mark.usefixtures("no_audits")
 
@@ -373,3 +373,56 @@ async def test_token_ids_past_64_bits_are_refused_so_the_feed_serves_them_exactl
         await verify_all(app_state)
         [item] = (await feed(s))["items"]
         assert item["samples"][0]["token_ids"] == [2**63 - 1, -(2**63), 0]
+
+
+async def test_a_cursor_from_another_pool_or_never_issued_is_refused_instead_of_skipping_rollouts(
+    app: Any, app_state: Any
+) -> None:
+    """A cursor is a verdict id. Pool A's cursor, passed to pool B's feed, used to be read as a
+    position in B's feed: B's rollouts below it were skipped for ever, without an error. A
+    cursor past the newest verdict (never issued) answered empty pages for as long as ids stayed
+    below it, hiding every new rollout."""
+    async with (
+        pool_setup(app, app_state, workers=1, max_leases_per_node=10) as a,
+        pool_setup(app, app_state, workers=1, max_leases_per_node=10) as b,
+    ):
+        [in_a] = await leases(a, a.workers[0], 1)
+        first_b, second_b, wrong_b = await leases(b, b.workers[0], 3)
+        await submit(b.workers[0], first_b, ["4"])
+        await submit(b.workers[0], wrong_b, ["5"])  # rejected: its verdict id was never a cursor
+        await verify_all(app_state)
+        await submit(a.workers[0], in_a, ["4"])
+        await verify_all(app_state)
+        await submit(b.workers[0], second_b, ["4"])
+        await verify_all(app_state)
+        [a_item] = (await feed(a))["items"]
+        b_items = (await feed(b))["items"]
+        assert (
+            len(b_items) == 2 and b_items[0]["verdict_id"] < a_item["verdict_id"] < b_items[1]["verdict_id"]
+        )
+        rejected = await verdicts(b.admin, b.headers, b.pool_id)
+        [wrong_id] = [v["id"] for v in rejected if v["outcome"] == "rejected"]
+
+        not_issued = [
+            a_item["cursor"],  # another pool's
+            encode_cursor(f"rollouts:{b_items[-1]['verdict_id'] + 1000}"),  # past the newest verdict
+            encode_cursor(f"rollouts:{wrong_id}"),  # a rejected verdict of this pool
+            encode_cursor("rollouts:0"),
+        ]
+        for cursor in not_issued:
+            for suffix in ("", "/export"):
+                r = await b.admin.get(
+                    f"/v1/pools/{b.pool_id}/rollouts{suffix}", params={"after": cursor}, headers=b.headers
+                )
+                problem(r, 400, "cursor_invalid")
+        # B's own cursors still work, a reversed one included.
+        page = await feed(b, after=b_items[0]["cursor"])
+        assert [i["verdict_id"] for i in page["items"]] == [b_items[1]["verdict_id"]]
+        r = await b.admin.post(
+            f"/v1/admin/verdicts/{b_items[0]['verdict_id']}/reverse",
+            json={"reason": "appeal upheld"},
+            headers=b.admin_headers,
+        )
+        assert r.status_code == 200, r.text
+        page = await feed(b, after=b_items[0]["cursor"])
+        assert [i["verdict_id"] for i in page["items"]] == [b_items[1]["verdict_id"]]

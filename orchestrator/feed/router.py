@@ -74,7 +74,7 @@ async def rollouts(
     },
 )
 async def export(pool: ReaderPool, session: Session, state: State, after: After = None) -> StreamingResponse:
-    after_id = service.decode(after)
+    after_id = await service.resume_point(session, pool.id, after)
     upto_id = await service.export_bound(session, pool.id)
     return StreamingResponse(
         service.export_lines(state.sessionmaker, pool.id, after_id=after_id, upto_id=upto_id),

@@ -26,7 +26,7 @@ from typing import Any
 
 import anyio
 import orjson
-from sqlalchemy import Row, func, select, text
+from sqlalchemy import Row, exists, func, select, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -65,6 +65,26 @@ def decode(cursor: str | None) -> int:
     ):
         raise BadRequest("the cursor is not one this feed issued", code="cursor_invalid")
     return int(number)
+
+
+async def resume_point(session: AsyncSession, pool_id: str, cursor: str | None) -> int:
+    """The verdict id to read after: 0 without a cursor, else the one the cursor names, which
+    must be an accepted verdict of this pool (reversed since or not): the only ids the feed
+    issues. Another pool's cursor would otherwise be read as a position in this feed (skipping
+    its rollouts below it), and a made-up one past the newest verdict would answer empty pages.
+    Verdicts are never deleted and their pool and outcome never change, so an issued cursor
+    stays valid."""
+    after_id = decode(cursor)
+    if cursor is None:
+        return after_id
+    issued = await session.scalar(
+        select(
+            exists().where(Verdict.id == after_id, Verdict.pool_id == pool_id, Verdict.outcome == "accepted")
+        )
+    )
+    if not issued:
+        raise BadRequest("the cursor is not one this pool's feed issued", code="cursor_invalid")
+    return after_id
 
 
 # ------------------------------------------------------------------ JSON
@@ -206,7 +226,7 @@ def _rollouts(rows: Sequence[Row[Any]]) -> list[Rollout]:
 
 
 async def page(session: AsyncSession, pool_id: str, *, after: str | None, limit: int) -> RolloutPage:
-    after_id = decode(after)
+    after_id = await resume_point(session, pool_id, after)
     await stabilise(session)
     rows = await _rows(session, pool_id, after_id=after_id, upto_id=None, limit=limit + 1)
     more = len(rows) > limit
