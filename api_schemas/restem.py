@@ -113,6 +113,11 @@ class ProblemReport(BaseModel):
     discarded_samples: int = Field(
         description="Results rejected for another reason, reversed, or decided after the deadline"
     )
+    unchecked_samples: int = Field(
+        description="Accepted samples without a server reward: the problem's verification spec gives "
+        "the pool's reward function nothing to check against (e.g. no `answer`). Not in the solve "
+        "rate or the dataset"
+    )
     pending_results: int = Field(description="Results still waiting for a verdict")
 
 
@@ -129,6 +134,7 @@ class ReportTotals(BaseModel):
     dataset_size: int
     off_policy_samples: int
     discarded_samples: int
+    unchecked_samples: int
     pending_results: int
 
 

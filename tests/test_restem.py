@@ -483,3 +483,36 @@ async def test_the_dataset_serves_metadata_integers_past_64_bits(app: Any, app_s
             [0, 2], key=lambda i: restem_service.rank_key(it["id"], lines[0]["submission_id"], i)
         )
         assert {x["metadata"]["row"] for x in lines} == {2**64}
+
+
+async def test_samples_the_server_could_not_check_are_not_counted_as_verified(
+    app: Any, app_state: Any
+) -> None:
+    """A problem whose verification spec gives the reward function nothing to check against (a
+    typo: ``solution`` for ``answer``) has its results accepted unchecked. The report counted
+    their samples as verified and none as correct: a solve rate of 0.0 for a problem every
+    sample answered right, pulling the mean problem solve rate down from 0.75 to 0.375."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        body = iteration_body()
+        body["problems"][0]["verification"] = {"solution": "4"}
+        r = await s.admin.post(base(s), json=body, headers=s.headers)
+        assert r.status_code == 201, r.text
+        it = r.json()
+        w = s.workers[0]
+        leases = await claim_all(w, s.pool_id, 2)
+        await submit(w, leases["p1"], ["4", "4", "4", "4"])
+        await submit(w, leases["p2"], ["6", "6", "6", "1"])
+        await verify_all(app_state)
+        assert (await get(s, it["id"]))["status"] == "complete"
+
+        rep = await report(s, it["id"])
+        p1, p2 = rep["problems"]
+        assert (p1["verified_samples"], p1["correct_samples"], p1["solve_rate"]) == (0, 0, None)
+        assert p1["unchecked_samples"] == 4 and p1["kept_samples"] == 0
+        assert (p2["verified_samples"], p2["correct_samples"], p2["unchecked_samples"]) == (4, 3, 0)
+        t = rep["totals"]
+        assert (t["verified_samples"], t["correct_samples"], t["unchecked_samples"]) == (4, 3, 4)
+        assert t["solve_rate"] == pytest.approx(3 / 4)
+        assert t["mean_problem_solve_rate"] == pytest.approx(3 / 4)  # p1 has no rate, not 0.0
+        lines = [json.loads(x) for x in (await dataset(s, it["id"])).splitlines()]
+        assert {x["problem_id"] for x in lines} == {"p2"} and len(lines) == 2

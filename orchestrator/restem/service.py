@@ -17,7 +17,9 @@ Counting a result's samples:
 
 * generated with another policy step than the iteration's -> ``off_policy`` (excluded);
 * accepted, or rejected only because no sample was right (``wrong_answer``) -> ``verified``:
-  the server checked every sample, so they count in the solve rate;
+  the server checked every sample, so they count in the solve rate; but an accepted sample
+  without a server reward (the problem's verification spec gave the reward function nothing
+  to check against) -> ``unchecked`` (excluded: neither right nor wrong);
 * rejected for any other reason, reversed, or (expired iterations) decided after the deadline
   -> ``discarded``; no verdict yet -> pending.
 
@@ -380,6 +382,16 @@ def _cutoff(iteration: RestemIteration) -> dt.datetime | None:
     return iteration.finished_at if iteration.status == "expired" else None
 
 
+def _checked(details: dict[str, Any] | None, server_reward: float | None, n: int) -> int:
+    """How many of an accepted result's n samples have a server reward. A verification spec that
+    gives the reward function nothing to check against (no ``answer``, say) leaves them without
+    one: accepted unchecked, neither right nor wrong."""
+    per_sample = (details or {}).get("per_sample_rewards")
+    if isinstance(per_sample, list) and len(per_sample) == n:
+        return sum(1 for r in sample_rewards(details, server_reward, n) if r is not None)
+    return n if server_reward is not None else 0
+
+
 def _correct(details: dict[str, Any] | None, server_reward: float | None, n: int) -> int:
     per_sample = (details or {}).get("per_sample_rewards")
     if isinstance(per_sample, list) and len(per_sample) == n:
@@ -398,6 +410,7 @@ class ProblemTally:
     correct: int = 0
     off_policy: int = 0
     discarded: int = 0
+    unchecked: int = 0
     pending: int = 0
 
 
@@ -440,7 +453,9 @@ async def tally(session: AsyncSession, iteration: RestemIteration) -> list[Probl
         elif r.reversed_at is not None or (cutoff is not None and r.decided_at > cutoff):
             p.discarded += r.sample_count
         elif r.outcome == "accepted":
-            p.verified += r.sample_count
+            checked = _checked(r.details, r.server_reward, r.sample_count)
+            p.verified += checked
+            p.unchecked += r.sample_count - checked
             p.correct += _correct(r.details, r.server_reward, r.sample_count)
         elif r.reason == "wrong_answer":
             p.verified += r.sample_count
@@ -619,6 +634,7 @@ async def report(session: AsyncSession, iteration: RestemIteration) -> Iteration
             kept_samples=min(p.correct, k),
             off_policy_samples=p.off_policy,
             discarded_samples=p.discarded,
+            unchecked_samples=p.unchecked,
             pending_results=p.pending,
         )
         for p in problems
@@ -637,6 +653,7 @@ async def report(session: AsyncSession, iteration: RestemIteration) -> Iteration
         dataset_size=sum(r.kept_samples for r in rows),
         off_policy_samples=sum(p.off_policy for p in problems),
         discarded_samples=sum(p.discarded for p in problems),
+        unchecked_samples=sum(p.unchecked for p in problems),
         pending_results=sum(p.pending for p in problems),
     )
     return IterationReport(
