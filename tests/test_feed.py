@@ -426,3 +426,49 @@ async def test_a_cursor_from_another_pool_or_never_issued_is_refused_instead_of_
         assert r.status_code == 200, r.text
         page = await feed(b, after=b_items[0]["cursor"])
         assert [i["verdict_id"] for i in page["items"]] == [b_items[1]["verdict_id"]]
+
+
+@postgres_only
+async def test_verdicts_are_written_while_a_feed_page_is_being_built(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read's table lock (which makes it wait for verdicts still being written) was held to
+    the end of the request, while the page's signed bodies were parsed and built: up to 500
+    results of up to 1024 samples each. Every verdict (the verifier's, a validator's, an
+    appeal) waited that long, as did whatever those transactions had locked already."""
+    import threading
+
+    building, release = threading.Event(), threading.Event()
+    real = feed_service._rollouts
+
+    def slow_rollouts(rows: Any) -> Any:
+        building.set()
+        assert release.wait(20)
+        return real(rows)
+
+    monkeypatch.setattr(feed_service, "_rollouts", slow_rollouts)
+    async with pool_setup(app, app_state, workers=2) as s:
+        first, second = s.workers
+        [a] = await leases(s, first, 1)
+        [b] = await leases(s, second, 1)
+        sub_a = (await submit(first, a, ["4"]))["submission_id"]
+        sub_b = (await submit(second, b, ["4"]))["submission_id"]
+        await accept_in_transaction(app_state, sub_a, asyncio.Event(), None)
+
+        read = asyncio.create_task(feed(s))
+        accept = None
+        try:
+            assert await asyncio.to_thread(building.wait, 10)
+            accept = asyncio.create_task(accept_in_transaction(app_state, sub_b, asyncio.Event(), None))
+            done, _ = await asyncio.wait({accept}, timeout=3)
+            assert accept in done, "a verdict must not wait for a feed page to be built"
+        finally:
+            release.set()
+            page = await asyncio.wait_for(read, 20)
+            if accept is not None:
+                await asyncio.wait_for(accept, 20)
+        # The page is what had committed when it was read; the new verdict comes next.
+        assert [i["submission_id"] for i in page["items"]] == [sub_a]
+        monkeypatch.setattr(feed_service, "_rollouts", real)
+        later = await feed(s, after=page["next_cursor"])
+        assert [i["submission_id"] for i in later["items"]] == [sub_b]

@@ -10,11 +10,12 @@ was served is simply absent when the same range is read again.
 the write lock up front, so ids commit in order. On PostgreSQL two verdict transactions (the
 verifier's tick and a validator's post) can commit out of id order, so a read first takes
 ``LOCK TABLE verdicts IN SHARE MODE``: it waits for every transaction that has written a
-verdict to finish and keeps new ones out until the read's transaction ends. What the read
-sees is then a prefix of the final id order, and a later verdict always gets a larger id than
-anything served. The wait is bounded (``lock_timeout``); past it the read answers 503
-``feed_busy`` with ``Retry-After``. The export takes the lock once, to fix its upper bound,
-and then reads below it in short unlocked transactions.
+verdict to finish, reads the newest verdict id, and gives the lock back at once (it is taken in
+a savepoint, rolled back). Every verdict up to that id has committed and any later one gets a
+larger id, so what the read serves (ids up to the bound) is a prefix of the final id order.
+The wait is bounded (``lock_timeout``); past it the read answers 503 ``feed_busy`` with
+``Retry-After``. The export fixes its upper bound the same way, then reads below it in short
+transactions.
 """
 
 from __future__ import annotations
@@ -127,13 +128,18 @@ def sample_rewards(details: dict[str, Any] | None, server_reward: float | None, 
 # ------------------------------------------------------------------ reads
 
 
-async def stabilise(session: AsyncSession) -> None:
-    """On PostgreSQL, wait until no transaction is still writing verdicts (see the module doc)."""
+async def settled_bound(session: AsyncSession) -> int | None:
+    """On PostgreSQL, the newest verdict id once no transaction is still writing verdicts (see
+    the module doc): every verdict at or below it has committed, and any later one gets a larger
+    id. The lock is taken in a savepoint and given back with it, as soon as the bound is known,
+    so verdicts are not held up while the page is built. None on SQLite (ids commit in order)."""
     if not is_postgres(session):
-        return
+        return None
+    savepoint = await session.begin_nested()
     try:
         await session.execute(text(f"SET LOCAL lock_timeout = {LOCK_TIMEOUT_MS}"))
         await session.execute(text("LOCK TABLE verdicts IN SHARE MODE"))
+        upto = await session.scalar(select(func.max(Verdict.id)))
     except DBAPIError as exc:
         code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
         if code != LOCK_NOT_AVAILABLE:
@@ -143,6 +149,9 @@ async def stabilise(session: AsyncSession) -> None:
             code="feed_busy",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         ) from exc
+    finally:
+        await savepoint.rollback()  # releases the lock (and the lock_timeout) taken in it
+    return int(upto or 0)
 
 
 def _accepted(pool_id: str) -> Any:
@@ -227,8 +236,8 @@ def _rollouts(rows: Sequence[Row[Any]]) -> list[Rollout]:
 
 async def page(session: AsyncSession, pool_id: str, *, after: str | None, limit: int) -> RolloutPage:
     after_id = await resume_point(session, pool_id, after)
-    await stabilise(session)
-    rows = await _rows(session, pool_id, after_id=after_id, upto_id=None, limit=limit + 1)
+    upto_id = await settled_bound(session)
+    rows = await _rows(session, pool_id, after_id=after_id, upto_id=upto_id, limit=limit + 1)
     more = len(rows) > limit
     rows = rows[:limit]
     # Parsing signed bodies is CPU work: off the event loop.
@@ -242,8 +251,11 @@ async def page(session: AsyncSession, pool_id: str, *, after: str | None, limit:
 
 async def export_bound(session: AsyncSession, pool_id: str) -> int:
     """The newest accepted verdict id now; the export stops there, so it always ends."""
-    await stabilise(session)
-    upto = await session.scalar(select(func.max(Verdict.id)).where(*_accepted(pool_id)))
+    settled = await settled_bound(session)
+    stmt = select(func.max(Verdict.id)).where(*_accepted(pool_id))
+    if settled is not None:
+        stmt = stmt.where(Verdict.id <= settled)
+    upto = await session.scalar(stmt)
     return int(upto or 0)
 
 
