@@ -171,9 +171,11 @@ class ReplicaOut(BaseModel):
     expirations: int
 
 
-class AssignmentOut(BaseModel):
+class NodeAssignmentOut(BaseModel):
+    """A lease as its node sees it (the answer to giving it back). It does not say which replica
+    of its task the lease is: see ``Lease``."""
+
     id: str
-    replica_index: int
     node_id: str
     status: str
     fencing_token: int
@@ -185,6 +187,12 @@ class AssignmentOut(BaseModel):
         default=None,
         description="What failed, when the node gave the lease back because the task failed on it",
     )
+
+
+class AssignmentOut(NodeAssignmentOut):
+    """A lease as an operator sees it, with the replica it is of."""
+
+    replica_index: int
 
 
 class ReleaseIn(StrictModel):
@@ -302,10 +310,13 @@ class PolicyRef(BaseModel):
 
 
 class Lease(BaseModel):
+    """One replica leased to a node. Which replica of its task it is stays on the server: an audit
+    adds a replica to a task of one, and a node that could tell its lease is one (replica_index
+    1) would answer honestly only where its answer is compared with another node's."""
+
     assignment_id: str
     fencing_token: int = Field(description="Echo it with the result; a reissued lease has a new one")
     seed: int = Field(description="The sampling seed assigned by the coordinator")
-    replica_index: int
     policy: PolicyRef
     lease_expires_at: dt.datetime
     task: LeasedTask

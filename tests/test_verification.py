@@ -339,7 +339,7 @@ async def test_an_inconclusive_quorum_adds_a_replica(app: Any, app_state: Any) -
         ).json()
         assert detail["replication"] == 4 and detail["status"] == "open"
         lease = (await s.workers[3].claim(s.pool_id)).json()["leases"][0]
-        assert lease["replica_index"] == 3
+        assert lease["seed"] == next(r["seed"] for r in detail["replicas"] if r["replica_index"] == 3)
         await submit(s.workers[3], lease, ["Paris"])
         await verify_all(app_state)
         vs = {v["node_id"]: v for v in await verdicts(s.admin, s.headers, s.pool_id)}
@@ -371,11 +371,42 @@ async def test_an_audited_result_gets_a_second_replica(app: Any, app_state: Any)
         await verify_all(app_state)
         assert await verdicts(s.admin, s.headers, s.pool_id) == []
         second = (await s.workers[1].claim(s.pool_id)).json()["leases"][0]
-        assert second["task"]["task_id"] == lease["task"]["task_id"] and second["replica_index"] == 1
+        assert second["task"]["task_id"] == lease["task"]["task_id"]
         await submit(s.workers[1], second, ["4"])
         await verify_all(app_state)
         vs = await verdicts(s.admin, s.headers, s.pool_id)
         assert [v["category"] for v in vs] == ["valid", "valid"]
+
+
+async def test_a_node_cannot_tell_an_audit_replica_from_any_other_lease(app: Any, app_state: Any) -> None:
+    """An audit asks a second node for the same task; that node must not be able to tell, or a
+    cheater answers honestly only there (its answer is compared) and cheats on the rest, while
+    the verified audit answers lower its own audit rate. Every task of a pool of replication 1
+    has one replica, index 0, so a lease with replica_index 1 was an audit replica, in the
+    claim's answer, in the node's lease list and in the answer to giving it back (after which
+    the node may take it back, with the same seed)."""
+    app_state.rng = FixedDraw(0.0)  # audit everything
+    async with pool_setup(app, app_state, workers=2) as s:
+        submitter, auditor = s.workers
+        open_ended = {"prompt": "Name the capital of France.", "sampling": {"max_tokens": 64}}
+        await s.enqueue([open_ended], key="q0")
+        await submit(submitter, (await submitter.claim(s.pool_id)).json()["leases"][0], ["Paris"])
+        await verify_all(app_state)  # audited: a second replica of q0
+        await s.enqueue([{**open_ended, "prompt": "Name the capital of Italy."}], key="q1")
+        audit, ordinary = (await auditor.claim(s.pool_id, max_tasks=2)).json()["leases"]
+        assert audit["task"]["prompt"] == "Name the capital of France."
+
+        def visible(lease: dict[str, Any]) -> dict[str, Any]:  # what is not the task's own
+            return {k: v for k, v in lease.items() if k not in ("assignment_id", "seed", "task")}
+
+        assert visible(audit) == visible(ordinary)
+        listed = (await auditor.client.get("/v1/nodes/me/leases", auth=auditor.contributor.node_auth)).json()
+        assert [visible(x) for x in listed["leases"]] == [visible(ordinary)] * 2
+        given_back = [(await auditor.release(x)).json() for x in (audit, ordinary)]
+        assert [sorted(x) for x in given_back] == [sorted(given_back[1])] * 2
+        assert {k: v for k, v in given_back[0].items() if k not in ("id", "created_at", "ended_at")} == {
+            k: v for k, v in given_back[1].items() if k not in ("id", "created_at", "ended_at")
+        }
 
 
 async def test_a_result_accepted_unchecked_does_not_lower_the_nodes_audit_rate(

@@ -20,6 +20,7 @@ from api_schemas.tasks import (
     EvidenceOut,
     LeasesOut,
     LeaseStatsOut,
+    NodeAssignmentOut,
     PolicyIn,
     PolicyOut,
     ReleaseIn,
@@ -174,7 +175,7 @@ async def submit_result(
 
 @router.post(
     "/assignments/{assignment_id}/release",
-    response_model=AssignmentOut,
+    response_model=NodeAssignmentOut,
     summary="Give a lease back so the replica is reissued at once; with an error, the task failed here",
 )
 async def release(
@@ -183,10 +184,10 @@ async def release(
     session: Session,
     state: State,
     body: ReleaseIn | None = None,
-) -> AssignmentOut:
+) -> NodeAssignmentOut:
     error = body.error if body is not None else None
     a = await service.release(session, node.id, assignment_id, now=state.clock.utcnow(), error=error)
-    return await _assignment_out(session, a)
+    return _node_assignment_out(a)
 
 
 @router.get(
@@ -225,11 +226,10 @@ async def member_policy(pool_id: PoolId, node: CurrentNode, session: Session) ->
     return policy_out(current)
 
 
-async def _assignment_out(session: Session, a: Assignment) -> AssignmentOut:
-    index = await session.scalar(select(TaskReplica.replica_index).where(TaskReplica.id == a.replica_id))
-    return AssignmentOut(
+def _node_assignment_out(a: Assignment) -> NodeAssignmentOut:
+    """What the node is told of its lease: not which replica it is (an audit's would show)."""
+    return NodeAssignmentOut(
         id=a.id,
-        replica_index=int(index or 0),
         node_id=a.node_id,
         status=a.status,
         fencing_token=a.fencing_token,

@@ -499,7 +499,7 @@ _NEVER_AGAIN = {
 # Each picked task joined to its payload and a replica: the one this node gave back, if it
 # held one (``_MAY_TAKE`` made sure it is available), else the lowest available. Best rank first.
 _REPLICAS_OF = """
-    SELECT r.id AS replica_id, r.task_id, r.replica_index, r.seed, r.leases_issued,
+    SELECT r.id AS replica_id, r.task_id, r.seed, r.leases_issued,
            t.prompt, t.problem_ref, t.sampling, t.metadata, t.claim_rank
       FROM {tasks}
       JOIN task_replicas r ON r.task_id = t.id AND r.status = 'available'
@@ -608,13 +608,12 @@ _LEASE_ALL = text(
 
 
 def _lease(row: Row[Any], assignment_id: str, token: int, policy: PolicyRef, expires: dt.datetime) -> Lease:
-    """A lease as a claim gives it: ``row`` has the replica's seed and index and the task's
-    payload (never its verification spec)."""
+    """A lease as a claim gives it: ``row`` has the replica's seed and the task's payload (never
+    its verification spec, nor which replica of the task it is)."""
     return Lease(
         assignment_id=assignment_id,
         fencing_token=token,
         seed=row.seed,
-        replica_index=row.replica_index,
         policy=policy,
         lease_expires_at=expires,
         task=LeasedTask(
@@ -763,7 +762,7 @@ _LIVE_LEASES = (
     text(
         """
     SELECT a.id, a.fencing_token, a.lease_expires_at, a.policy_step, pv.uri, pv.sha256,
-           r.seed, r.replica_index, t.id AS task_id, t.prompt, t.problem_ref, t.sampling, t.metadata
+           r.seed, t.id AS task_id, t.prompt, t.problem_ref, t.sampling, t.metadata
       FROM assignments a
       JOIN task_replicas r ON r.id = a.replica_id
       JOIN tasks t ON t.id = a.task_id
