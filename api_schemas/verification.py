@@ -68,6 +68,23 @@ class ValidationClaimIn(StrictModel):
         default=None, max_length=40, description="Only this pool (default: all in scope)"
     )
     max_jobs: int = Field(default=1, ge=1, le=50)
+    lease_s: int = Field(
+        default=300,
+        ge=30,
+        le=3600,
+        description="How long the leases last; extend one with POST /v1/validation/jobs/{id}/extend",
+    )
+
+
+class ValidationExtendIn(StrictModel):
+    fencing_token: int = Field(ge=1, description="The lease's, as the claim gave it")
+    lease_s: int = Field(default=300, ge=30, le=3600, description="The lease now runs out this long from now")
+
+
+class ValidationLeaseOut(BaseModel):
+    job_id: int
+    fencing_token: int
+    lease_expires_at: dt.datetime
 
 
 class ValidationJobOut(BaseModel):

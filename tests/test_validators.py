@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import time
 from typing import Any
 
@@ -202,3 +203,73 @@ async def test_a_claim_naming_a_pool_id_with_a_nul_is_a_body_that_does_not_valid
     r = await client.post("/v1/validation/claim", json={"pool_id": "pool_\x00"}, headers=admin_headers)
     body = problem(r, 422, "validation_failed")
     assert body["errors"][0]["loc"] == ["body", "pool_id"]
+
+
+async def test_a_validator_chooses_its_lease_and_extends_a_live_one(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A check that takes longer than 300 s was lost: the lease was fixed at 300 s, and its
+    verdict was refused lease_expired. The claim takes lease_s; the holder extends a live lease."""
+    app_state.rng = FixedDraw(0.0)
+    async with pool_setup(app, app_state, workers=2, audit_method="validator", audit_rate_floor=1.0) as s:
+        for w in s.workers:
+            await s.enqueue([task()], key=f"e-{w.node_id[:8]}")
+            await submit(w, (await w.claim(s.pool_id)).json()["leases"][0], ["4"])
+        await verify_all(app_state)
+        v = await validator_headers(app_state, [s.pool_id])
+        other = await validator_headers(app_state, [s.pool_id])
+        claimed = await s.admin.post("/v1/validation/claim", json={"lease_s": 900}, headers=v)
+        long_job = claimed.json()["jobs"][0]
+        short_job = (await s.admin.post("/v1/validation/claim", json={}, headers=v)).json()["jobs"][0]
+        start = clock.utcnow()
+
+        def expiry(job: dict[str, Any]) -> float:
+            return (dt.datetime.fromisoformat(job["lease_expires_at"]) - start).total_seconds()
+
+        assert expiry(long_job) == 900 and expiry(short_job) == 300
+        clock.advance(250)
+        url = f"/v1/validation/jobs/{short_job['job_id']}/extend"
+        body = {"fencing_token": short_job["fencing_token"], "lease_s": 600}
+        problem(await s.admin.post(url, json=body, headers=other), 409, "lease_expired")
+        stale = {**body, "fencing_token": short_job["fencing_token"] + 1}
+        problem(await s.admin.post(url, json=stale, headers=v), 409, "lease_expired")
+        r = await s.admin.post(url, json=body, headers=v)
+        assert r.status_code == 200, r.text
+        assert r.json()["fencing_token"] == short_job["fencing_token"] and expiry(r.json()) == 850
+
+        clock.advance(450)  # 700 s after the claims: past the old 300 s, within both leases
+        assert (await verify_once(app_state)).validator_leases_expired == 0
+        for job in (long_job, short_job):
+            verdict = {
+                "fencing_token": job["fencing_token"],
+                "outcome": "valid",
+                "reason": "ok",
+                "evidence": GOOD,
+            }
+            r = await s.admin.post(f"/v1/validation/jobs/{job['job_id']}/verdict", json=verdict, headers=v)
+            assert r.status_code == 200, r.text
+        # A decided job's lease is over; so is one that ran out.
+        problem(await s.admin.post(url, json=body, headers=v), 409, "lease_expired")
+        for bad in ({"lease_s": 29}, {"lease_s": 3601}):
+            problem(await s.admin.post("/v1/validation/claim", json=bad, headers=v), 422, "validation_failed")
+            problem(await s.admin.post(url, json={**body, **bad}, headers=v), 422, "validation_failed")
+        problem(
+            await s.admin.post("/v1/validation/jobs/999999/extend", json=body, headers=v),
+            404,
+            "validation_job_not_found",
+        )
+
+
+async def test_a_claim_naming_a_pool_out_of_scope_or_unknown_is_404_not_an_empty_answer(
+    app: Any, app_state: Any
+) -> None:
+    """An empty list looked like a pool with nothing to check, hiding a typo in the pool id."""
+    async with pool_setup(app, app_state, audit_method="validator") as s:
+        v = await validator_headers(app_state, [s.pool_id])
+        for pool_id in ("pool_0000000000000000", "pool-typo"):
+            r = await s.admin.post("/v1/validation/claim", json={"pool_id": pool_id}, headers=v)
+            problem(r, 404, "pool_not_found")
+            r = await s.admin.post("/v1/validation/claim", json={"pool_id": pool_id}, headers=s.admin_headers)
+            problem(r, 404, "pool_not_found")
+        r = await s.admin.post("/v1/validation/claim", json={"pool_id": s.pool_id}, headers=v)
+        assert r.json() == {"jobs": []}

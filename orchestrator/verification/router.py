@@ -14,7 +14,9 @@ from api_schemas.verification import (
     ReverseIn,
     ValidationClaimIn,
     ValidationClaimOut,
+    ValidationExtendIn,
     ValidationJobOut,
+    ValidationLeaseOut,
     ValidatorVerdictIn,
     ValidatorVerdictOut,
     VerdictOut,
@@ -227,7 +229,9 @@ async def reverse(
 async def claim(
     body: ValidationClaimIn, principal: Validator, session: Session, state: State
 ) -> ValidationClaimOut:
-    leased = await validators.claim(session, principal, body.pool_id, body.max_jobs, now=state.clock.utcnow())
+    leased = await validators.claim(
+        session, principal, body.pool_id, body.max_jobs, now=state.clock.utcnow(), lease_s=body.lease_s
+    )
     jobs = []
     for job, submission, task, seed in leased:
         assert job.lease_expires_at is not None
@@ -252,6 +256,23 @@ async def claim(
             )
         )
     return ValidationClaimOut(jobs=jobs)
+
+
+@validation_router.post(
+    "/jobs/{job_id}/extend",
+    response_model=ValidationLeaseOut,
+    summary="Extend a validation lease that is still live (the same fencing token)",
+)
+async def extend_lease(
+    job_id: JobId, body: ValidationExtendIn, principal: Validator, session: Session, state: State
+) -> ValidationLeaseOut:
+    job = await validators.extend(
+        session, principal, job_id, body.fencing_token, body.lease_s, now=state.clock.utcnow()
+    )
+    assert job.lease_expires_at is not None
+    return ValidationLeaseOut(
+        job_id=job.id, fencing_token=job.fencing_token, lease_expires_at=job.lease_expires_at
+    )
 
 
 @validation_router.post(

@@ -20,6 +20,7 @@ from api_schemas.verification import ValidatorVerdictIn
 from orchestrator.admin.tokens import Principal, Role
 from orchestrator.core.errors import Conflict, NotFound, UnprocessableEntity
 from orchestrator.core.sql import is_postgres
+from orchestrator.pools.models import Pool
 from orchestrator.tasks.models import Submission, Task, TaskReplica
 from orchestrator.verification import service
 from orchestrator.verification.models import ValidationJob, Verdict, VerificationJob
@@ -42,9 +43,20 @@ def _pools_in_scope(principal: Principal, pool_id: str | None) -> list[str] | No
 
 
 async def claim(
-    session: AsyncSession, principal: Principal, pool_id: str | None, max_jobs: int, *, now: dt.datetime
+    session: AsyncSession,
+    principal: Principal,
+    pool_id: str | None,
+    max_jobs: int,
+    *,
+    now: dt.datetime,
+    lease_s: int = LEASE_S,
 ) -> list[tuple[ValidationJob, Submission, Task, int]]:
+    """Lease up to ``max_jobs`` open jobs for ``lease_s`` seconds. A pool named that does not
+    exist, or that the token is not scoped to, is 404 ``pool_not_found`` (not an empty answer,
+    which would look like a pool with nothing to check)."""
     pools = _pools_in_scope(principal, pool_id)
+    if pool_id is not None and (pools == [] or await session.get(Pool, pool_id) is None):
+        raise NotFound(f"no pool {pool_id} in this token's scope", code="pool_not_found")
     if pools == []:
         return []
     stmt = (
@@ -60,7 +72,7 @@ async def claim(
         job.status = "leased"
         job.fencing_token += 1
         job.validator_token_id = principal.token_id
-        job.lease_expires_at = now + dt.timedelta(seconds=LEASE_S)
+        job.lease_expires_at = now + dt.timedelta(seconds=lease_s)
         submission = await session.get(Submission, job.submission_id)
         assert submission is not None
         task = await session.get(Task, submission.task_id)
@@ -70,6 +82,37 @@ async def claim(
         out.append((job, submission, task, replica.seed))
     await session.flush()
     return out
+
+
+async def extend(
+    session: AsyncSession,
+    principal: Principal,
+    job_id: int,
+    fencing_token: int,
+    lease_s: int,
+    *,
+    now: dt.datetime,
+) -> ValidationJob:
+    """The holder's live lease now runs out ``lease_s`` from now (sooner too, if it asks): a
+    check that takes longer than its claim's ``lease_s`` is not lost. A lease already run out,
+    decided, or held by another validator or under another fencing token is 409
+    ``lease_expired``, as a verdict would be."""
+    job = (
+        await session.execute(select(ValidationJob).where(ValidationJob.id == job_id).with_for_update())
+    ).scalar_one_or_none()
+    if job is None or (principal.role != Role.admin and job.pool_id not in principal.pool_ids):
+        raise NotFound("no validation job with this id", code="validation_job_not_found")
+    if (
+        job.status != "leased"
+        or job.validator_token_id != principal.token_id
+        or job.fencing_token != fencing_token
+        or job.lease_expires_at is None
+        or job.lease_expires_at <= now
+    ):
+        raise Conflict("this validation lease expired or belongs to another validator", code="lease_expired")
+    job.lease_expires_at = now + dt.timedelta(seconds=lease_s)
+    await session.flush()
+    return job
 
 
 def _contradicted(body: ValidatorVerdictIn) -> str | None:
