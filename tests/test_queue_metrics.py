@@ -18,8 +18,9 @@ from orchestrator.core.db import utcnow
 from orchestrator.core.ticks import BackgroundTick
 from orchestrator.tasks import jobs as task_jobs
 from orchestrator.verification import jobs as verification_jobs
+from tests.conftest import make_token
 from tests.tasks_helpers import pool_setup, task
-from tests.verification_helpers import submit, verify_all
+from tests.verification_helpers import FixedDraw, submit, verify_all
 
 
 async def scrape(client: httpx.AsyncClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -132,3 +133,30 @@ async def test_each_background_loop_shows_how_long_ago_it_last_ran(
         )
     m = await scrape(client)
     assert 3600 <= value(m, "orchestrator_loop_last_run_age_seconds", loop=task_jobs.LEASE_REAPER) < 3605
+
+
+async def test_a_result_waiting_for_a_validator_shows_its_age_until_one_decides_it(
+    app: Any, app_state: Any, client: httpx.AsyncClient, clock: FakeClock
+) -> None:
+    """Nothing but a validator decides a result routed to validators: with none running it
+    waited unpaid, and only a count showed it, not how long."""
+    app_state.rng = FixedDraw(0.0)  # audit everything
+    async with pool_setup(app, app_state, workers=1, audit_method="validator", audit_rate_floor=1.0) as s:
+        w = s.workers[0]
+        await s.enqueue([task()])
+        await submit(w, (await w.claim(s.pool_id)).json()["leases"][0], ["4"])
+        assert value(await scrape(client), "orchestrator_validation_oldest_waiting_seconds") == 0
+        await verify_all(app_state)  # the cheap checks pass it on to the validators
+        clock.advance(3000)
+        m = await scrape(client)
+        assert value(m, "orchestrator_verification_jobs", stage="validator") == 1
+        assert value(m, "orchestrator_validation_oldest_waiting_seconds") == 3000
+        assert value(m, "orchestrator_verification_oldest_waiting_seconds") == 0
+
+        token = await make_token(app_state, "admin", name="toploc")
+        headers = {"Authorization": f"Bearer {token}"}
+        job = (await s.admin.post("/v1/validation/claim", json={}, headers=headers)).json()["jobs"][0]
+        verdict = {"fencing_token": job["fencing_token"], "outcome": "valid", "reason": "toploc_ok"}
+        r = await s.admin.post(f"/v1/validation/jobs/{job['job_id']}/verdict", json=verdict, headers=headers)
+        assert r.status_code == 200, r.text
+        assert value(await scrape(client), "orchestrator_validation_oldest_waiting_seconds") == 0

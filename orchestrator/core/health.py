@@ -65,9 +65,10 @@ _QUEUE = text(
     """
     SELECT (SELECT count(*) FROM tasks WHERE status = 'open' AND available_replicas > 0) AS claimable,
            (SELECT count(*) FROM assignments WHERE status = 'active') AS leases,
-           (SELECT created_at FROM verification_jobs WHERE stage = 'checks' ORDER BY id LIMIT 1) AS oldest
+           (SELECT created_at FROM verification_jobs WHERE stage = 'checks' ORDER BY id LIMIT 1) AS oldest,
+           (SELECT min(created_at) FROM verification_jobs WHERE stage = 'validator') AS oldest_validator
     """
-).columns(claimable=Integer(), leases=Integer(), oldest=UTCDateTime())
+).columns(claimable=Integer(), leases=Integer(), oldest=UTCDateTime(), oldest_validator=UTCDateTime())
 _WAITING_JOBS = text("SELECT stage, count(*) FROM verification_jobs WHERE stage <> 'done' GROUP BY stage")
 _LOOP_RUNS = text("SELECT name, last_run_at FROM background_ticks").columns(last_run_at=UTCDateTime())
 WAITING_STAGES = ("checks", "quorum", "validator")
@@ -77,7 +78,7 @@ WAITING_STAGES = ("checks", "quorum", "validator")
 async def prometheus_metrics(state: State) -> Response:
     async with state.sessionmaker() as session:
         counts = await identity_repo.count_by_status(session)
-        claimable, leases, oldest = (await session.execute(_QUEUE)).one()
+        claimable, leases, oldest, oldest_validator = (await session.execute(_QUEUE)).one()
         waiting = {str(stage): int(n) for stage, n in (await session.execute(_WAITING_JOBS)).all()}
         last_runs: dict[str, dt.datetime | None] = {
             str(name): last for name, last in (await session.execute(_LOOP_RUNS)).all()
@@ -88,8 +89,8 @@ async def prometheus_metrics(state: State) -> Response:
     metrics.LEASES_ACTIVE.set(leases)
     for stage in WAITING_STAGES:
         metrics.VERIFICATION_JOBS.labels(stage).set(waiting.get(stage, 0))
-    lag = (state.clock.utcnow() - oldest).total_seconds() if oldest is not None else 0.0
-    metrics.VERIFICATION_LAG.set(max(0.0, lag))
+    for gauge, since in ((metrics.VERIFICATION_LAG, oldest), (metrics.VALIDATION_LAG, oldest_validator)):
+        gauge.set(max(0.0, (state.clock.utcnow() - since).total_seconds()) if since is not None else 0.0)
     # The wall clock, as claim_tick writes last_run_at with it.
     now = utcnow()
     # The loops this version runs only: a row a removed or renamed loop left behind is not one.

@@ -62,6 +62,12 @@ VERIFICATION_LAG = Gauge(
     "Age of the oldest result waiting for the verifier's checks (0 when none waits)",
     multiprocess_mode="mostrecent",
 )
+VALIDATION_LAG = Gauge(
+    "orchestrator_validation_oldest_waiting_seconds",
+    "Age of the oldest result waiting for a validator's verdict, since it was received (0 when none "
+    "waits); it grows when no validator claims the pool's jobs",
+    multiprocess_mode="mostrecent",
+)
 
 LOOP_LAST_RUN_AGE = Gauge(
     "orchestrator_loop_last_run_age_seconds",
