@@ -7,8 +7,11 @@ import datetime as dt
 import time
 from typing import Any
 
+import pytest
+
 from orchestrator.admin.tokens import Role, create_token
 from orchestrator.core.clock import FakeClock
+from orchestrator.verification import service
 from orchestrator.verification.jobs import verify_once
 from tests.conftest import problem
 from tests.tasks_helpers import pool_setup, task
@@ -273,3 +276,41 @@ async def test_a_claim_naming_a_pool_out_of_scope_or_unknown_is_404_not_an_empty
             problem(r, 404, "pool_not_found")
         r = await s.admin.post("/v1/validation/claim", json={"pool_id": s.pool_id}, headers=v)
         assert r.json() == {"jobs": []}
+
+
+async def test_a_validator_verdict_scores_without_holding_up_other_writes(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On SQLite every transaction holds the one write lock: the verdict route scored the result
+    inside its own, so every claim, result and registration waited as long as the reward
+    function ran (up to reward_timeout_s, 10 s by default, for an answer SymPy cannot finish)."""
+    app_state.rng = FixedDraw(0.0)
+    async with pool_setup(app, app_state, workers=2, audit_method="validator", audit_rate_floor=1.0) as s:
+        first, second = s.workers
+        await s.enqueue([task(), task()])
+        await submit(first, (await first.claim(s.pool_id)).json()["leases"][0], ["4"])
+        await verify_all(app_state)
+        v = await validator_headers(app_state, [s.pool_id])
+        job = (await s.admin.post("/v1/validation/claim", json={}, headers=v)).json()["jobs"][0]
+
+        entered, release = asyncio.Event(), asyncio.Event()
+        score_result = service.score_result
+
+        async def held(given: Any, scorer: Any) -> Any:
+            entered.set()
+            await release.wait()  # the reward function is still running
+            return await score_result(given, scorer)
+
+        monkeypatch.setattr(service, "score_result", held)
+        body = {"fencing_token": job["fencing_token"], "outcome": "valid", "reason": "ok", "evidence": GOOD}
+        posting = asyncio.create_task(
+            s.admin.post(f"/v1/validation/jobs/{job['job_id']}/verdict", json=body, headers=v)
+        )
+        await asyncio.wait_for(entered.wait(), timeout=30)
+        claimed = await asyncio.wait_for(second.claim(s.pool_id), timeout=10)
+        assert len(claimed.json()["leases"]) == 1, claimed.text
+        release.set()
+        r = await posting
+        assert r.status_code == 200, r.text
+        assert r.json()["verdict"]["category"] == "valid"
+        assert r.json()["verdict"]["details"]["per_sample_rewards"] == [1.0]

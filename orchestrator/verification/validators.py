@@ -14,7 +14,7 @@ import datetime as dt
 import json
 
 from sqlalchemy import select
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from api_schemas.verification import ValidatorVerdictIn
 from orchestrator.admin.tokens import Principal, Role
@@ -128,6 +128,33 @@ def _contradicted(body: ValidatorVerdictIn) -> str | None:
     return None
 
 
+async def prescore(
+    sessionmaker: async_sessionmaker[AsyncSession], principal: Principal, job_id: int, scorer: Scorer
+) -> service.Scored | None:
+    """SQLite: the result's server rewards, scored before the verdict's transaction opens. Every
+    SQLite transaction holds the database's one write lock (``BEGIN IMMEDIATE``), so a verdict
+    that scored inside its own held up every claim, result and heartbeat for as long as the
+    reward function ran (up to ``reward_timeout_s``), as ``service.prescore`` avoids for the
+    verifier. Only for the lease's holder; None where ``post_verdict`` will refuse the post or
+    the job is decided (it scores nothing then)."""
+    async with sessionmaker() as session, session.begin():
+        job = await session.get(ValidationJob, job_id)
+        if (
+            job is None
+            or job.status != "leased"
+            or job.validator_token_id != principal.token_id
+            or (principal.role != Role.admin and job.pool_id not in principal.pool_ids)
+        ):
+            return None
+        vjob = (
+            await session.execute(
+                select(VerificationJob).where(VerificationJob.submission_id == job.submission_id)
+            )
+        ).scalar_one()
+        given = await service.score_input(session, vjob)
+    return await service.score_result(given, scorer)
+
+
 async def post_verdict(
     session: AsyncSession,
     principal: Principal,
@@ -136,6 +163,7 @@ async def post_verdict(
     *,
     now: dt.datetime,
     scorer: Scorer,
+    prescored: service.Scored | None = None,
 ) -> tuple[ValidationJob, Verdict]:
     job = (
         await session.execute(select(ValidationJob).where(ValidationJob.id == job_id).with_for_update())
@@ -171,7 +199,7 @@ async def post_verdict(
     assert submission is not None
     # The server's reward per sample, as the checks computed it (the job keeps only the mean):
     # the feed serves it with each sample. Scored before any lock, as in a verifier batch.
-    scored = await service.score(session, vjob, scorer)
+    scored = prescored if prescored is not None else await service.score(session, vjob, scorer)
     await service.lock_for_verdicts(session, [submission])  # a fraud verdict makes several transfers
     details = {
         "findings": vjob.findings,
