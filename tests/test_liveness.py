@@ -267,3 +267,30 @@ async def test_heartbeat_rejects_bad_metrics(client: httpx.AsyncClient, contribu
         body = problem(r, 422, "validation_failed")
         assert any(e["loc"][-2:] == ["metrics", "gpu_util"] for e in body["errors"]), body
     assert (await status_of(client, contributor)) == "waiting"
+
+
+async def test_the_sweeper_goes_on_after_its_interval_is_raised(
+    settings: Settings, client: httpx.AsyncClient, app_state: Any, clock: FakeClock, hot_store: HotStore
+) -> None:
+    """A tick's number is the time over the sweep interval: with ORCH_HEARTBEAT__SWEEP_INTERVAL_S
+    raised from 5 to 10 s, every later tick's number was half the one recorded, so no tick could
+    be claimed again (for decades) and a node that stopped beating stayed healthy for good."""
+    silent = new_contributor()
+    await silent.register(client)
+    await silent.beat(client)
+    clock.advance(5)
+    assert (await sweep_once(app_state)).ran
+
+    slower = settings.model_copy(
+        update={"heartbeat": settings.heartbeat.model_copy(update={"sweep_interval_s": 10.0})}
+    )
+    restarted = create_app(slower, clock=clock, hot_store=hot_store)
+    async with LifespanManager(restarted):
+        state = restarted.state.orch
+        clock.advance(31)
+        report = await sweep_once(state)
+        assert report.ran and report.to_unhealthy == 1
+        assert await status_of(client, silent) == "unhealthy"
+        assert not (await sweep_once(state)).ran  # still once per tick
+        clock.advance(10)
+        assert (await sweep_once(state)).ran

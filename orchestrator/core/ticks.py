@@ -34,12 +34,22 @@ class BackgroundTick(Base):
     last_runner: Mapped[str | None] = mapped_column(String(100))
 
 
-async def claim_tick(session: AsyncSession, name: str, tick: int, runner: str) -> bool:
-    """True if this caller owns tick ``tick`` of loop ``name`` (call inside a transaction)."""
+async def claim_tick(
+    session: AsyncSession, name: str, tick: int, runner: str, *, foreign_after: int | None = None
+) -> bool:
+    """True if this caller owns tick ``tick`` of loop ``name`` (call inside a transaction).
+
+    ``foreign_after``, for a loop whose interval is a setting: a recorded tick more than that
+    many ticks ahead of ``tick`` was numbered in another interval (a longer one gives smaller
+    numbers) and is claimed over, where it would have stopped the loop until the clock caught
+    up with it (a sweep interval raised from 5 to 10 s: some 50 years)."""
     await insert_ignore(session, BackgroundTick, {"name": name, "last_tick": -1, "runs": 0})
+    claimable = BackgroundTick.last_tick < tick
+    if foreign_after is not None:
+        claimable = or_(claimable, BackgroundTick.last_tick > tick + foreign_after)
     result = await session.execute(
         update(BackgroundTick)
-        .where(BackgroundTick.name == name, BackgroundTick.last_tick < tick)
+        .where(BackgroundTick.name == name, claimable)
         .values(
             last_tick=tick,
             runs=BackgroundTick.runs + 1,

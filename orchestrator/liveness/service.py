@@ -44,6 +44,9 @@ SWEEP_BATCH = 5000
 RECONCILER = "liveness_reconciler"
 RECONCILE_INTERVAL_S = 60.0
 RECONCILE_PAGE = 1000
+# A recorded sweeper tick more than this far ahead of now was numbered with another sweep
+# interval (``claim_tick``'s ``foreign_after``); processes' clocks never differ by as much.
+FOREIGN_TICK_S = 3600.0
 # A dead node's leases run out this many heartbeat intervals after the sweeper marks it dead.
 DEAD_LEASE_GRACE_BEATS = 2
 REVIVABLE = (NodeStatus.waiting.value, NodeStatus.unhealthy.value, NodeStatus.dead.value)
@@ -111,7 +114,8 @@ async def sweep_once(state: AppState) -> SweepReport:
     now = state.clock.now()
     tick = int(now // hb.sweep_interval_s)
     async with state.sessionmaker() as session, session.begin():
-        if not await claim_tick(session, SWEEPER, tick, state.instance_id):
+        foreign_after = math.ceil(FOREIGN_TICK_S / hb.sweep_interval_s)
+        if not await claim_tick(session, SWEEPER, tick, state.instance_id, foreign_after=foreign_after):
             return SweepReport(tick=tick, ran=False)
         store = state.hot_store
         stale = await store.move_stale(HEALTHY, UNHEALTHY, now - hb.unhealthy_after_s, SWEEP_BATCH)
