@@ -69,6 +69,31 @@ async def test_a_node_may_not_sign_with_its_providers_key(client: httpx.AsyncCli
     problem(await client.get("/v1/nodes/me", auth=c.provider_auth), 401, "unknown_key")
 
 
+async def test_a_node_may_not_sign_with_another_providers_key(client: httpx.AsyncClient) -> None:
+    """Only a node signing with its own provider's key was refused: another provider's key was
+    registered as a node of the attesting provider (201), and that key, which gets paid, was on a
+    worker's machine. Refused the same way, and nothing is registered."""
+    paid, attesting = new_contributor(), new_contributor()
+    for c in (paid, attesting):
+        assert (await client.post("/v1/providers", json={}, auth=c.provider_auth)).status_code == 201
+    body = attesting.node_body(attestation=attest_node(attesting.provider_key, paid.provider_id))
+    r = await client.post("/v1/nodes", json=body, auth=paid.provider_auth)
+    problem(r, 422, "node_key_is_provider_key")
+    problem(await client.get("/v1/nodes/me", auth=paid.provider_auth), 401, "unknown_key")
+
+
+async def test_a_nodes_key_may_not_register_as_a_provider(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    """The other way round: a node's key registered as a provider (201) made a key on a worker's
+    machine one that gets paid. Refused, and no provider is registered."""
+    r = await client.post("/v1/providers", json={}, auth=contributor.node_auth)
+    assert "keys generate" in problem(r, 422, "provider_key_is_node_key")["detail"]
+    r = await client.get("/v1/providers/me/balance", auth=contributor.node_auth)
+    problem(r, 401, "unknown_key")
+    assert (await client.get("/v1/nodes/me", auth=contributor.node_auth)).status_code == 200
+
+
 async def test_attestation_must_be_the_providers(client: httpx.AsyncClient) -> None:
     c = new_contributor()
     assert (await client.post("/v1/providers", json={}, auth=c.provider_auth)).status_code == 201

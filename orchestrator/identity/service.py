@@ -49,7 +49,18 @@ async def node_out(state: AppState, node: Node) -> NodeOut:
 async def register_provider(
     session: AsyncSession, provider_id: str, display_name: str | None, ip: str
 ) -> tuple[Provider, bool]:
-    """Idempotent: the same key again returns the existing record (created=False)."""
+    """Idempotent: the same key again returns the existing record (created=False). A key
+    registered as a node cannot become a provider: the key that gets paid stays off the workers'
+    machines (a key registered as both before this rule keeps working)."""
+    if (
+        await repo.get_provider(session, provider_id) is None
+        and await repo.get_node(session, provider_id) is not None
+    ):
+        raise UnprocessableEntity(
+            "this key is registered as a node: a provider signs with a key of its own, kept off the "
+            "workers' machines (the key that gets paid): generate one with `orchestrator keys generate`",
+            code="provider_key_is_node_key",
+        )
     created = await repo.insert_provider(session, provider_id, display_name, ip)
     provider = await repo.get_provider(session, provider_id)
     assert provider is not None
@@ -75,11 +86,15 @@ def network_of(host: str) -> str:
 async def register_node(
     session: AsyncSession, node_id: str, body: NodeRegister, ip: str
 ) -> tuple[Node, bool]:
-    """Register a node under its provider; re-registering updates specs and version."""
-    if node_id == body.provider_id:
+    """Register a node under its provider; re-registering updates specs and version. The key
+    may be no provider's (a node registered with one before this rule keeps working)."""
+    if node_id == body.provider_id or (
+        await repo.get_node(session, node_id) is None
+        and await repo.get_provider(session, node_id) is not None
+    ):
         # The provider key is who gets paid: it belongs off the workers' machines.
         raise UnprocessableEntity(
-            "a node signs with a key of its own, not the provider's (the key that gets paid must "
+            "a node signs with a key of its own, not a provider's (the key that gets paid must "
             "not be on a worker's machine): generate one with `orchestrator keys generate`",
             code="node_key_is_provider_key",
         )
