@@ -7,9 +7,12 @@ lists, sent by anyone to ``/v1/assignments/{id}/result``, held a process's event
 2.9 s before it was refused 401: most of it the cyclic collector walking the containers as the
 parser made them (0.2 s with it paused). Every route of the app is a ``GuardedRoute``:
 
+* the body is received first (not decoded), as FastAPI did before any dependency ran: a guard
+  decides on the whole request, so a bearer token revoked or expired while a slow client was
+  still sending the body is refused, and a client gone mid-body is FastAPI's 400 as before;
 * the authentication dependencies registered with ``before_body`` (the RFC 9421 signature, the
-  bearer token) run first, when the request reaches its route, and keep their answer in the
-  request's scope for the dependency itself to return; a refused request's body is never decoded;
+  bearer token) run next, and keep their answer in the request's scope for the dependency
+  itself to return; a refused request's body is never decoded;
 * the body is then decoded with the collector paused: JSON makes no reference cycles, and the
   decoded objects are dropped or kept by the handler as before.
 """
@@ -21,9 +24,10 @@ import json
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar, cast
 
-from fastapi import Request, Response
+from fastapi import HTTPException, Request, Response
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
+from starlette.requests import ClientDisconnect
 
 Guard = Callable[[Request], Awaitable[object]]
 F = TypeVar("F", bound=Callable[..., Any])
@@ -81,6 +85,15 @@ def loads(body: bytes) -> Any:
             gc.enable()
 
 
+async def receive_body(request: Request) -> None:
+    """Receive the whole body (bytes, not decoded) before any guard runs. A client that hangs up
+    first is answered as FastAPI's own body read answers it, 400, not an unhandled error."""
+    try:
+        await request.body()
+    except ClientDisconnect as exc:
+        raise HTTPException(status_code=400, detail="There was an error parsing the body") from exc
+
+
 class GuardedRequest(Request):
     """A request whose JSON body is decoded by ``loads``."""
 
@@ -100,6 +113,8 @@ class GuardedRoute(APIRoute):
 
         async def guarded(request: Request) -> Response:
             request = GuardedRequest(request.scope, request.receive)
+            if guards:
+                await receive_body(request)
             for guard in guards:
                 await guard(request)
             return await handler(request)
