@@ -249,3 +249,21 @@ async def test_a_client_that_hangs_up_before_its_body_is_in_is_not_a_server_erro
     }
     await app(scope, receive, send)
     assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [400]
+
+
+async def test_a_large_result_for_an_assignment_id_with_a_nul_is_404_not_500(
+    app: Any, app_state: Any
+) -> None:
+    """The holder check read the path's assignment id before FastAPI validated it: on PostgreSQL
+    an id holding a NUL (which it cannot store) failed the query, a 500 internal_error."""
+    big_not_json = b'{"samples": [' + b"[]," * 400_000  # 1.2 MB, above the general limit
+    async with pool_setup(app, app_state, workers=1) as s:
+        (node,) = s.workers
+        for assignment_id in ("%00", "a%00b", "a" * 41):
+            r = await node.client.post(
+                f"/v1/assignments/{assignment_id}/result",
+                content=big_not_json,
+                headers={"content-type": "application/json"},
+                auth=node.contributor.node_auth,
+            )
+            problem(r, 404, "assignment_not_found")

@@ -62,6 +62,7 @@ from orchestrator.identity.models import Node, NodeStatus
 from orchestrator.ledger.service import MAX_AMOUNT
 from orchestrator.pools.models import Pool, PoolMembership
 from orchestrator.tasks.models import (
+    ASSIGNMENT_ID,
     Assignment,
     PolicyVersion,
     Submission,
@@ -1332,7 +1333,11 @@ async def refuse_foreign_result(conn: AsyncConnection, node_id: str, assignment_
     banned and the lease must be its own, with the same answers as ``submit_result`` (401
     unknown_key, 403 node_banned, 404 assignment_not_found). Two primary-key reads."""
     await _refuse_signer(conn, node_id)
-    holder = (await conn.execute(_HOLDER_OF, {"assignment_id": assignment_id})).scalar_one_or_none()
+    # Read before FastAPI validates the path: an id the path refuses (a NUL, which PostgreSQL
+    # cannot take, or longer than any id) is the same 404 without a query.
+    holder = None
+    if len(assignment_id) <= (ASSIGNMENT_ID.length or 0) and "\x00" not in assignment_id:
+        holder = (await conn.execute(_HOLDER_OF, {"assignment_id": assignment_id})).scalar_one_or_none()
     if holder != node_id:
         raise NotFound("no assignment with this id for this node", code="assignment_not_found")
 
