@@ -286,7 +286,9 @@ async def post_verdict(
     scorer = scorer_for(state.settings.verifier, "requests")
     prescored = None
     if state.engine.dialect.name == "sqlite":  # score before the write lock: see validators.prescore
-        prescored = await validators.prescore(state.sessionmaker, principal, job_id, scorer)
+        prescored = await validators.prescore(
+            state.sessionmaker, principal, job_id, body.fencing_token, scorer, now=state.clock.utcnow()
+        )
     job, verdict = await validators.post_verdict(
         session, principal, job_id, body, now=state.clock.utcnow(), scorer=scorer, prescored=prescored
     )

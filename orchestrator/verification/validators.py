@@ -129,7 +129,13 @@ def _contradicted(body: ValidatorVerdictIn) -> str | None:
 
 
 async def prescore(
-    sessionmaker: async_sessionmaker[AsyncSession], principal: Principal, job_id: int, scorer: Scorer
+    sessionmaker: async_sessionmaker[AsyncSession],
+    principal: Principal,
+    job_id: int,
+    fencing_token: int,
+    scorer: Scorer,
+    *,
+    now: dt.datetime,
 ) -> service.Scored | None:
     """SQLite: the result's server rewards, scored before the verdict's transaction opens. Every
     SQLite transaction holds the database's one write lock (``BEGIN IMMEDIATE``), so a verdict
@@ -143,6 +149,9 @@ async def prescore(
             job is None
             or job.status != "leased"
             or job.validator_token_id != principal.token_id
+            or job.fencing_token != fencing_token
+            or job.lease_expires_at is None
+            or job.lease_expires_at <= now
             or (principal.role != Role.admin and job.pool_id not in principal.pool_ids)
         ):
             return None
