@@ -9,6 +9,7 @@ from typing import Annotated, Any, Generic, TypeVar, Union, get_args, get_origin
 
 from pydantic import (
     AfterValidator,
+    AllowInfNan,
     AwareDatetime,
     BaseModel,
     BeforeValidator,
@@ -127,6 +128,8 @@ JsonObject = Annotated[dict[str, Any], AfterValidator(_finite_json)]
 # float written with a fraction part of zero (3.0).
 JsonInt = Annotated[int, Strict()]
 JsonFloat = Annotated[float, Strict()]
+# The same, finite: Python's parser reads the bare words NaN and Infinity, which are not JSON.
+FiniteJsonFloat = Annotated[float, Strict(), AllowInfNan(False)]
 
 
 def _is_number(annotation: Any) -> bool:

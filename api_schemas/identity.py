@@ -6,7 +6,7 @@ import datetime as dt
 
 from pydantic import BaseModel, Field, JsonValue, model_validator
 
-from api_schemas.common import JsonFloat, KeyId, StrictModel, Text
+from api_schemas.common import FiniteJsonFloat, KeyId, StrictModel, Text
 
 
 class ProviderRegister(StrictModel):
@@ -92,7 +92,7 @@ METRIC_NAMES: dict[str, JsonValue] = {
 
 
 class HeartbeatIn(StrictModel):
-    metrics: dict[str, JsonFloat] = Field(
+    metrics: dict[str, FiniteJsonFloat] = Field(
         default_factory=dict,
         max_length=32,
         description="Free-form numeric gauges (gpu_util, tokens_per_s, ...); at most 32, each named "

@@ -266,6 +266,16 @@ async def test_heartbeat_rejects_bad_metrics(client: httpx.AsyncClient, contribu
         r = await contributor.beat(client, metrics={"gpu_util": bad})
         body = problem(r, 422, "validation_failed")
         assert any(e["loc"][-2:] == ["metrics", "gpu_util"] for e in body["errors"]), body
+    # NaN and Infinity are not JSON numbers, though Python's parser reads the bare words.
+    for word in (b"NaN", b"Infinity", b"-Infinity"):
+        r = await client.post(
+            "/v1/nodes/me/heartbeat",
+            content=b'{"metrics": {"gpu_util": ' + word + b"}}",
+            headers={"content-type": "application/json"},
+            auth=contributor.node_auth,
+        )
+        body = problem(r, 422, "validation_failed")
+        assert any(e["loc"][-2:] == ["metrics", "gpu_util"] for e in body["errors"]), body
     assert (await status_of(client, contributor)) == "waiting"
 
 
