@@ -84,6 +84,35 @@ async def claim(
     return out
 
 
+def _in_scope(job: ValidationJob, principal: Principal) -> bool:
+    return principal.role == Role.admin or job.pool_id in principal.pool_ids
+
+
+def _holds(job: ValidationJob, principal: Principal, fencing_token: int, now: dt.datetime) -> bool:
+    """Whether ``principal`` holds the job's live lease under ``fencing_token``."""
+    return (
+        job.status == "leased"
+        and job.validator_token_id == principal.token_id
+        and job.fencing_token == fencing_token
+        and job.lease_expires_at is not None
+        and job.lease_expires_at > now
+    )
+
+
+async def _locked_job(session: AsyncSession, principal: Principal, job_id: int) -> ValidationJob:
+    """The job, locked; 404 for one that does not exist or is outside the token's scope."""
+    job = (
+        await session.execute(select(ValidationJob).where(ValidationJob.id == job_id).with_for_update())
+    ).scalar_one_or_none()
+    if job is None or not _in_scope(job, principal):
+        raise NotFound("no validation job with this id", code="validation_job_not_found")
+    return job
+
+
+def _lease_expired() -> Conflict:
+    return Conflict("this validation lease expired or belongs to another validator", code="lease_expired")
+
+
 async def extend(
     session: AsyncSession,
     principal: Principal,
@@ -97,19 +126,9 @@ async def extend(
     check that takes longer than its claim's ``lease_s`` is not lost. A lease already run out,
     decided, or held by another validator or under another fencing token is 409
     ``lease_expired``, as a verdict would be."""
-    job = (
-        await session.execute(select(ValidationJob).where(ValidationJob.id == job_id).with_for_update())
-    ).scalar_one_or_none()
-    if job is None or (principal.role != Role.admin and job.pool_id not in principal.pool_ids):
-        raise NotFound("no validation job with this id", code="validation_job_not_found")
-    if (
-        job.status != "leased"
-        or job.validator_token_id != principal.token_id
-        or job.fencing_token != fencing_token
-        or job.lease_expires_at is None
-        or job.lease_expires_at <= now
-    ):
-        raise Conflict("this validation lease expired or belongs to another validator", code="lease_expired")
+    job = await _locked_job(session, principal, job_id)
+    if not _holds(job, principal, fencing_token, now):
+        raise _lease_expired()
     job.lease_expires_at = now + dt.timedelta(seconds=lease_s)
     await session.flush()
     return job
@@ -145,15 +164,7 @@ async def prescore(
     the job is decided (it scores nothing then)."""
     async with sessionmaker() as session, session.begin():
         job = await session.get(ValidationJob, job_id)
-        if (
-            job is None
-            or job.status != "leased"
-            or job.validator_token_id != principal.token_id
-            or job.fencing_token != fencing_token
-            or job.lease_expires_at is None
-            or job.lease_expires_at <= now
-            or (principal.role != Role.admin and job.pool_id not in principal.pool_ids)
-        ):
+        if job is None or not _in_scope(job, principal) or not _holds(job, principal, fencing_token, now):
             return None
         vjob = (
             await session.execute(
@@ -174,11 +185,7 @@ async def post_verdict(
     scorer: Scorer,
     prescored: service.Scored | None = None,
 ) -> tuple[ValidationJob, Verdict]:
-    job = (
-        await session.execute(select(ValidationJob).where(ValidationJob.id == job_id).with_for_update())
-    ).scalar_one_or_none()
-    if job is None or (principal.role != Role.admin and job.pool_id not in principal.pool_ids):
-        raise NotFound("no validation job with this id", code="validation_job_not_found")
+    job = await _locked_job(session, principal, job_id)
     posted = body.model_dump(mode="json")
     if job.status == "done":
         verdict = (
@@ -187,14 +194,8 @@ async def post_verdict(
         if job.result != posted:
             raise Conflict("a different verdict was already recorded for this job", code="verdict_conflict")
         return job, verdict
-    if (
-        job.status != "leased"
-        or job.validator_token_id != principal.token_id
-        or job.fencing_token != body.fencing_token
-        or job.lease_expires_at is None
-        or job.lease_expires_at <= now
-    ):
-        raise Conflict("this validation lease expired or belongs to another validator", code="lease_expired")
+    if not _holds(job, principal, body.fencing_token, now):
+        raise _lease_expired()
     if (why := _contradicted(body)) is not None:
         raise UnprocessableEntity(
             f"the evidence contradicts a valid verdict: {why}", code="evidence_contradicts"
