@@ -6,6 +6,7 @@ from orchestrator.core import ticks
 from orchestrator.core.db import Base
 from orchestrator.identity import models as identity_models
 from orchestrator.ledger import models as ledger_models
+from orchestrator.liveness import serving as liveness_serving
 from orchestrator.payouts import models as payouts_models
 from orchestrator.pools import models as pools_models
 from orchestrator.restem import models as restem_models
@@ -18,6 +19,7 @@ __all__ = [
     "audit_models",
     "identity_models",
     "ledger_models",
+    "liveness_serving",
     "payouts_models",
     "pools_models",
     "restem_models",

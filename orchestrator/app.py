@@ -107,6 +107,8 @@ def create_app(
         app.state.orch = state
         stop = asyncio.Event()
         tasks = background.start(state, stop) if settings.server.background_loops else []
+        if settings.server.serving_marks:
+            tasks.append(background.start_serving_marks(state, stop))
         log.info(
             "started",
             version=__version__,

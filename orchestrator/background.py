@@ -23,6 +23,7 @@ from orchestrator.core.loops import run_periodically, stop_loops
 from orchestrator.core.state import AppState, open_state
 from orchestrator.ledger import jobs as ledger_jobs
 from orchestrator.liveness import service as liveness
+from orchestrator.liveness import serving
 from orchestrator.restem import jobs as restem_jobs
 from orchestrator.settings import Settings
 from orchestrator.tasks import jobs as task_jobs
@@ -65,6 +66,15 @@ def start(state: AppState, stop: asyncio.Event) -> list[asyncio.Task[None]]:
         asyncio.create_task(run_periodically(state, name, interval, tick, stop), name=name)
         for name, interval, tick in loops(state.settings)
     ]
+
+
+def start_serving_marks(state: AppState, stop: asyncio.Event) -> asyncio.Task[None]:
+    """The API process's mark that it can take beats (``liveness.serving``); not a loop of
+    ``orchestrator background``, which takes none."""
+    return asyncio.create_task(
+        run_periodically(state, "serving-marks", serving.MARK_INTERVAL_S, serving.mark_serving, stop),
+        name="serving-marks",
+    )
 
 
 async def run(settings: Settings, stop: asyncio.Event | None = None, alive_file: Path | None = None) -> None:

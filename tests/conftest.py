@@ -240,7 +240,8 @@ def settings(database_url: str, redis_prefix: str, connection_budget: dict[str, 
         heartbeat=HeartbeatSettings(
             interval_s=10, unhealthy_after_missed=3, dead_after_missed=9, sweep_interval_s=5
         ),
-        server=ServerSettings(background_loops=False, migrate_on_start=False),
+        # Tests drive the loops and the clock themselves; test_serving_marks writes the marks.
+        server=ServerSettings(background_loops=False, migrate_on_start=False, serving_marks=False),
     )
 
 

@@ -35,6 +35,7 @@ from orchestrator.core.ticks import claim_tick
 from orchestrator.identity import repository as repo
 from orchestrator.identity.auth import NodeRef
 from orchestrator.identity.models import Node, NodeStatus
+from orchestrator.liveness.serving import Serving, read_serving
 from orchestrator.tasks.service import end_leases_of_dead, extend_leases
 
 log = structlog.get_logger(__name__)
@@ -93,6 +94,10 @@ class SweepReport:
     ran: bool
     to_unhealthy: int = 0
     to_dead: int = 0
+    # Set when the service has not been able to take beats for long enough to judge every
+    # silence (``serving``): ``not_serving`` (none judged) or ``resumed`` (judged only once
+    # the service has been back for as long).
+    held: str | None = None
 
 
 async def _keep_last_beats(session: AsyncSession, store: HotStore, node_ids: Sequence[str]) -> None:
@@ -118,8 +123,15 @@ async def sweep_once(state: AppState) -> SweepReport:
         if not await claim_tick(session, SWEEPER, tick, state.instance_id, foreign_after=foreign_after):
             return SweepReport(tick=tick, ran=False)
         store = state.hot_store
-        stale = await store.move_stale(HEALTHY, UNHEALTHY, now - hb.unhealthy_after_s, SWEEP_BATCH)
-        await store.move_stale(UNHEALTHY, DYING, now - hb.dead_after_s, SWEEP_BATCH)
+        # Silence counts only while some API process could take beats (``serving``): after an
+        # outage, a node last seen before it is judged as if seen at the return.
+        serving = await read_serving(session, now)
+        held = _held(serving, hb.dead_after_s)
+        stale: list[str] = []
+        if serving is None or serving.judges(hb.unhealthy_after_s):
+            stale = await store.move_stale(HEALTHY, UNHEALTHY, now - hb.unhealthy_after_s, SWEEP_BATCH)
+        if serving is None or serving.judges(hb.dead_after_s):
+            await store.move_stale(UNHEALTHY, DYING, now - hb.dead_after_s, SWEEP_BATCH)
         # This tick's and any that a tick whose transaction failed left behind.
         gone = await store.stage_members(DYING, SWEEP_BATCH)
         unhealthy = await repo.transition(
@@ -150,7 +162,24 @@ async def sweep_once(state: AppState) -> SweepReport:
         log.info(
             "liveness_sweep", tick=tick, to_unhealthy=len(unhealthy), to_dead=len(dead), leases_ended=ended
         )
-    return SweepReport(tick=tick, ran=True, to_unhealthy=len(unhealthy), to_dead=len(dead))
+    if held is not None and serving is not None:
+        log.warning(
+            "liveness_sweep_held",
+            tick=tick,
+            reason=held,
+            last_mark_age_s=round(now - serving.at, 1),
+            serving_for_s=None if serving.down else round(now - serving.since, 1),
+        )
+    return SweepReport(tick=tick, ran=True, to_unhealthy=len(unhealthy), to_dead=len(dead), held=held)
+
+
+def _held(serving: Serving | None, dead_after_s: float) -> str | None:
+    """Why this tick judges fewer nodes than their silence says, if it does."""
+    if serving is None or serving.judges(dead_after_s):
+        return None
+    if serving.down:
+        return "not_serving"  # no API process has marked lately: no beat could be taken
+    return "resumed"
 
 
 @dataclass(frozen=True)

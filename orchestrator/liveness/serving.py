@@ -1,0 +1,94 @@
+"""When the service could take heartbeats: the sweeper judges a node's silence only by then.
+
+Every API process (``orchestrator serve``, whatever its ``background_loops``) writes, every
+``MARK_INTERVAL_S``, once it has reached both the hot store and the database, the time into
+one row of ``serving_marks``: ``at``, the last such mark of any process, and ``since``, when
+the current unbroken run of marks began (a mark later than ``STALL_S`` after the one before it
+starts a new run). A node's silence then counts only from ``since``: the sweeper treats a node
+last seen before ``since`` as last seen at ``since``, and moves no node at all while the last
+mark is older than ``STALL_S`` (nothing could take a beat: the database or Redis down, every
+API process down or blocked). So an outage, however long, marks no node dead at the return;
+a node that does not beat again dies ``dead_after_s`` after it, as the reconciler treats a node
+the hot store lost.
+
+What no mark can see is an outage in front of the API processes (a load balancer down, a
+partition between the workers and the service): the processes keep marking while no beat
+reaches them.
+
+Without a row (no API process of this version has run against the database: a fresh install,
+or tests that drive the sweeper alone), the sweeper judges silence as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import Double, String, case, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Mapped, mapped_column
+
+from orchestrator.core.db import Base
+from orchestrator.core.sql import insert_ignore
+from orchestrator.core.state import AppState
+
+__all__ = ["MARK_INTERVAL_S", "STALL_S", "Serving", "ServingMark", "mark_serving", "read_serving"]
+
+MARK_INTERVAL_S = 5.0
+# Three missed marks: a mark delayed by a slow database or a busy event loop does not count as
+# an outage; one that does only delays the sweeper (the safe side).
+STALL_S = 3 * MARK_INTERVAL_S
+MARK = "beats"
+
+
+class ServingMark(Base):
+    __tablename__ = "serving_marks"
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    at: Mapped[float] = mapped_column(Double)
+    since: Mapped[float] = mapped_column(Double)
+
+
+async def mark_serving(state: AppState) -> bool:
+    """Record that this process can take beats now; False (nothing written) if the hot store
+    does not answer. A database that does not answer raises, as for any loop's tick."""
+    if not await state.hot_store.ping():
+        return False
+    now = state.clock.now()
+    async with state.sessionmaker() as session, session.begin():
+        if await insert_ignore(session, ServingMark, {"name": MARK, "at": now, "since": now}):
+            return True
+        # SET reads the row as it was: a mark after a gap starts a new run. Processes whose
+        # clocks differ slightly never move ``at`` back.
+        await session.execute(
+            update(ServingMark)
+            .where(ServingMark.name == MARK)
+            .values(
+                since=case((ServingMark.at < now - STALL_S, now), else_=ServingMark.since),
+                at=case((ServingMark.at < now, now), else_=ServingMark.at),
+            )
+        )
+    return True
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What the marks say at ``now``: ``down`` if none is recent, else serving since ``since``."""
+
+    at: float
+    since: float
+    now: float
+
+    @property
+    def down(self) -> bool:
+        return self.now - self.at > STALL_S
+
+    def judges(self, silence_s: float) -> bool:
+        """Whether a silence of ``silence_s`` can be told now: the service has been able to take
+        beats for at least that long."""
+        return not self.down and self.now - self.since >= silence_s
+
+
+async def read_serving(session: AsyncSession, now: float) -> Serving | None:
+    query = select(ServingMark.at, ServingMark.since).where(ServingMark.name == MARK)
+    row = (await session.execute(query)).first()
+    return None if row is None else Serving(at=row.at, since=row.since, now=now)

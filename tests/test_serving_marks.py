@@ -1,0 +1,163 @@
+"""An outage does not mark the fleet dead: the sweeper counts silence only while some API
+process could take beats (``liveness.serving``)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+from asgi_lifespan import LifespanManager
+from redis.exceptions import ConnectionError as RedisConnectionError
+from sqlalchemy import select
+
+from orchestrator.app import create_app
+from orchestrator.core.clock import FakeClock
+from orchestrator.core.hotstore import HotStore, RedisHotStore
+from orchestrator.identity.models import NodeStatusChange
+from orchestrator.liveness.service import sweep_once
+from orchestrator.liveness.serving import MARK_INTERVAL_S, STALL_S, ServingMark, mark_serving
+from orchestrator.settings import Settings
+from tests.conftest import Contributor, new_contributor
+from tests.tasks_helpers import pool_setup, task
+
+
+async def status_of(client: httpx.AsyncClient, c: Contributor) -> str:
+    r = await client.get("/v1/nodes/me", auth=c.node_auth)
+    assert r.status_code == 200, r.text
+    return str(r.json()["status"])
+
+
+async def mark(app_state: Any) -> ServingMark:
+    assert await mark_serving(app_state)
+    async with app_state.sessionmaker() as session:
+        return (await session.execute(select(ServingMark))).scalar_one()
+
+
+async def serve_for(
+    app_state: Any, clock: FakeClock, seconds: float, beat: Callable[[], Awaitable[httpx.Response]]
+) -> None:
+    """``seconds`` of normal service: a mark every 5 s, and ``beat`` every 10 s."""
+    for step in range(int(seconds // MARK_INTERVAL_S)):
+        clock.advance(MARK_INTERVAL_S)
+        await mark(app_state)
+        if step % 2:
+            assert (await beat()).status_code == 200
+
+
+async def test_an_outage_longer_than_the_dead_threshold_marks_no_node_dead_and_keeps_its_leases(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=1, lease_duration_s=600) as s:
+        w = s.workers[0]
+        await s.enqueue([task()])
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        await mark(app_state)
+        await serve_for(app_state, clock, 95, lambda: w.beat([lease["assignment_id"]]))
+        assert (await sweep_once(app_state)).held is None
+
+        # The database or Redis is down, or every API process is: no mark, no beat, for 150 s
+        # (the dead threshold is 90 s). A sweeper that can still tick moves no node once the
+        # last mark is older than the stall. (The clock moves less than the 300 s a request's
+        # signature stays fresh: the test's requests are signed with the real time.)
+        for second in range(5, 155, 5):
+            clock.advance(5)
+            report = await sweep_once(app_state)
+            held = None if second <= STALL_S else "not_serving"
+            assert (report.held, report.to_unhealthy, report.to_dead) == (held, 0, 0)
+
+        # Back. The worker's first beat comes 25 s later (its backoff): the lease is still its.
+        await mark(app_state)
+        for _ in range(5):
+            clock.advance(5)
+            await mark(app_state)
+            report = await sweep_once(app_state)
+            assert (report.held, report.to_unhealthy, report.to_dead) == ("resumed", 0, 0)
+        beat = await w.beat([lease["assignment_id"]])
+        assert beat.json() == {"status": "healthy", "next_heartbeat_in_s": 10.0, "drop_leases": []}
+        assert (await w.submit(lease)).status_code == 201
+        async with app_state.sessionmaker() as session:
+            changes = (
+                await session.execute(
+                    select(NodeStatusChange.to_status).where(NodeStatusChange.node_id == w.node_id)
+                )
+            ).scalars()
+            assert list(changes) == ["healthy"]
+
+
+async def test_after_an_outage_a_silent_node_dies_the_dead_threshold_after_the_return(
+    client: httpx.AsyncClient, app_state: Any, clock: FakeClock
+) -> None:
+    gone, steady = new_contributor(), new_contributor()
+    for c in (gone, steady):
+        await c.register(client)
+        await c.beat(client)
+    await mark(app_state)
+    clock.advance(150)  # the outage; ``gone`` stopped during it and never comes back
+    returned = (await mark(app_state)).since
+    assert returned == clock.now()
+
+    def beat() -> Awaitable[httpx.Response]:
+        return steady.beat(client)
+
+    await serve_for(app_state, clock, 25, beat)  # 25 s back: under the unhealthy threshold
+    assert (await sweep_once(app_state)).held == "resumed"
+    assert await status_of(client, gone) == "healthy"
+    await serve_for(app_state, clock, 10, beat)  # 35 s back: silent for 30 s of service
+    report = await sweep_once(app_state)
+    assert (report.held, report.to_unhealthy, report.to_dead) == ("resumed", 1, 0)
+    assert await status_of(client, gone) == "unhealthy"
+    await serve_for(app_state, clock, 50, beat)  # 85 s back
+    assert (await sweep_once(app_state)).to_dead == 0
+    await serve_for(app_state, clock, 10, beat)  # 95 s back: dead, judged as usual again
+    report = await sweep_once(app_state)
+    assert (report.held, report.to_dead) == (None, 1)
+    assert (await status_of(client, gone), await status_of(client, steady)) == ("dead", "healthy")
+
+
+async def test_a_mark_after_a_gap_starts_a_new_run_and_a_clock_behind_never_moves_it_back(
+    app_state: Any, clock: FakeClock
+) -> None:
+    start = clock.now()
+    first = await mark(app_state)
+    assert (first.at, first.since) == (start, start)
+    clock.advance(STALL_S)  # a mark at most the stall after the last one continues the run
+    assert ((m := await mark(app_state)).at, m.since) == (start + STALL_S, start)
+    clock.advance(STALL_S + 1)
+    assert ((m := await mark(app_state)).at, m.since) == (start + 2 * STALL_S + 1, start + 2 * STALL_S + 1)
+    behind = dataclasses.replace(app_state, clock=FakeClock(start + 2 * STALL_S - 3))
+    assert await mark_serving(behind)
+    assert ((m := await mark(app_state)).at, m.since) == (start + 2 * STALL_S + 1, start + 2 * STALL_S + 1)
+
+
+async def test_a_process_that_cannot_reach_redis_marks_nothing(app_state: Any) -> None:
+    store = RedisHotStore.from_url("redis://127.0.0.1:1/0", "unreachable:")
+    try:
+        with pytest.raises(RedisConnectionError):
+            await mark_serving(dataclasses.replace(app_state, hot_store=store))
+    finally:
+        await store.aclose()
+    async with app_state.sessionmaker() as session:
+        assert (await session.execute(select(ServingMark))).first() is None
+
+
+async def test_an_api_process_without_background_loops_marks_at_start(
+    settings: Settings, clock: FakeClock, hot_store: HotStore
+) -> None:
+    """An API replica of a deployment whose loops run in ``orchestrator background`` marks too:
+    it is where the beats are taken."""
+    server = settings.server.model_copy(update={"serving_marks": True, "background_loops": False})
+    application = create_app(settings.model_copy(update={"server": server}), clock=clock, hot_store=hot_store)
+    async with LifespanManager(application):
+        state = application.state.orch
+        async with asyncio.timeout(30):
+            while True:
+                async with state.sessionmaker() as session:
+                    row = (await session.execute(select(ServingMark))).scalar_one_or_none()
+                if row is not None:
+                    break
+                await asyncio.sleep(0.05)
+        assert (row.at, row.since) == (clock.now(), clock.now())
