@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime as dt
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,7 +22,9 @@ from orchestrator.identity.models import NodeStatusChange
 from orchestrator.liveness.service import sweep_once
 from orchestrator.liveness.serving import MARK_INTERVAL_S, STALL_S, ServingMark, mark_serving
 from orchestrator.settings import Settings
-from tests.conftest import Contributor, new_contributor
+from orchestrator.tasks.jobs import reap_once
+from orchestrator.tasks.models import Assignment
+from tests.conftest import Contributor, new_contributor, problem
 from tests.tasks_helpers import pool_setup, task
 
 
@@ -161,3 +164,41 @@ async def test_an_api_process_without_background_loops_marks_at_start(
                     break
                 await asyncio.sleep(0.05)
         assert (row.at, row.since) == (clock.now(), clock.now())
+
+
+async def test_a_lease_outlives_an_outage_longer_than_itself(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A 60 s lease and a 120 s outage: the reaper expires nothing while no process marks, and
+    the first mark after the outage gives the lease the outage's length back, so the node's
+    answer after the return is taken. A lease nobody renews after that runs out as usual."""
+    async with pool_setup(app, app_state, workers=2, lease_duration_s=60) as s:
+        kept, dropped = s.workers
+        await s.enqueue([task(), task()])
+        leases = [(await w.claim(s.pool_id)).json()["leases"][0] for w in (kept, dropped)]
+        await mark(app_state)
+        began = clock.now()
+        deadlines = await lease_deadlines(app_state)
+
+        for _ in range(24):  # 120 s without a mark
+            clock.advance(5)
+            assert (await reap_once(app_state)).expired == 0
+        assert (await mark(app_state)).since == began + 120
+        assert await lease_deadlines(app_state) == [d + dt.timedelta(seconds=120) for d in deadlines]
+        assert (await reap_once(app_state)).expired == 0
+        assert (await kept.submit(leases[0])).status_code == 201
+
+        # The other node never comes back: its lease runs out 60 s after the outage ended.
+        await serve_for(app_state, clock, 55, lambda: kept.beat())
+        assert (await reap_once(app_state)).expired == 0
+        await serve_for(app_state, clock, 10, lambda: kept.beat())
+        assert (await reap_once(app_state)).expired == 1
+        problem(await dropped.submit(leases[1]), 409, "lease_expired")
+
+
+async def lease_deadlines(app_state: Any) -> list[dt.datetime]:
+    async with app_state.sessionmaker() as session:
+        query = (
+            select(Assignment.lease_expires_at).where(Assignment.status == "active").order_by(Assignment.id)
+        )
+        return list((await session.execute(query)).scalars())

@@ -9,7 +9,9 @@ last seen before ``since`` as last seen at ``since``, and moves no node at all w
 mark is older than ``STALL_S`` (nothing could take a beat: the database or Redis down, every
 API process down or blocked). So an outage, however long, marks no node dead at the return;
 a node that does not beat again dies ``dead_after_s`` after it, as the reconciler treats a node
-the hot store lost.
+the hot store lost. The mark that starts a run also gives the leases live when the outage began
+its length (``tasks.service.extend_leases_over_outage``), and the reaper expires none while the
+last mark is stale: a lease outlives an outage of any length.
 
 What no mark can see is an outage in front of the API processes (a load balancer down, a
 partition between the workers and the service): the processes keep marking while no beat
@@ -21,15 +23,18 @@ or tests that drive the sweeper alone), the sweeper judges silence as before.
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass
 
-from sqlalchemy import Double, String, case, select, update
+import structlog
+from sqlalchemy import Double, String, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
 
 from orchestrator.core.db import Base
 from orchestrator.core.sql import insert_ignore
 from orchestrator.core.state import AppState
+from orchestrator.tasks.service import extend_leases_over_outage
 
 __all__ = ["MARK_INTERVAL_S", "STALL_S", "Serving", "ServingMark", "mark_serving", "read_serving"]
 
@@ -38,6 +43,8 @@ MARK_INTERVAL_S = 5.0
 # an outage; one that does only delays the sweeper (the safe side).
 STALL_S = 3 * MARK_INTERVAL_S
 MARK = "beats"
+
+log = structlog.get_logger(__name__)
 
 
 class ServingMark(Base):
@@ -57,16 +64,22 @@ async def mark_serving(state: AppState) -> bool:
     async with state.sessionmaker() as session, session.begin():
         if await insert_ignore(session, ServingMark, {"name": MARK, "at": now, "since": now}):
             return True
-        # SET reads the row as it was: a mark after a gap starts a new run. Processes whose
-        # clocks differ slightly never move ``at`` back.
-        await session.execute(
-            update(ServingMark)
-            .where(ServingMark.name == MARK)
-            .values(
-                since=case((ServingMark.at < now - STALL_S, now), else_=ServingMark.since),
-                at=case((ServingMark.at < now, now), else_=ServingMark.at),
+        query = select(ServingMark.at).where(ServingMark.name == MARK)
+        last = (await session.execute(query.with_for_update())).scalar_one()
+        if now - last > STALL_S:
+            # The first mark after an outage: the leases that were live when it began get its
+            # length back, in the same transaction, so no lease runs out for want of beats that
+            # could not be taken (the reaper held off meanwhile: ``tasks.jobs``).
+            extended = await extend_leases_over_outage(
+                session,
+                began=dt.datetime.fromtimestamp(last, dt.UTC),
+                length=dt.timedelta(seconds=now - last),
             )
-        )
+            log.warning("serving_resumed", outage_s=round(now - last, 1), leases_extended=extended)
+            values = {"at": now, "since": now}
+        else:  # a process whose clock is slightly behind never moves ``at`` back
+            values = {"at": max(last, now)}
+        await session.execute(update(ServingMark).where(ServingMark.name == MARK).values(**values))
     return True
 
 

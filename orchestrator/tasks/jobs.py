@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from orchestrator.core.state import AppState
 from orchestrator.core.ticks import tick_in_batches
+from orchestrator.liveness.serving import read_serving
 from orchestrator.tasks.service import fail_past_deadline, reap_expired
 
 log = structlog.get_logger(__name__)
@@ -41,7 +42,14 @@ async def reap_once(state: AppState) -> ReapReport:
 
     async def batch(session: AsyncSession) -> tuple[int, int, int]:
         utcnow = state.clock.utcnow()
-        expired, failed = await reap_expired(session, now=utcnow, limit=REAP_BATCH)
+        # While no API process can take beats or results, a lease running out is the outage's
+        # doing: the first mark after it gives the live leases its length back.
+        serving = await read_serving(session, state.clock.now())
+        expired, failed = (
+            (0, 0)
+            if serving is not None and serving.down
+            else await reap_expired(session, now=utcnow, limit=REAP_BATCH)
+        )
         return expired, failed, await fail_past_deadline(session, now=utcnow, limit=REAP_BATCH)
 
     batches = await tick_in_batches(

@@ -1091,6 +1091,27 @@ async def end_leases_of_dead(
     return int(result.rowcount)  # type: ignore[attr-defined]
 
 
+async def extend_leases_over_outage(
+    session: AsyncSession, *, began: dt.datetime, length: dt.timedelta
+) -> int:
+    """Push back by ``length`` the deadline of every live lease that had not run out when an
+    outage of that length began (``liveness.serving``): its node could neither beat nor answer
+    meanwhile. The rows are locked (PostgreSQL; on SQLite the write lock) so a concurrent beat's
+    extension is not overwritten. Returns the leases extended."""
+    stmt = (
+        select(Assignment.id, Assignment.lease_expires_at)
+        .where(Assignment.status == "active", Assignment.lease_expires_at > began)
+        .order_by(Assignment.id)
+    )
+    if is_postgres(session):
+        stmt = stmt.with_for_update()
+    live = (await session.execute(stmt)).all()
+    rows = [{"id": ident, "lease_expires_at": deadline + length} for ident, deadline in live]
+    if rows:
+        await session.execute(update(Assignment), rows)  # bulk UPDATE by primary key
+    return len(rows)
+
+
 async def reap_expired(session: AsyncSession, *, now: dt.datetime, limit: int = 1000) -> tuple[int, int]:
     """Expire leases past their deadline; reissue their replicas, or fail the task after the
     pool's max attempts. Returns (expired, tasks failed). Reads only expired leases."""
