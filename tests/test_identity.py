@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
+from collections.abc import Awaitable
 
 import httpx
+from asgi_lifespan import LifespanManager
+from nacl.signing import SigningKey
 
-from orchestrator.core.keys import attest_node, generate_key, is_key_id
+from orchestrator.app import create_app
+from orchestrator.core.clock import FakeClock
+from orchestrator.core.hotstore import HotStore
+from orchestrator.core.keys import attest_node, generate_key, is_key_id, key_id_of
+from orchestrator.core.signing import SignatureAuth
+from orchestrator.settings import LimitSettings, Settings
 from tests.conftest import Contributor, new_contributor, problem
 
 
@@ -168,3 +177,53 @@ async def test_the_openapi_schema_gives_the_exact_form_of_a_key_id(client: httpx
     candidates += [key_id[:42] + c for c in "AEIMQUYcgkosw048"] + ["+" * 43, "A" * 42 + "_"]
     for candidate in candidates:  # is_key_id: the check every key id of a request goes through
         assert (re.search(body["pattern"], candidate) is not None) is is_key_id(candidate), candidate
+
+
+async def test_a_provider_and_a_node_registering_one_key_at_once_only_one_is_registered(
+    settings: Settings, clock: FakeClock, hot_store: HotStore
+) -> None:
+    """The rule above was a read of one table and an insert into the other: on PostgreSQL a
+    provider registration and a node registration signed with the same new key, at the same
+    moment, both saw no other and both committed (201 and 201), and the key was both. Now, for
+    each of many keys raced that way, one registration wins and the other is refused with its
+    422, whichever came first; and the key is only what the winner registered. (On SQLite every
+    transaction holds the one write lock from its start, so the two never overlapped there.)"""
+    pairs = 25
+    # Every attempt is a new key's registration, from one address: above the default limit.
+    unlimited = settings.model_copy(
+        update={"limits": LimitSettings(registration_per_ip=10**6, registration_per_key=10**6)}
+    )
+    application = create_app(unlimited, clock=clock, hot_store=hot_store)
+    async with (
+        LifespanManager(application),
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=application), base_url="http://testserver"
+        ) as client,
+    ):
+        attesting = new_contributor()
+        assert (await client.post("/v1/providers", json={}, auth=attesting.provider_auth)).status_code == 201
+        keys = [generate_key() for _ in range(pairs)]
+
+        def as_node(key: SigningKey) -> Awaitable[httpx.Response]:
+            body = attesting.node_body(attestation=attest_node(attesting.provider_key, key_id_of(key)))
+            return client.post("/v1/nodes", json=body, auth=SignatureAuth(key))
+
+        def as_provider(key: SigningKey) -> Awaitable[httpx.Response]:
+            return client.post("/v1/providers", json={}, auth=SignatureAuth(key))
+
+        replies = await asyncio.gather(*(call(k) for k in keys for call in (as_provider, as_node)))
+        outcomes = []
+        for i, key in enumerate(keys):
+            provider_reply, node_reply = replies[2 * i], replies[2 * i + 1]
+            # What the key is now, as its own signed requests see it.
+            is_node = (await client.get("/v1/nodes/me", auth=SignatureAuth(key))).status_code == 200
+            is_provider = (
+                await client.get("/v1/providers/me/balance", auth=SignatureAuth(key))
+            ).status_code == 200
+            outcomes.append((provider_reply.status_code, node_reply.status_code, is_provider, is_node))
+            if outcomes[-1] == (201, 422, True, False):
+                problem(node_reply, 422, "node_key_is_provider_key")
+            elif outcomes[-1] == (422, 201, False, True):
+                problem(provider_reply, 422, "provider_key_is_node_key")
+        both = [o for o in outcomes if o not in ((201, 422, True, False), (422, 201, False, True))]
+        assert not both, f"{len(both)} of {pairs} keys (provider, node, is provider, is node): {both}"

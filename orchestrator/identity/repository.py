@@ -3,14 +3,35 @@
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 from collections.abc import Mapping, Sequence
 
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from orchestrator.core.db import utcnow
-from orchestrator.core.sql import insert_ignore
+from orchestrator.core.sql import insert_ignore, is_postgres
 from orchestrator.identity.models import Node, NodeStatusChange, Provider
+
+# The first key of a signing key's advisory lock ("KY"; the verifiers' is "VF", VERIFIER_LOCK in
+# verification/service.py; the instance lock's one-key form is another key space).
+KEY_LOCK = 0x4B59
+
+
+async def lock_key(session: AsyncSession, key_id: str) -> None:
+    """Until the transaction ends, be the only one registering ``key_id`` as a provider or a
+    node: a registration checks that the key is not the other kind and then inserts it, into
+    the other table, so two at once each saw no other and both committed. The lock is
+    transaction-scoped (``pg_advisory_xact_lock`` on KEY_LOCK and 32 bits of a hash of the key):
+    the second waits for the first's commit, then reads what it wrote. Take it before any other
+    lock, so a registration waiting for it holds nothing another one needs. On SQLite there is
+    nothing to take: every transaction holds the one write lock from its start (core/db.py)."""
+    if not is_postgres(session):
+        return
+    digest = hashlib.blake2b(key_id.encode(), digest_size=4).digest()
+    await session.execute(
+        select(func.pg_advisory_xact_lock(KEY_LOCK, int.from_bytes(digest, "big", signed=True)))
+    )
 
 
 async def get_provider(session: AsyncSession, provider_id: str) -> Provider | None:

@@ -52,10 +52,12 @@ async def register_provider(
     """Idempotent: the same key again returns the existing record (created=False). A key
     registered as a node cannot become a provider: the key that gets paid stays off the workers'
     machines (a key registered as both before this rule keeps working)."""
-    if (
-        await repo.get_provider(session, provider_id) is None
-        and await repo.get_node(session, provider_id) is not None
-    ):
+    new = await repo.get_provider(session, provider_id) is None
+    if new:
+        # Checked and inserted under the key's lock: a node registering it at the same moment
+        # waits for this transaction, then finds the provider (and the other way round).
+        await repo.lock_key(session, provider_id)
+    if new and await repo.get_node(session, provider_id) is not None:
         raise UnprocessableEntity(
             "this key is registered as a node: a provider signs with a key of its own, kept off the "
             "workers' machines (the key that gets paid): generate one with `orchestrator keys generate`",
@@ -88,10 +90,10 @@ async def register_node(
 ) -> tuple[Node, bool]:
     """Register a node under its provider; re-registering updates specs and version. The key
     may be no provider's (a node registered with one before this rule keeps working)."""
-    if node_id == body.provider_id or (
-        await repo.get_node(session, node_id) is None
-        and await repo.get_provider(session, node_id) is not None
-    ):
+    new = await repo.get_node(session, node_id) is None
+    if new:
+        await repo.lock_key(session, node_id)  # as in register_provider
+    if node_id == body.provider_id or (new and await repo.get_provider(session, node_id) is not None):
         # The provider key is who gets paid: it belongs off the workers' machines.
         raise UnprocessableEntity(
             "a node signs with a key of its own, not a provider's (the key that gets paid must "
