@@ -30,6 +30,9 @@ class AppState:
     instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
     # Single reads outside a transaction (autocommit on PostgreSQL; the same pool as ``engine``).
     reader: AsyncEngine = field(init=False)
+    # (kind, key id) of the signing keys this process has read as registered: a signed request of
+    # an unregistered key is refused before it writes to the hot store (``identity.auth``).
+    known_keys: set[tuple[str, str]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.reader = autocommit(self.engine)

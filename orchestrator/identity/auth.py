@@ -8,8 +8,9 @@ act as the identity that signed.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 import structlog
@@ -17,12 +18,14 @@ from fastapi import Depends, Request, Security
 from fastapi.security import APIKeyHeader
 from sqlalchemy import bindparam, select
 
+from orchestrator.core import ratelimit
 from orchestrator.core.errors import BadRequest, Forbidden, RateLimited, Unauthorized
 from orchestrator.core.routing import before_body, guarded_answer
 from orchestrator.core.signing import SignedRequest, target_uri, verify_request
 from orchestrator.core.state import AppState, Session, State, app_state
 from orchestrator.identity import repository as repo
 from orchestrator.identity.models import Node, NodeStatus, Provider
+from orchestrator.identity.service import network_of
 
 # Declares the scheme in the OpenAPI document; the checks are ours (auto_error=False).
 signature_scheme = APIKeyHeader(
@@ -38,9 +41,77 @@ signature_scheme = APIKeyHeader(
 )
 
 
-async def _verified(request: Request, state: AppState, *, limit: int, budget: str) -> SignedRequest:
-    """Check the signature, claim the nonce and count the request toward its key's ``limit``
-    (the settings field named ``budget``)."""
+# Signing keys a process remembers as registered (``AppState.known_keys``); past it the memory
+# starts again, which costs each key one primary-key read more.
+KNOWN_KEYS_MAX = 100_000
+_IS_REGISTERED = {
+    "node": select(Node.id).where(Node.id == bindparam("key")),
+    "provider": select(Provider.id).where(Provider.id == bindparam("key")),
+}
+Kind = Literal["node", "provider"]
+# What a guard checks between the signature and the hot store, given the signer's key id.
+Admission = Callable[[str], Awaitable[None]]
+
+
+async def is_registered(state: AppState, kind: Kind, keyid: str) -> bool:
+    """Whether ``keyid`` is a registered node (provider) key: from this process's memory, else
+    one primary-key read outside any transaction. Keys are never unregistered (a ban is checked
+    by the route's own read of the signer)."""
+    if (kind, keyid) in state.known_keys:
+        return True
+    async with state.reader.connect() as conn:
+        found = (await conn.execute(_IS_REGISTERED[kind], {"key": keyid})).first() is not None
+    if found:
+        if len(state.known_keys) >= KNOWN_KEYS_MAX:
+            state.known_keys.clear()
+        state.known_keys.add((kind, keyid))
+    return found
+
+
+def registered(state: AppState, kind: Kind) -> Admission:
+    """Refuse an unregistered signer with 401 ``unknown_key`` before its request touches the hot
+    store: a key costs nothing to make, so requests signed with fresh keys each left a nonce (and a
+    rate-limit counter) in Redis for the nonce's lifetime, at whatever rate they came."""
+
+    async def check(keyid: str) -> None:
+        if not await is_registered(state, kind, keyid):
+            raise unknown_node() if kind == "node" else unknown_provider()
+
+    return check
+
+
+def registering(request: Request, state: AppState, kind: Kind) -> Admission:
+    """A registration's admission: a key registered already passes (registering again is
+    idempotent; every machine of a provider registers the provider's key when its worker
+    starts). A new key counts toward its address's registrations (an IPv6 /64 as one, as for
+    the pools' per-IP rules), then toward its own, attempts that fail later included, before
+    the hot store records its nonce: an address past its limit writes nothing more per key."""
+
+    async def check(keyid: str) -> None:
+        if await is_registered(state, kind, keyid):
+            return
+        limits = state.settings.limits
+        await ratelimit.enforce(
+            state,
+            f"ip:register:{network_of(client_ip(request))}",
+            limit=limits.registration_per_ip,
+            window_s=limits.registration_window_s,
+        )
+        await ratelimit.enforce(
+            state,
+            f"key:register:{keyid}",
+            limit=limits.registration_per_key,
+            window_s=limits.registration_window_s,
+        )
+
+    return check
+
+
+async def _verified(
+    request: Request, state: AppState, *, limit: int, budget: str, admission: Admission
+) -> SignedRequest:
+    """Check the signature and the signer (``admission``), then claim the nonce and count the
+    request toward its key's ``limit`` (the settings field named ``budget``)."""
     body = await request.body()
     host = request.headers.get("host") or (
         f"{request.url.hostname}:{request.url.port}" if request.url.port else str(request.url.hostname)
@@ -62,6 +133,7 @@ async def _verified(request: Request, state: AppState, *, limit: int, budget: st
     )
     # The signature holds: the request's log line names its key, a refusal's below included.
     structlog.contextvars.bind_contextvars(keyid=signed.keyid)
+    await admission(signed.keyid)
     window_s = state.settings.limits.signed_window_s
     decision = await state.hot_store.admit(
         signed.keyid,
@@ -86,20 +158,26 @@ async def _verified(request: Request, state: AppState, *, limit: int, budget: st
     return signed
 
 
-async def node_signature(request: Request) -> SignedRequest:
-    state = app_state(request)
-    limit = state.settings.limits.signed_per_key
-    return await guarded_answer(
-        request, "signed", lambda: _verified(request, state, limit=limit, budget="signed_per_key")
-    )
+def _signature(kind: Kind, *, registration: bool) -> Callable[[Request], Awaitable[SignedRequest]]:
+    budget = "signed_per_key" if kind == "node" else "signed_per_provider_key"
+
+    async def guard(request: Request) -> SignedRequest:
+        state = app_state(request)
+        admission = registering(request, state, kind) if registration else registered(state, kind)
+        limit = getattr(state.settings.limits, budget)
+        return await guarded_answer(
+            request,
+            "signed",
+            lambda: _verified(request, state, limit=limit, budget=budget, admission=admission),
+        )
+
+    return guard
 
 
-async def provider_signature(request: Request) -> SignedRequest:
-    state = app_state(request)
-    limit = state.settings.limits.signed_per_provider_key
-    return await guarded_answer(
-        request, "signed", lambda: _verified(request, state, limit=limit, budget="signed_per_provider_key")
-    )
+node_signature = _signature("node", registration=False)
+provider_signature = _signature("provider", registration=False)
+node_registration_signature = _signature("node", registration=True)
+provider_registration_signature = _signature("provider", registration=True)
 
 
 @before_body(node_signature)
@@ -120,8 +198,26 @@ async def provider_signed_request(
     return await provider_signature(request)
 
 
+@before_body(node_registration_signature)
+async def node_registration_request(
+    request: Request, _scheme: Annotated[str | None, Security(signature_scheme)] = None
+) -> SignedRequest:
+    """A node's registration, the one node-signed request of a key not registered yet."""
+    return await node_registration_signature(request)
+
+
+@before_body(provider_registration_signature)
+async def provider_registration_request(
+    request: Request, _scheme: Annotated[str | None, Security(signature_scheme)] = None
+) -> SignedRequest:
+    """A provider's registration, the one provider-signed request of a key not registered yet."""
+    return await provider_registration_signature(request)
+
+
 Signed = Annotated[SignedRequest, Depends(signed_request)]
 ProviderSigned = Annotated[SignedRequest, Depends(provider_signed_request)]
+RegisteringNode = Annotated[SignedRequest, Depends(node_registration_request)]
+RegisteringProvider = Annotated[SignedRequest, Depends(provider_registration_request)]
 
 
 def unknown_node() -> Unauthorized:
@@ -170,12 +266,16 @@ async def signed_node(signed: Signed, state: State) -> NodeRef:
     return NodeRef(signed.keyid, row.provider_id, row.ip_address, row.status)
 
 
+def unknown_provider() -> Unauthorized:
+    return Unauthorized(
+        "no provider is registered with this key", code="unknown_key", title="Request signature refused"
+    )
+
+
 async def current_provider(signed: ProviderSigned, session: Session) -> Provider:
     provider = await repo.get_provider(session, signed.keyid)
     if provider is None:
-        raise Unauthorized(
-            "no provider is registered with this key", code="unknown_key", title="Request signature refused"
-        )
+        raise unknown_provider()
     structlog.contextvars.bind_contextvars(provider_id=provider.id)
     return provider
 
