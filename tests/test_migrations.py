@@ -910,3 +910,39 @@ def test_0029_gives_existing_pools_a_day_or_their_longer_lease_as_max_lease_s(sc
     asyncio.run(_seed_pools_with_leases(scratch_url, {"pool-a": 60, "pool-b": 2 * 86400}))
     upgrade(scratch_url)
     assert asyncio.run(_max_leases(scratch_url)) == [("pool-a", 86400), ("pool-b", 2 * 86400)]
+
+
+async def _validation_jobs(url: str, sql: str | None = None) -> list[tuple[Any, ...]]:
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as conn:
+            if sql is not None:
+                await conn.execute(text(sql))
+            rows = await conn.execute(text("SELECT id, status FROM validation_jobs ORDER BY id"))
+            return [tuple(r) for r in rows]
+    finally:
+        await engine.dispose()
+
+
+def test_0031_downgrade_keeps_withdrawn_validation_jobs_as_decided(scratch_url: str) -> None:
+    """0030's check allows no withdrawn: such a job (its result decided on the server's checks)
+    is ``done`` there, not ``open`` again, where validators would be offered a decided result."""
+    upgrade(scratch_url)
+    asyncio.run(_seed_ended_tasks(scratch_url))
+    asyncio.run(_seed_forfeited_holds(scratch_url))
+    at = "'2026-11-30 12:00:00'"
+    insert = (
+        "INSERT INTO validation_jobs (id, submission_id, pool_id, status, fencing_token, created_at) "
+        f"VALUES (1, 1, 'pool-mig', 'withdrawn', 1, {at}), (2, 2, 'pool-mig', 'done', 1, {at}), "
+        f"(3, 3, 'pool-mig', 'open', 0, {at})"
+    )
+    assert asyncio.run(_validation_jobs(scratch_url, insert)) == [(1, "withdrawn"), (2, "done"), (3, "open")]
+    downgrade(scratch_url, "0030")
+    assert asyncio.run(_validation_jobs(scratch_url)) == [(1, "done"), (2, "done"), (3, "open")]
+    upgrade(scratch_url)
+    withdraw = "UPDATE validation_jobs SET status = 'withdrawn' WHERE id = 3"
+    assert asyncio.run(_validation_jobs(scratch_url, withdraw)) == [
+        (1, "done"),
+        (2, "done"),
+        (3, "withdrawn"),
+    ]

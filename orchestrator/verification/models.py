@@ -205,11 +205,18 @@ class ValidationJob(Base):
 
     __tablename__ = "validation_jobs"
     __table_args__ = (
-        CheckConstraint("status IN ('open', 'leased', 'done')", name="status_known"),
+        CheckConstraint("status IN ('open', 'leased', 'done', 'withdrawn')", name="status_known"),
         Index(
             "ix_validation_jobs_open",
             "pool_id",
             "id",
+            postgresql_where=text("status = 'open'"),
+            sqlite_where=text("status = 'open'"),
+        ),
+        # The open jobs oldest first.
+        Index(
+            "ix_validation_jobs_open_since",
+            "created_at",
             postgresql_where=text("status = 'open'"),
             sqlite_where=text("status = 'open'"),
         ),
@@ -225,5 +232,8 @@ class ValidationJob(Base):
     validator_token_id: Mapped[str | None] = mapped_column(String(32))
     lease_expires_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    per_sample_rewards: Mapped[list[float | None] | None] = mapped_column(
+        JSON, doc="the server's reward per sample, as the checks computed it (NULL: made before 0031)"
+    )
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     decided_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())

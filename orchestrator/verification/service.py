@@ -578,6 +578,7 @@ async def _run_checks(
                     pool_id=pool.id,
                     status="open",
                     fencing_token=0,
+                    per_sample_rewards=per_sample,
                     created_at=now,
                 )
             )
