@@ -189,6 +189,19 @@ class VerifierSettings(BaseModel):
             "the quorum rule without it, and an undecided vote is inconclusive (quorum_timeout)."
         ),
     )
+    validator_wait_s: float = Field(
+        default=4 * 3600,
+        ge=60,
+        le=30 * 86_400,
+        description=(
+            "How long a result sent to validators (a pool whose audit_method is validator) waits "
+            "for a validator's verdict, counted from when its checks sent it. Past that a job no "
+            "validator holds a live lease on is withdrawn from the validators and the result "
+            "decided on the server's own checks, as a skipped audit (verdict details: "
+            "audit_skipped); a claim no longer offers it, and a lease taken within the wait is "
+            "honoured until it runs out."
+        ),
+    )
     reward_timeout_s: float = Field(
         default=10,
         gt=0,

@@ -2,7 +2,9 @@
 
 The verifier runs in every process that runs background loops: each tick takes waiting results
 in small batches, each committed on its own, for up to a time budget. Only the tick's
-housekeeping is once per tick across processes (``core.ticks.claim_tick``)."""
+housekeeping is once per tick across processes (``core.ticks.claim_tick``): the process that
+claims the tick also withdraws the validator jobs past their wait, in a transaction of its own
+right after."""
 
 from __future__ import annotations
 
@@ -31,6 +33,10 @@ RELEASE_INTERVAL_S = 30.0
 #: their hold; and one long transaction kept every verifier batch that pays those providers
 #: waiting on their accounts (10 s and more).
 RELEASE_BATCH = 200
+#: Validator jobs past their wait withdrawn (and their results decided) per tick, oldest first:
+#: a backlog left by a long validator outage is worked off over a few ticks, each transaction
+#: holding the verdicts' accounts for one short batch only.
+VALIDATOR_WAIT_BATCH = 100
 
 
 @dataclass(frozen=True)
@@ -40,27 +46,44 @@ class VerifyReport:
     processed: int = 0
     validator_leases_expired: int = 0
     quorum_waits_expired: int = 0
+    validator_waits_expired: int = 0
 
 
 async def verify_once(state: AppState) -> VerifyReport:
     """One tick: the once-per-tick housekeeping (expired validator leases back to open, replicas
-    nobody took within ``verifier.quorum_wait_s`` withdrawn) if this process claims the tick;
+    nobody took within ``verifier.quorum_wait_s`` withdrawn; then validator jobs nobody holds
+    that waited past ``verifier.validator_wait_s`` withdrawn) if this process claims the tick;
     then, in every process, waiting results in small batches.
 
     A failed housekeeping does not keep the batches from running: one that fails every tick
     (one bad task) would otherwise stop every verdict while the loop looks alive. It is logged
     as any failed tick (``core.loops``), and its transaction, tick claim included, rolls back,
     so ``orchestrator_loop_last_run_age_seconds{loop="verifier"}`` grows and the next tick
-    tries it again."""
+    tries it again. The validator waits are a transaction of their own, after the claim's has
+    committed (two rounds of ``lock_for_verdicts`` in one transaction, the quorum's and theirs,
+    could deadlock with a verdict that takes the same locks in one round): a failed one is
+    logged, rolled back and tried again by the next tick, and shows as results waiting past
+    the wait in ``orchestrator_validation_oldest_waiting_seconds``."""
     tick = int(state.clock.now() // VERIFY_INTERVAL_S)
     try:
         ran, expired, waits = await _housekeeping(state, tick)
     except Exception:
         log.exception("background_tick_failed", loop=VERIFIER, part="housekeeping")
         ran, expired, waits = False, 0, 0
+    validator_waits = 0
+    if ran:
+        try:
+            validator_waits = await _validator_waits(state)
+        except Exception:
+            log.exception("background_tick_failed", loop=VERIFIER, part="validator_waits")
     processed = await verify_batches(state, budget_s=state.settings.verifier.tick_budget_s)
     return VerifyReport(
-        tick=tick, ran=ran, processed=processed, validator_leases_expired=expired, quorum_waits_expired=waits
+        tick=tick,
+        ran=ran,
+        processed=processed,
+        validator_leases_expired=expired,
+        quorum_waits_expired=waits,
+        validator_waits_expired=validator_waits,
     )
 
 
@@ -75,6 +98,16 @@ async def _housekeeping(state: AppState, tick: int) -> tuple[bool, int, int]:
             session, now=now, wait_s=state.settings.verifier.quorum_wait_s, secret=secret
         )
         return True, expired, waits
+
+
+async def _validator_waits(state: AppState) -> int:
+    async with state.sessionmaker() as session, session.begin():
+        return await validators.expire_waits(
+            session,
+            now=state.clock.utcnow(),
+            wait_s=state.settings.verifier.validator_wait_s,
+            limit=VALIDATOR_WAIT_BATCH,
+        )
 
 
 async def verify_batches(state: AppState, *, budget_s: float) -> int:

@@ -201,7 +201,13 @@ class RewardForfeit(Base):
 
 
 class ValidationJob(Base):
-    """An expensive check (e.g. a TOPLOC proof) offered to trusted validators, leased like a task."""
+    """An expensive check (e.g. a TOPLOC proof) offered to trusted validators, leased like a task.
+
+    statuses: open (waiting for a claim) -> leased (a validator holds it until
+    ``lease_expires_at``; back to open when that passes) -> done (the validator's verdict,
+    ``result``), or withdrawn (it waited ``verifier.validator_wait_s`` with no live lease and
+    was decided on the server's checks, as a skipped audit; a verdict posted later is refused).
+    """
 
     __tablename__ = "validation_jobs"
     __table_args__ = (
@@ -213,7 +219,7 @@ class ValidationJob(Base):
             postgresql_where=text("status = 'open'"),
             sqlite_where=text("status = 'open'"),
         ),
-        # The open jobs oldest first.
+        # The open jobs oldest first: the verifier's housekeeping withdraws those past their wait.
         Index(
             "ix_validation_jobs_open_since",
             "created_at",

@@ -230,7 +230,13 @@ async def claim(
     body: ValidationClaimIn, principal: Validator, session: Session, state: State
 ) -> ValidationClaimOut:
     leased = await validators.claim(
-        session, principal, body.pool_id, body.max_jobs, now=state.clock.utcnow(), lease_s=body.lease_s
+        session,
+        principal,
+        body.pool_id,
+        body.max_jobs,
+        now=state.clock.utcnow(),
+        wait_s=state.settings.verifier.validator_wait_s,
+        lease_s=body.lease_s,
     )
     jobs = []
     for job, submission, task, seed in leased:
@@ -267,7 +273,12 @@ async def extend_lease(
     job_id: JobId, body: ValidationExtendIn, principal: Validator, session: Session, state: State
 ) -> ValidationLeaseOut:
     job = await validators.extend(
-        session, principal, job_id, body.fencing_token, body.lease_s, now=state.clock.utcnow()
+        session,
+        principal,
+        job_id,
+        body.fencing_token,
+        body.lease_s,
+        now=state.clock.utcnow(),
     )
     assert job.lease_expires_at is not None
     return ValidationLeaseOut(

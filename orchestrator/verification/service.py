@@ -17,6 +17,8 @@ the server's own reward function, then either decides at once or waits for more 
   server cannot check answers itself, and an undecided vote adds a replica (BOINC semantics,
   up to a cap) before the task is called inconclusive;
 * a pool that routes audits to trusted validators -> a ``ValidationJob`` (see validators.py);
+  one that no validator decides within ``verifier.validator_wait_s`` is withdrawn and the
+  result decided on its checks, as a skipped audit (``validators.expire_waits``);
 * otherwise accepted: ``reward_per_sample`` x correct samples into ``rewards_pending``, released
   to ``rewards_claimable`` after the pool's hold window.
 

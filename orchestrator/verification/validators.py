@@ -6,13 +6,21 @@ is idempotent per job; a lease past its deadline goes back to the queue, and a v
 a stale fencing token is refused. For TOPLOC evidence the server applies the published
 thresholds itself (among the top 128 values: at least 90 exponent matches, mantissa error
 mean < 10 and median < 8), so a ``valid`` that its own numbers contradict is refused.
+
+A job waits for validators ``verifier.validator_wait_s`` from when the checks sent it
+(``created_at``): a claim offers only jobs within their wait, and once no validator holds a
+live lease on a job past its wait, the verifier's housekeeping withdraws it (``expire_waits``)
+and decides the result on the server's checks, as a skipped audit; a verdict posted after is
+refused (``validation_withdrawn``).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+from typing import Any
 
+import structlog
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -30,6 +38,8 @@ LEASE_S = 300
 TOPLOC_MIN_EXPONENT_MATCHES = 90
 TOPLOC_MAX_MANTISSA_MEAN = 10.0
 TOPLOC_MAX_MANTISSA_MEDIAN = 8.0
+
+log = structlog.get_logger(__name__)
 
 
 def _pools_in_scope(principal: Principal, pool_id: str | None) -> list[str] | None:
@@ -49,18 +59,23 @@ async def claim(
     max_jobs: int,
     *,
     now: dt.datetime,
+    wait_s: float,
     lease_s: int = LEASE_S,
 ) -> list[tuple[ValidationJob, Submission, Task, int]]:
-    """Lease up to ``max_jobs`` open jobs for ``lease_s`` seconds. A pool named that does not
-    exist, or that the token is not scoped to, is 404 ``pool_not_found`` (not an empty answer,
-    which would look like a pool with nothing to check)."""
+    """Lease up to ``max_jobs`` open jobs for ``lease_s`` seconds, of those still within their
+    ``wait_s`` (one past it is the housekeeping's to withdraw, at its next tick). A pool named
+    that does not exist, or that the token is not scoped to, is 404 ``pool_not_found`` (not an
+    empty answer, which would look like a pool with nothing to check)."""
     pools = _pools_in_scope(principal, pool_id)
     if pool_id is not None and (pools == [] or await session.get(Pool, pool_id) is None):
         raise NotFound(f"no pool {pool_id} in this token's scope", code="pool_not_found")
     if pools == []:
         return []
     stmt = (
-        select(ValidationJob).where(ValidationJob.status == "open").order_by(ValidationJob.id).limit(max_jobs)
+        select(ValidationJob)
+        .where(ValidationJob.status == "open", ValidationJob.created_at > _wait_cutoff(now, wait_s))
+        .order_by(ValidationJob.id)
+        .limit(max_jobs)
     )
     if pools is not None:
         stmt = stmt.where(ValidationJob.pool_id.in_(pools))
@@ -82,6 +97,11 @@ async def claim(
         out.append((job, submission, task, replica.seed))
     await session.flush()
     return out
+
+
+def _wait_cutoff(now: dt.datetime, wait_s: float) -> dt.datetime:
+    """Jobs made at or before this have waited their ``wait_s``."""
+    return now - dt.timedelta(seconds=wait_s)
 
 
 def _in_scope(job: ValidationJob, principal: Principal) -> bool:
@@ -113,6 +133,15 @@ def _lease_expired() -> Conflict:
     return Conflict("this validation lease expired or belongs to another validator", code="lease_expired")
 
 
+def _withdrawn() -> Conflict:
+    return Conflict(
+        "this validation job waited past the validator wait with no validator holding a live lease "
+        "on it; it was withdrawn and its result decided on the server's checks (the audit was "
+        "skipped), so no verdict is recorded for it now",
+        code="validation_withdrawn",
+    )
+
+
 async def extend(
     session: AsyncSession,
     principal: Principal,
@@ -125,8 +154,10 @@ async def extend(
     """The holder's live lease now runs out ``lease_s`` from now (sooner too, if it asks): a
     check that takes longer than its claim's ``lease_s`` is not lost. A lease already run out,
     decided, or held by another validator or under another fencing token is 409
-    ``lease_expired``, as a verdict would be."""
+    ``lease_expired``, as a verdict would be; a withdrawn job's is ``validation_withdrawn``."""
     job = await _locked_job(session, principal, job_id)
+    if job.status == "withdrawn":
+        raise _withdrawn()
     if not _holds(job, principal, fencing_token, now):
         raise _lease_expired()
     job.lease_expires_at = now + dt.timedelta(seconds=lease_s)
@@ -187,6 +218,8 @@ async def post_verdict(
 ) -> tuple[ValidationJob, Verdict]:
     job = await _locked_job(session, principal, job_id)
     posted = body.model_dump(mode="json")
+    if job.status == "withdrawn":
+        raise _withdrawn()
     if job.status == "done":
         verdict = (
             await session.execute(select(Verdict).where(Verdict.submission_id == job.submission_id))
@@ -247,6 +280,77 @@ async def expire_leases(session: AsyncSession, *, now: dt.datetime) -> int:
         job.lease_expires_at = None
     await session.flush()
     return len(jobs)
+
+
+async def expire_waits(session: AsyncSession, *, now: dt.datetime, wait_s: float, limit: int = 100) -> int:
+    """Open jobs that have waited past ``wait_s``, up to ``limit``, oldest first: withdrawn from
+    the validators, and their results decided on the server's own checks, as a skipped audit
+    (``audit_skipped`` in the verdict's details, verifier ``reward``, paid and held as any
+    result accepted on its checks). Returns how many were withdrawn.
+
+    A job under lease is not open: its lease is honoured until it runs out (``expire_leases``
+    then opens it, and the next pick takes it). On PostgreSQL the jobs are taken ``SKIP
+    LOCKED``: one a validator's verdict, claim or extension holds right now is that request's,
+    and a job it has meanwhile leased or decided is not open any more when the row is locked.
+    The lock order is a verdict's: the jobs, then what their verdicts may lock
+    (``service.lock_for_verdicts``)."""
+    stmt = (
+        select(ValidationJob)
+        .where(ValidationJob.status == "open", ValidationJob.created_at <= _wait_cutoff(now, wait_s))
+        .order_by(ValidationJob.created_at, ValidationJob.id)
+        .limit(limit)
+    )
+    if is_postgres(session):
+        stmt = stmt.with_for_update(skip_locked=True)
+    jobs = list((await session.execute(stmt)).scalars())
+    if not jobs:
+        return 0
+    submission_ids = [j.submission_id for j in jobs]
+    found = await session.execute(select(Submission).where(Submission.id.in_(submission_ids)))
+    submissions = {s.id: s for s in found.scalars()}
+    vjobs = {
+        v.submission_id: v
+        for v in (
+            await session.execute(
+                select(VerificationJob).where(VerificationJob.submission_id.in_(submission_ids))
+            )
+        ).scalars()
+    }
+    await service.lock_for_verdicts(session, list(submissions.values()))
+    note = f"no validator posted a verdict within {wait_s:g} s"
+    # A rolled-back savepoint expires the rows it changed: the ids are read now.
+    withdrawn = 0
+    for job, job_id, submission_id in [(j, j.id, j.submission_id) for j in jobs]:
+        try:
+            async with session.begin_nested():
+                await _withdraw(session, job, vjobs[submission_id], submissions[submission_id], note, now)
+        except Exception:  # one that cannot be decided does not hold up the others
+            log.exception("validator_wait_failed", job_id=job_id, submission_id=submission_id)
+            continue
+        withdrawn += 1
+    log.info("validator_wait_expired", jobs=withdrawn, wait_s=wait_s)
+    return withdrawn
+
+
+async def _withdraw(
+    session: AsyncSession,
+    job: ValidationJob,
+    vjob: VerificationJob,
+    submission: Submission,
+    note: str,
+    now: dt.datetime,
+) -> None:
+    details: dict[str, Any] = {"findings": vjob.findings, "server_reward": vjob.server_reward}
+    if job.per_sample_rewards is not None:
+        details["per_sample_rewards"] = job.per_sample_rewards
+    details["audit_skipped"] = note
+    vjob.audited = False
+    checkable = vjob.server_reward is not None
+    decision = service.by_reward(checkable, vjob.correct_samples or 0, details, "reward")
+    await service.decide(session, vjob, submission, decision, now=now)
+    job.status = "withdrawn"
+    job.decided_at = now
+    await session.flush()
 
 
 def result_body(submission: Submission) -> dict[str, object]:
