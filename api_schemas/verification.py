@@ -78,7 +78,16 @@ class ValidationClaimIn(StrictModel):
 
 class ValidationExtendIn(StrictModel):
     fencing_token: int = Field(ge=1, description="The lease's, as the claim gave it")
-    lease_s: int = Field(default=300, ge=30, le=3600, description="The lease now runs out this long from now")
+    lease_s: int = Field(
+        default=300,
+        ge=30,
+        le=3600,
+        description=(
+            "The lease now runs out this long from now, but no later than 3600 s past the job's "
+            "wait for validators (the server's ORCH_VERIFIER__VALIDATOR_WAIT_S, from when the job "
+            "was made): the answer's lease_expires_at says when it runs out"
+        ),
+    )
 
 
 class ValidationLeaseOut(BaseModel):

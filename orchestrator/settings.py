@@ -198,8 +198,8 @@ class VerifierSettings(BaseModel):
             "for a validator's verdict, counted from when its checks sent it. Past that a job no "
             "validator holds a live lease on is withdrawn from the validators and the result "
             "decided on the server's own checks, as a skipped audit (verdict details: "
-            "audit_skipped); a claim no longer offers it, and a lease taken within the wait is "
-            "honoured until it runs out."
+            "audit_skipped); a claim no longer offers it, and a lease taken within the wait may be "
+            "extended up to 3600 s (the longest lease) past it, no further."
         ),
     )
     reward_timeout_s: float = Field(

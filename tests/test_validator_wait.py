@@ -188,6 +188,43 @@ async def test_a_live_validator_lease_is_honoured_past_the_wait(
         ]
 
 
+async def test_extending_a_lease_cannot_hold_a_job_past_the_wait_and_one_longest_lease(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """Extended again and again, a lease stops 3600 s (the longest lease) past the job's wait:
+    it runs out there, and the job is withdrawn and decided."""
+    async with pool_setup(
+        app, app_state, workers=1, economics=ECON, stake=1000, audit_method="validator", audit_rate_floor=1.0
+    ) as s:
+        await _send(app_state, s, s.workers[0], ["4"], "held")
+        made = clock.utcnow()
+        v_headers, _ = await _validator(app_state, s.pool_id)
+        clock.advance(WAIT_S - 10)
+        [job] = await _claim(s, v_headers, lease_s=900)
+        extend = f"/v1/validation/jobs/{job['job_id']}/extend"
+
+        async def extended_to(lease_s: int) -> Any:
+            body = {"fencing_token": job["fencing_token"], "lease_s": lease_s}
+            return await s.admin.post(extend, json=body, headers=v_headers)
+
+        def expiry(r: Any) -> dt.datetime:
+            assert r.status_code == 200, r.text
+            return dt.datetime.fromisoformat(r.json()["lease_expires_at"])
+
+        assert expiry(await extended_to(1200)) == clock.utcnow() + dt.timedelta(seconds=1200)  # as asked
+        bound = made + dt.timedelta(seconds=WAIT_S + 3600)
+        for _ in range(3):
+            report = await _tick(app_state, clock, 1000)
+            assert (report.validator_leases_expired, report.validator_waits_expired) == (0, 0)
+            assert expiry(await extended_to(3600)) == bound
+        clock.advance((bound - clock.utcnow()).total_seconds() + 1)
+        problem(await extended_to(3600), 409, "lease_expired")
+        report = await verify_once(app_state)
+        assert (report.validator_leases_expired, report.validator_waits_expired) == (1, 1)
+        [v] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (v["verifier"], v["details"]["audit_skipped"]) == ("reward", SKIPPED)
+
+
 async def test_a_verdict_posted_after_the_withdrawal_is_refused_and_changes_nothing(
     app: Any, app_state: Any, clock: FakeClock
 ) -> None:

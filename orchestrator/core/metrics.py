@@ -66,7 +66,7 @@ VALIDATION_LAG = Gauge(
     "orchestrator_validation_oldest_waiting_seconds",
     "Age of the oldest result waiting for a validator's verdict, since it was received (0 when none "
     "waits); it grows when no validator claims the pool's jobs, until ORCH_VERIFIER__VALIDATOR_WAIT_S "
-    "(plus a live lease) has passed and such results are decided on their checks without the audit",
+    "(plus a lease at most) has passed and such results are decided on their checks without the audit",
     multiprocess_mode="mostrecent",
 )
 

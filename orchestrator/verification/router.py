@@ -279,6 +279,7 @@ async def extend_lease(
         body.fencing_token,
         body.lease_s,
         now=state.clock.utcnow(),
+        wait_s=state.settings.verifier.validator_wait_s,
     )
     assert job.lease_expires_at is not None
     return ValidationLeaseOut(

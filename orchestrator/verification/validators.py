@@ -8,10 +8,12 @@ thresholds itself (among the top 128 values: at least 90 exponent matches, manti
 mean < 10 and median < 8), so a ``valid`` that its own numbers contradict is refused.
 
 A job waits for validators ``verifier.validator_wait_s`` from when the checks sent it
-(``created_at``): a claim offers only jobs within their wait, and once no validator holds a
-live lease on a job past its wait, the verifier's housekeeping withdraws it (``expire_waits``)
-and decides the result on the server's checks, as a skipped audit; a verdict posted after is
-refused (``validation_withdrawn``).
+(``created_at``): a claim offers only jobs within their wait, a lease may be extended up to
+``MAX_LEASE_S`` past it and no further, and once no validator holds a live lease on a job past
+its wait, the verifier's housekeeping withdraws it (``expire_waits``) and decides the result on
+the server's checks, as a skipped audit. So no result waits longer than the wait plus one
+longest lease (and a tick) for its verdict; a verdict posted after is refused
+(``validation_withdrawn``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from orchestrator.verification.models import ValidationJob, Verdict, Verificatio
 from orchestrator.verification.scoring import Scorer
 
 LEASE_S = 300
+#: The longest lease a claim or an extension may ask for (``ValidationClaimIn.lease_s``), and how
+#: far past a job's wait an extension may take its lease.
+MAX_LEASE_S = 3600
 TOPLOC_MIN_EXPONENT_MATCHES = 90
 TOPLOC_MAX_MANTISSA_MEAN = 10.0
 TOPLOC_MAX_MANTISSA_MEDIAN = 8.0
@@ -150,17 +155,24 @@ async def extend(
     lease_s: int,
     *,
     now: dt.datetime,
+    wait_s: float,
 ) -> ValidationJob:
     """The holder's live lease now runs out ``lease_s`` from now (sooner too, if it asks): a
-    check that takes longer than its claim's ``lease_s`` is not lost. A lease already run out,
-    decided, or held by another validator or under another fencing token is 409
-    ``lease_expired``, as a verdict would be; a withdrawn job's is ``validation_withdrawn``."""
+    check that takes longer than its claim's ``lease_s`` is not lost. But not more than
+    ``MAX_LEASE_S`` past the job's wait (``wait_s`` from when it was made), where the lease
+    runs out instead (the answer's ``lease_expires_at`` says when): extensions cannot keep a job
+    from being decided for ever. A lease already run out, decided, or held by another validator
+    or under another fencing token is 409 ``lease_expired``, as a verdict would be; a withdrawn
+    job's is ``validation_withdrawn``."""
     job = await _locked_job(session, principal, job_id)
     if job.status == "withdrawn":
         raise _withdrawn()
     if not _holds(job, principal, fencing_token, now):
         raise _lease_expired()
-    job.lease_expires_at = now + dt.timedelta(seconds=lease_s)
+    assert job.lease_expires_at is not None
+    bound = job.created_at + dt.timedelta(seconds=wait_s + MAX_LEASE_S)
+    # A lease already past the bound (the wait was shortened since) keeps what it has.
+    job.lease_expires_at = min(now + dt.timedelta(seconds=lease_s), max(bound, job.lease_expires_at))
     await session.flush()
     return job
 
