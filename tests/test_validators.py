@@ -8,11 +8,13 @@ import time
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 
 from orchestrator.admin.tokens import Role, create_token
 from orchestrator.core.clock import FakeClock
 from orchestrator.verification import service
 from orchestrator.verification.jobs import verify_once
+from orchestrator.verification.validators import expired_leases
 from tests.conftest import problem
 from tests.tasks_helpers import pool_setup, task
 from tests.verification_helpers import FixedDraw, submit, verdicts, verify_all
@@ -314,3 +316,18 @@ async def test_a_validator_verdict_scores_without_holding_up_other_writes(
         assert r.status_code == 200, r.text
         assert r.json()["verdict"]["category"] == "valid"
         assert r.json()["verdict"]["details"]["per_sample_rewards"] == [1.0]
+
+
+async def test_reopening_expired_validator_leases_reads_only_the_leased_jobs(app_state: Any) -> None:
+    """The verifier's housekeeping reopens expired validator leases every second: the pick is
+    served by the partial index on the leased jobs, not a scan of every job ever decided."""
+    stmt = expired_leases(dt.datetime.now(dt.UTC))
+    async with app_state.engine.connect() as conn:
+        sql = str(stmt.compile(conn, compile_kwargs={"literal_binds": True}))
+        if conn.dialect.name == "postgresql":
+            await conn.execute(text("SET LOCAL enable_seqscan = off"))  # any usable index is used
+            plan = "\n".join((await conn.execute(text("EXPLAIN " + sql))).scalars())
+        else:
+            plan = "\n".join(str(row[-1]) for row in await conn.execute(text("EXPLAIN QUERY PLAN " + sql)))
+        await conn.rollback()
+    assert "ix_validation_jobs_leased_expiry" in plan, plan

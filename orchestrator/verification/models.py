@@ -226,6 +226,14 @@ class ValidationJob(Base):
             postgresql_where=text("status = 'open'"),
             sqlite_where=text("status = 'open'"),
         ),
+        # The leases by deadline: the housekeeping (every second) reopens those that ran out,
+        # reading only the leased jobs, not the whole history of decided ones.
+        Index(
+            "ix_validation_jobs_leased_expiry",
+            "lease_expires_at",
+            postgresql_where=text("status = 'leased'"),
+            sqlite_where=text("status = 'leased'"),
+        ),
     )
 
     id: Mapped[int] = mapped_column(ID, primary_key=True, autoincrement=True)

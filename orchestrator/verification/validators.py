@@ -23,7 +23,7 @@ import json
 from typing import Any
 
 import structlog
-from sqlalchemy import select
+from sqlalchemy import Select, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from api_schemas.verification import ValidatorVerdictIn
@@ -279,10 +279,15 @@ async def post_verdict(
     return job, verdict
 
 
-async def expire_leases(session: AsyncSession, *, now: dt.datetime) -> int:
-    stmt = select(ValidationJob).where(
+def expired_leases(now: dt.datetime) -> Select[Any]:
+    """The leased jobs whose lease ran out (``ix_validation_jobs_leased_expiry``)."""
+    return select(ValidationJob).where(
         ValidationJob.status == "leased", ValidationJob.lease_expires_at <= now
     )
+
+
+async def expire_leases(session: AsyncSession, *, now: dt.datetime) -> int:
+    stmt = expired_leases(now)
     if is_postgres(session):
         stmt = stmt.with_for_update(skip_locked=True)
     jobs = list((await session.execute(stmt)).scalars())
