@@ -10,12 +10,25 @@ import httpx
 import pytest
 
 from orchestrator.core.keys import b64u_encode
-from orchestrator.core.pagination import ID_MAX, encode_cursor
+from orchestrator.core.pagination import (
+    ID_MAX,
+    NOT_ISSUED,
+    SCOPED_PREFIX,
+    TAG_BYTES,
+    CursorScope,
+    encode_cursor,
+)
 from tests.conftest import problem
 from tests.tasks_helpers import pool_setup, task
 from tests.verification_helpers import answer_body
 
 HUGE = 2**64
+
+
+def forged(key: bytes) -> str:
+    """A list's cursor wrapping ``key``, as a client could make one: whichever list it claims to
+    be from, its key is read first."""
+    return b64u_encode(SCOPED_PREFIX + bytes(TAG_BYTES) + key)
 
 
 @pytest.fixture
@@ -68,15 +81,38 @@ async def test_huge_ids_in_paths_are_404_and_in_queries_400(app: Any, app_state:
 
 async def test_huge_ids_in_opaque_cursors_are_400(app: Any, app_state: Any, lenient: Any) -> None:
     async with pool_setup(app, app_state) as s:
-        too_big = encode_cursor(str(HUGE))
-        for url, headers, params in (
-            ("/v1/admin/audit", s.admin_headers, {"cursor": too_big}),
-            ("/v1/admin/payouts", s.admin_headers, {"cursor": too_big}),
-            (f"/v1/admin/pools/{s.pool_id}/members", s.headers, {"cursor": too_big}),
-            (f"/v1/admin/pools/{s.pool_id}/restem/iterations", s.headers, {"cursor": too_big}),
-            (f"/v1/pools/{s.pool_id}/rollouts", s.headers, {"after": encode_cursor(f"rollouts:{HUGE}")}),
+        for url, headers, scope in (
+            (
+                "/v1/admin/audit",
+                s.admin_headers,
+                CursorScope("admin.audit", viewer=None, pool_id=None, actor=None),
+            ),
+            (
+                "/v1/admin/payouts",
+                s.admin_headers,
+                CursorScope("admin.payouts", provider_id=None, status=None, run_id=None),
+            ),
+            ("/v1/admin/payouts/runs", s.admin_headers, CursorScope("admin.payouts.runs")),
+            (
+                f"/v1/admin/pools/{s.pool_id}/members",
+                s.headers,
+                CursorScope("admin.pools.members", pool_id=s.pool_id, status=None),
+            ),
+            (
+                f"/v1/admin/pools/{s.pool_id}/restem/iterations",
+                s.headers,
+                CursorScope("restem.iterations", pool_id=s.pool_id),
+            ),
         ):
-            problem(await lenient.get(url, headers=headers, params=params), 400, "cursor_invalid")
+            # The list's own cursor, as a client could make it, around an id out of range.
+            r = await lenient.get(url, headers=headers, params={"cursor": scope.encode(HUGE)})
+            assert problem(r, 400, "cursor_invalid")["detail"] == NOT_ISSUED, url
+        feed = await lenient.get(
+            f"/v1/pools/{s.pool_id}/rollouts",
+            headers=s.headers,
+            params={"after": encode_cursor(f"rollouts:{HUGE}")},
+        )
+        problem(feed, 400, "cursor_invalid")
 
 
 async def test_a_result_echoing_a_seed_beyond_64_bits_is_422_and_not_recorded(
@@ -99,20 +135,20 @@ async def test_forged_cursors_that_are_not_text_are_400_on_every_paginated_route
     """A cursor decodes to bytes: bytes that are not UTF-8, or text holding a NUL (which
     PostgreSQL cannot compare), are a forged cursor like any other, not a 500."""
     async with pool_setup(app, app_state) as s:
-        forged = [b64u_encode(b"k1:\xff\xfe"), encode_cursor("pool_\x00"), encode_cursor("1\x00")]
-        for cursor in forged:
-            for url, headers, param in (
-                ("/v1/pools", {}, "cursor"),
-                ("/v1/admin/pools", s.headers, "cursor"),
-                ("/v1/admin/nodes", s.admin_headers, "cursor"),
-                ("/v1/admin/audit", s.admin_headers, "cursor"),
-                ("/v1/admin/payouts", s.admin_headers, "cursor"),
-                (f"/v1/admin/pools/{s.pool_id}/members", s.headers, "cursor"),
-                (f"/v1/admin/pools/{s.pool_id}/restem/iterations", s.headers, "cursor"),
-                (f"/v1/pools/{s.pool_id}/rollouts", s.headers, "after"),
+        for key in (b"\xff\xfe", b"pool_\x00", b"1\x00"):
+            for url, headers, param, cursor in (
+                ("/v1/pools", {}, "cursor", forged(key)),
+                ("/v1/admin/pools", s.headers, "cursor", forged(key)),
+                ("/v1/admin/nodes", s.admin_headers, "cursor", forged(key)),
+                ("/v1/admin/tokens", s.admin_headers, "cursor", forged(key)),
+                ("/v1/admin/audit", s.admin_headers, "cursor", forged(key)),
+                ("/v1/admin/payouts", s.admin_headers, "cursor", forged(key)),
+                (f"/v1/admin/pools/{s.pool_id}/members", s.headers, "cursor", forged(key)),
+                (f"/v1/admin/pools/{s.pool_id}/restem/iterations", s.headers, "cursor", forged(key)),
+                (f"/v1/pools/{s.pool_id}/rollouts", s.headers, "after", b64u_encode(b"k1:" + key)),
             ):
                 r = await lenient.get(url, headers=headers, params={param: cursor})
-                problem(r, 400, "cursor_invalid")
+                assert problem(r, 400, "cursor_invalid")["detail"] == NOT_ISSUED, url
 
 
 async def test_a_nul_character_in_operator_input_is_refused_as_bad_input(

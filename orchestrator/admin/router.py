@@ -16,7 +16,7 @@ from orchestrator.admin.models import ApiToken
 from orchestrator.admin.tokens import AdminOnly, Role
 from orchestrator.audit.service import record
 from orchestrator.core.errors import NotFound
-from orchestrator.core.pagination import decode_cursor, encode_cursor
+from orchestrator.core.pagination import CursorScope
 from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import Session, State
 from orchestrator.identity import repository as repo
@@ -40,13 +40,14 @@ async def list_nodes(
     cursor: Annotated[str | None, Query(max_length=200)] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
 ) -> Page[NodeOut]:
+    scope = CursorScope("admin.nodes", status=status, provider_id=provider_id)
     nodes = await repo.list_nodes(
-        session, status=status, provider_id=provider_id, after=decode_cursor(cursor), limit=limit + 1
+        session, status=status, provider_id=provider_id, after=scope.decode(cursor), limit=limit + 1
     )
     more = len(nodes) > limit
     nodes = nodes[:limit]
     items = [await node_out(state, n) for n in nodes]
-    return Page[NodeOut](items=items, next_cursor=encode_cursor(nodes[-1].id) if more else None)
+    return Page[NodeOut](items=items, next_cursor=scope.encode(nodes[-1].id) if more else None)
 
 
 @router.get("/nodes/{node_id}", response_model=NodeDetailOut, summary="One node with its status history")
@@ -120,14 +121,15 @@ async def list_tokens(
     cursor: Annotated[str | None, Query(max_length=200)] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
 ) -> Page[TokenOut]:
+    scope = CursorScope("admin.tokens")
     stmt = select(ApiToken).order_by(ApiToken.id).limit(limit + 1)
-    if (after := decode_cursor(cursor)) is not None:
+    if (after := scope.decode(cursor)) is not None:
         stmt = stmt.where(ApiToken.id > after)
     rows = list((await session.execute(stmt)).scalars())
     more = len(rows) > limit
     rows = rows[:limit]
     return Page[TokenOut](
-        items=[token_out(r) for r in rows], next_cursor=encode_cursor(rows[-1].id) if more else None
+        items=[token_out(r) for r in rows], next_cursor=scope.encode(rows[-1].id) if more else None
     )
 
 

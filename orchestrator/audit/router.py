@@ -17,7 +17,7 @@ from api_schemas.audit import AuditEntryOut
 from api_schemas.common import NO_NUL, PROBLEM_RESPONSES, Page
 from orchestrator.admin.tokens import Principal, Role, require_roles
 from orchestrator.audit.models import AuditEntry
-from orchestrator.core.pagination import decode_int_cursor, encode_cursor
+from orchestrator.core.pagination import CursorScope
 from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import Session
 from orchestrator.pools.models import Pool
@@ -86,17 +86,20 @@ async def list_audit(
     ] = None,
     limit: Annotated[int, Query(ge=1, le=500, description="Page size")] = 100,
 ) -> Page[AuditEntryOut]:
+    # An operator's log is its own (its pools, its actions): the caller is part of the scope.
+    viewer = None if principal.role == Role.admin else principal.token_id
+    scope = CursorScope("admin.audit", viewer=viewer, pool_id=pool_id, actor=actor)
     entries = await _entries(
         session,
         principal,
         pool_id=pool_id,
         actor=actor,
-        before_id=decode_int_cursor(cursor),
+        before_id=scope.decode_int(cursor),
         limit=limit + 1,
     )
     more = len(entries) > limit
     entries = entries[:limit]
     return Page[AuditEntryOut](
         items=[_entry_out(e) for e in entries],
-        next_cursor=encode_cursor(str(entries[-1].id)) if more else None,
+        next_cursor=scope.encode(entries[-1].id) if more else None,
     )

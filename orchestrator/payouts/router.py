@@ -23,7 +23,7 @@ from api_schemas.payouts import (
     WithdrawalOut,
 )
 from orchestrator.admin.tokens import AdminOnly
-from orchestrator.core.pagination import ID_MAX, decode_int_cursor, encode_cursor
+from orchestrator.core.pagination import ID_MAX, CursorScope
 from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import Session, State
 from orchestrator.identity.auth import CurrentProvider
@@ -93,6 +93,7 @@ def _run_out(run: PayoutRun, counts: dict[str, tuple[int, int]]) -> PayoutRunOut
 
 async def _page(
     session: Session,
+    list_name: str,
     *,
     provider_id: str | None,
     status: PayoutStatus | None,
@@ -100,17 +101,19 @@ async def _page(
     limit: int,
     run_id: int | None = None,
 ) -> tuple[list[Payout], str | None]:
+    status_value = status.value if status else None
+    scope = CursorScope(list_name, provider_id=provider_id, status=status_value, run_id=run_id)
     rows = await repo.newest_first(
         session,
         provider_id=provider_id,
-        status=status.value if status else None,
-        before_id=decode_int_cursor(cursor),
+        status=status_value,
+        before_id=scope.decode_int(cursor),
         limit=limit + 1,
         run_id=run_id,
     )
     more = len(rows) > limit
     rows = rows[:limit]
-    return rows, encode_cursor(str(rows[-1].id)) if more else None
+    return rows, scope.encode(rows[-1].id) if more else None
 
 
 # ------------------------------------------------------------------ providers
@@ -153,7 +156,7 @@ async def my_payouts(
     limit: Limit = 100,
 ) -> Page[PayoutOut]:
     rows, next_cursor = await _page(
-        session, provider_id=provider.id, status=status, cursor=cursor, limit=limit
+        session, "providers.me.payouts", provider_id=provider.id, status=status, cursor=cursor, limit=limit
     )
     return Page[PayoutOut](items=[_out(p) for p in rows], next_cursor=next_cursor)
 
@@ -174,7 +177,13 @@ async def list_payouts(
     limit: Limit = 100,
 ) -> Page[AdminPayoutOut]:
     rows, next_cursor = await _page(
-        session, provider_id=provider_id, status=status, cursor=cursor, limit=limit, run_id=run_id
+        session,
+        "admin.payouts",
+        provider_id=provider_id,
+        status=status,
+        cursor=cursor,
+        limit=limit,
+        run_id=run_id,
     )
     return Page[AdminPayoutOut](items=[_admin_out(p) for p in rows], next_cursor=next_cursor)
 
@@ -261,12 +270,13 @@ async def start_run(
 async def list_runs(
     _: AdminOnly, session: Session, cursor: Cursor = None, limit: Limit = 100
 ) -> Page[PayoutRunOut]:
-    rows = await repo.runs_newest_first(session, before_id=decode_int_cursor(cursor), limit=limit + 1)
+    scope = CursorScope("admin.payouts.runs")
+    rows = await repo.runs_newest_first(session, before_id=scope.decode_int(cursor), limit=limit + 1)
     more = len(rows) > limit
     rows = rows[:limit]
     return Page[PayoutRunOut](
         items=await _runs_out(session, rows),
-        next_cursor=encode_cursor(str(rows[-1].id)) if more else None,
+        next_cursor=scope.encode(rows[-1].id) if more else None,
     )
 
 

@@ -27,7 +27,7 @@ from api_schemas.pools import (
 )
 from orchestrator.admin.tokens import Principal, Role, require_roles
 from orchestrator.core.errors import UnprocessableEntity
-from orchestrator.core.pagination import decode_cursor, decode_int_cursor, encode_cursor
+from orchestrator.core.pagination import CursorScope
 from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import AppState, Session, State
 from orchestrator.identity.auth import CurrentNode
@@ -87,12 +87,13 @@ ScopedPoolId = Annotated[str, Depends(administered_pool)]
 async def list_public_pools(
     session: Session, cursor: Cursor = None, limit: Limit = 100
 ) -> Page[PublicPoolOut]:
-    pools = await service.list_public_pools(session, after=decode_cursor(cursor), limit=limit + 1)
+    scope = CursorScope("pools.public")
+    pools = await service.list_public_pools(session, after=scope.decode(cursor), limit=limit + 1)
     more = len(pools) > limit
     pools = pools[:limit]
     return Page[PublicPoolOut](
         items=await service.public_pool_views(session, pools),
-        next_cursor=encode_cursor(pools[-1].id) if more else None,
+        next_cursor=scope.encode(pools[-1].id) if more else None,
     )
 
 
@@ -171,18 +172,21 @@ async def list_pools(
     cursor: Cursor = None,
     limit: Limit = 100,
 ) -> Page[PoolOut]:
+    # An operator lists the pools it owns: the caller is part of the scope.
+    viewer = None if principal.role == Role.admin else principal.token_id
+    scope = CursorScope("admin.pools", viewer=viewer, status=status.value if status else None)
     pools = await service.list_pools(
         session,
         principal,
         status=status.value if status else None,
-        after=decode_cursor(cursor),
+        after=scope.decode(cursor),
         limit=limit + 1,
     )
     more = len(pools) > limit
     pools = pools[:limit]
     return Page[PoolOut](
         items=await service.pool_views(session, pools),
-        next_cursor=encode_cursor(pools[-1].id) if more else None,
+        next_cursor=scope.encode(pools[-1].id) if more else None,
     )
 
 
@@ -258,19 +262,20 @@ async def list_members(
     cursor: Cursor = None,
     limit: Limit = 100,
 ) -> Page[MembershipOut]:
+    scope = CursorScope("admin.pools.members", pool_id=pool_id, status=status.value if status else None)
     members = await service.list_members(
         session,
         principal,
         pool_id,
         status=status.value if status else None,
-        after=decode_int_cursor(cursor),
+        after=scope.decode_int(cursor),
         limit=limit + 1,
     )
     more = len(members) > limit
     members = members[:limit]
     return Page[MembershipOut](
         items=[service.membership_out(m) for m in members],
-        next_cursor=encode_cursor(str(members[-1].id)) if more else None,
+        next_cursor=scope.encode(members[-1].id) if more else None,
     )
 
 

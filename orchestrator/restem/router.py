@@ -11,7 +11,7 @@ from api_schemas.common import NO_NUL, PROBLEM_RESPONSES, Page
 from api_schemas.restem import IterationIn, IterationOut, IterationReport, IterationStatus
 from orchestrator.admin.tokens import Principal, Role, require_roles
 from orchestrator.audit.service import record
-from orchestrator.core.pagination import ID_MAX, decode_int_cursor, encode_cursor
+from orchestrator.core.pagination import ID_MAX, CursorScope
 from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import Session, State
 from orchestrator.pools.models import Pool
@@ -113,14 +113,15 @@ async def list_iterations(
     cursor: Annotated[str | None, Query(max_length=200, description="next_cursor of the last page")] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> Page[IterationOut]:
+    scope = CursorScope("restem.iterations", pool_id=pool.id)
     rows = await service.newest_first(
-        session, pool.id, before_id=decode_int_cursor(cursor), limit=limit + 1, now=state.clock.utcnow()
+        session, pool.id, before_id=scope.decode_int(cursor), limit=limit + 1, now=state.clock.utcnow()
     )
     more = len(rows) > limit
     rows = rows[:limit]
     return Page[IterationOut](
         items=[await _out(session, it) for it in rows],
-        next_cursor=encode_cursor(str(rows[-1].id)) if more else None,
+        next_cursor=scope.encode(rows[-1].id) if more else None,
     )
 
 
