@@ -14,7 +14,8 @@ import pytest
 from orchestrator.ledger import service as ledger
 from orchestrator.ledger.service import ProviderAccount, SystemAccount, provider_account, system_account
 from tests.conftest import FakeClock, problem
-from tests.tasks_helpers import Worker, pool_setup
+from tests.tasks_helpers import PoolSetup, Worker, pool_setup, task
+from tests.verification_helpers import submit, verify_all
 
 pytestmark = pytest.mark.usefixtures("no_audits")
 
@@ -40,6 +41,16 @@ async def refused(client: httpx.AsyncClient, url: str, cursor: str, **kw: Any) -
     params = {**kw.pop("params", {}), "cursor": cursor}
     r = await client.get(url, params=params, **kw)
     assert problem(r, 400, "cursor_invalid")["detail"].startswith(OTHER_LIST), (url, params)
+
+
+async def verdicts_of(app_state: Any, s: PoolSetup, worker: Worker, count: int) -> None:
+    """``count`` accepted results of ``worker`` in pool ``s``, verified."""
+    assert (await s.enqueue([task(verification={"answer": "4"}) for _ in range(count)])).status_code == 201
+    leases = (await worker.claim(s.pool_id, max_tasks=count)).json()["leases"]
+    assert len(leases) == count
+    for lease in leases:
+        await submit(worker, lease, ["4"])
+    await verify_all(app_state)
 
 
 async def test_a_cursor_from_another_pools_list_is_refused(
@@ -221,3 +232,57 @@ async def test_a_cursor_is_bound_to_the_filters_and_the_caller_it_was_issued_for
         rest = await page(admin, payouts, params={**by_provider, "cursor": cursor}, headers=headers)
         assert [p["provider_id"] for p in rest["items"]] == [wa.contributor.provider_id]
         assert rest["items"][0]["id"] < newest["id"]
+
+
+async def test_a_task_or_verdict_cursor_must_be_a_row_of_its_list(app: Any, app_state: Any) -> None:
+    """These cursors are ids in the clear (an integer parameter, documented as the last id of
+    the previous page): the id must be one of the list's tasks or verdicts."""
+    async with (
+        pool_setup(app, app_state, workers=2) as a,
+        pool_setup(app, app_state, workers=2) as b,
+    ):
+        await verdicts_of(app_state, a, a.workers[0], 2)
+        await verdicts_of(app_state, b, b.workers[0], 2)
+        admin = a.admin
+
+        # Tasks, by id: a task of this pool. B's tasks were enqueued after A's: B's cursor, read as
+        # a position in A's list, answered an empty page, hiding A's second task.
+        tasks_a, tasks_b = (f"/v1/admin/pools/{s.pool_id}/tasks" for s in (a, b))
+        first_task, task_cursor = await first_cursor(admin, tasks_a, headers=a.headers)
+        _, task_cursor_b = await first_cursor(admin, tasks_b, headers=b.headers)
+        await refused(admin, tasks_a, task_cursor_b, headers=a.headers)
+        await refused(admin, tasks_b, task_cursor, headers=b.headers)
+        rest = await page(admin, tasks_a, params={"cursor": task_cursor}, headers=a.headers)
+        assert rest["items"][0]["id"] > first_task["id"] and rest["items"][0]["pool_id"] == a.pool_id
+
+        # Verdicts, newest first: a verdict id of this list's pool, node or provider. A's newest
+        # verdict is older than B's: read in B's list, A's cursor answered nothing of B's.
+        verdicts_a, verdicts_b = (f"/v1/admin/pools/{s.pool_id}/verdicts" for s in (a, b))
+        newest, verdict_cursor = await first_cursor(admin, verdicts_a, headers=a.headers)
+        await refused(admin, verdicts_b, verdict_cursor, headers=b.headers)
+        rest = await page(admin, verdicts_a, params={"cursor": verdict_cursor}, headers=a.headers)
+        assert [v["pool_id"] for v in rest["items"]] == [a.pool_id] and rest["items"][0]["id"] < newest["id"]
+
+        wa, wb = a.workers[0], b.workers[0]
+        _, node_cursor = await first_cursor(wa.client, "/v1/nodes/me/verdicts", auth=wa.contributor.node_auth)
+        await refused(wb.client, "/v1/nodes/me/verdicts", node_cursor, auth=wb.contributor.node_auth)
+        await refused(wb.client, "/v1/providers/me/verdicts", node_cursor, auth=wb.contributor.provider_auth)
+        await refused(admin, f"/v1/admin/nodes/{wb.node_id}/verdicts", node_cursor, headers=a.admin_headers)
+        await refused(
+            admin,
+            f"/v1/admin/providers/{wb.contributor.provider_id}/verdicts",
+            node_cursor,
+            headers=a.admin_headers,
+        )
+        # A node filter is part of the provider's list.
+        await refused(
+            wa.client,
+            "/v1/providers/me/verdicts",
+            node_cursor,
+            params={"node_id": a.workers[1].node_id},
+            auth=wa.contributor.provider_auth,
+        )
+        rest = await page(
+            wa.client, "/v1/nodes/me/verdicts", params={"cursor": node_cursor}, auth=wa.contributor.node_auth
+        )
+        assert [v["node_id"] for v in rest["items"]] == [wa.node_id]

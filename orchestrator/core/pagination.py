@@ -17,14 +17,20 @@ on a list it may read, at a position it could have paged to. A hash rather than 
 clear keeps a cursor short whatever the filters hold (an actor filter alone may be 100
 characters; a cursor is at most 200). The cursor stays opaque: clients pass back what they got.
 
-The trainer feed keeps a cursor of its own (``encode_cursor``'s unscoped format, which trainers
-keep for ever; the feed checks that one names an accepted verdict of its pool).
+Two lists keep cursors of their own: the trainer feed's (``encode_cursor``'s unscoped format,
+which trainers keep for ever; the feed checks that one names an accepted verdict of its pool),
+and the task and verdict lists', which are documented row ids in the clear (an integer query
+parameter): :func:`require_listed` checks that such an id is a row of the list.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from typing import Any
+
+from sqlalchemy import ColumnElement, exists, select
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from orchestrator.core.errors import BadRequest
 from orchestrator.core.keys import b64u_decode, b64u_encode
@@ -128,3 +134,16 @@ def decode_cursor(cursor: str | None) -> str | None:
     if key is None:
         raise BadRequest(NOT_ISSUED, code="cursor_invalid")
     return key
+
+
+async def require_listed(
+    session: AsyncSession, key: int | None, id_column: Any, *scope: ColumnElement[bool], what: str
+) -> None:
+    """For a list whose cursor is a row id in the clear: 400 ``cursor_invalid`` unless ``key`` is
+    the id of a row that ``scope`` (the list's conditions that never change for a row: its
+    pool, node, provider) holds. Rows are never deleted, so an issued cursor stays valid; one
+    of another list, or an id that names nothing, is not taken as a position."""
+    if key is None:
+        return
+    if not await session.scalar(select(exists().where(id_column == key, *scope))):
+        raise BadRequest(f"the cursor is not one this list issued: it names no {what}", code="cursor_invalid")

@@ -40,7 +40,7 @@ from orchestrator.admin.tokens import Principal, Role, require_roles
 from orchestrator.audit.service import record
 from orchestrator.core import metrics
 from orchestrator.core.errors import NotFound
-from orchestrator.core.pagination import ID_MAX
+from orchestrator.core.pagination import ID_MAX, require_listed
 from orchestrator.core.routing import GuardedRoute, before_body
 from orchestrator.core.signing import SignedRequest
 from orchestrator.core.state import Session, State, app_state
@@ -340,6 +340,9 @@ async def list_tasks(
     ] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
 ) -> Page[TaskOut]:
+    # The cursor is a task id of this pool (a task's status changes, so the status filter cannot
+    # be checked against it).
+    await require_listed(session, cursor, Task.id, Task.pool_id == pool.id, what="task of this pool")
     stmt = select(Task).where(Task.pool_id == pool.id).order_by(Task.id).limit(limit + 1)
     if status is not None:
         stmt = stmt.where(Task.status == status)

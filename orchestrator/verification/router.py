@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, func, select
 
 from api_schemas.common import NO_NUL, PROBLEM_RESPONSES, KeyId, Page
 from api_schemas.verification import (
@@ -24,7 +24,7 @@ from api_schemas.verification import (
 from orchestrator.admin.tokens import AdminOnly, Principal, Role, require_roles
 from orchestrator.audit.service import record
 from orchestrator.core.errors import NotFound
-from orchestrator.core.pagination import ID_MAX
+from orchestrator.core.pagination import ID_MAX, require_listed
 from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import Session, State
 from orchestrator.identity import repository as identity_repo
@@ -76,8 +76,13 @@ def verdict_out(v: Verdict) -> VerdictOut:
     )
 
 
-async def _page(session: Session, where: list[object], cursor: int | None, limit: int) -> Page[VerdictOut]:
-    stmt = select(Verdict).where(*where).order_by(Verdict.id.desc()).limit(limit + 1)  # type: ignore[arg-type]
+async def _page(
+    session: Session, where: list[ColumnElement[bool]], cursor: int | None, limit: int
+) -> Page[VerdictOut]:
+    """A page of verdicts newest first. ``where`` holds only conditions that never change for a
+    verdict (its pool, node, provider), so the cursor must be one of the listed verdicts."""
+    await require_listed(session, cursor, Verdict.id, *where, what="verdict of this list")
+    stmt = select(Verdict).where(*where).order_by(Verdict.id.desc()).limit(limit + 1)
     if cursor is not None:
         stmt = stmt.where(Verdict.id < cursor)
     rows = list((await session.execute(stmt)).scalars())
@@ -103,7 +108,7 @@ async def my_verdicts(
         Query(description="Only this node's (a worker reads its own among its provider's machines')"),
     ] = None,
 ) -> Page[VerdictOut]:
-    where: list[object] = [Verdict.provider_id == provider.id]
+    where: list[ColumnElement[bool]] = [Verdict.provider_id == provider.id]
     if node_id is not None:
         where.append(Verdict.node_id == node_id)
     return await _page(session, where, cursor, limit)
