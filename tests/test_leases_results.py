@@ -187,7 +187,8 @@ async def test_the_reaper_drains_a_backlog_larger_than_a_batch_in_one_tick(
 ) -> None:
     """Leases and tasks past their deadline beyond one batch are reaped in the same tick, a
     transaction per batch (one batch per 5 s tick before: 40,000 leases of dead nodes took
-    200 s to be reissued)."""
+    200 s to be reissued). Within the tick's 5 s budget, on the app's clock, on which the
+    batches take no time here."""
     monkeypatch.setattr(task_jobs, "REAP_BATCH", 2)
     async with pool_setup(app, app_state, workers=2, lease_duration_s=60, max_leases_per_node=8) as s:
         first, second = s.workers
@@ -201,6 +202,35 @@ async def test_the_reaper_drains_a_backlog_larger_than_a_batch_in_one_tick(
         await second.beat()
         leases = (await second.claim(s.pool_id, max_tasks=8)).json()["leases"]
         assert sorted(x["task"]["prompt"] for x in leases) == [f"q{i}" for i in range(5)]
+
+
+async def test_a_reaper_tick_that_spends_its_budget_stops_and_the_next_goes_on(
+    app: Any, app_state: Any, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tick takes no new batch once its interval (5 s) has gone by; the next tick reaps what
+    it left. Each batch of two takes 3 s on the app's clock here: two batches a tick."""
+    monkeypatch.setattr(task_jobs, "REAP_BATCH", 2)
+    reap = task_jobs.reap_expired
+
+    async def slow_batch(*args: Any, **kwargs: Any) -> tuple[int, int]:
+        done = await reap(*args, **kwargs)
+        clock.advance(3)
+        return done
+
+    monkeypatch.setattr(task_jobs, "reap_expired", slow_batch)
+    async with pool_setup(app, app_state, workers=2, lease_duration_s=60, max_leases_per_node=8) as s:
+        first, second = s.workers
+        await s.enqueue([task(f"q{i}") for i in range(5)], key="leased")
+        assert len((await first.claim(s.pool_id, max_tasks=5)).json()["leases"]) == 5
+        clock.advance(61)
+        report = await reap_once(app_state)
+        assert (report.ran, report.expired, report.batches) == (True, 4, 2)
+        await second.beat()
+        assert len((await second.claim(s.pool_id, max_tasks=8)).json()["leases"]) == 4
+        report = await reap_once(app_state)  # the next tick: the clock has moved 6 s
+        assert (report.ran, report.expired, report.batches) == (True, 1, 1)
+        leases = (await second.claim(s.pool_id, max_tasks=8)).json()["leases"]
+        assert len(leases) == 1
 
 
 async def test_a_released_lease_is_reissued_at_once(app: Any, app_state: Any) -> None:

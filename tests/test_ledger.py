@@ -243,7 +243,8 @@ async def test_one_tick_releases_a_backlog_of_unbondings_larger_than_a_batch(
     app_state: Any, contributor: Contributor, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A tick released at most one batch (500), whatever was due: after a large pool completed,
-    its members' stake came free at 16 a second, hours past their unbonding period."""
+    its members' stake came free at 16 a second, hours past their unbonding period. (Within the
+    tick's 30 s budget, on the app's clock, on which the batches take no time here.)"""
     monkeypatch.setattr(ledger_jobs, "RELEASE_BATCH", 3)
     pid = contributor.provider_id
     release_at = clock.utcnow() + dt.timedelta(days=1)
@@ -255,6 +256,39 @@ async def test_one_tick_releases_a_backlog_of_unbondings_larger_than_a_batch(
     clock.advance(86400 + 31)
     report = await release_once(app_state)
     assert (report.ran, report.released) == (True, 7)
+    b = await balances(app_state, pid)
+    assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (300, 0, 700)
+    assert await ledger_sum(app_state) == 0
+
+
+async def test_a_stake_release_tick_that_spends_its_budget_stops_and_the_next_goes_on(
+    app_state: Any, contributor: Contributor, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tick takes no new batch once its interval (30 s) has gone by; the next tick releases
+    what it left. Each batch of three takes 20 s on the app's clock here: two batches a tick."""
+    monkeypatch.setattr(ledger_jobs, "RELEASE_BATCH", 3)
+    release = ledger_jobs.release_due_unbondings
+
+    async def slow_batch(*args: Any, **kwargs: Any) -> int:
+        released = await release(*args, **kwargs)
+        clock.advance(20)
+        return released
+
+    monkeypatch.setattr(ledger_jobs, "release_due_unbondings", slow_batch)
+    pid = contributor.provider_id
+    release_at = clock.utcnow() + dt.timedelta(days=1)
+    async with app_state.sessionmaker() as session, session.begin():
+        await ledger.deposit(session, pid, 1000, key="d7", actor="test", reference=None)
+        await ledger.lock_stake(session, pid, 1000, key="lock-d7", actor="test")
+        for i in range(7):
+            await ledger.start_unbonding(session, pid, 100, release_at=release_at, key=f"w{i}", actor="test")
+    clock.advance(86400 + 31)
+    report = await release_once(app_state)
+    assert (report.ran, report.released) == (True, 6)
+    b = await balances(app_state, pid)
+    assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (300, 100, 600)
+    report = await release_once(app_state)  # the next tick: the clock has moved 40 s
+    assert (report.ran, report.released) == (True, 1)
     b = await balances(app_state, pid)
     assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (300, 0, 700)
     assert await ledger_sum(app_state) == 0

@@ -13,6 +13,7 @@ from orchestrator.ledger.models import LedgerTransfer
 from orchestrator.ledger.service import ProviderAccount, SystemAccount
 from orchestrator.tasks.models import Assignment, Submission
 from orchestrator.verification import jobs as verification_jobs
+from orchestrator.verification import service as verification_service
 from orchestrator.verification.jobs import release_once
 from orchestrator.verification.models import RewardHold, Verdict
 from tests.tasks_helpers import pool_setup
@@ -130,7 +131,9 @@ async def test_one_tick_releases_a_backlog_of_more_than_a_thousand_holds(
 ) -> None:
     """One transaction of at most 1,000 holds per 30 s tick released at most 33 rewards a
     second, fewer than one verifier pays: under load claimable rewards fell ever further behind
-    their hold. The tick now goes on, batch after batch, until nothing more is due."""
+    their hold. The tick now goes on, batch after batch, until nothing more is due (within its
+    30 s budget, on the app's clock, on which the batches here take no time: the test does not
+    depend on how fast the machine works them)."""
     async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
         w = s.workers[0]
         await submit(w, await one_lease(s, w), ["4"])
@@ -143,6 +146,38 @@ async def test_one_tick_releases_a_backlog_of_more_than_a_thousand_holds(
         assert set(*(await hold_statuses(app_state)).values()) == {"released"}
         clock.advance(31)
         assert await release_once(app_state) == 0
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+
+async def test_a_tick_that_spends_its_budget_stops_and_the_next_tick_releases_the_rest(
+    app: Any, app_state: Any, client: Any, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tick takes no new batch once its interval (30 s) has gone by, so that ticks do not pile
+    up behind a slow one; what it left is due still and the next tick releases it. Here each
+    batch of two takes 20 s on the app's clock: the tick stops after its second batch."""
+    monkeypatch.setattr(verification_jobs, "RELEASE_BATCH", 2)
+    release = verification_service.release_due_rewards
+
+    async def slow_batch(*args: Any, **kwargs: Any) -> int:
+        released = await release(*args, **kwargs)
+        clock.advance(20)
+        return released
+
+    monkeypatch.setattr(verification_service, "release_due_rewards", slow_batch)
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        await submit(w, await one_lease(s, w), ["4"])
+        await verify_all(app_state)
+        await copy_the_hold(app_state, 4)
+        clock.advance(3601)
+        assert await release_once(app_state) == 4
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (7, 7 * 4)
+        assert await release_once(app_state) == 1  # the next tick: the clock has moved 40 s
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (0, 7 * 5)
+        assert set(*(await hold_statuses(app_state)).values()) == {"released"}
         await pending_matches_holds(app_state)
         await books_balance(app_state)
 

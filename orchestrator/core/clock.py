@@ -13,6 +13,10 @@ class Clock(Protocol):
 
     def utcnow(self) -> dt.datetime: ...
 
+    def monotonic(self) -> float:
+        """Seconds on a clock that never goes back, for how long work took: a tick's time
+        budget is measured on it."""
+
 
 class SystemClock:
     def now(self) -> float:
@@ -21,9 +25,13 @@ class SystemClock:
     def utcnow(self) -> dt.datetime:
         return dt.datetime.now(dt.UTC)
 
+    def monotonic(self) -> float:
+        return time.monotonic()
+
 
 class FakeClock:
-    """A clock that only moves when told to."""
+    """A clock that only moves when told to: work takes no time on it, so a tick's budget runs
+    out only when a test moves the clock while the tick works."""
 
     def __init__(self, start: float | None = None) -> None:
         self._now = time.time() if start is None else start
@@ -33,6 +41,9 @@ class FakeClock:
 
     def utcnow(self) -> dt.datetime:
         return dt.datetime.fromtimestamp(self._now, dt.UTC)
+
+    def monotonic(self) -> float:
+        return self._now
 
     def advance(self, seconds: float) -> None:
         self._now += seconds

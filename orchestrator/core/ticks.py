@@ -9,7 +9,6 @@ the claim commits together with the tick's work.
 from __future__ import annotations
 
 import datetime as dt
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -18,6 +17,7 @@ from sqlalchemy import BigInteger, ColumnElement, String, and_, or_, select, tru
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Mapped, mapped_column
 
+from orchestrator.core.clock import Clock
 from orchestrator.core.db import Base, UTCDateTime, utcnow
 from orchestrator.core.sql import insert_ignore
 
@@ -75,13 +75,16 @@ async def tick_in_batches(
     *,
     more: Callable[[T], bool],
     budget_s: float,
+    clock: Clock,
 ) -> list[T] | None:
     """Tick ``tick`` of loop ``name`` as a series of transactions: the first claims the tick and
     runs ``batch``, each next one runs ``batch`` again while ``more`` says the last one left work
-    behind, for up to ``budget_s`` (the loop's interval). Short transactions let other work at
-    the rows between batches; a backlog still drains within one tick. Returns every batch's
-    result in order, or None if another process had the tick."""
-    until = time.monotonic() + budget_s
+    behind, for up to ``budget_s`` (the loop's interval) on ``clock.monotonic()``: a batch
+    begun within it is the last. Short transactions let other work at the rows between
+    batches; a backlog still drains within one tick unless working it takes longer than the
+    budget, and the next tick goes on with what is left. Returns every batch's result in
+    order, or None if another process had the tick."""
+    until = clock.monotonic() + budget_s
     results: list[T] = []
     while True:
         async with sessionmaker() as session, session.begin():
@@ -89,7 +92,7 @@ async def tick_in_batches(
                 return None
             result = await batch(session)
         results.append(result)
-        if not more(result) or time.monotonic() >= until:
+        if not more(result) or clock.monotonic() >= until:
             return results
 
 

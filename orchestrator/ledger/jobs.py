@@ -48,6 +48,7 @@ async def release_once(state: AppState) -> ReleaseReport:
         batch,
         more=lambda _: keyset.read >= RELEASE_BATCH,
         budget_s=INTERVAL_S,
+        clock=state.clock,
     )
     if batches is None:
         return ReleaseReport(tick=tick, ran=False)

@@ -60,6 +60,7 @@ async def reap_once(state: AppState) -> ReapReport:
         batch,
         more=lambda done: max(done[0], done[2]) >= REAP_BATCH,
         budget_s=INTERVAL_S,
+        clock=state.clock,
     )
     if batches is None:
         return ReapReport(tick=tick, ran=False)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from dataclasses import dataclass
 
 import structlog
@@ -112,16 +111,16 @@ async def _validator_waits(state: AppState) -> int:
 
 async def verify_batches(state: AppState, *, budget_s: float) -> int:
     """Verify waiting results, ``settings.verifier.batch_size`` per transaction, each batch
-    committed before the next is taken, until none is left or ``budget_s`` has passed. Needs no
-    tick claim. On PostgreSQL the backlog is worked partition by partition (by provider, see
-    ``service.PARTITIONS``), one batch per partition at a time across processes, so processes
-    share the backlog and each provider's results are decided in order. A job that failed is
-    not retried within the call (the next batch starts after it). Returns how many jobs were
-    processed."""
+    committed before the next is taken, until none is left or ``budget_s`` has passed on
+    ``state.clock.monotonic()``. Needs no tick claim. On PostgreSQL the backlog is worked
+    partition by partition (by provider, see ``service.PARTITIONS``), one batch per partition
+    at a time across processes, so processes share the backlog and each provider's results are
+    decided in order. A job that failed is not retried within the call (the next batch starts
+    after it). Returns how many jobs were processed."""
     size = state.settings.verifier.batch_size
     secret = state.settings.seed_key
     scorer = scorer_for(state.settings.verifier)
-    deadline = time.monotonic() + budget_s
+    deadline = state.clock.monotonic() + budget_s
     partitions: list[int | None] = [None]  # SQLite: one writer, one backlog
     if state.engine.dialect.name == "postgresql":
         async with state.sessionmaker() as session:
@@ -150,7 +149,7 @@ async def verify_batches(state: AppState, *, budget_s: float) -> int:
                 )
             total += batch.processed
             after = batch.last_id
-            if time.monotonic() >= deadline:
+            if state.clock.monotonic() >= deadline:
                 return total
             if batch.picked < size:
                 break  # this partition is done, or another verifier is working it
@@ -190,6 +189,7 @@ async def release_once(state: AppState) -> int:
         batch,
         more=lambda _: keyset.read >= RELEASE_BATCH,
         budget_s=RELEASE_INTERVAL_S,
+        clock=state.clock,
     )
     released = sum(batches or ())
     if released:
