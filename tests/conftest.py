@@ -375,6 +375,32 @@ def no_audits(app_state: Any) -> None:
 
 
 @pytest.fixture
+def gate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The ``gated`` reward function installed (as a plugin, where the scoring processes find it
+    too), and the gate that holds the scoring of results whose spec names it
+    (``tests.scoring_helpers``). Opened at the end, so that no scoring process stays held."""
+    from orchestrator.verification import rewards, scoring
+    from tests.scoring_helpers import Gate
+
+    site = tmp_path / "gated-plugin"
+    info = site / "gated_reward-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: gated-reward\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        f"[{rewards.ENTRY_POINT_GROUP}]\ngated = tests.scoring_helpers:Gated\n"
+    )
+    monkeypatch.syspath_prepend(str(site))
+    rewards._plugins.cache_clear()
+    scoring.close_pools()  # the next scoring processes start with the plugin on their path
+    held = Gate(tmp_path / "gate")
+    held.directory.mkdir()
+    yield held
+    held.open()
+    scoring.close_pools()
+    rewards._plugins.cache_clear()
+
+
+@pytest.fixture
 async def admin_headers(app_state: Any) -> dict[str, str]:
     return {"Authorization": f"Bearer {await make_token(app_state, 'admin')}"}
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import time
 from typing import Any
 
 import pytest
@@ -16,6 +15,7 @@ from orchestrator.verification import service
 from orchestrator.verification.jobs import verify_once
 from orchestrator.verification.validators import expired_leases
 from tests.conftest import problem
+from tests.scoring_helpers import HANG_S, Gate
 from tests.tasks_helpers import pool_setup, task
 from tests.verification_helpers import FixedDraw, submit, verdicts, verify_all
 
@@ -158,20 +158,22 @@ async def test_a_validator_verdict_keeps_the_servers_reward_per_sample_for_the_f
 
 
 async def test_a_validator_verdict_does_not_wait_behind_the_verifiers_scoring(
-    app: Any, app_state: Any, clock: FakeClock
+    app: Any, app_state: Any, clock: FakeClock, gate: Gate
 ) -> None:
     """The verdict route scores in a pool of its own: while the verifier loop's scoring process
-    spends its whole time limit on an answer SymPy cannot finish, a validator's verdict is
-    answered at once (it used to queue behind it, in the one scoring process)."""
-    app_state.settings.verifier.reward_timeout_s = 6
+    spends its whole time limit on one result (an answer SymPy cannot finish, say), a
+    validator's verdict is answered at once (it used to queue behind it, in the one scoring
+    process). The verifier's result is held in scoring here until the verdict is answered: a
+    verdict that queued behind it would never be."""
+    app_state.settings.verifier.reward_timeout_s = 600
     app_state.rng = FixedDraw(0.0)
     async with pool_setup(
-        app, app_state, workers=2, reward_function="math", audit_method="validator", audit_rate_floor=1.0
+        app, app_state, workers=2, reward_function="gated", audit_method="validator", audit_rate_floor=1.0
     ) as s:
-        honest, bomber = s.workers
+        honest, held = s.workers
         for i in range(2):
             await s.enqueue([task(prompt="What is 2 + 2?", verification={"answer": "4"})], key=f"h{i}")
-            await submit(honest, (await honest.claim(s.pool_id)).json()["leases"][0], ["\\boxed{4}"])
+            await submit(honest, (await honest.claim(s.pool_id)).json()["leases"][0], ["4"])
         assert await verify_all(app_state) == 2
         v = await validator_headers(app_state, [s.pool_id])
         jobs = (await s.admin.post("/v1/validation/claim", json={"max_jobs": 2}, headers=v)).json()["jobs"]
@@ -188,17 +190,18 @@ async def test_a_validator_verdict_does_not_wait_behind_the_verifiers_scoring(
 
         assert (await post(jobs[0])).status_code == 200  # its scoring process is started now
 
-        await s.enqueue([task(prompt="What is 2 + 2?", verification={"answer": "4"})], key="bomb")
-        lease = (await bomber.claim(s.pool_id)).json()["leases"][0]
-        await submit(bomber, lease, ["\\boxed{9^{9^{9}}}"])
+        await s.enqueue(
+            [task(prompt="What is 2 + 2?", verification={"answer": "4", **gate.spec})], key="held"
+        )
+        lease = (await held.claim(s.pool_id)).json()["leases"][0]
+        await submit(held, lease, ["4"])
         verifier = asyncio.create_task(verify_all(app_state))
-        await asyncio.sleep(1.0)  # the verifier's scoring process is in SymPy now
-        started = time.monotonic()
-        r = await post(jobs[1])
-        took = time.monotonic() - started
+        await gate.scoring_started()  # the verifier's scoring process is held on it
+        r = await asyncio.wait_for(post(jobs[1]), HANG_S)
         assert r.status_code == 200, r.text
+        assert not verifier.done()  # the verdict did not wait for the verifier's scoring
+        gate.open()
         assert await verifier == 1
-        assert took < 3.0, f"the validator's verdict waited {took:.1f} s behind the verifier's scoring"
 
 
 async def test_a_claim_naming_a_pool_id_with_a_nul_is_a_body_that_does_not_validate(

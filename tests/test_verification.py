@@ -6,7 +6,6 @@ import asyncio
 import hashlib
 import json
 import random
-import time
 from typing import Any
 
 import pytest
@@ -21,6 +20,7 @@ from orchestrator.verification import service
 from orchestrator.verification.jobs import release_once, verify_once
 from orchestrator.verification.models import Verdict, VerificationJob
 from tests.conftest import problem
+from tests.scoring_helpers import HANG_S, Gate
 from tests.tasks_helpers import pool_setup, task
 from tests.verification_helpers import (
     FixedDraw,
@@ -217,35 +217,34 @@ async def test_an_answer_too_costly_to_score_is_inconclusive_and_holds_up_nothin
         await submit(w, lease, ["The answer is $\\boxed{9^{9^{9}}}$"], claimed_reward=0.0)
         lease = await one_lease(s, w, prompt="What is 1/2?", verification={"answer": "\\frac{1}{2}"})
         await submit(w, lease, ["The answer is $\\boxed{0.5}$"], claimed_reward=1.0)
-        started = time.monotonic()
-        assert await verify_all(app_state) == 2
-        assert time.monotonic() - started < 30
+        assert await verify_all(app_state) == 2  # minutes, were the scoring not stopped at its limit
         _, bomb, honest = await verdicts(s.admin, s.headers, s.pool_id)
         assert (bomb["category"], bomb["reason"]) == ("inconclusive", "reward_unscorable")
-        assert "longer than 2 s" in bomb["details"]["findings"][0]["detail"]
+        assert "longer than 2 s" in bomb["details"]["findings"][0]["detail"]  # stopped at its limit
         assert bomb["slashed_amount"] == 0 and bomb["reward_amount"] == 0
         assert honest["category"] == "valid" and honest["server_reward"] == 1.0
         after = await balances(s.admin, w)
         assert after["rewards_pending"] == 14 and after["stake_locked"] == 1000  # nothing taken
 
 
-async def test_scoring_holds_no_write_lock_on_sqlite(app: Any, app_state: Any) -> None:
+async def test_scoring_holds_no_write_lock_on_sqlite(app: Any, app_state: Any, gate: Gate) -> None:
     """Every SQLite transaction holds the one write lock: a batch scores its results before it
-    opens its transaction, so a result that takes its scoring to the limit holds up no write."""
-    app_state.settings.verifier.reward_timeout_s = 2
-    async with pool_setup(app, app_state, workers=1, reward_function="math") as s:
+    opens its transaction, so a result whose scoring goes on (up to the limit) holds up no
+    write. The results here are held in scoring until the write is done: a write that waited
+    for the scoring would never be."""
+    app_state.settings.verifier.reward_timeout_s = 600
+    async with pool_setup(app, app_state, workers=1, reward_function="gated") as s:
         w = s.workers[0]
         for _ in range(2):
-            lease = await one_lease(s, w, prompt="What is 6 * 7?", verification={"answer": "42"})
-            await submit(w, lease, ["The answer is $\\boxed{9^{9^{9}}}$"], claimed_reward=0.0)
+            lease = await one_lease(s, w, verification={"answer": "42", **gate.spec})
+            await submit(w, lease, ["42"], claimed_reward=1.0)
         verifier = asyncio.create_task(verify_all(app_state))
-        await asyncio.sleep(1.0)  # the batch is scoring now
-        started = time.monotonic()
-        r = await s.enqueue([task()], key="meanwhile")
-        took = time.monotonic() - started
-        assert await verifier == 2
+        await gate.scoring_started()
+        r = await asyncio.wait_for(s.enqueue([task()], key="meanwhile"), HANG_S)
         assert r.status_code == 201, r.text
-        assert took < 2.0, f"a write waited {took:.1f} s for the verifier's scoring"  # both limits, before
+        assert not verifier.done()  # still scoring: the write did not wait for it
+        gate.open()
+        assert await verifier == 2
 
 
 async def test_unknown_reward_functions_are_refused(app: Any, app_state: Any) -> None:
