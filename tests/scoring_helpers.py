@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-#: How long the test waits for something that happens at once unless the code under test waits
-#: for the gate: only a bound on a hang, not a measure of speed.
-HANG_S = 60.0
+from tests.waits import HANG_S
+
 #: How long a held scoring process waits for its gate before it gives up (a test that failed).
 HOLD_S = 300.0
 

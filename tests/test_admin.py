@@ -13,6 +13,7 @@ from orchestrator.admin.models import ApiToken
 from orchestrator.admin.tokens import revoke_token
 from orchestrator.audit.models import AuditEntry
 from tests.conftest import Contributor, make_token, new_contributor, postgres_only, problem
+from tests.waits import until_waiting
 
 
 async def test_admin_routes_need_a_valid_bearer_token(client: httpx.AsyncClient) -> None:
@@ -266,7 +267,7 @@ async def test_two_revocations_of_one_token_at_once_are_audited_once(
     async with app_state.sessionmaker() as session, session.begin():
         await session.execute(select(ApiToken).where(ApiToken.id == token_id).with_for_update())
         revokes = [asyncio.create_task(client.post(url, headers=admin_headers)) for _ in range(2)]
-        await asyncio.sleep(1.0)
+        await until_waiting(app_state, 2, *revokes, on="row")
         assert not any(t.done() for t in revokes)
     responses = [await t for t in revokes]
     assert [r.status_code for r in responses] == [200, 200]

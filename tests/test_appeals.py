@@ -30,6 +30,7 @@ from tests.verification_helpers import (
     verdicts,
     verify_all,
 )
+from tests.waits import until_waiting
 
 pytestmark = pytest.mark.usefixtures("no_audits")
 
@@ -184,7 +185,7 @@ async def test_an_appeal_waits_for_a_release_in_progress_and_reverses_what_it_re
             await session.begin()
             assert await service.release_due_rewards(session, now=clock.utcnow()) == 1
             appeal = asyncio.create_task(reverse(s, a["id"]))
-            await asyncio.sleep(1.0)
+            await until_waiting(app_state, 1, appeal, on="row")
             assert not appeal.done()  # waiting for the accounts the release holds
             await session.commit()
         r = await appeal
@@ -208,7 +209,7 @@ async def test_two_appeals_of_one_verdict_at_once_reverse_it_and_are_audited_onc
         async with app_state.sessionmaker() as session, session.begin():
             await session.execute(select(Verdict).where(Verdict.id == v["id"]).with_for_update())
             appeals = [asyncio.create_task(reverse(s, v["id"])) for _ in range(2)]
-            await asyncio.sleep(1.0)
+            await until_waiting(app_state, 2, *appeals, on="row")
             assert not any(a.done() for a in appeals)  # both wait for the verdict
         assert [(await a).status_code for a in appeals] == [200, 200]
         assert (await balances(client, w))["rewards_pending"] == 0

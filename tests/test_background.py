@@ -29,9 +29,10 @@ from orchestrator.core.clock import SystemClock
 from orchestrator.core.loops import STOP_GRACE_S, run_periodically
 from orchestrator.settings import Settings, get_settings
 from tests.conftest import REDIS_URL, postgres_only
-from tests.scoring_helpers import HANG_S, Gate
+from tests.scoring_helpers import Gate
 from tests.tasks_helpers import pool_setup, task
 from tests.verification_helpers import submit, verdicts
+from tests.waits import HANG_S, until
 
 
 async def test_a_background_process_verifies_what_an_api_process_accepted(
@@ -66,10 +67,9 @@ async def test_a_background_process_verifies_what_an_api_process_accepted(
 async def test_the_alive_file_is_rewritten_while_the_loop_runs_and_removed_on_stop(tmp_path: Path) -> None:
     alive, stop = tmp_path / "alive", asyncio.Event()
     writer = asyncio.create_task(keep_alive(alive, stop, interval=0.05))
-    await asyncio.sleep(0.02)
+    await until(alive.exists, "the alive file is written")
     first = alive.read_text()
-    await asyncio.sleep(0.2)
-    assert alive.read_text() != first  # rewritten, not written once
+    await until(lambda: alive.read_text() != first, "the alive file is rewritten")  # not written once
     age = alive_age(alive)
     assert age is not None and 0 <= age < 1
     stop.set()
@@ -128,8 +128,7 @@ async def test_an_unwritable_alive_file_is_retried_and_the_probe_fails(tmp_path:
     assert not writer.done()  # a failed write does not end the writer
     assert alive_age(alive) is None
     blocked.mkdir()  # the directory appears: the next write succeeds
-    await asyncio.sleep(0.15)
-    assert alive_age(alive) is not None
+    await until(lambda: alive_age(alive) is not None, "the alive file is written once it can be")
     stop.set()
     await asyncio.wait_for(writer, timeout=5)
 

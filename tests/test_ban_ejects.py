@@ -18,6 +18,7 @@ from tests.conftest import postgres_only, problem
 from tests.pools_helpers import active_pool, join
 from tests.tasks_helpers import pool_setup, task
 from tests.verification_helpers import balances, books_balance
+from tests.waits import until_waiting
 
 ECON = {"min_stake_per_node": 1000, "unbonding_period_s": 86_400}
 
@@ -312,17 +313,18 @@ async def test_a_join_racing_a_ban_of_its_node_is_refused_not_left_live(
         other = await active_pool(s.admin, s.headers, economics={"min_stake_per_node": 0})
         admin = Principal(token_id="tok_test_admin", name="admin", role=Role.admin)
 
-        async def ban_slowly() -> None:
-            async with app_state.sessionmaker() as session, session.begin():
-                await admin_service.ban(session, app_state, w.node_id, "sybil", principal=admin)
-                await asyncio.sleep(0.5)  # the ban has ended the memberships it saw; not committed
+        banned = asyncio.Event()
 
         async def join_meanwhile() -> Any:
-            await asyncio.sleep(0.15)
+            await banned.wait()
             return await w.client.post(f"/v1/pools/{other['id']}/join", json={}, auth=w.contributor.node_auth)
 
-        _, joined = await asyncio.gather(ban_slowly(), join_meanwhile())
-        problem(joined, 403, "node_banned")
+        joining = asyncio.create_task(join_meanwhile())
+        async with app_state.sessionmaker() as session, session.begin():
+            await admin_service.ban(session, app_state, w.node_id, "sybil", principal=admin)
+            banned.set()  # the ban has ended the memberships it saw; not committed
+            await until_waiting(app_state, 1, joining, on="row")
+        problem(await joining, 403, "node_banned")
         assert w.node_id not in await statuses(s, other["id"])
 
 
@@ -350,21 +352,23 @@ async def test_a_join_racing_the_verifiers_provider_ban_is_refused_not_left_live
         async with client_for(app) as c:
             await sibling.register(c)
 
-            async def ban_slowly() -> None:
-                async with app_state.sessionmaker() as session, session.begin():
-                    submission = (await session.execute(select(Submission))).scalar_one()
-                    await verification.lock_for_verdicts(session, [submission])
-                    pool = await session.get(Pool, s.pool_id)
-                    assert pool is not None
-                    await pools_service.blacklist_for_fraud(
-                        session, pool, w.contributor.provider_id, reason="strikes", now=clock.utcnow()
-                    )
-                    await asyncio.sleep(0.5)  # the ban ended the memberships it saw; not committed
+            banned = asyncio.Event()
 
             async def join_meanwhile() -> Any:
-                await asyncio.sleep(0.15)
+                await banned.wait()
                 return await c.post(f"/v1/pools/{s.pool_id}/join", json={}, auth=sibling.node_auth)
 
-            _, joined = await asyncio.gather(ban_slowly(), join_meanwhile())
+            joining = asyncio.create_task(join_meanwhile())
+            async with app_state.sessionmaker() as session, session.begin():
+                submission = (await session.execute(select(Submission))).scalar_one()
+                await verification.lock_for_verdicts(session, [submission])
+                pool = await session.get(Pool, s.pool_id)
+                assert pool is not None
+                await pools_service.blacklist_for_fraud(
+                    session, pool, w.contributor.provider_id, reason="strikes", now=clock.utcnow()
+                )
+                banned.set()  # the ban ended the memberships it saw; not committed
+                await until_waiting(app_state, 1, joining, on="row")
+            joined = await joining
         problem(joined, 403, "provider_blacklisted")
         assert await statuses(s, s.pool_id) == {w.node_id: "left"}

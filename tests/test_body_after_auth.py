@@ -24,6 +24,7 @@ from orchestrator.core.routing import GuardedRoute, loads
 from orchestrator.core.signing import sign_headers
 from tests.conftest import Contributor, new_contributor, problem
 from tests.tasks_helpers import client_for, pool_setup, result_body, task
+from tests.waits import HANG_S
 
 NOT_JSON = b'{"samples": [' + b"[]," * 1000
 
@@ -162,7 +163,8 @@ async def _post_slowly(
     client: httpx.AsyncClient, path: str, body: bytes, headers: dict[str, str], meanwhile: Any
 ) -> httpx.Response:
     """POST ``body`` in two parts, running ``meanwhile()`` once the first part was sent and
-    before the rest is."""
+    before the rest is: once the app asks for the rest (it reads the body as it needs it), so
+    it has had the head and the first part."""
     first_sent, rest = asyncio.Event(), asyncio.Event()
 
     async def stream() -> AsyncIterator[bytes]:
@@ -172,11 +174,10 @@ async def _post_slowly(
         yield body[5:]
 
     posting = asyncio.create_task(client.post(path, content=stream(), headers=headers))
-    await asyncio.wait_for(first_sent.wait(), timeout=10)
-    await asyncio.sleep(0.05)  # the server has the head and the first part
+    await asyncio.wait_for(first_sent.wait(), timeout=HANG_S)
     await meanwhile()
     rest.set()
-    return await asyncio.wait_for(posting, timeout=30)
+    return await asyncio.wait_for(posting, timeout=HANG_S)
 
 
 async def test_a_bearer_token_revoked_or_expired_while_its_body_arrives_is_refused(

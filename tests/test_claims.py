@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 from sqlalchemy import func, select, text
@@ -11,6 +13,7 @@ from orchestrator.core.keys import generate_key
 from orchestrator.tasks.models import Assignment
 from tests.conftest import postgres_only, problem
 from tests.tasks_helpers import pool_setup, task
+from tests.waits import until_waiting
 
 
 async def test_a_claim_returns_a_lease_without_the_verification_spec(app: Any, app_state: Any) -> None:
@@ -199,14 +202,34 @@ def _is_postgres(app_state: Any) -> bool:
 
 # A claim whose pick started before a concurrent claim of the same task committed, and which
 # reaches the task only after that commit: the task's row lock is free again by then, so SKIP
-# LOCKED does not skip it. audit_delay() holds the first claim in its scan, in its session only.
-_DELAY_FN = """
+# LOCKED does not skip it. test_claim_delay() holds a claim in its scan (in a session that sets
+# test.claim_held) on an advisory lock that the test holds (_claims_held) until it lets it go.
+HOLD_KEY = 7300001
+_DELAY_FN = f"""
 CREATE OR REPLACE FUNCTION test_claim_delay() RETURNS boolean LANGUAGE plpgsql VOLATILE AS $$
 BEGIN
-  PERFORM pg_sleep(coalesce(nullif(current_setting('test.claim_delay', true), '')::float8, 0));
+  IF current_setting('test.claim_held', true) = 'on' THEN
+    PERFORM pg_advisory_xact_lock_shared({HOLD_KEY});
+  END IF;
   RETURN true;
 END $$;
 """
+
+
+@asynccontextmanager
+async def _claims_held(app_state: Any) -> AsyncIterator[None]:
+    """While inside, a claim whose session sets ``test.claim_held`` waits in its scan."""
+    async with app_state.sessionmaker() as holder, holder.begin():
+        await holder.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": HOLD_KEY})
+        yield
+
+
+async def _held_claim(app_state: Any, clock: Any, node_id: str, pool_id: str) -> Any:
+    from orchestrator.tasks import service
+
+    async with app_state.sessionmaker() as session, session.begin():
+        await session.execute(text("SET LOCAL test.claim_held = 'on'"))
+        return await service.claim(session, node_id, pool_id, 1, now=clock.utcnow())
 
 
 async def _claim_behind_a_concurrent_claim(
@@ -219,22 +242,16 @@ async def _claim_behind_a_concurrent_claim(
     try:
         async with app_state.sessionmaker() as session, session.begin():
             await session.execute(text(_DELAY_FN))
-
-        async def claim_slowly() -> Any:
+        async with _claims_held(app_state):
+            late = asyncio.create_task(_held_claim(app_state, clock, slow.node_id, s.pool_id))
+            await until_waiting(app_state, 1, late, on="advisory")  # it has its snapshot and is scanning
             async with app_state.sessionmaker() as session, session.begin():
-                await session.execute(text("SET LOCAL test.claim_delay = '0.6'"))
-                return await service.claim(session, slow.node_id, s.pool_id, 1, now=clock.utcnow())
-
-        async def claim_meanwhile() -> Any:
-            await asyncio.sleep(0.2)  # the slow claim has its snapshot and is scanning
-            async with app_state.sessionmaker() as session, session.begin():
-                return await service.claim(session, fast.node_id, s.pool_id, 1, now=clock.utcnow())
-
-        late, early = await asyncio.gather(claim_slowly(), claim_meanwhile())
+                early = await service.claim(session, fast.node_id, s.pool_id, 1, now=clock.utcnow())
+        await late
     finally:
         monkeypatch.undo()
         service._pick_statement.cache_clear()
-    return late.leases, early.leases
+    return late.result().leases, early.leases
 
 
 async def _replica_index(app_state: Any, lease: Any) -> int:
@@ -329,7 +346,10 @@ async def test_fifty_concurrent_claimers_on_postgres_lease_each_replica_once(
         assert (double, left) == (0, 0)
 
 
-async def _leave(app_state: Any, s: Any, w: Any, clock: Any, *, hold_s: float = 0.0) -> None:
+async def _leave(
+    app_state: Any, s: Any, w: Any, clock: Any, *, meanwhile: Callable[[], Awaitable[None]] | None = None
+) -> None:
+    """``w`` leaves the pool; ``meanwhile`` runs once it has, before it commits."""
     from orchestrator.identity import repository as identity
     from orchestrator.pools import service as pools
 
@@ -337,7 +357,8 @@ async def _leave(app_state: Any, s: Any, w: Any, clock: Any, *, hold_s: float = 
         node = await identity.get_node(session, w.node_id)
         assert node is not None
         await pools.leave(session, s.pool_id, node, now=clock.utcnow())
-        await asyncio.sleep(hold_s)  # still committing
+        if meanwhile is not None:
+            await meanwhile()  # still committing
 
 
 async def _live_leases(app_state: Any, node_id: str) -> list[str]:
@@ -358,12 +379,21 @@ async def test_a_claim_waits_for_a_leave_that_is_committing_and_then_finds_no_me
         w = s.workers[0]
         assert (await s.enqueue([task("x")])).status_code == 201
 
+        left = asyncio.Event()
+
         async def claim_meanwhile() -> Any:
-            await asyncio.sleep(0.2)  # the leave has ended the membership and not yet committed
+            await left.wait()  # the leave has ended the membership and not yet committed
             async with app_state.sessionmaker() as session, session.begin():
                 return await service.claim(session, w.node_id, s.pool_id, 1, now=clock.utcnow())
 
-        _, out = await asyncio.gather(_leave(app_state, s, w, clock, hold_s=0.6), claim_meanwhile())
+        claiming = asyncio.create_task(claim_meanwhile())
+
+        async def until_the_claim_waits() -> None:
+            left.set()
+            await until_waiting(app_state, 1, claiming, on="row")
+
+        await _leave(app_state, s, w, clock, meanwhile=until_the_claim_waits)
+        out = await claiming
         assert (out.reason, out.leases) == ("not_a_member", [])
         assert await _live_leases(app_state, w.node_id) == []
 
@@ -382,17 +412,14 @@ async def test_a_leave_waits_for_a_claim_that_read_the_membership_and_gives_its_
         monkeypatch.setattr(service, "_MAY_TAKE", service._MAY_TAKE + " AND test_claim_delay()")
         service._pick_statement.cache_clear()
         try:
-
-            async def claim_slowly() -> Any:
-                async with app_state.sessionmaker() as session, session.begin():
-                    await session.execute(text("SET LOCAL test.claim_delay = '0.3'"))
-                    return await service.claim(session, w.node_id, s.pool_id, 1, now=clock.utcnow())
-
-            async def leave_meanwhile() -> None:
-                await asyncio.sleep(0.15)  # the claim has read the membership as active
-                await _leave(app_state, s, w, clock)
-
-            out, _ = await asyncio.gather(claim_slowly(), leave_meanwhile())
+            async with _claims_held(app_state):
+                claiming = asyncio.create_task(_held_claim(app_state, clock, w.node_id, s.pool_id))
+                # The claim has read the membership as active and is scanning for tasks.
+                await until_waiting(app_state, 1, claiming, on="advisory")
+                leaving = asyncio.create_task(_leave(app_state, s, w, clock))
+                await until_waiting(app_state, 1, leaving, on="row")  # the leave waits for the claim
+            out = await claiming
+            await leaving
         finally:
             monkeypatch.undo()
             service._pick_statement.cache_clear()

@@ -19,6 +19,7 @@ from orchestrator.verification.models import VerificationJob
 from tests.conftest import make_token, postgres_only, problem
 from tests.tasks_helpers import PoolSetup, Worker, pool_setup, task
 from tests.verification_helpers import answer_body, submit, verdicts, verify_all
+from tests.waits import HANG_S, until_waiting
 
 pytestmark = pytest.mark.usefixtures("no_audits")
 
@@ -285,7 +286,7 @@ async def test_a_verdict_committed_out_of_id_order_is_not_skipped(app: Any, app_
 
         read = asyncio.create_task(feed(s))
         try:
-            await asyncio.sleep(0.5)
+            await until_waiting(app_state, 1, read, on="table")
             assert not read.done(), "the feed must wait for the verdict still being written"
         finally:
             release.set()
@@ -460,7 +461,7 @@ async def test_verdicts_are_written_while_a_feed_page_is_being_built(
         try:
             assert await asyncio.to_thread(building.wait, 10)
             accept = asyncio.create_task(accept_in_transaction(app_state, sub_b, asyncio.Event(), None))
-            done, _ = await asyncio.wait({accept}, timeout=3)
+            done, _ = await asyncio.wait({accept}, timeout=HANG_S)
             assert accept in done, "a verdict must not wait for a feed page to be built"
         finally:
             release.set()

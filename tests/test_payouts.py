@@ -23,6 +23,7 @@ from orchestrator.payouts import service as payouts
 from orchestrator.payouts.models import Payout, PayoutRun
 from tests.conftest import Contributor, make_token, new_contributor, postgres_only, problem
 from tests.verification_helpers import books_balance
+from tests.waits import until_waiting
 
 EXPORT_COLUMNS = [
     "payout_id",
@@ -574,15 +575,15 @@ async def test_reject_refuses_unknown_payouts_and_bad_reasons(
 
 
 async def _held(app_state: Any, payout_id: int, *requests: Any) -> list[httpx.Response]:
-    """Start ``requests`` (one after another, 0.2 s apart) while another transaction holds the
-    payout's row lock, so that they all read the payout before any of them settles it."""
+    """Start ``requests`` (one after another, each once the one before waits for the lock)
+    while another transaction holds the payout's row lock, so that they all read the payout
+    before any of them settles it."""
     async with app_state.sessionmaker() as session, session.begin():
         await session.execute(select(Payout).where(Payout.id == payout_id).with_for_update())
         started = []
         for request in requests:
             started.append(asyncio.create_task(request))
-            await asyncio.sleep(0.2)
-        await asyncio.sleep(1.0)
+            await until_waiting(app_state, len(started), *started, on="row")
         assert not any(t.done() for t in started)
     return list(await asyncio.wait_for(asyncio.gather(*started), timeout=60))
 

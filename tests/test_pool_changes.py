@@ -15,6 +15,7 @@ from orchestrator.verification.models import Verdict, VerificationJob
 from tests.conftest import postgres_only, problem
 from tests.tasks_helpers import pool_setup, task
 from tests.verification_helpers import balances, submit, verdicts, verify_all
+from tests.waits import until_waiting
 
 FREE_TEXT = {"prompt": "Write a haiku.", "sampling": {"max_tokens": 16}}  # the server cannot check it
 
@@ -202,7 +203,7 @@ async def _while_the_pool_is_locked(s: Any, app_state: Any, *requests: Any) -> l
         pending = []
         for request in requests:
             pending.append(asyncio.create_task(request()))
-            await asyncio.sleep(0.3)
+            await until_waiting(app_state, len(pending), *pending, on="row")  # queued in this order
         assert not any(p.done() for p in pending)
     return list(await asyncio.gather(*pending))
 
@@ -273,7 +274,7 @@ async def test_an_enqueue_waits_for_a_completion_in_progress_and_is_refused_afte
                 text("SELECT 1 FROM pools WHERE id = :id FOR NO KEY UPDATE"), {"id": s.pool_id}
             )
             enqueue = asyncio.create_task(s.enqueue([task()]))
-            await asyncio.sleep(0.5)
+            await until_waiting(app_state, 1, enqueue, on="row")
             assert not enqueue.done()
             await session.execute(
                 text("UPDATE pools SET status = 'completed' WHERE id = :id"), {"id": s.pool_id}
@@ -300,7 +301,7 @@ async def test_an_invite_waits_for_a_completion_in_progress_and_is_refused_after
                 text("SELECT 1 FROM pools WHERE id = :id FOR NO KEY UPDATE"), {"id": s.pool_id}
             )
             created = asyncio.create_task(s.admin.post(url, headers=s.headers))
-            await asyncio.sleep(0.5)
+            await until_waiting(app_state, 1, created, on="row")
             assert not created.done()
             await session.execute(
                 text("UPDATE pools SET status = 'completed' WHERE id = :id"), {"id": s.pool_id}

@@ -16,33 +16,14 @@ import asyncio
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import text
-
 from orchestrator.core.clock import FakeClock
 from orchestrator.tasks import service
 from orchestrator.tasks.jobs import reap_once
 from tests.conftest import postgres_only
 from tests.tasks_helpers import pool_setup, task
+from tests.waits import HANG_S, until_waiting
 
 pytestmark = postgres_only
-
-
-async def _until_one_waits_for_a_lock(app_state: Any) -> None:
-    for _ in range(400):
-        # A transaction of its own each time: PostgreSQL reads pg_stat_activity once per
-        # transaction, so polling in one would see the first look's state for ever (a loaded
-        # machine, where the other side had not reached its lock at that first look, failed so).
-        async with app_state.sessionmaker() as session:
-            waiting = await session.scalar(
-                text(
-                    "SELECT count(*) FROM pg_stat_activity"
-                    " WHERE datname = current_database() AND wait_event_type = 'Lock'"
-                )
-            )
-        if waiting:
-            return
-        await asyncio.sleep(0.025)
-    raise AssertionError("nothing waited for the result's locks")
 
 
 async def _result_in_flight(
@@ -56,10 +37,11 @@ async def _result_in_flight(
         context = {"assignment_id": lease["assignment_id"], "node_id": node_id, "policy_step": 1}
         assert (await conn.execute(service._result_context(True), context)).first() is not None
         ending = asyncio.ensure_future(other)
-        await _until_one_waits_for_a_lock(app_state)
+        await until_waiting(app_state, 1, ending)
+        assert not ending.done(), "nothing waited for the result's locks"
         written = {"b_task": lease["task"]["task_id"], "b_now": clock.utcnow()}
-        await asyncio.wait_for(conn.execute(service._TASK_SUBMITTED, written), timeout=5)
-    return await asyncio.wait_for(ending, timeout=10)
+        await asyncio.wait_for(conn.execute(service._TASK_SUBMITTED, written), timeout=HANG_S)
+    return await asyncio.wait_for(ending, timeout=HANG_S)
 
 
 async def test_a_cancel_waits_for_a_result_in_flight(app: Any, app_state: Any, clock: FakeClock) -> None:
@@ -132,7 +114,8 @@ async def test_a_failure_reported_while_another_commits_counts_both(
                 session, first.node_id, lease_1["assignment_id"], now=clock.utcnow(), error="engine crashed"
             )
             other = asyncio.ensure_future(release(second.node_id, lease_2))
-            await _until_one_waits_for_a_lock(app_state)
-        await asyncio.wait_for(other, timeout=10)
+            await until_waiting(app_state, 1, other)
+            assert not other.done(), "the second failure report did not wait for the first"
+        await asyncio.wait_for(other, timeout=HANG_S)
         detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
         assert (detail["status"], detail["end_reason"]) == ("failed", "max_failures")

@@ -17,6 +17,7 @@ from orchestrator.tasks.seeds import derive_seed
 from tests.conftest import make_token, postgres_only, problem
 from tests.tasks_helpers import pool_setup, task
 from tests.verification_helpers import FixedDraw, submit, verdicts, verify_all
+from tests.waits import HANG_S, until_waiting
 
 ECON = {"min_stake_per_node": 1000, "reward_per_sample": 7, "fraud_slash_amount": 200}
 
@@ -403,7 +404,7 @@ async def test_two_cancels_of_one_task_at_once_cancel_it_and_are_audited_once(
         async with app_state.sessionmaker() as session, session.begin():
             await session.execute(select(TaskReplica).where(TaskReplica.task_id == task_id).with_for_update())
             cancels = [asyncio.create_task(s.admin.post(url, headers=s.headers)) for _ in range(2)]
-            await asyncio.sleep(1.0)
+            await until_waiting(app_state, 2, *cancels, on="row")
             assert not any(c.done() for c in cancels)
         responses = [await c for c in cancels]
         assert [(r.status_code, r.json()["status"]) for r in responses] == [(200, "cancelled")] * 2
@@ -429,7 +430,7 @@ async def test_a_cancel_of_another_pools_task_is_a_404_that_waits_on_no_lock(
         url = f"/v1/admin/pools/{mine.pool_id}/tasks/{task_id}/cancel"
         async with app_state.sessionmaker() as session, session.begin():
             await session.execute(select(Assignment).where(Assignment.task_id == task_id).with_for_update())
-            r = await asyncio.wait_for(mine.admin.post(url, headers=mine.headers), timeout=5)
+            r = await asyncio.wait_for(mine.admin.post(url, headers=mine.headers), timeout=HANG_S)
         problem(r, 404, "task_not_found")
 
 
@@ -443,7 +444,7 @@ async def test_a_policy_is_not_published_into_a_pool_completed_while_the_publish
         async with app_state.sessionmaker() as session, session.begin():
             await session.execute(select(Pool).where(Pool.id == s.pool_id).with_for_update())
             publish = asyncio.create_task(s.publish(2))
-            await asyncio.sleep(1.0)
+            await until_waiting(app_state, 1, publish, on="row")
             assert not publish.done()
             await session.execute(update(Pool).where(Pool.id == s.pool_id).values(status="completed"))
         problem(await publish, 409, "pool_completed")

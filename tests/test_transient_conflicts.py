@@ -17,6 +17,7 @@ from sqlalchemy.exc import DBAPIError
 from orchestrator.core.errors import transient_cause
 from orchestrator.core.state import Session
 from tests.conftest import postgres_only
+from tests.waits import until_waiting
 
 PROBE = "test_deadlock_probe"
 
@@ -55,7 +56,7 @@ async def test_a_deadlocked_request_is_a_503_to_retry_and_writes_nothing(
         await other.execute(text(f"UPDATE {PROBE} SET v = 'other' WHERE id = 1"))
         request = asyncio.create_task(client.post("/test/deadlock"))
         await asyncio.wait_for(route_holds_row_2.wait(), 10)
-        await asyncio.sleep(0.2)  # the request now waits for row 1
+        await until_waiting(app_state, 1, request, on="row")  # the request now waits for row 1
         await other.execute(text(f"UPDATE {PROBE} SET v = 'other' WHERE id = 2"))  # the cycle
         r = await asyncio.wait_for(request, 10)
         await other.commit()

@@ -15,9 +15,10 @@ from orchestrator.verification import service
 from orchestrator.verification.jobs import verify_once
 from orchestrator.verification.validators import expired_leases
 from tests.conftest import problem
-from tests.scoring_helpers import HANG_S, Gate
+from tests.scoring_helpers import Gate
 from tests.tasks_helpers import pool_setup, task
 from tests.verification_helpers import FixedDraw, submit, verdicts, verify_all
+from tests.waits import HANG_S
 
 
 async def validator_headers(app_state: Any, pool_ids: list[str]) -> dict[str, str]:

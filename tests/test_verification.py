@@ -20,7 +20,7 @@ from orchestrator.verification import service
 from orchestrator.verification.jobs import release_once, verify_once
 from orchestrator.verification.models import Verdict, VerificationJob
 from tests.conftest import problem
-from tests.scoring_helpers import HANG_S, Gate
+from tests.scoring_helpers import Gate
 from tests.tasks_helpers import pool_setup, task
 from tests.verification_helpers import (
     FixedDraw,
@@ -30,6 +30,7 @@ from tests.verification_helpers import (
     verdicts,
     verify_all,
 )
+from tests.waits import HANG_S
 
 ECON = {
     "min_stake_per_node": 1000,
