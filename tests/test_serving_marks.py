@@ -18,9 +18,9 @@ from sqlalchemy import select
 from orchestrator.app import create_app
 from orchestrator.core.clock import FakeClock
 from orchestrator.core.hotstore import HotStore, RedisHotStore
-from orchestrator.identity.models import NodeStatusChange
+from orchestrator.identity.models import Node, NodeStatusChange
 from orchestrator.liveness.service import sweep_once
-from orchestrator.liveness.serving import MARK_INTERVAL_S, STALL_S, ServingMark, mark_serving
+from orchestrator.liveness.serving import ABANDONED_S, MARK_INTERVAL_S, STALL_S, ServingMark, mark_serving
 from orchestrator.settings import Settings
 from orchestrator.tasks.jobs import reap_once
 from orchestrator.tasks.models import Assignment
@@ -202,3 +202,26 @@ async def lease_deadlines(app_state: Any) -> list[dt.datetime]:
             select(Assignment.lease_expires_at).where(Assignment.status == "active").order_by(Assignment.id)
         )
         return list((await session.execute(query)).scalars())
+
+
+async def test_marks_nobody_writes_for_an_hour_no_longer_hold_the_sweeper_and_the_reaper(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """Every API process stopped marking (turned off, or none left) while the loops run on: the
+    last mark must not hold liveness and lease expiry for ever. Past an hour they judge as
+    without marks."""
+    async with pool_setup(app, app_state, workers=1, lease_duration_s=60) as s:
+        w = s.workers[0]
+        await s.enqueue([task()])
+        await w.claim(s.pool_id)
+        await mark(app_state)
+        clock.advance(ABANDONED_S)
+        assert (await sweep_once(app_state)).held == "not_serving"
+        assert (await reap_once(app_state)).expired == 0
+        clock.advance(10)
+        report = await sweep_once(app_state)
+        assert (report.held, report.to_unhealthy, report.to_dead) == (None, 1, 1)
+        assert (await reap_once(app_state)).expired == 1
+        async with app_state.sessionmaker() as session:
+            status = await session.scalar(select(Node.status).where(Node.id == w.node_id))
+        assert status == "dead"

@@ -18,7 +18,8 @@ partition between the workers and the service): the processes keep marking while
 reaches them.
 
 Without a row (no API process of this version has run against the database: a fresh install,
-or tests that drive the sweeper alone), the sweeper judges silence as before.
+or tests that drive the sweeper alone), or with one no process has written for ``ABANDONED_S``,
+the sweeper judges silence as before.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ MARK_INTERVAL_S = 5.0
 # an outage; one that does only delays the sweeper (the safe side).
 STALL_S = 3 * MARK_INTERVAL_S
 MARK = "beats"
+# Marks older than this are taken as abandoned: every API process stopped marking (turned off
+# with ORCH_SERVER__SERVING_MARKS=false, or no API process left), and silence is judged as
+# without marks, so a row nobody writes any more never holds the sweeper and the reaper for
+# ever. An outage of every API process this long, with the loops still running elsewhere, is
+# then judged as nodes that all stopped.
+ABANDONED_S = 3600.0
 
 log = structlog.get_logger(__name__)
 
@@ -102,6 +109,13 @@ class Serving:
 
 
 async def read_serving(session: AsyncSession, now: float) -> Serving | None:
+    """What the marks say at ``now``; None without marks, or with marks so old that no API
+    process marks any more (``ABANDONED_S``)."""
     query = select(ServingMark.at, ServingMark.since).where(ServingMark.name == MARK)
     row = (await session.execute(query)).first()
-    return None if row is None else Serving(at=row.at, since=row.since, now=now)
+    if row is None:
+        return None
+    if now - row.at > ABANDONED_S:
+        log.error("serving_marks_abandoned", last_mark_age_s=round(now - row.at, 1))
+        return None
+    return Serving(at=row.at, since=row.since, now=now)
