@@ -84,8 +84,15 @@ def end_with_supervisor() -> None:
 
 
 def create_app(
-    settings: Settings | None = None, *, clock: Clock | None = None, hot_store: HotStore | None = None
+    settings: Settings | None = None,
+    *,
+    clock: Clock | None = None,
+    hot_store: HotStore | None = None,
+    serving_marks: bool = True,
 ) -> FastAPI:
+    """The application. ``clock``, ``hot_store`` and ``serving_marks`` are for tests: a test that
+    drives the clock itself writes the serving marks itself (``liveness.serving``), or the
+    sweeper would find them stale whenever it moves the clock."""
     settings = settings or get_settings()
     configure_logging(settings.log_level, json=settings.log_json)
 
@@ -107,7 +114,7 @@ def create_app(
         app.state.orch = state
         stop = asyncio.Event()
         tasks = background.start(state, stop) if settings.server.background_loops else []
-        if settings.server.serving_marks:
+        if serving_marks:  # every API process, whatever its background_loops
             tasks.append(background.start_serving_marks(state, stop))
         log.info(
             "started",

@@ -233,14 +233,6 @@ class ServerSettings(BaseModel):
     background_loops: bool = Field(
         default=True, description="Run the sweeper and other loops in this process."
     )
-    serving_marks: bool = Field(
-        default=True,
-        description=(
-            "Record every 5 s that this process can take heartbeats (it reaches the database and "
-            "the hot store), so that the sweeper counts a node's silence only while some process "
-            "could: an outage then marks no node dead. Off only for tests that drive the clock."
-        ),
-    )
     trust_proxy_headers: bool = False
     forwarded_allow_ips: str = Field(
         default="*",

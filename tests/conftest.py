@@ -240,8 +240,7 @@ def settings(database_url: str, redis_prefix: str, connection_budget: dict[str, 
         heartbeat=HeartbeatSettings(
             interval_s=10, unhealthy_after_missed=3, dead_after_missed=9, sweep_interval_s=5
         ),
-        # Tests drive the loops and the clock themselves; test_serving_marks writes the marks.
-        server=ServerSettings(background_loops=False, migrate_on_start=False, serving_marks=False),
+        server=ServerSettings(background_loops=False, migrate_on_start=False),
     )
 
 
@@ -272,7 +271,8 @@ def _clean_database(database_url: str) -> Iterator[None]:
 
 @pytest.fixture
 async def app(settings: Settings, clock: FakeClock, hot_store: HotStore) -> AsyncIterator[Any]:
-    application = create_app(settings, clock=clock, hot_store=hot_store)
+    # Tests drive the loops and the clock themselves; test_serving_marks writes the marks.
+    application = create_app(settings, clock=clock, hot_store=hot_store, serving_marks=False)
     async with LifespanManager(application):
         yield application
 

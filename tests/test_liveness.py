@@ -176,7 +176,7 @@ async def test_sweeper_runs_once_per_tick_across_processes(
         await c.register(client)
         await c.beat(client)
     clock.advance(31)
-    others = [create_app(settings, clock=clock, hot_store=hot_store) for _ in range(2)]
+    others = [create_app(settings, clock=clock, hot_store=hot_store, serving_marks=False) for _ in range(2)]
     async with LifespanManager(others[0]), LifespanManager(others[1]):
         states = [app_state, others[0].state.orch, others[1].state.orch]
         reports = await asyncio.gather(*(sweep_once(s) for s in states))
@@ -294,7 +294,7 @@ async def test_the_sweeper_goes_on_after_its_interval_is_raised(
     slower = settings.model_copy(
         update={"heartbeat": settings.heartbeat.model_copy(update={"sweep_interval_s": 10.0})}
     )
-    restarted = create_app(slower, clock=clock, hot_store=hot_store)
+    restarted = create_app(slower, clock=clock, hot_store=hot_store, serving_marks=False)
     async with LifespanManager(restarted):
         state = restarted.state.orch
         clock.advance(31)

@@ -149,7 +149,7 @@ async def test_a_node_that_beats_while_dying_after_a_failed_tick_stays_healthy(
 @pytest.fixture
 async def restarted(settings: Settings, clock: FakeClock) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
     """The server restarted with the embedded store: a fresh, empty in-process hot store."""
-    other = create_app(settings, clock=clock, hot_store=MemoryHotStore())
+    other = create_app(settings, clock=clock, hot_store=MemoryHotStore(), serving_marks=False)
     async with (
         LifespanManager(other),
         httpx.AsyncClient(transport=httpx.ASGITransport(app=other), base_url="http://testserver") as c,

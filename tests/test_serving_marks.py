@@ -152,8 +152,8 @@ async def test_an_api_process_without_background_loops_marks_at_start(
 ) -> None:
     """An API replica of a deployment whose loops run in ``orchestrator background`` marks too:
     it is where the beats are taken."""
-    server = settings.server.model_copy(update={"serving_marks": True, "background_loops": False})
-    application = create_app(settings.model_copy(update={"server": server}), clock=clock, hot_store=hot_store)
+    assert not settings.server.background_loops
+    application = create_app(settings, clock=clock, hot_store=hot_store)
     async with LifespanManager(application):
         state = application.state.orch
         async with asyncio.timeout(30):
