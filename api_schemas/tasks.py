@@ -293,10 +293,21 @@ class ClaimIn(StrictModel):
     max_tasks: int = Field(default=1, ge=1, le=CLAIM_MAX_TASKS)
 
 
-class LeasedTask(BaseModel):
-    """What a worker needs to run one replica; the verification spec is never included."""
+# What ``task_id`` is in what a node reads (its leases, its results' answers, its verdicts).
+NODE_TASK_REF = (
+    "This node's reference for the task, not the task's id: an opaque integer in [0, 2^53), the "
+    "same each time this node sees the task (a lease given back and leased again, the live lease "
+    "list, the result's answer, the verdict), another for each other node, and in no order (it "
+    "says nothing of the task's age). Operators' and trainers' APIs show the task's real id"
+)
 
-    task_id: int
+
+class LeasedTask(BaseModel):
+    """What a worker needs to run one replica; the verification spec is never included. Nor is
+    the task's id: task ids are sequential, and an audit replica of a task answered long ago would
+    carry an id far below the fresh tasks' around it."""
+
+    task_id: int = Field(description=NODE_TASK_REF)
     prompt: str | None
     problem_ref: str | None
     sampling: Sampling
@@ -402,7 +413,7 @@ class ResultIn(StrictModel):
 class ResultOut(BaseModel):
     submission_id: int
     assignment_id: str
-    task_id: int
+    task_id: int = Field(description=NODE_TASK_REF)
     status: str = Field(description="pending: recorded, awaiting verification")
     received_at: dt.datetime
 

@@ -13,7 +13,11 @@ from api_schemas.common import StrictModel, Text
 class VerdictOut(BaseModel):
     id: int
     submission_id: int
-    task_id: int
+    task_id: int = Field(
+        description="The task's id; in a node's or provider's own verdicts (/v1/nodes/me/verdicts, "
+        "/v1/providers/me/verdicts), the node's reference for the task, as its lease named it: an "
+        "opaque integer that says nothing of the task's age, another for each node"
+    )
     pool_id: str
     node_id: str
     provider_id: str

@@ -64,6 +64,8 @@ __all__ = ["DEFAULT_DB", "DEFAULT_REDIS", "Stats", "api_phase", "main", "raw_pha
 T = TypeVar("T")
 utcnow = SystemClock().utcnow
 GROUPS = ("server", "postgres", "redis", "loadgen")
+# The key the service phase's leases name their tasks with (nothing reads the references here).
+REF_KEY = b"benchmark-task-refs"
 
 
 async def metered(meter: CpuMeter, phase: Awaitable[T]) -> tuple[T, dict[str, float]]:
@@ -159,7 +161,7 @@ async def service_phase(
         while time.monotonic() < stop:
             t0 = time.perf_counter()
             async with sessions() as session, session.begin():
-                out = await service.claim(session, node_id, pool_id, 1, now=utcnow())
+                out = await service.claim(session, node_id, pool_id, 1, now=utcnow(), ref_key=REF_KEY)
             stats.latencies.append(time.perf_counter() - t0)
             if not out.leases:
                 if until_empty:
@@ -199,7 +201,12 @@ async def service_phase(
             )
             async with sessions() as session, session.begin():
                 result = await service.submit_result(
-                    session, signed, lease.assignment_id, ResultIn.model_validate(body), now=utcnow()
+                    session,
+                    signed,
+                    lease.assignment_id,
+                    ResultIn.model_validate(body),
+                    now=utcnow(),
+                    ref_key=REF_KEY,
                 )
             if result.created:
                 stats.done += 1

@@ -287,7 +287,8 @@ class Settings(BaseSettings):
     log_json: bool = True
     seed_secret: SecretStr = Field(
         default=SecretStr(DEV_SEED_SECRET),
-        description="Server secret for task seeds; must be set to a real value outside dev.",
+        description="Server secret for task seeds and the task references nodes see; must be set to a real "
+        "value outside dev.",
     )
     db: DatabaseSettings = DatabaseSettings()
     redis: RedisSettings = RedisSettings()

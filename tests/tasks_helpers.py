@@ -10,7 +10,9 @@ from typing import Any
 
 import httpx
 from nacl.signing import SigningKey
+from sqlalchemy import select
 
+from orchestrator.tasks.models import Assignment
 from tests.conftest import Contributor, make_token, new_contributor
 
 _ips = itertools.count(1)
@@ -121,6 +123,16 @@ class PoolSetup:
             assert (await worker.beat()).status_code == 200
         self.workers.append(worker)
         return worker
+
+    async def task_of(self, lease: dict[str, Any] | str) -> int:
+        """The real id of a lease's task (the lease, or its assignment id), as operators see it:
+        a node's lease names its task by the node's own reference, not by its id. Read from the
+        lease's row."""
+        assignment_id = lease if isinstance(lease, str) else lease["assignment_id"]
+        async with self.app.state.orch.sessionmaker() as session:
+            task_id = await session.scalar(select(Assignment.task_id).where(Assignment.id == assignment_id))
+        assert task_id is not None, assignment_id
+        return int(task_id)
 
     async def close(self) -> None:
         for w in self.workers:

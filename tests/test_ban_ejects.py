@@ -70,7 +70,7 @@ async def test_a_ban_ejects_the_node_from_its_pools_releases_its_leases_and_unbo
             assert assignment is not None and assignment.status == "released"
             [unbonding] = list((await session.execute(select(StakeUnbonding))).scalars())
         again = (await bystander.claim(s.pool_id)).json()["leases"]
-        assert [x["task"]["task_id"] for x in again] == [lease["task"]["task_id"]]
+        assert [await s.task_of(x) for x in again] == [await s.task_of(lease)]
         # Active stake unbonds over the pool's period; the pending join's stake is back at once.
         b = await balances(client, banned)
         assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (0, 1000, 500)

@@ -229,7 +229,9 @@ async def _held_claim(app_state: Any, clock: Any, node_id: str, pool_id: str) ->
 
     async with app_state.sessionmaker() as session, session.begin():
         await session.execute(text("SET LOCAL test.claim_held = 'on'"))
-        return await service.claim(session, node_id, pool_id, 1, now=clock.utcnow())
+        return await service.claim(
+            session, node_id, pool_id, 1, now=clock.utcnow(), ref_key=app_state.settings.seed_key
+        )
 
 
 async def _claim_behind_a_concurrent_claim(
@@ -246,7 +248,14 @@ async def _claim_behind_a_concurrent_claim(
             late = asyncio.create_task(_held_claim(app_state, clock, slow.node_id, s.pool_id))
             await until_waiting(app_state, 1, late, on="advisory")  # it has its snapshot and is scanning
             async with app_state.sessionmaker() as session, session.begin():
-                early = await service.claim(session, fast.node_id, s.pool_id, 1, now=clock.utcnow())
+                early = await service.claim(
+                    session,
+                    fast.node_id,
+                    s.pool_id,
+                    1,
+                    now=clock.utcnow(),
+                    ref_key=app_state.settings.seed_key,
+                )
         await late
     finally:
         monkeypatch.undo()
@@ -312,18 +321,21 @@ async def test_fifty_concurrent_claimers_on_postgres_lease_each_replica_once(
             [{"problem_ref": f"q/{i}", "sampling": {"max_tokens": 8}} for i in range(1500)], key="r2"
         )
 
-        async def grab(w: Any) -> list[tuple[int, int, str]]:
+        async def grab(w: Any) -> list[tuple[str, int, str]]:
             out = []
             for _ in range(400):
                 leases = (await w.claim(s.pool_id, max_tasks=5)).json()["leases"]
                 if not leases:
                     break
                 # A replica by its seed (one per task and replica): the node is not told its index.
-                out += [(lease["task"]["task_id"], lease["seed"], w.node_id) for lease in leases]
+                out += [(lease["assignment_id"], lease["seed"], w.node_id) for lease in leases]
             return out
 
         results = await asyncio.gather(*(grab(w) for w in s.workers))
-        leased = [p for r in results for p in r]
+        # The tasks by their ids (a node's lease names its task by the node's own reference).
+        async with app_state.sessionmaker() as session:
+            task_of = dict((await session.execute(select(Assignment.id, Assignment.task_id))).all())
+        leased = [(task_of[a], seed, node) for r in results for a, seed, node in r]
         # Every replica of every task leased exactly once, to two different nodes per task.
         assert len(leased) == 3000
         assert len({(task_id, replica) for task_id, replica, _ in leased}) == 3000
@@ -384,7 +396,9 @@ async def test_a_claim_waits_for_a_leave_that_is_committing_and_then_finds_no_me
         async def claim_meanwhile() -> Any:
             await left.wait()  # the leave has ended the membership and not yet committed
             async with app_state.sessionmaker() as session, session.begin():
-                return await service.claim(session, w.node_id, s.pool_id, 1, now=clock.utcnow())
+                return await service.claim(
+                    session, w.node_id, s.pool_id, 1, now=clock.utcnow(), ref_key=app_state.settings.seed_key
+                )
 
         claiming = asyncio.create_task(claim_meanwhile())
 

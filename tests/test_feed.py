@@ -93,7 +93,7 @@ async def test_only_accepted_rollouts_appear_in_acceptance_order_with_server_rew
         assert item["reward"] == 0.5
         assert [x["reward"] for x in item["samples"]] == [1.0, 0.0]
         assert [x["completion"] for x in item["samples"]] == ["Let me think.\n4", "Let me think.\n5"]
-        assert item["task"]["task_id"] == second["task"]["task_id"]
+        assert item["task"]["task_id"] == await s.task_of(second)  # the real id: the trainer's
         assert item["task"]["prompt"] == "What is 2+2?"
         assert item["task"]["metadata"] == {"source": "arith"}
         assert item["task"]["sampling"]["n"] == 2 and item["task"]["canary"] is False
@@ -103,7 +103,7 @@ async def test_only_accepted_rollouts_appear_in_acceptance_order_with_server_rew
         # The late result appears once verified, after the others.
         await verify_all(app_state)
         page = await feed(s, after=page["next_cursor"])
-        assert [i["task"]["task_id"] for i in page["items"]] == [late["task"]["task_id"]]
+        assert [i["task"]["task_id"] for i in page["items"]] == [await s.task_of(late)]
 
 
 async def test_pages_concatenate_and_a_cursor_keeps_working_after_new_verdicts(
@@ -331,7 +331,8 @@ async def test_integers_past_64_bits_are_served_by_the_page_and_the_export_alike
         r = await s.enqueue([big, arithmetic()], key="big-ints")
         assert r.status_code == 201, r.text
         r = await w.claim(s.pool_id, max_tasks=2)
-        first, second = sorted(r.json()["leases"], key=lambda lease: lease["task"]["task_id"])
+        tasks = {lease["assignment_id"]: await s.task_of(lease) for lease in r.json()["leases"]}
+        first, second = sorted(r.json()["leases"], key=lambda lease: tasks[lease["assignment_id"]])
         await submit(w, first, ["4"])
         sub = (await submit(w, second, ["4"]))["submission_id"]
         await verify_all(app_state)

@@ -64,7 +64,7 @@ async def test_heartbeats_extend_a_lease_no_further_than_max_lease_s_from_its_cl
         await other.beat()
         assert (await reap_once(app_state)).expired == 1
         again = (await other.claim(s.pool_id)).json()["leases"]
-        assert [x["task"]["task_id"] for x in again] == [lease["task"]["task_id"]]
+        assert [await s.task_of(x) for x in again] == [await s.task_of(lease)]
         problem(await squatter.submit(lease), 409, "lease_expired")
         assert (await other.submit(again[0])).status_code == 201
 
@@ -97,7 +97,7 @@ async def test_an_expired_lease_is_reissued_and_the_old_holder_is_fenced_off(
         report = await reap_once(app_state)
         assert report.ran and report.expired == 1
         new = (await fast.claim(s.pool_id)).json()["leases"][0]
-        assert new["task"]["task_id"] == old["task"]["task_id"]
+        assert await s.task_of(new) == await s.task_of(old)
         assert new["fencing_token"] == old["fencing_token"] + 1
         assert new["seed"] == old["seed"]
         problem(await slow.submit(old), 409, "lease_expired")
@@ -309,7 +309,7 @@ async def test_a_pool_may_let_a_node_take_back_a_lease_that_expired_on_it(
         clock.advance(2)
         await w.beat()
         [again] = (await w.claim(s.pool_id, max_tasks=2)).json()["leases"]  # not the failed one
-        assert again["task"]["task_id"] == task_id
+        assert await s.task_of(again) == task_id
         assert again["seed"] == lease["seed"] and again["fencing_token"] == lease["fencing_token"] + 1
         problem(await w.submit(lease), 409, "lease_expired")
 
@@ -833,7 +833,7 @@ async def test_leaving_a_pool_gives_its_leases_back_at_once(app: Any, app_state:
             lease["assignment_id"]
         ]
         again = (await other.claim(s.pool_id)).json()["leases"]
-        assert [le["task"]["task_id"] for le in again] == [lease["task"]["task_id"]]
+        assert [await s.task_of(le) for le in again] == [await s.task_of(lease)]
         problem(await quitter.submit(lease), 409, "lease_expired")
 
 
@@ -893,7 +893,12 @@ async def test_the_same_result_sent_twice_at_once_is_recorded_once_and_replayed(
             async with app_state.sessionmaker() as session, session.begin():
                 try:
                     return await service.submit_result(
-                        session, signed("second-copy"), lease["assignment_id"], body, now=clock.utcnow()
+                        session,
+                        signed("second-copy"),
+                        lease["assignment_id"],
+                        body,
+                        now=clock.utcnow(),
+                        ref_key=app_state.settings.seed_key,
                     )
                 except Conflict as exc:
                     return exc
@@ -901,7 +906,12 @@ async def test_the_same_result_sent_twice_at_once_is_recorded_once_and_replayed(
         sending_again = asyncio.create_task(second())
         async with app_state.sessionmaker() as session, session.begin():
             a = await service.submit_result(
-                session, signed("first-copy"), lease["assignment_id"], body, now=clock.utcnow()
+                session,
+                signed("first-copy"),
+                lease["assignment_id"],
+                body,
+                now=clock.utcnow(),
+                ref_key=app_state.settings.seed_key,
             )
             first_written.set()
             if app_state.engine.dialect.name == "postgresql":  # SQLite: one writer at a time anyway
@@ -1004,7 +1014,7 @@ async def test_a_dead_nodes_leases_end_and_their_replicas_are_reissued(
         await alive.beat()
         assert (await reap_once(app_state)).expired == 1
         new = (await alive.claim(s.pool_id)).json()["leases"]
-        assert [le["task"]["task_id"] for le in new] == [task_id]
+        assert [await s.task_of(le) for le in new] == [task_id]
         # Back from the dead, the node is told to drop the lease, and its result is fenced off.
         assert (await gone.beat([lease["assignment_id"]])).json()["drop_leases"] == [lease["assignment_id"]]
         problem(await gone.submit(lease), 409, "lease_expired")

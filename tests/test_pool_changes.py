@@ -50,12 +50,12 @@ async def test_completing_a_pool_cancels_its_open_tasks_and_settles_results_left
         )
         replicated, done, leased, queued = range(r.json()["first_task_id"], r.json()["first_task_id"] + 4)
         [half] = (await a.claim(s.pool_id)).json()["leases"]
-        assert half["task"]["task_id"] == replicated
+        assert await s.task_of(half) == replicated
         assert (await a.submit(half)).status_code == 201
         [whole] = (await b.claim(s.pool_id)).json()["leases"]
-        assert whole["task"]["task_id"] == done
+        assert await s.task_of(whole) == done
         [live] = (await a.claim(s.pool_id)).json()["leases"]
-        assert live["task"]["task_id"] == leased
+        assert await s.task_of(live) == leased
         # The pool pauses with the lease live: the result still counts, claims stop.
         await _lifecycle(s, "pause")
         assert (await b.claim(s.pool_id)).json()["reason"] == "pool_paused"
@@ -166,12 +166,12 @@ async def test_results_already_received_are_judged_and_paid_by_the_terms_they_ca
                 r.task_id: (r.reason, r.reward_amount, r.slashed_amount)
                 for r in (await session.execute(select(Verdict))).scalars()
             }
-        first = earlier["task"]["task_id"]
+        first = await s.task_of(earlier)
         assert verdicts == {
             first: ("verified", 5, 0),
-            stale["task"]["task_id"]: ("verified", 5, 0),
-            proofless["task"]["task_id"]: ("verified", 5, 0),
-            after["task"]["task_id"]: ("proof_missing", 0, 3),
+            await s.task_of(stale): ("verified", 5, 0),
+            await s.task_of(proofless): ("verified", 5, 0),
+            await s.task_of(after): ("proof_missing", 0, 3),
         }
 
 

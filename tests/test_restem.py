@@ -432,7 +432,7 @@ async def test_an_iteration_is_not_complete_while_a_cancelled_tasks_result_waits
         leases = await claim_all(w, s.pool_id, 1)
         await submit(w, leases["p1"], ["4", "4", "1", "2"])
         await verify_all(app_state)
-        task_id = leases["p1"]["task"]["task_id"]
+        task_id = await s.task_of(leases["p1"])
         r = await s.admin.post(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}/cancel", headers=s.headers)
         assert r.status_code == 200, r.text
         # The result's verdict is still to come: the iteration is not final yet.

@@ -52,7 +52,7 @@ async def test_a_result_after_the_deadline_is_refused_and_the_reaper_fails_the_t
 
         report = await reap_once(app_state)
         assert report.ran and report.past_deadline == 1
-        view = await task_view(s, lease["task"]["task_id"])
+        view = await task_view(s, await s.task_of(lease))
         assert view["status"] == "failed" and "deadline passed" in view["failure_reason"]
         assert view["end_reason"] == "deadline_passed"
         # Once the reaper has failed the task (cancelling the lease), a result is refused for
@@ -63,7 +63,7 @@ async def test_a_result_after_the_deadline_is_refused_and_the_reaper_fails_the_t
         assert beat.status_code == 200 and beat.json()["drop_leases"] == [lease["assignment_id"]]
         # The task without a deadline is untouched and its result is recorded.
         assert (await second.submit(other)).status_code == 201
-        assert (await task_view(s, other["task"]["task_id"]))["status"] == "submitted"
+        assert (await task_view(s, await s.task_of(other)))["status"] == "submitted"
         # The reaper does it once.
         clock.advance(10)
         assert (await reap_once(app_state)).past_deadline == 0

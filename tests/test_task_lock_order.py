@@ -35,11 +35,12 @@ async def _result_in_flight(
     async with app_state.sessionmaker() as session, session.begin():
         conn = await session.connection()
         context = {"assignment_id": lease["assignment_id"], "node_id": node_id, "policy_step": 1}
-        assert (await conn.execute(service._result_context(True), context)).first() is not None
+        read = (await conn.execute(service._result_context(True), context)).first()
+        assert read is not None
         ending = asyncio.ensure_future(other)
         await until_waiting(app_state, 1, ending)
         assert not ending.done(), "nothing waited for the result's locks"
-        written = {"b_task": lease["task"]["task_id"], "b_now": clock.utcnow()}
+        written = {"b_task": read.task_id, "b_now": clock.utcnow()}
         await asyncio.wait_for(conn.execute(service._TASK_SUBMITTED, written), timeout=HANG_S)
     return await asyncio.wait_for(ending, timeout=HANG_S)
 

@@ -371,7 +371,7 @@ async def test_an_audited_result_gets_a_second_replica(app: Any, app_state: Any)
         await verify_all(app_state)
         assert await verdicts(s.admin, s.headers, s.pool_id) == []
         second = (await s.workers[1].claim(s.pool_id)).json()["leases"][0]
-        assert second["task"]["task_id"] == lease["task"]["task_id"]
+        assert await s.task_of(second) == await s.task_of(lease)
         await submit(s.workers[1], second, ["4"])
         await verify_all(app_state)
         vs = await verdicts(s.admin, s.headers, s.pool_id)
@@ -446,7 +446,7 @@ async def test_a_result_accepted_unchecked_does_not_lower_the_nodes_audit_rate(
         await verify_all(app_state)
         assert len(await verdicts(s.admin, s.headers, s.pool_id)) == 3  # audited: it waits
         audit = (await other.claim(s.pool_id)).json()["leases"][0]
-        assert audit["task"]["task_id"] == lease["task"]["task_id"]
+        assert await s.task_of(audit) == await s.task_of(lease)
 
 
 @pytest.mark.parametrize("other", ["same_provider", "same_address", "unhealthy"])

@@ -121,7 +121,14 @@ async def claim(
     body: ClaimIn, signed: Signed, session: Session, state: State, response: Response
 ) -> ClaimOut:
     # The signer is loaded (401 unknown_key, 403 node_banned) with the claim's own first read.
-    out = await service.claim(session, signed.keyid, body.pool_id, body.max_tasks, now=state.clock.utcnow())
+    out = await service.claim(
+        session,
+        signed.keyid,
+        body.pool_id,
+        body.max_tasks,
+        now=state.clock.utcnow(),
+        ref_key=state.settings.seed_key,
+    )
     if out.retry_after_s is not None:
         response.headers["Retry-After"] = str(out.retry_after_s)
     metrics.CLAIMS.labels(out.reason or "leased").inc()
@@ -166,7 +173,9 @@ async def submit_result(
     # re-checked at received_at, and a later time (after the nonce's round trip) could put a
     # valid signature at the edge of its window outside it.
     received = dt.datetime.fromtimestamp(signed.verified_at, dt.UTC)
-    result = await service.submit_result(session, signed, assignment_id, body, now=received)
+    result = await service.submit_result(
+        session, signed, assignment_id, body, now=received, ref_key=state.settings.seed_key
+    )
     if not result.created:
         response.status_code = 200
     metrics.RESULTS.labels("accepted" if result.created else "replayed").inc()
@@ -204,7 +213,12 @@ async def my_leases(
     ] = None,
 ) -> LeasesOut:
     leases = await service.live_leases(
-        session, node.id, pool_id, now=state.clock.utcnow(), limit=LIVE_LEASES_MAX
+        session,
+        node.id,
+        pool_id,
+        now=state.clock.utcnow(),
+        limit=LIVE_LEASES_MAX,
+        ref_key=state.settings.seed_key,
     )
     return LeasesOut(leases=leases)
 

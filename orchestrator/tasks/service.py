@@ -70,6 +70,7 @@ from orchestrator.tasks.models import (
     TaskBatch,
     TaskReplica,
 )
+from orchestrator.tasks.refs import task_ref
 from orchestrator.tasks.seeds import derive_seed
 from orchestrator.verification import service as verification
 from orchestrator.verification.models import VerificationJob
@@ -608,9 +609,13 @@ _LEASE_ALL = text(
 )
 
 
-def _lease(row: Row[Any], assignment_id: str, token: int, policy: PolicyRef, expires: dt.datetime) -> Lease:
+def _lease(
+    row: Row[Any], assignment_id: str, token: int, policy: PolicyRef, expires: dt.datetime, *, ref: int
+) -> Lease:
     """A lease as a claim gives it: ``row`` has the replica's seed and the task's payload (never
-    its verification spec, nor which replica of the task it is)."""
+    its verification spec, nor which replica of the task it is); ``ref`` is the node's
+    reference for the task (``refs.task_ref``), shown in place of the task's id, which would tell
+    an audit replica's old task from fresh ones."""
     return Lease(
         assignment_id=assignment_id,
         fencing_token=token,
@@ -618,7 +623,7 @@ def _lease(row: Row[Any], assignment_id: str, token: int, policy: PolicyRef, exp
         policy=policy,
         lease_expires_at=expires,
         task=LeasedTask(
-            task_id=row.task_id,
+            task_id=ref,
             prompt=row.prompt,
             problem_ref=row.problem_ref,
             sampling=Sampling(**row.sampling),
@@ -628,10 +633,17 @@ def _lease(row: Row[Any], assignment_id: str, token: int, policy: PolicyRef, exp
 
 
 async def claim(
-    session: AsyncSession, signed_keyid: str, pool_id: str, max_tasks: int, *, now: dt.datetime
+    session: AsyncSession,
+    signed_keyid: str,
+    pool_id: str,
+    max_tasks: int,
+    *,
+    now: dt.datetime,
+    ref_key: bytes,
 ) -> ClaimOut:
     """Lease up to ``max_tasks`` replicas: one read (after locking the signer's row on
-    PostgreSQL), one locked pick, three batch writes, whatever ``max_tasks`` is."""
+    PostgreSQL), one locked pick, three batch writes, whatever ``max_tasks`` is. The leases name
+    their tasks by the node's references, keyed with ``ref_key`` (the seed secret)."""
     conn = await session.connection()
     postgres = is_postgres(session)
     if postgres:
@@ -722,7 +734,8 @@ async def claim(
             }
         )
         replica_updates.append({"b_id": r.replica_id, "b_token": token, "b_asg": assignment_id})
-        leases.append(_lease(r, assignment_id, token, policy, expires))
+        ref = task_ref(ref_key, signed_keyid, r.task_id)
+        leases.append(_lease(r, assignment_id, token, policy, expires, ref=ref))
     if postgres:
         leased = await conn.scalar(
             _LEASE_ALL,
@@ -814,11 +827,17 @@ async def placement(session: AsyncSession, pool_id: str) -> dict[str, int]:
 
 
 async def live_leases(
-    session: AsyncSession, node_id: str, pool_id: str | None, *, now: dt.datetime, limit: int
+    session: AsyncSession,
+    node_id: str,
+    pool_id: str | None,
+    *,
+    now: dt.datetime,
+    limit: int,
+    ref_key: bytes,
 ) -> list[Lease]:
     """The node's leases still live (active and within their deadline), oldest first (one
     claim's in the order it gave them): what a worker that lost a claim's answer, or
-    restarted, holds without knowing it."""
+    restarted, holds without knowing it. Their tasks are named as the claims named them."""
     params = {"node_id": node_id, "pool_id": pool_id, "now": now, "limit": limit}
     rows = (await session.execute(_LIVE_LEASES, params)).all()
     return [
@@ -828,6 +847,7 @@ async def live_leases(
             r.fencing_token,
             PolicyRef(step=r.policy_step, uri=r.uri, sha256=r.sha256),
             r.lease_expires_at,
+            ref=task_ref(ref_key, node_id, r.task_id),
         )
         for r in rows
     ]
@@ -1370,10 +1390,12 @@ async def submit_result(
     body: ResultIn,
     *,
     now: dt.datetime,
+    ref_key: bytes,
 ) -> SubmitResult:
     """Record a signed result: one locked read, then five writes (the submission with its
     evidence, its verification job, the lease, the replica and the task), which PostgreSQL runs
-    as one statement."""
+    as one statement. The answer names the task by the node's reference (keyed with ``ref_key``),
+    as its lease did."""
     conn = await session.connection()
     node_id = signed.keyid
     postgres = is_postgres(session)
@@ -1413,7 +1435,12 @@ async def submit_result(
                 code="result_conflict",
                 extra={"submission_id": ctx.previous_id},
             )
-        replay = ResultOut.model_validate({**(ctx.previous_response or {}), "submission_id": ctx.previous_id})
+        # The reference again, not the stored answer's task id: an answer stored before the
+        # references were given kept the task's real id.
+        ref = task_ref(ref_key, node_id, ctx.task_id)
+        replay = ResultOut.model_validate(
+            {**(ctx.previous_response or {}), "submission_id": ctx.previous_id, "task_id": ref}
+        )
         return SubmitResult(replay, created=False)
     # The deadline first: the reaper fails a task past it by cancelling its leases.
     if ctx.deadline_at is not None and ctx.deadline_at <= now:
@@ -1465,7 +1492,9 @@ async def submit_result(
             code="policy_unknown",
         )
     # What the node is told; kept for replays (the submission id is the row's own id).
-    told = {"assignment_id": assignment_id, "task_id": ctx.task_id, "status": "pending", "received_at": now}
+    # The task by the node's reference, as its lease named it (refs.task_ref).
+    ref = task_ref(ref_key, node_id, ctx.task_id)
+    told = {"assignment_id": assignment_id, "task_id": ref, "status": "pending", "received_at": now}
     submission = {
         "assignment_id": assignment_id,
         "task_id": ctx.task_id,

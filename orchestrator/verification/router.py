@@ -33,6 +33,7 @@ from orchestrator.pools.models import Pool
 from orchestrator.tasks import service as tasks_service
 from orchestrator.tasks.access import pool_for
 from orchestrator.tasks.models import Task
+from orchestrator.tasks.refs import task_ref
 from orchestrator.verification import service, validators
 from orchestrator.verification.models import Verdict
 from orchestrator.verification.scoring import scorer_for
@@ -54,11 +55,13 @@ JobId = Annotated[int, Path(ge=1, le=ID_MAX, description="Validation job id")]
 Limit = Annotated[int, Query(ge=1, le=500)]
 
 
-def verdict_out(v: Verdict) -> VerdictOut:
+def verdict_out(v: Verdict, ref_key: bytes | None = None) -> VerdictOut:
+    """A verdict; with ``ref_key``, as its node and provider see it: the task by the node's
+    reference (``refs.task_ref``), as the node's lease named it, not by its id."""
     return VerdictOut(
         id=v.id,
         submission_id=v.submission_id,
-        task_id=v.task_id,
+        task_id=v.task_id if ref_key is None else task_ref(ref_key, v.node_id, v.task_id),
         pool_id=v.pool_id,
         node_id=v.node_id,
         provider_id=v.provider_id,
@@ -77,10 +80,16 @@ def verdict_out(v: Verdict) -> VerdictOut:
 
 
 async def _page(
-    session: Session, where: list[ColumnElement[bool]], cursor: int | None, limit: int
+    session: Session,
+    where: list[ColumnElement[bool]],
+    cursor: int | None,
+    limit: int,
+    *,
+    ref_key: bytes | None = None,
 ) -> Page[VerdictOut]:
     """A page of verdicts newest first. ``where`` holds only conditions that never change for a
-    verdict (its pool, node, provider), so the cursor must be one of the listed verdicts."""
+    verdict (its pool, node, provider), so the cursor must be one of the listed verdicts. With
+    ``ref_key`` (for nodes and providers), tasks are named by the node's references."""
     await require_listed(session, cursor, Verdict.id, *where, what="verdict of this list")
     stmt = select(Verdict).where(*where).order_by(Verdict.id.desc()).limit(limit + 1)
     if cursor is not None:
@@ -89,7 +98,7 @@ async def _page(
     more = len(rows) > limit
     rows = rows[:limit]
     return Page[VerdictOut](
-        items=[verdict_out(v) for v in rows], next_cursor=str(rows[-1].id) if more else None
+        items=[verdict_out(v, ref_key) for v in rows], next_cursor=str(rows[-1].id) if more else None
     )
 
 
@@ -101,6 +110,7 @@ async def _page(
 async def my_verdicts(
     provider: CurrentProvider,
     session: Session,
+    state: State,
     cursor: Cursor = None,
     limit: Limit = 100,
     node_id: Annotated[
@@ -111,7 +121,7 @@ async def my_verdicts(
     where: list[ColumnElement[bool]] = [Verdict.provider_id == provider.id]
     if node_id is not None:
         where.append(Verdict.node_id == node_id)
-    return await _page(session, where, cursor, limit)
+    return await _page(session, where, cursor, limit, ref_key=state.settings.seed_key)
 
 
 @router.get(
@@ -122,9 +132,9 @@ async def my_verdicts(
     "node key: a provider's key (and its request budget) is not needed for it.",
 )
 async def my_node_verdicts(
-    node: SignedNode, session: Session, cursor: Cursor = None, limit: Limit = 100
+    node: SignedNode, session: Session, state: State, cursor: Cursor = None, limit: Limit = 100
 ) -> Page[VerdictOut]:
-    return await _page(session, [Verdict.node_id == node.id], cursor, limit)
+    return await _page(session, [Verdict.node_id == node.id], cursor, limit, ref_key=state.settings.seed_key)
 
 
 @admin_router.get(
