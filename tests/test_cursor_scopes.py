@@ -11,10 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-from orchestrator.ledger import service as ledger
-from orchestrator.ledger.service import ProviderAccount, SystemAccount, provider_account, system_account
 from tests.conftest import FakeClock, problem
 from tests.tasks_helpers import PoolSetup, Worker, pool_setup, task
+from tests.test_payouts import give_claimable
 from tests.verification_helpers import submit, verify_all
 
 pytestmark = pytest.mark.usefixtures("no_audits")
@@ -93,19 +92,6 @@ async def test_a_cursor_from_another_pools_list_is_refused(
         await refused(b.admin, url_b, cursor, headers=b.headers)
         rest = await page(a.admin, url_a, params={"cursor": cursor}, headers=a.headers)
         assert [it["id"] for it in rest["items"]] == [ids[0]]
-
-
-async def give_claimable(app_state: Any, provider_id: str, amount: int) -> None:
-    async with app_state.sessionmaker() as session, session.begin():
-        await ledger.transfer(
-            session,
-            debit=system_account(SystemAccount.rewards),
-            credit=provider_account(provider_id, ProviderAccount.rewards_claimable),
-            amount=amount,
-            key=f"fund:{provider_id}",
-            reason="test",
-            actor="test",
-        )
 
 
 async def payouts_of(app_state: Any, worker: Worker, count: int) -> None:
