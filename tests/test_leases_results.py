@@ -25,7 +25,7 @@ from orchestrator.tasks.models import Assignment, Submission, Task, TaskReplica
 from orchestrator.verification.models import VerificationJob
 from tests.conftest import postgres_only, problem
 from tests.tasks_helpers import pool_setup, result_body, task
-from tests.waits import until_waiting
+from tests.waits import taking, until_waiting
 
 
 async def test_heartbeats_extend_leases_and_name_the_ones_to_drop(
@@ -211,14 +211,7 @@ async def test_a_reaper_tick_that_spends_its_budget_stops_and_the_next_goes_on(
     """A tick takes no new batch once its interval (5 s) has gone by; the next tick reaps what
     it left. Each batch of two takes 3 s on the app's clock here: two batches a tick."""
     monkeypatch.setattr(task_jobs, "REAP_BATCH", 2)
-    reap = task_jobs.reap_expired
-
-    async def slow_batch(*args: Any, **kwargs: Any) -> tuple[int, int]:
-        done = await reap(*args, **kwargs)
-        clock.advance(3)
-        return done
-
-    monkeypatch.setattr(task_jobs, "reap_expired", slow_batch)
+    taking(monkeypatch, task_jobs, "reap_expired", clock, 3)
     async with pool_setup(app, app_state, workers=2, lease_duration_s=60, max_leases_per_node=8) as s:
         first, second = s.workers
         await s.enqueue([task(f"q{i}") for i in range(5)], key="leased")

@@ -19,6 +19,7 @@ from orchestrator.ledger.jobs import release_once
 from orchestrator.ledger.models import LedgerAccount, LedgerTransfer, StakeUnbonding
 from orchestrator.ledger.service import InsufficientFunds, ProviderAccount
 from tests.conftest import Contributor, postgres_only, problem
+from tests.waits import taking
 
 
 async def ledger_sum(app_state: Any) -> int:
@@ -239,6 +240,17 @@ async def test_unbonded_stake_becomes_free_after_the_period_once(
     assert await ledger_sum(app_state) == 0
 
 
+async def seven_unbondings_due(app_state: Any, pid: str, clock: FakeClock) -> None:
+    """1,000 staked and locked, seven unbondings of 100 started, and the clock past their day."""
+    release_at = clock.utcnow() + dt.timedelta(days=1)
+    async with app_state.sessionmaker() as session, session.begin():
+        await ledger.deposit(session, pid, 1000, key="d-backlog", actor="test", reference=None)
+        await ledger.lock_stake(session, pid, 1000, key="lock-backlog", actor="test")
+        for i in range(7):
+            await ledger.start_unbonding(session, pid, 100, release_at=release_at, key=f"u{i}", actor="test")
+    clock.advance(86400 + 31)
+
+
 async def test_one_tick_releases_a_backlog_of_unbondings_larger_than_a_batch(
     app_state: Any, contributor: Contributor, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -247,13 +259,7 @@ async def test_one_tick_releases_a_backlog_of_unbondings_larger_than_a_batch(
     tick's 30 s budget, on the app's clock, on which the batches take no time here.)"""
     monkeypatch.setattr(ledger_jobs, "RELEASE_BATCH", 3)
     pid = contributor.provider_id
-    release_at = clock.utcnow() + dt.timedelta(days=1)
-    async with app_state.sessionmaker() as session, session.begin():
-        await ledger.deposit(session, pid, 1000, key="d5", actor="test", reference=None)
-        await ledger.lock_stake(session, pid, 1000, key="lock-d5", actor="test")
-        for i in range(7):
-            await ledger.start_unbonding(session, pid, 100, release_at=release_at, key=f"u{i}", actor="test")
-    clock.advance(86400 + 31)
+    await seven_unbondings_due(app_state, pid, clock)
     report = await release_once(app_state)
     assert (report.ran, report.released) == (True, 7)
     b = await balances(app_state, pid)
@@ -267,22 +273,9 @@ async def test_a_stake_release_tick_that_spends_its_budget_stops_and_the_next_go
     """A tick takes no new batch once its interval (30 s) has gone by; the next tick releases
     what it left. Each batch of three takes 20 s on the app's clock here: two batches a tick."""
     monkeypatch.setattr(ledger_jobs, "RELEASE_BATCH", 3)
-    release = ledger_jobs.release_due_unbondings
-
-    async def slow_batch(*args: Any, **kwargs: Any) -> int:
-        released = await release(*args, **kwargs)
-        clock.advance(20)
-        return released
-
-    monkeypatch.setattr(ledger_jobs, "release_due_unbondings", slow_batch)
+    taking(monkeypatch, ledger_jobs, "release_due_unbondings", clock, 20)
     pid = contributor.provider_id
-    release_at = clock.utcnow() + dt.timedelta(days=1)
-    async with app_state.sessionmaker() as session, session.begin():
-        await ledger.deposit(session, pid, 1000, key="d7", actor="test", reference=None)
-        await ledger.lock_stake(session, pid, 1000, key="lock-d7", actor="test")
-        for i in range(7):
-            await ledger.start_unbonding(session, pid, 100, release_at=release_at, key=f"w{i}", actor="test")
-    clock.advance(86400 + 31)
+    await seven_unbondings_due(app_state, pid, clock)
     report = await release_once(app_state)
     assert (report.ran, report.released) == (True, 6)
     b = await balances(app_state, pid)

@@ -26,6 +26,7 @@ from tests.verification_helpers import (
     verdicts,
     verify_all,
 )
+from tests.waits import taking
 
 pytestmark = pytest.mark.usefixtures("no_audits")
 
@@ -157,14 +158,7 @@ async def test_a_tick_that_spends_its_budget_stops_and_the_next_tick_releases_th
     up behind a slow one; what it left is due still and the next tick releases it. Here each
     batch of two takes 20 s on the app's clock: the tick stops after its second batch."""
     monkeypatch.setattr(verification_jobs, "RELEASE_BATCH", 2)
-    release = verification_service.release_due_rewards
-
-    async def slow_batch(*args: Any, **kwargs: Any) -> int:
-        released = await release(*args, **kwargs)
-        clock.advance(20)
-        return released
-
-    monkeypatch.setattr(verification_service, "release_due_rewards", slow_batch)
+    taking(monkeypatch, verification_service, "release_due_rewards", clock, 20)
     async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
         w = s.workers[0]
         await submit(w, await one_lease(s, w), ["4"])

@@ -15,7 +15,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from sqlalchemy import text
+
+from orchestrator.core.clock import FakeClock
 
 #: How long a test waits for something that happens at once unless the code under test waits
 #: for what the test holds: a bound on a hang, not a measure of speed.
@@ -62,3 +65,19 @@ async def until(condition: Callable[[], bool], what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"never: {what}"
         await asyncio.sleep(0.01)
+
+
+def taking(
+    monkeypatch: pytest.MonkeyPatch, owner: object, name: str, clock: FakeClock, seconds: float
+) -> None:
+    """Make ``owner.name`` (a coroutine function a loop's batch calls) take ``seconds`` on the
+    app's clock: a tick whose budget is measured there runs out after as many batches as the
+    test chooses, however fast the machine is."""
+    real = getattr(owner, name)
+
+    async def slow(*args: Any, **kwargs: Any) -> Any:
+        done = await real(*args, **kwargs)
+        clock.advance(seconds)
+        return done
+
+    monkeypatch.setattr(owner, name, slow)
