@@ -68,11 +68,13 @@ async def mark_serving(state: AppState) -> bool:
     if not await state.hot_store.ping():
         return False
     now = state.clock.now()
+    query = select(ServingMark.at).where(ServingMark.name == MARK).with_for_update()
     async with state.sessionmaker() as session, session.begin():
-        if await insert_ignore(session, ServingMark, {"name": MARK, "at": now, "since": now}):
-            return True
-        query = select(ServingMark.at).where(ServingMark.name == MARK)
-        last = (await session.execute(query.with_for_update())).scalar_one()
+        last = (await session.execute(query)).scalar_one_or_none()
+        if last is None:  # the first mark ever, unless another process's is just ahead of it
+            if await insert_ignore(session, ServingMark, {"name": MARK, "at": now, "since": now}):
+                return True
+            last = (await session.execute(query)).scalar_one()
         if now - last > STALL_S:
             # The first mark after an outage: the leases that were live when it began get its
             # length back, in the same transaction, so no lease runs out for want of beats that
