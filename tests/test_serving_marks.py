@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime as dt
-from collections.abc import Awaitable, Callable
+import logging
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
+import structlog
 from asgi_lifespan import LifespanManager
 from redis.exceptions import ConnectionError as RedisConnectionError
 from sqlalchemy import select
@@ -26,6 +29,18 @@ from orchestrator.tasks.jobs import reap_once
 from orchestrator.tasks.models import Assignment
 from tests.conftest import Contributor, new_contributor, problem
 from tests.tasks_helpers import pool_setup, task
+
+
+@contextmanager
+def info_logs() -> Iterator[list[dict[str, Any]]]:
+    """The log lines of the block, from the INFO level (the tests log from WARNING)."""
+    wrapper = structlog.get_config()["wrapper_class"]
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+    try:
+        with structlog.testing.capture_logs() as logs:
+            yield logs
+    finally:
+        structlog.configure(wrapper_class=wrapper)
 
 
 async def status_of(client: httpx.AsyncClient, c: Contributor) -> str:
@@ -66,19 +81,28 @@ async def test_an_outage_longer_than_the_dead_threshold_marks_no_node_dead_and_k
         # (the dead threshold is 90 s). A sweeper that can still tick moves no node once the
         # last mark is older than the stall. (The clock moves less than the 300 s a request's
         # signature stays fresh: the test's requests are signed with the real time.)
-        for second in range(5, 155, 5):
-            clock.advance(5)
-            report = await sweep_once(app_state)
-            held = None if second <= STALL_S else "not_serving"
-            assert (report.held, report.to_unhealthy, report.to_dead) == (held, 0, 0)
+        with info_logs() as logs:
+            for second in range(5, 155, 5):
+                clock.advance(5)
+                report = await sweep_once(app_state)
+                held = None if second <= STALL_S else "not_serving"
+                assert (report.held, report.to_unhealthy, report.to_dead) == (held, 0, 0)
 
-        # Back. The worker's first beat comes 25 s later (its backoff): the lease is still its.
-        await mark(app_state)
-        for _ in range(5):
-            clock.advance(5)
+            # Back. The worker's first beat comes 25 s later (its backoff): the lease is still its.
             await mark(app_state)
-            report = await sweep_once(app_state)
-            assert (report.held, report.to_unhealthy, report.to_dead) == ("resumed", 0, 0)
+            for _ in range(5):
+                clock.advance(5)
+                await mark(app_state)
+                report = await sweep_once(app_state)
+                assert (report.held, report.to_unhealthy, report.to_dead) == ("resumed", 0, 0)
+        # One warning for the outage's 27 ticks held, one line for the return's 5.
+        holds = [
+            (e["event"], e["log_level"], e.get("reason")) for e in logs if e["event"] != "serving_resumed"
+        ]
+        assert holds == [
+            ("liveness_sweep_held", "warning", "not_serving"),
+            ("liveness_sweep_held", "info", "resumed"),
+        ]
         beat = await w.beat([lease["assignment_id"]])
         assert beat.json() == {"status": "healthy", "next_heartbeat_in_s": 10.0, "drop_leases": []}
         assert (await w.submit(lease)).status_code == 201
@@ -106,19 +130,27 @@ async def test_after_an_outage_a_silent_node_dies_the_dead_threshold_after_the_r
     def beat() -> Awaitable[httpx.Response]:
         return steady.beat(client)
 
-    await serve_for(app_state, clock, 25, beat)  # 25 s back: under the unhealthy threshold
-    assert (await sweep_once(app_state)).held == "resumed"
-    assert await status_of(client, gone) == "healthy"
-    await serve_for(app_state, clock, 10, beat)  # 35 s back: silent for 30 s of service
-    report = await sweep_once(app_state)
-    assert (report.held, report.to_unhealthy, report.to_dead) == ("resumed", 1, 0)
-    assert await status_of(client, gone) == "unhealthy"
-    await serve_for(app_state, clock, 50, beat)  # 85 s back
-    assert (await sweep_once(app_state)).to_dead == 0
-    await serve_for(app_state, clock, 10, beat)  # 95 s back: dead, judged as usual again
-    report = await sweep_once(app_state)
-    assert (report.held, report.to_dead) == (None, 1)
+    with info_logs() as logs:
+        await serve_for(app_state, clock, 25, beat)  # 25 s back: under the unhealthy threshold
+        assert (await sweep_once(app_state)).held == "resumed"
+        assert await status_of(client, gone) == "healthy"
+        await serve_for(app_state, clock, 10, beat)  # 35 s back: silent for 30 s of service
+        report = await sweep_once(app_state)
+        assert (report.held, report.to_unhealthy, report.to_dead) == ("resumed", 1, 0)
+        assert await status_of(client, gone) == "unhealthy"
+        await serve_for(app_state, clock, 50, beat)  # 85 s back
+        assert (await sweep_once(app_state)).to_dead == 0
+        await serve_for(app_state, clock, 10, beat)  # 95 s back: dead, judged as usual again
+        report = await sweep_once(app_state)
+        assert (report.held, report.to_dead) == (None, 1)
     assert (await status_of(client, gone), await status_of(client, steady)) == ("dead", "healthy")
+    # The hold is logged as it begins (with when every silence is judged again) and as it
+    # ends, not on each of the ticks between.
+    holds = [e for e in logs if e["event"].startswith("liveness_sweep_")]
+    assert [(e["event"], e.get("reason"), e.get("judged_in_full_in_s")) for e in holds] == [
+        ("liveness_sweep_held", "resumed", 65.0),
+        ("liveness_sweep_judging", None, None),
+    ]
 
 
 async def test_a_mark_after_a_gap_starts_a_new_run_and_a_clock_behind_never_moves_it_back(
@@ -219,9 +251,21 @@ async def test_marks_nobody_writes_for_an_hour_no_longer_hold_the_sweeper_and_th
         assert (await sweep_once(app_state)).held == "not_serving"
         assert (await reap_once(app_state)).expired == 0
         clock.advance(10)
-        report = await sweep_once(app_state)
-        assert (report.held, report.to_unhealthy, report.to_dead) == (None, 1, 1)
-        assert (await reap_once(app_state)).expired == 1
+        with info_logs() as logs:
+            report = await sweep_once(app_state)
+            assert (report.held, report.to_unhealthy, report.to_dead) == (None, 1, 1)
+            assert (await reap_once(app_state)).expired == 1
+            clock.advance(5)
+            await sweep_once(app_state)
+            clock.advance(5)
+            await mark(app_state)  # an API process marks again
+            assert (await sweep_once(app_state)).held == "resumed"
+        # Said once by the process, however many reads find the marks abandoned, and once as
+        # they are recent again.
+        assert [e["event"] for e in logs if e["event"].startswith("serving_marks")] == [
+            "serving_marks_abandoned",
+            "serving_marks_recent",
+        ]
         async with app_state.sessionmaker() as session:
             status = await session.scalar(select(Node.status).where(Node.id == w.node_id))
         assert status == "dead"

@@ -33,9 +33,21 @@ class AppState:
     # (kind, key id) of the signing keys this process has read as registered: a signed request of
     # an unregistered key is refused before it writes to the hot store (``identity.auth``).
     known_keys: set[tuple[str, str]] = field(default_factory=set)
+    # The last value this process logged of a condition that lasts (``changed``).
+    logged: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.reader = autocommit(self.engine)
+
+    def changed(self, condition: str, value: object) -> bool:
+        """Whether ``condition`` now has another ``value`` than when this process last asked,
+        remembering it (a condition not asked of before is None, the normal case). A condition
+        that lasts (the sweeper held, the serving marks abandoned) is so logged when it begins
+        and when it ends, not on every tick it lasts."""
+        if self.logged.get(condition) == value:
+            return False
+        self.logged[condition] = value
+        return True
 
 
 def open_state(

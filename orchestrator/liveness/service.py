@@ -125,7 +125,7 @@ async def sweep_once(state: AppState) -> SweepReport:
         store = state.hot_store
         # Silence counts only while some API process could take beats (``serving``): after an
         # outage, a node last seen before it is judged as if seen at the return.
-        serving = await read_serving(session, now)
+        serving = await read_serving(state, session, now)
         held = _held(serving, hb.dead_after_s)
         stale: list[str] = []
         if serving is None or serving.judges(hb.unhealthy_after_s):
@@ -162,14 +162,23 @@ async def sweep_once(state: AppState) -> SweepReport:
         log.info(
             "liveness_sweep", tick=tick, to_unhealthy=len(unhealthy), to_dead=len(dead), leases_ended=ended
         )
-    if held is not None and serving is not None:
-        log.warning(
-            "liveness_sweep_held",
-            tick=tick,
-            reason=held,
-            last_mark_age_s=round(now - serving.at, 1),
-            serving_for_s=None if serving.down else round(now - serving.since, 1),
-        )
+    # Once as a hold begins (an outage; the return from one, which starts a new run of marks)
+    # and once as it ends, in the process whose tick saw it. Only the outage is a warning: the
+    # return was one already (``serving_resumed``), and a fresh install's first start is one.
+    if state.changed("sweep_held", None if held is None or serving is None else (held, serving.since)):
+        if held is not None and serving is not None:
+            (log.warning if serving.down else log.info)(
+                "liveness_sweep_held",
+                tick=tick,
+                reason=held,
+                last_mark_age_s=round(max(0.0, now - serving.at), 1),
+                serving_for_s=None if serving.down else round(now - serving.since, 1),
+                judged_in_full_in_s=(
+                    None if serving.down else round(hb.dead_after_s - (now - serving.since), 1)
+                ),
+            )
+        else:
+            log.info("liveness_sweep_judging", tick=tick)
     return SweepReport(tick=tick, ran=True, to_unhealthy=len(unhealthy), to_dead=len(dead), held=held)
 
 

@@ -110,14 +110,20 @@ class Serving:
         return not self.down and self.now - self.since >= silence_s
 
 
-async def read_serving(session: AsyncSession, now: float) -> Serving | None:
+async def read_serving(state: AppState, session: AsyncSession, now: float) -> Serving | None:
     """What the marks say at ``now``; None without marks, or with marks so old that no API
-    process marks any more (``ABANDONED_S``)."""
+    process marks any more (``ABANDONED_S``: logged once as this process first reads them so,
+    and once as marks come again)."""
     query = select(ServingMark.at, ServingMark.since).where(ServingMark.name == MARK)
     row = (await session.execute(query)).first()
     if row is None:
         return None
-    if now - row.at > ABANDONED_S:
-        log.error("serving_marks_abandoned", last_mark_age_s=round(now - row.at, 1))
+    abandoned = now - row.at > ABANDONED_S
+    if state.changed("serving_marks_abandoned", True if abandoned else None):
+        if abandoned:
+            log.error("serving_marks_abandoned", last_mark_age_s=round(now - row.at, 1))
+        else:
+            log.info("serving_marks_recent", last_mark_age_s=round(max(0.0, now - row.at), 1))
+    if abandoned:
         return None
     return Serving(at=row.at, since=row.since, now=now)
