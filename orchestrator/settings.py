@@ -121,6 +121,17 @@ class LimitSettings(BaseModel):
     registration_per_ip: int = Field(default=60, ge=1, description="Registrations per IP per window.")
     registration_per_key: int = Field(default=20, ge=1, description="Registrations per key per window.")
     registration_window_s: int = Field(default=60, ge=1)
+    unseen_keys_per_ip: int = Field(
+        default=600,
+        ge=0,
+        description=(
+            "Signed requests per IP (an IPv6 /64) per unseen_keys_window_s whose key the API "
+            "process has not read as registered yet (a key's first request to each process, and "
+            "every request of a key that is not registered): each costs a database read, so past "
+            "it they are refused with 429 rate_limited before that read. 0 turns the limit off."
+        ),
+    )
+    unseen_keys_window_s: int = Field(default=60, ge=1)
     signed_per_key: int = Field(
         default=300,
         ge=0,

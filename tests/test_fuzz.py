@@ -37,7 +37,11 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 def unlimited(settings: Settings) -> Settings:
     """No per-key or per-address limits, which a run would reach (the clock does not move)."""
     limits = LimitSettings(
-        signed_per_key=0, signed_per_provider_key=0, registration_per_ip=10**6, registration_per_key=10**6
+        signed_per_key=0,
+        signed_per_provider_key=0,
+        registration_per_ip=10**6,
+        registration_per_key=10**6,
+        unseen_keys_per_ip=0,
     )
     return settings.model_copy(update={"limits": limits})
 

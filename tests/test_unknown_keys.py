@@ -18,6 +18,7 @@ from orchestrator.core.keys import generate_key, key_id_of
 from orchestrator.core.signing import sign_headers
 from orchestrator.settings import LimitSettings, Settings
 from tests.conftest import new_contributor, problem
+from tests.test_hot_paths import sql_log
 
 BASE = "http://testserver"
 HB_BODY = json.dumps({"metrics": {}}).encode()
@@ -92,3 +93,52 @@ async def test_a_registration_past_its_address_limit_records_no_nonce(
         assert (await client.post("/v1/providers", json={}, auth=first.provider_auth)).status_code == 200
         again = await client.post("/v1/nodes", json=first.node_body(), auth=first.node_auth)
         assert again.status_code == 200
+
+
+async def test_an_address_past_its_limit_of_unseen_keys_is_refused_before_the_database_is_read(
+    settings: Settings, clock: FakeClock, hot_store: HotStore
+) -> None:
+    """Each request of a key the process has not read as registered costs a database read: an
+    address sending more of them than ``unseen_keys_per_ip`` in the window gets 429 instead.
+    Keys the process knows pass, from that address too, and other addresses count apart."""
+    limits = LimitSettings(unseen_keys_per_ip=5, unseen_keys_window_s=60)
+    app = create_app(settings.model_copy(update={"limits": limits}), clock=clock, hot_store=hot_store)
+    clock.advance(60 - clock.now() % 60 + 1)  # start of a window
+
+    def client_from(address: str) -> httpx.AsyncClient:
+        transport = httpx.ASGITransport(app=app, client=(address, 40000))
+        return httpx.AsyncClient(transport=transport, base_url=BASE)
+
+    async with (
+        LifespanManager(app),
+        client_from("203.0.113.7") as client,
+        client_from("203.0.113.8") as other,
+    ):
+        known = new_contributor()
+        await known.register(client)  # its provider key and its node key: two unseen
+        assert (await client.get("/v1/nodes/me", auth=known.node_auth)).status_code == 200  # three
+        for _ in range(2):  # four and five
+            problem(
+                await send(client, generate_key(), "GET", "/v1/nodes/me", b"", secrets.token_urlsafe(16)),
+                401,
+                "unknown_key",
+            )
+        async with sql_log(app.state.orch) as statements:
+            refused = problem(
+                await send(client, generate_key(), "GET", "/v1/nodes/me", b"", secrets.token_urlsafe(16)),
+                429,
+                "rate_limited",
+            )
+        assert statements == []
+        assert "ORCH_LIMITS__UNSEEN_KEYS_PER_IP" in refused["detail"]
+        late = new_contributor()
+        problem(await client.post("/v1/providers", json={}, auth=late.provider_auth), 429, "rate_limited")
+        # A key the process has read as registered costs no read: it passes.
+        assert (await client.get("/v1/nodes/me", auth=known.node_auth)).status_code == 200
+        problem(
+            await send(other, generate_key(), "GET", "/v1/nodes/me", b"", secrets.token_urlsafe(16)),
+            401,
+            "unknown_key",
+        )
+        clock.advance(60)  # the next window
+        await late.register(client)

@@ -53,12 +53,26 @@ Kind = Literal["node", "provider"]
 Admission = Callable[[str], Awaitable[None]]
 
 
-async def is_registered(state: AppState, kind: Kind, keyid: str) -> bool:
+async def is_registered(state: AppState, kind: Kind, keyid: str, address: str) -> bool:
     """Whether ``keyid`` is a registered node (provider) key: from this process's memory, else
-    one primary-key read outside any transaction. Keys are never unregistered (a ban is checked
-    by the route's own read of the signer)."""
+    one primary-key read outside any transaction, which first counts toward the requests of
+    unseen keys from ``address`` (``limits.unseen_keys_per_ip``: keys cost nothing to make, and a
+    request of a fresh one would otherwise cost the database a read at whatever rate they come).
+    Keys are never unregistered (a ban is checked by the route's own read of the signer)."""
     if (kind, keyid) in state.known_keys:
         return True
+    limits = state.settings.limits
+    if limits.unseen_keys_per_ip:
+        window_s = limits.unseen_keys_window_s
+        decision = await state.hot_store.hit(
+            f"ip:unseen:{network_of(address)}", limits.unseen_keys_per_ip, window_s, state.clock.now()
+        )
+        if not decision.allowed:
+            raise RateLimited(
+                f"more than {limits.unseen_keys_per_ip} signed requests in {window_s} s from this "
+                "address with keys this server has not seen yet (ORCH_LIMITS__UNSEEN_KEYS_PER_IP)",
+                retry_after=decision.retry_after_s,
+            )
     async with state.reader.connect() as conn:
         found = (await conn.execute(_IS_REGISTERED[kind], {"key": keyid})).first() is not None
     if found:
@@ -68,13 +82,13 @@ async def is_registered(state: AppState, kind: Kind, keyid: str) -> bool:
     return found
 
 
-def registered(state: AppState, kind: Kind) -> Admission:
-    """Refuse an unregistered signer with 401 ``unknown_key`` before its request touches the hot
-    store: a key costs nothing to make, so requests signed with fresh keys each left a nonce (and a
+def registered(request: Request, state: AppState, kind: Kind) -> Admission:
+    """Refuse an unregistered signer with 401 ``unknown_key`` before its nonce is recorded: a key
+    costs nothing to make, so requests signed with fresh keys each left a nonce (and a
     rate-limit counter) in Redis for the nonce's lifetime, at whatever rate they came."""
 
     async def check(keyid: str) -> None:
-        if not await is_registered(state, kind, keyid):
+        if not await is_registered(state, kind, keyid, client_ip(request)):
             raise unknown_node() if kind == "node" else unknown_provider()
 
     return check
@@ -88,7 +102,7 @@ def registering(request: Request, state: AppState, kind: Kind) -> Admission:
     the hot store records its nonce: an address past its limit writes nothing more per key."""
 
     async def check(keyid: str) -> None:
-        if await is_registered(state, kind, keyid):
+        if await is_registered(state, kind, keyid, client_ip(request)):
             return
         limits = state.settings.limits
         await ratelimit.enforce(
@@ -163,7 +177,7 @@ def _signature(kind: Kind, *, registration: bool) -> Callable[[Request], Awaitab
 
     async def guard(request: Request) -> SignedRequest:
         state = app_state(request)
-        admission = registering(request, state, kind) if registration else registered(state, kind)
+        admission = (registering if registration else registered)(request, state, kind)
         limit = getattr(state.settings.limits, budget)
         return await guarded_answer(
             request,
