@@ -289,7 +289,9 @@ async def test_a_validator_verdict_scores_without_holding_up_other_writes(
 ) -> None:
     """On SQLite every transaction holds the one write lock: the verdict route scored the result
     inside its own, so every claim, result and registration waited as long as the reward
-    function ran (up to reward_timeout_s, 10 s by default, for an answer SymPy cannot finish)."""
+    function ran (up to reward_timeout_s, 10 s by default, for an answer SymPy cannot finish).
+    Only a job made before migration 0031 is scored again (a later one keeps the checks'
+    rewards per sample)."""
     app_state.rng = FixedDraw(0.0)
     async with pool_setup(app, app_state, workers=2, audit_method="validator", audit_rate_floor=1.0) as s:
         first, second = s.workers
@@ -298,6 +300,8 @@ async def test_a_validator_verdict_scores_without_holding_up_other_writes(
         await verify_all(app_state)
         v = await validator_headers(app_state, [s.pool_id])
         job = (await s.admin.post("/v1/validation/claim", json={}, headers=v)).json()["jobs"][0]
+        async with app_state.sessionmaker() as session, session.begin():  # as made before 0031
+            await session.execute(text("UPDATE validation_jobs SET per_sample_rewards = NULL"))
 
         entered, release = asyncio.Event(), asyncio.Event()
         score_result = service.score_result
@@ -320,6 +324,32 @@ async def test_a_validator_verdict_scores_without_holding_up_other_writes(
         assert r.status_code == 200, r.text
         assert r.json()["verdict"]["category"] == "valid"
         assert r.json()["verdict"]["details"]["per_sample_rewards"] == [1.0]
+
+
+async def test_a_validator_verdict_takes_the_rewards_the_checks_kept_without_scoring_again(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checks scored the result before sending it to the validators, and the job keeps their
+    reward per sample: the verdict carries those (the feed serves them), and runs no reward
+    function again (which could take up to reward_timeout_s, or answer otherwise since)."""
+    app_state.rng = FixedDraw(0.0)
+    async with pool_setup(app, app_state, workers=1, audit_method="validator", audit_rate_floor=1.0) as s:
+        w = s.workers[0]
+        await s.enqueue([task(n=2)])
+        await submit(w, (await w.claim(s.pool_id)).json()["leases"][0], ["4", "5"])
+        await verify_all(app_state)
+        v = await validator_headers(app_state, [s.pool_id])
+        job = (await s.admin.post("/v1/validation/claim", json={}, headers=v)).json()["jobs"][0]
+
+        async def scored_again(given: Any, scorer: Any) -> Any:
+            raise AssertionError("the result was scored again")
+
+        monkeypatch.setattr(service, "score_result", scored_again)
+        body = {"fencing_token": job["fencing_token"], "outcome": "valid", "reason": "ok", "evidence": GOOD}
+        r = await s.admin.post(f"/v1/validation/jobs/{job['job_id']}/verdict", json=body, headers=v)
+        assert r.status_code == 200, r.text
+        details = r.json()["verdict"]["details"]
+        assert (details["per_sample_rewards"], details["server_reward"]) == ([1.0, 0.0], 0.5)
 
 
 async def test_reopening_expired_validator_leases_reads_only_the_leased_jobs(app_state: Any) -> None:

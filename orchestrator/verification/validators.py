@@ -209,6 +209,8 @@ async def prescore(
         job = await session.get(ValidationJob, job_id)
         if job is None or not _in_scope(job, principal) or not _holds(job, principal, fencing_token, now):
             return None
+        if job.per_sample_rewards is not None:  # the checks' own: nothing to score again
+            return None
         vjob = (
             await session.execute(
                 select(VerificationJob).where(VerificationJob.submission_id == job.submission_id)
@@ -252,14 +254,20 @@ async def post_verdict(
     ).scalar_one()
     submission = await session.get(Submission, job.submission_id)
     assert submission is not None
-    # The server's reward per sample, as the checks computed it (the job keeps only the mean):
-    # the feed serves it with each sample. Scored before any lock, as in a verifier batch.
-    scored = prescored if prescored is not None else await service.score(session, vjob, scorer)
+    # The server's reward per sample, as the checks computed it when they sent the result to
+    # the validators (the verification job keeps only the mean): the feed serves it with each
+    # sample. A job made before migration 0031 has none kept: it is scored again, before any
+    # lock, as in a verifier batch (with a reward function since changed, it may then differ
+    # from the mean).
+    per_sample = job.per_sample_rewards
+    if per_sample is None:
+        scored = prescored if prescored is not None else await service.score(session, vjob, scorer)
+        per_sample = scored.per_sample
     await service.lock_for_verdicts(session, [submission])  # a fraud verdict makes several transfers
     details = {
         "findings": vjob.findings,
         "server_reward": vjob.server_reward,
-        "per_sample_rewards": scored.per_sample,
+        "per_sample_rewards": per_sample,
         "validator": posted,
         "validator_token_id": principal.token_id,
     }
