@@ -158,6 +158,7 @@ def server_env(
             "ORCH_HEARTBEAT__INTERVAL_S": "120",
             "ORCH_LIMITS__REGISTRATION_PER_IP": "1000000",
             "ORCH_LIMITS__REGISTRATION_PER_KEY": "1000000",
+            # Thousands of fresh keys from one address, as the registrations above.
             "ORCH_LIMITS__UNSEEN_KEYS_PER_IP": "0",
             "ORCH_DB__POOL_SIZE": "40",
         }
