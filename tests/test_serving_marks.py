@@ -22,7 +22,7 @@ from orchestrator.app import create_app
 from orchestrator.core.clock import FakeClock
 from orchestrator.core.hotstore import HotStore, RedisHotStore
 from orchestrator.identity.models import Node, NodeStatusChange
-from orchestrator.liveness.service import sweep_once
+from orchestrator.liveness.service import HELD_REPEAT_S, sweep_once
 from orchestrator.liveness.serving import ABANDONED_S, MARK_INTERVAL_S, STALL_S, ServingMark, mark_serving
 from orchestrator.settings import Settings
 from orchestrator.tasks.jobs import reap_once
@@ -81,6 +81,7 @@ async def test_an_outage_longer_than_the_dead_threshold_marks_no_node_dead_and_k
         # (the dead threshold is 90 s). A sweeper that can still tick moves no node once the
         # last mark is older than the stall. (The clock moves less than the 300 s a request's
         # signature stays fresh: the test's requests are signed with the real time.)
+        down_at = clock.now()
         with info_logs() as logs:
             for second in range(5, 155, 5):
                 clock.advance(5)
@@ -95,13 +96,16 @@ async def test_an_outage_longer_than_the_dead_threshold_marks_no_node_dead_and_k
                 await mark(app_state)
                 report = await sweep_once(app_state)
                 assert (report.held, report.to_unhealthy, report.to_dead) == ("resumed", 0, 0)
-        # One warning for the outage's 27 ticks held, one line for the return's 5.
+        # A warning as the outage's 27 held ticks began, again in each minute they went on (130 s:
+        # three minutes or four), then one line for the return's 5 ticks.
         holds = [
             (e["event"], e["log_level"], e.get("reason")) for e in logs if e["event"] != "serving_resumed"
         ]
-        assert holds == [
-            ("liveness_sweep_held", "warning", "not_serving"),
-            ("liveness_sweep_held", "info", "resumed"),
+        held_ticks = [down_at + second for second in range(5, 155, 5) if second > STALL_S]
+        minutes = len({int(at // HELD_REPEAT_S) for at in held_ticks})
+        assert (len(held_ticks), minutes in (3, 4)) == (27, True)
+        assert holds == [("liveness_sweep_held", "warning", "not_serving")] * minutes + [
+            ("liveness_sweep_held", "info", "resumed")
         ]
         beat = await w.beat([lease["assignment_id"]])
         assert beat.json() == {"status": "healthy", "next_heartbeat_in_s": 10.0, "drop_leases": []}

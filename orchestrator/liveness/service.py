@@ -88,6 +88,10 @@ async def _revive(session: AsyncSession, node_id: str, status: str) -> bool:
     return bool(moved)
 
 
+# How often a sweeper that holds for want of serving marks says so again.
+HELD_REPEAT_S = 60.0
+
+
 @dataclass(frozen=True)
 class SweepReport:
     tick: int
@@ -163,9 +167,14 @@ async def sweep_once(state: AppState) -> SweepReport:
             "liveness_sweep", tick=tick, to_unhealthy=len(unhealthy), to_dead=len(dead), leases_ended=ended
         )
     # Once as a hold begins (an outage; the return from one, which starts a new run of marks)
-    # and once as it ends, in the process whose tick saw it. Only the outage is a warning: the
-    # return was one already (``serving_resumed``), and a fresh install's first start is one.
-    if state.changed("sweep_held", None if held is None or serving is None else (held, serving.since)):
+    # and once as it ends, in the process whose tick saw it. Only the outage is a warning, and
+    # said again each minute it lasts (a sweeper whose clock runs ahead holds until it is set
+    # right); the return was one already (``serving_resumed``), and a fresh install's first
+    # start is one.
+    hold: object = None
+    if held is not None and serving is not None:
+        hold = (held, serving.since, int(now // HELD_REPEAT_S) if serving.down else None)
+    if state.changed("sweep_held", hold):
         if held is not None and serving is not None:
             (log.warning if serving.down else log.info)(
                 "liveness_sweep_held",
