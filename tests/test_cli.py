@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import socket
 import stat
 from collections.abc import Iterator
@@ -570,3 +571,38 @@ def test_demo_refuses_bad_arguments_before_it_runs(
 
     ok = runner.invoke(app, ["demo", "--tasks", "10000", "--json", str(tmp_path / "s.json")])
     assert ok.exit_code == 0 and len(ran) == 1, ok.output
+
+
+def test_the_demo_table_written_to_a_file_keeps_its_names_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Piped or written to a file, rich assumed 80 columns and cut the table's names to
+    "hone…", "forg…", "nonc…"; there it is 160 wide unless COLUMNS is set."""
+    from orchestrator.demo.cli import _table, wide_console
+
+    kind = {"nodes": 1, "submitted": 0, "accepted": 0, "rewards": 0, "slashed": 0, "ejected": 0}
+    summary = {
+        "elapsed_s": 45.0,
+        "tasks": {"completed": 148, "total": 150},
+        "verdicts": 148,
+        "accepted": 117,
+        "rewards_paid": 1170,
+        "stake_slashed": 2000,
+        "kinds": {
+            "honest": {**kind, "nodes": 6, "rejected": {"wrong_answer": 5}, "refused": {}, "caught": None},
+            "spoofer": {
+                **kind,
+                "rejected": {},
+                "refused": {"signature_invalid": 10, "assignment_not_found": 9},
+                "caught": True,
+            },
+        },
+    }
+    monkeypatch.delenv("COLUMNS", raising=False)
+    out = io.StringIO()
+    wide_console(out).print(_table(summary))
+    text = out.getvalue()
+    assert "spoofer" in text and "signature_invalid 10, assignment_not_found 9" in text, text
+    assert max(len(line) for line in text.splitlines()) > 80
+    monkeypatch.setenv("COLUMNS", "60")
+    narrow = io.StringIO()
+    wide_console(narrow).print(_table(summary))
+    assert max(len(line) for line in narrow.getvalue().splitlines()) <= 60
