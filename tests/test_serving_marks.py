@@ -19,15 +19,22 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from sqlalchemy import select
 
 from orchestrator.app import create_app
-from orchestrator.core.clock import FakeClock
+from orchestrator.core.clock import FakeClock, SystemClock
 from orchestrator.core.hotstore import HotStore, RedisHotStore
 from orchestrator.identity.models import Node, NodeStatusChange
 from orchestrator.liveness.service import HELD_REPEAT_S, sweep_once
-from orchestrator.liveness.serving import ABANDONED_S, MARK_INTERVAL_S, STALL_S, ServingMark, mark_serving
+from orchestrator.liveness.serving import (
+    ABANDONED_S,
+    MARK_INTERVAL_S,
+    STALL_S,
+    ServingMark,
+    check_clock,
+    mark_serving,
+)
 from orchestrator.settings import Settings
 from orchestrator.tasks.jobs import reap_once
 from orchestrator.tasks.models import Assignment
-from tests.conftest import Contributor, new_contributor, problem
+from tests.conftest import Contributor, new_contributor, postgres_only, problem
 from tests.tasks_helpers import pool_setup, task
 
 
@@ -273,3 +280,44 @@ async def test_marks_nobody_writes_for_an_hour_no_longer_hold_the_sweeper_and_th
         async with app_state.sessionmaker() as session:
             status = await session.scalar(select(Node.status).where(Node.id == w.node_id))
         assert status == "dead"
+
+
+class OffsetClock(SystemClock):
+    """The system's clock, set ``offset`` seconds off."""
+
+    def __init__(self, offset: float) -> None:
+        self.offset = offset
+
+    def now(self) -> float:
+        return super().now() + self.offset
+
+    def utcnow(self) -> dt.datetime:
+        return super().utcnow() + dt.timedelta(seconds=self.offset)
+
+
+@postgres_only
+async def test_a_process_whose_clock_is_off_from_the_databases_says_so(app_state: Any) -> None:
+    """A sweeper whose clock runs 15 s ahead of the API processes' holds for ever (every mark
+    looks stale): each mark and each sweep compares its clock with the database server's."""
+    ahead = dataclasses.replace(app_state, clock=OffsetClock(30.0))
+    with info_logs() as logs:
+        assert await mark_serving(ahead)
+        ahead.clock.offset = 0.0  # set right
+        assert await mark_serving(ahead)
+        behind = dataclasses.replace(app_state, clock=OffsetClock(-20.0))
+        await sweep_once(behind)
+    said = [(e["event"], round(e["offset_s"])) for e in logs if e["event"].startswith("clock_")]
+    assert said == [("clock_skew", 30), ("clock_agrees", 0), ("clock_skew", -20)], said
+    async with app_state.sessionmaker() as session:
+        offset = await check_clock(dataclasses.replace(app_state, clock=SystemClock()), session)
+    assert offset is not None and abs(offset) < 1  # the tests' host and its database agree
+
+
+async def test_a_clock_is_compared_only_with_a_database_on_another_host(
+    app_state: Any, database_url: str
+) -> None:
+    """SQLite is a file on this host: there is no other clock to compare with."""
+    if database_url.startswith("postgresql"):
+        pytest.skip("the PostgreSQL case is the test above")
+    async with app_state.sessionmaker() as session:
+        assert await check_clock(dataclasses.replace(app_state, clock=OffsetClock(30.0)), session) is None

@@ -35,7 +35,7 @@ from orchestrator.core.ticks import claim_tick
 from orchestrator.identity import repository as repo
 from orchestrator.identity.auth import NodeRef
 from orchestrator.identity.models import Node, NodeStatus
-from orchestrator.liveness.serving import Serving, read_serving
+from orchestrator.liveness.serving import Serving, check_clock, read_serving
 from orchestrator.tasks.service import end_leases_of_dead, extend_leases
 
 log = structlog.get_logger(__name__)
@@ -130,6 +130,7 @@ async def sweep_once(state: AppState) -> SweepReport:
         # Silence counts only while some API process could take beats (``serving``): after an
         # outage, a node last seen before it is judged as if seen at the return.
         serving = await read_serving(state, session, now)
+        await check_clock(state, session)  # the sweeper's clock is the one that judges
         held = _held(serving, hb.dead_after_s)
         stale: list[str] = []
         if serving is None or serving.judges(hb.unhealthy_after_s):

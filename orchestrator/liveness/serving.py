@@ -13,6 +13,11 @@ the hot store lost. The mark that starts a run also gives the leases live when t
 its length (``tasks.service.extend_leases_over_outage``), and the reaper expires none while the
 last mark is stale: a lease outlives an outage of any length.
 
+The processes' clocks must agree: beats and marks are timed by the API processes' clocks and
+judged by the sweeper's. On PostgreSQL each mark and each sweep also compares its process's
+clock with the database server's (``check_clock``), and says so (``clock_skew``, once a minute)
+while they differ by more than ``CLOCK_SKEW_WARN_S``.
+
 What no mark can see is an outage in front of the API processes (a load balancer down, a
 partition between the workers and the service): the processes keep marking while no beat
 reaches them.
@@ -28,16 +33,26 @@ import datetime as dt
 from dataclasses import dataclass
 
 import structlog
-from sqlalchemy import Double, String, select, update
+from sqlalchemy import Double, String, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
 
+from orchestrator.core.clock import SystemClock
 from orchestrator.core.db import Base
-from orchestrator.core.sql import insert_ignore
+from orchestrator.core.sql import insert_ignore, is_postgres
 from orchestrator.core.state import AppState
 from orchestrator.tasks.service import extend_leases_over_outage
 
-__all__ = ["MARK_INTERVAL_S", "STALL_S", "Serving", "ServingMark", "mark_serving", "read_serving"]
+__all__ = [
+    "CLOCK_SKEW_WARN_S",
+    "MARK_INTERVAL_S",
+    "STALL_S",
+    "Serving",
+    "ServingMark",
+    "check_clock",
+    "mark_serving",
+    "read_serving",
+]
 
 MARK_INTERVAL_S = 5.0
 # Three missed marks: a mark delayed by a slow database or a busy event loop does not count as
@@ -50,6 +65,11 @@ MARK = "beats"
 # ever. An outage of every API process this long, with the loops still running elsewhere, is
 # then judged as nodes that all stopped.
 ABANDONED_S = 3600.0
+
+# Past this difference from the database server's clock a process says so. A sweeper whose clock
+# runs ``STALL_S`` ahead of the API processes' sees every mark as stale and holds for ever.
+CLOCK_SKEW_WARN_S = 5.0
+_DB_NOW = text("SELECT extract(epoch FROM clock_timestamp())")
 
 log = structlog.get_logger(__name__)
 
@@ -70,6 +90,7 @@ async def mark_serving(state: AppState) -> bool:
     now = state.clock.now()
     query = select(ServingMark.at).where(ServingMark.name == MARK).with_for_update()
     async with state.sessionmaker() as session, session.begin():
+        await check_clock(state, session)
         last = (await session.execute(query)).scalar_one_or_none()
         if last is None:  # the first mark ever, unless another process's is just ahead of it
             if await insert_ignore(session, ServingMark, {"name": MARK, "at": now, "since": now}):
@@ -127,3 +148,29 @@ async def read_serving(state: AppState, session: AsyncSession, now: float) -> Se
     if abandoned:
         return None
     return Serving(at=row.at, since=row.since, now=now)
+
+
+async def check_clock(state: AppState, session: AsyncSession) -> float | None:
+    """This process's clock less the database server's, in seconds (read in the middle of the
+    query's round trip); a ``clock_skew`` warning once a minute while the difference is more
+    than ``CLOCK_SKEW_WARN_S`` beyond what the round trip leaves uncertain, and
+    ``clock_agrees`` once it is not. None on SQLite (one host) or with a clock of the tests'
+    that is not the system's."""
+    if not is_postgres(session) or not isinstance(state.clock, SystemClock):
+        return None
+    before = state.clock.now()
+    db_now = float((await session.execute(_DB_NOW)).scalar_one())
+    after = state.clock.now()
+    offset = (before + after) / 2 - db_now
+    skewed = abs(offset) - (after - before) / 2 > CLOCK_SKEW_WARN_S
+    if state.changed("clock_skew", int(after // 60) if skewed else None):
+        if skewed:
+            log.warning(
+                "clock_skew",
+                offset_s=round(offset, 3),
+                detail="this process's clock differs from the database server's: the hosts' clocks "
+                "must agree (NTP) for liveness and leases to be judged right",
+            )
+        else:
+            log.info("clock_agrees", offset_s=round(offset, 3))
+    return offset
