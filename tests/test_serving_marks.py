@@ -15,6 +15,7 @@ import httpx
 import pytest
 import structlog
 from asgi_lifespan import LifespanManager
+from prometheus_client import REGISTRY
 from redis.exceptions import ConnectionError as RedisConnectionError
 from sqlalchemy import select
 
@@ -302,6 +303,8 @@ async def test_a_process_whose_clock_is_off_from_the_databases_says_so(app_state
     ahead = dataclasses.replace(app_state, clock=OffsetClock(30.0))
     with info_logs() as logs:
         assert await mark_serving(ahead)
+        exported = REGISTRY.get_sample_value("orchestrator_clock_offset_seconds")
+        assert exported is not None and round(exported) == 30  # for the alert rule
         ahead.clock.offset = 0.0  # set right
         assert await mark_serving(ahead)
         behind = dataclasses.replace(app_state, clock=OffsetClock(-20.0))

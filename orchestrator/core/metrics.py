@@ -80,6 +80,14 @@ LOOP_LAST_RUN_AGE = Gauge(
     multiprocess_mode="mostrecent",
 )
 
+CLOCK_OFFSET = Gauge(
+    "orchestrator_clock_offset_seconds",
+    "This process's clock less the database server's, as its last serving mark (every 5 s) measured "
+    "it; 0 on SQLite. Beats are timed by the API processes' clocks and judged by the sweeper's: "
+    "hosts whose clocks differ by seconds judge liveness wrong, and a sweeper 15 s ahead holds for ever",
+    multiprocess_mode="liveall",
+)
+
 
 def render() -> tuple[bytes, str]:
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):

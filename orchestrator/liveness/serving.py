@@ -37,6 +37,7 @@ from sqlalchemy import Double, String, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
 
+from orchestrator.core import metrics
 from orchestrator.core.clock import SystemClock
 from orchestrator.core.db import Base
 from orchestrator.core.sql import insert_ignore, is_postgres
@@ -155,13 +156,15 @@ async def check_clock(state: AppState, session: AsyncSession) -> float | None:
     query's round trip); a ``clock_skew`` warning once a minute while the difference is more
     than ``CLOCK_SKEW_WARN_S`` beyond what the round trip leaves uncertain, and
     ``clock_agrees`` once it is not. None on SQLite (one host) or with a clock of the tests'
-    that is not the system's."""
+    that is not the system's. The API processes also export it
+    (``orchestrator_clock_offset_seconds``)."""
     if not is_postgres(session) or not isinstance(state.clock, SystemClock):
         return None
     before = state.clock.now()
     db_now = float((await session.execute(_DB_NOW)).scalar_one())
     after = state.clock.now()
     offset = (before + after) / 2 - db_now
+    metrics.CLOCK_OFFSET.set(offset)
     skewed = abs(offset) - (after - before) / 2 > CLOCK_SKEW_WARN_S
     if state.changed("clock_skew", int(after // 60) if skewed else None):
         if skewed:
