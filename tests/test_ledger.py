@@ -240,15 +240,29 @@ async def test_unbonded_stake_becomes_free_after_the_period_once(
     assert await ledger_sum(app_state) == 0
 
 
-async def seven_unbondings_due(app_state: Any, pid: str, clock: FakeClock) -> None:
-    """1,000 staked and locked, seven unbondings of 100 started, and the clock past their day."""
+async def unbondings_due(
+    app_state: Any, pid: str, clock: FakeClock, count: int, *, unreleasable: int = 0
+) -> list[int]:
+    """1,000 staked and locked, ``count`` unbondings of 100 started, the first ``unreleasable``
+    of them (in release order) grown to 10,000, more than the provider's unbonding stake, so
+    their transfers fail; then the clock past their day. Their ids, in release order."""
     release_at = clock.utcnow() + dt.timedelta(days=1)
     async with app_state.sessionmaker() as session, session.begin():
         await ledger.deposit(session, pid, 1000, key="d-backlog", actor="test", reference=None)
         await ledger.lock_stake(session, pid, 1000, key="lock-backlog", actor="test")
-        for i in range(7):
+        for i in range(count):
             await ledger.start_unbonding(session, pid, 100, release_at=release_at, key=f"u{i}", actor="test")
+        ids = list(
+            await session.scalars(
+                select(StakeUnbonding.id).order_by(StakeUnbonding.release_at, StakeUnbonding.id)
+            )
+        )
+        if unreleasable:
+            await session.execute(
+                update(StakeUnbonding).where(StakeUnbonding.id.in_(ids[:unreleasable])).values(amount=10_000)
+            )
     clock.advance(86400 + 31)
+    return ids
 
 
 async def test_one_tick_releases_a_backlog_of_unbondings_larger_than_a_batch(
@@ -259,7 +273,7 @@ async def test_one_tick_releases_a_backlog_of_unbondings_larger_than_a_batch(
     tick's 30 s budget, on the app's clock, on which the batches take no time here.)"""
     monkeypatch.setattr(ledger_jobs, "RELEASE_BATCH", 3)
     pid = contributor.provider_id
-    await seven_unbondings_due(app_state, pid, clock)
+    await unbondings_due(app_state, pid, clock, 7)
     report = await release_once(app_state)
     assert (report.ran, report.released) == (True, 7)
     b = await balances(app_state, pid)
@@ -275,7 +289,7 @@ async def test_a_stake_release_tick_that_spends_its_budget_stops_and_the_next_go
     monkeypatch.setattr(ledger_jobs, "RELEASE_BATCH", 3)
     taking(monkeypatch, ledger_jobs, "release_due_unbondings", clock, 20)
     pid = contributor.provider_id
-    await seven_unbondings_due(app_state, pid, clock)
+    await unbondings_due(app_state, pid, clock, 7)
     report = await release_once(app_state)
     assert (report.ran, report.released) == (True, 6)
     b = await balances(app_state, pid)
@@ -296,21 +310,7 @@ async def test_unbondings_that_cannot_be_released_do_not_hold_up_the_others(
     queue does not stop the tick before the ones behind them."""
     monkeypatch.setattr(ledger_jobs, "RELEASE_BATCH", 2)
     pid = contributor.provider_id
-    release_at = clock.utcnow() + dt.timedelta(days=1)
-    async with app_state.sessionmaker() as session, session.begin():
-        await ledger.deposit(session, pid, 1000, key="d6", actor="test", reference=None)
-        await ledger.lock_stake(session, pid, 1000, key="lock-d6", actor="test")
-        for i in range(5):
-            await ledger.start_unbonding(session, pid, 100, release_at=release_at, key=f"v{i}", actor="test")
-        ids = list(
-            await session.scalars(
-                select(StakeUnbonding.id).order_by(StakeUnbonding.release_at, StakeUnbonding.id)
-            )
-        )
-        await session.execute(
-            update(StakeUnbonding).where(StakeUnbonding.id.in_(ids[:2])).values(amount=10_000)
-        )
-    clock.advance(86400 + 31)
+    ids = await unbondings_due(app_state, pid, clock, 5, unreleasable=2)
     report = await release_once(app_state)
     assert (report.ran, report.released) == (True, 3)
     b = await balances(app_state, pid)
