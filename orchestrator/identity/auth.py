@@ -64,15 +64,14 @@ async def is_registered(state: AppState, kind: Kind, keyid: str, address: str) -
     limits = state.settings.limits
     if limits.unseen_keys_per_ip:
         window_s = limits.unseen_keys_window_s
-        decision = await state.hot_store.hit(
-            f"ip:unseen:{network_of(address)}", limits.unseen_keys_per_ip, window_s, state.clock.now()
+        await ratelimit.enforce(
+            state,
+            f"ip:unseen:{network_of(address)}",
+            limit=limits.unseen_keys_per_ip,
+            window_s=window_s,
+            what=f"signed requests in {window_s} s from this address with keys this server has not "
+            "seen yet (ORCH_LIMITS__UNSEEN_KEYS_PER_IP)",
         )
-        if not decision.allowed:
-            raise RateLimited(
-                f"more than {limits.unseen_keys_per_ip} signed requests in {window_s} s from this "
-                "address with keys this server has not seen yet (ORCH_LIMITS__UNSEEN_KEYS_PER_IP)",
-                retry_after=decision.retry_after_s,
-            )
     async with state.reader.connect() as conn:
         found = (await conn.execute(_IS_REGISTERED[kind], {"key": keyid})).first() is not None
     if found:
