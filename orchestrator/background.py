@@ -14,10 +14,12 @@ import contextlib
 import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from wsgiref.simple_server import WSGIServer
 
 import structlog
 
 from orchestrator import __version__
+from orchestrator.core import metrics
 from orchestrator.core.alive import keep_alive
 from orchestrator.core.loops import run_periodically, stop_loops
 from orchestrator.core.state import AppState, open_state
@@ -27,7 +29,7 @@ from orchestrator.liveness import serving
 from orchestrator.restem import jobs as restem_jobs
 from orchestrator.settings import Settings
 from orchestrator.tasks import jobs as task_jobs
-from orchestrator.verification import jobs as verification_jobs
+from orchestrator.verification import jobs as verification
 from orchestrator.verification import scoring
 
 log = structlog.get_logger(__name__)
@@ -36,29 +38,28 @@ Tick = Callable[[AppState], Awaitable[object]]
 
 
 def loops(settings: Settings) -> list[tuple[str, float, Tick]]:
-    """(name, interval in seconds, tick) of every background loop."""
+    """(name, interval in seconds, tick) of every background loop. The name is the loop's row in
+    ``background_ticks`` (``core.ticks.claim_tick``) and its label in the metrics: /metrics reports
+    how long ago each last completed a tick (+Inf for one that never did) and how many failed."""
     return [
-        ("liveness-sweeper", settings.heartbeat.sweep_interval_s, liveness.sweep_once),
-        ("liveness-reconciler", liveness.RECONCILE_INTERVAL_S, liveness.reconcile_once),
-        ("stake-release", ledger_jobs.INTERVAL_S, ledger_jobs.release_once),
-        ("lease-reaper", task_jobs.INTERVAL_S, task_jobs.reap_once),
-        ("verifier", verification_jobs.VERIFY_INTERVAL_S, verification_jobs.verify_once),
-        ("reward-release", verification_jobs.RELEASE_INTERVAL_S, verification_jobs.release_once),
-        ("restem-barrier", restem_jobs.INTERVAL_S, restem_jobs.advance_once),
+        (liveness.SWEEPER, settings.heartbeat.sweep_interval_s, liveness.sweep_once),
+        (liveness.RECONCILER, liveness.RECONCILE_INTERVAL_S, liveness.reconcile_once),
+        (ledger_jobs.STAKE_RELEASE, ledger_jobs.INTERVAL_S, ledger_jobs.release_once),
+        (task_jobs.LEASE_REAPER, task_jobs.INTERVAL_S, task_jobs.reap_once),
+        (verification.VERIFIER, verification.VERIFY_INTERVAL_S, verification.verify_once),
+        (verification.REWARD_RELEASE, verification.RELEASE_INTERVAL_S, verification.release_once),
+        (restem_jobs.RESTEM_BARRIER, restem_jobs.INTERVAL_S, restem_jobs.advance_once),
     ]
 
 
-# Each loop's row in ``background_ticks`` (``core.ticks.claim_tick``): /metrics reports how long
-# ago each last completed a tick, +Inf for one that never did.
-TICK_NAMES = (
-    liveness.SWEEPER,
-    liveness.RECONCILER,
-    ledger_jobs.STAKE_RELEASE,
-    task_jobs.LEASE_REAPER,
-    verification_jobs.VERIFIER,
-    verification_jobs.REWARD_RELEASE,
-    restem_jobs.RESTEM_BARRIER,
-)
+TICK_NAMES = tuple(name for name, _, _ in loops(Settings.model_construct()))
+SERVING_MARKS = "serving_marks"
+
+# Every loop's failure counts exist from the start, at 0, so that a rate over them sees the
+# first failure (a series that appears at 1 shows no increase).
+for _name in (*TICK_NAMES, SERVING_MARKS):
+    for _cause in metrics.TICK_FAILURE_CAUSES:
+        metrics.LOOP_TICK_FAILURES.labels(_name, _cause)
 
 
 def start(state: AppState, stop: asyncio.Event) -> list[asyncio.Task[None]]:
@@ -72,14 +73,20 @@ def start_serving_marks(state: AppState, stop: asyncio.Event) -> asyncio.Task[No
     """The API process's mark that it can take beats (``liveness.serving``); not a loop of
     ``orchestrator background``, which takes none."""
     return asyncio.create_task(
-        run_periodically(state, "serving-marks", serving.MARK_INTERVAL_S, serving.mark_serving, stop),
-        name="serving-marks",
+        run_periodically(state, SERVING_MARKS, serving.MARK_INTERVAL_S, serving.mark_serving, stop),
+        name=SERVING_MARKS,
     )
 
 
-async def run(settings: Settings, stop: asyncio.Event | None = None, alive_file: Path | None = None) -> None:
+async def run(
+    settings: Settings,
+    stop: asyncio.Event | None = None,
+    alive_file: Path | None = None,
+    metrics_server: WSGIServer | None = None,
+) -> None:
     """Run the loops in this process until ``stop`` is set (or SIGINT/SIGTERM arrives); with
-    ``alive_file``, keep that file fresh for a liveness probe (``orchestrator alive``)."""
+    ``alive_file``, keep that file fresh for a liveness probe (``orchestrator alive``); a
+    ``metrics_server`` (``core.metrics.serve_background``) is shut down when the loops stop."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     handled = []
@@ -98,6 +105,9 @@ async def run(settings: Settings, stop: asyncio.Event | None = None, alive_file:
     finally:
         if await stop_loops(tasks, stop):
             await asyncio.to_thread(scoring.close_pools)  # a cancelled verifier's busy scorer
+        if metrics_server is not None:
+            await asyncio.to_thread(metrics_server.shutdown)
+            metrics_server.server_close()
         await store.aclose()
         await engine.dispose()
         for sig in handled:

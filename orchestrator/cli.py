@@ -9,7 +9,7 @@ import os
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -161,7 +161,7 @@ def serve(
     )
 
 
-def _require_free_port(host: str, port: int) -> None:
+def _require_free_port(host: str, port: int, option: str = "--port or ORCH_SERVER__PORT") -> None:
     """An address already in use is one line and exit 2 before the schema is touched. Without
     this check the app started, logged "started" and migrated, and only then did uvicorn fail
     to bind (its error among the start-up and shutdown lines, exit 3)."""
@@ -170,23 +170,25 @@ def _require_free_port(host: str, port: int) -> None:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        console.print(escape(f"cannot serve on {host}:{port}: {exc.strerror}"), style="red")
-        raise typer.Exit(2) from None
+        _cannot_listen(host, port, exc, option)
     family, kind, proto, _, address = infos[0]
     with socket.socket(family, kind, proto) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
         try:
             probe.bind(address)
         except OSError as exc:
-            console.print(
-                escape(
-                    f"cannot serve on {host}:{port}: {exc.strerror} (another process has it? "
-                    "pick another with --port or ORCH_SERVER__PORT)"
-                ),
-                style="red",
-                soft_wrap=True,
-            )
-            raise typer.Exit(2) from None
+            _cannot_listen(host, port, exc, option)
+
+
+def _cannot_listen(host: str, port: int, exc: OSError, option: str) -> NoReturn:
+    """One red line and exit 2 for an address that cannot be bound."""
+    import socket
+
+    line = f"cannot serve on {host}:{port}: {exc.strerror or exc}"
+    if not isinstance(exc, socket.gaierror):
+        line += f" (another process has it? pick another with {option})"
+    console.print(escape(line), style="red", soft_wrap=True)
+    raise typer.Exit(2)
 
 
 def _require_current_schema(url: str) -> None:
@@ -255,11 +257,24 @@ def background_cmd(
         Path | None,
         typer.Option(help="Rewrite this file every 5 s while the event loop runs, for `orchestrator alive`"),
     ] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=65535,
+            help="Serve Prometheus metrics on this port at /metrics: verdicts, rewards credited, stake "
+            "slashed, failed ticks, this host's clock offset from the database server's",
+        ),
+    ] = None,
+    metrics_host: Annotated[
+        str, typer.Option(help="Bind address of --metrics-port (0.0.0.0 in a container)")
+    ] = "127.0.0.1",
 ) -> None:
     """Run only the background loops (liveness sweeper and reconciler, lease reaper, verifier,
     reward and stake releases, ReST^EM barrier), without serving HTTP. Start the API replicas with
     ORCH_SERVER__BACKGROUND_LOOPS=false and one or more of these beside them; each tick still runs
-    once across processes, and verifiers share the backlog. Needs Redis and a shared database."""
+    once across processes, and verifiers share the backlog. Needs Redis and a shared database.
+    With --metrics-port it serves what it measures to Prometheus."""
     from orchestrator import background
     from orchestrator.core.logging import configure_logging
 
@@ -274,10 +289,20 @@ def background_cmd(
         directory = alive_file.parent
         if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
             raise typer.BadParameter(f"{directory} is not a writable directory", param_hint="--alive-file")
+    if metrics_port is not None:
+        _require_free_port(metrics_host, metrics_port, "--metrics-port")
     _require_redis(settings.redis_url)
     _require_current_schema(settings.db.url)
+    metrics_server = None
+    if metrics_port is not None:
+        from orchestrator.core import metrics
+
+        try:
+            metrics_server, _ = metrics.serve_background(metrics_host, metrics_port)
+        except OSError as exc:
+            _cannot_listen(metrics_host, metrics_port, exc, "--metrics-port")
     configure_logging(settings.log_level, json=settings.log_json)
-    asyncio.run(background.run(settings, alive_file=alive_file))
+    asyncio.run(background.run(settings, alive_file=alive_file, metrics_server=metrics_server))
 
 
 def _require_redis(url: str) -> None:

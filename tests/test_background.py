@@ -15,8 +15,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
 import structlog
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
 from redis.exceptions import ConnectionError as RedisConnectionError
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -24,6 +27,7 @@ from typer.testing import CliRunner, Result
 
 from orchestrator import background
 from orchestrator.cli import app as cli
+from orchestrator.core import metrics
 from orchestrator.core.alive import ALIVE_INTERVAL_S, alive_age, keep_alive
 from orchestrator.core.clock import SystemClock
 from orchestrator.core.loops import STOP_GRACE_S, run_periodically
@@ -38,7 +42,7 @@ from tests.waits import HANG_S, until
 async def test_a_background_process_verifies_what_an_api_process_accepted(
     app: Any, app_state: Any, settings: Settings, tmp_path: Path
 ) -> None:
-    async with pool_setup(app, app_state, workers=1) as s:
+    async with pool_setup(app, app_state, workers=1, economics={"reward_per_sample": 7}) as s:
         await s.enqueue([task("What is 2+2?"), task("What is 3+3?")])
         w = s.workers[0]
         for answer in ("4", "5"):
@@ -48,7 +52,10 @@ async def test_a_background_process_verifies_what_an_api_process_accepted(
 
         stop = asyncio.Event()
         alive = tmp_path / "alive"
-        runner = asyncio.create_task(background.run(settings, stop, alive_file=alive))
+        server, _ = metrics.serve_background("127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        before = await scrape(url)
+        runner = asyncio.create_task(background.run(settings, stop, alive_file=alive, metrics_server=server))
         try:
             deadline = time.monotonic() + 30
             decided: list[dict[str, Any]] = []
@@ -57,11 +64,41 @@ async def test_a_background_process_verifies_what_an_api_process_accepted(
                 decided = await verdicts(s.admin, s.headers, s.pool_id)
             age = alive_age(alive)
             assert age is not None and age < ALIVE_INTERVAL_S + 1  # the probe's file
+            after = await scrape(url)
         finally:
             stop.set()
             await asyncio.wait_for(runner, timeout=30)
         assert sorted(v["outcome"] for v in decided) == ["accepted", "rejected"], decided
         assert not alive.exists()  # a stopped process is not alive
+
+    # Its /metrics counted the two verdicts and the reward, and shows none of the gauges that
+    # the API processes read from the database (they would read 0 here).
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    verdict = "orchestrator_verdicts_total"
+    assert delta(verdict, outcome="accepted", category="valid", verifier="reward") == 1
+    assert delta(verdict, outcome="rejected", category="invalid", verifier="reward") == 1
+    assert delta("orchestrator_rewards_credited_total") == sum(v["reward_amount"] for v in decided) == 7
+    assert delta("orchestrator_slashed_total") == sum(v["slashed_amount"] for v in decided)
+    names = {name for name, _ in after}
+    assert "orchestrator_loop_tick_failures_total" in names and "process_cpu_seconds_total" in names
+    assert "orchestrator_clock_offset_seconds" in names
+    assert not names & {"orchestrator_tasks_claimable", "orchestrator_nodes", "orchestrator_leases_active"}
+    with pytest.raises(httpx.ConnectError):  # stopped with the loops
+        await scrape(url)
+
+
+async def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    async with httpx.AsyncClient() as client:
+        r = await client.get(url)
+    assert r.status_code == 200
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(r.text)
+        for sample in family.samples
+    }
 
 
 async def test_the_alive_file_is_rewritten_while_the_loop_runs_and_removed_on_stop(tmp_path: Path) -> None:
@@ -185,8 +222,16 @@ async def test_a_tick_that_cannot_reach_redis_or_the_database_logs_a_line_not_a_
         raise error
 
     state = SimpleNamespace(clock=SystemClock())
+
+    def failed(cause: str) -> float:
+        labels = {"loop": "sweeper", "cause": cause}
+        return REGISTRY.get_sample_value("orchestrator_loop_tick_failures_total", labels) or 0.0
+
+    before = {cause: failed(cause) for cause in ("unavailable", "error")}
     with structlog.testing.capture_logs() as logs:
         await asyncio.wait_for(run_periodically(state, "sweeper", 0.01, tick, stop), timeout=10)  # type: ignore[arg-type]
+    # ... and each is counted by its cause, for the alert on failing ticks.
+    assert {cause: failed(cause) - n for cause, n in before.items()} == {"unavailable": 2, "error": 1}
     assert [(e["event"], e["log_level"], e.get("exc_info"), e.get("error")) for e in logs] == [
         (
             "background_tick_unavailable",
@@ -202,6 +247,18 @@ async def test_a_tick_that_cannot_reach_redis_or_the_database_logs_a_line_not_a_
         ),
         ("background_tick_failed", "error", True, None),
     ]
+
+
+def test_the_command_refuses_a_metrics_port_in_use_before_starting() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {"ORCH_REDIS__URL": "redis://127.0.0.1:6379/0", "ORCH_DB__URL": "postgresql+asyncpg://u@h/db"}
+        result = invoke(["background", "--metrics-port", str(port)], env)
+    assert result.exit_code == 2, (result.output, result.exception)
+    [line] = result.output.strip().splitlines()
+    assert f"cannot serve on 127.0.0.1:{port}" in line and "--metrics-port" in line
 
 
 def test_the_command_refuses_an_alive_file_in_a_missing_directory(tmp_path: Path) -> None:
@@ -238,7 +295,11 @@ async def test_the_process_runs_the_loops_passes_its_probe_and_stops_on_sigterm(
             [*command, "alive", str(alive)], env=env, capture_output=True, check=False
         ).returncode
 
-    proc = _spawn([*command, "background", "--alive-file", str(alive)], env, log)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    args = ["background", "--alive-file", str(alive), "--metrics-port", str(port)]
+    proc = _spawn([*command, *args], env, log)
     engine = create_async_engine(settings.db.url)
     try:
         deadline = time.monotonic() + 30
@@ -252,6 +313,15 @@ async def test_the_process_runs_the_loops_passes_its_probe_and_stops_on_sigterm(
                     text("SELECT last_run_at FROM background_ticks WHERE name = 'liveness_sweeper'")
                 )
         assert await asyncio.to_thread(probe) == 0
+        # Its sweeps measured this host's clock against the database server's, for the alert on
+        # clock skew (the API processes export theirs on their /metrics).
+        scraped = await scrape(f"http://127.0.0.1:{port}/metrics")
+        assert 0 < abs(scraped[("orchestrator_clock_offset_seconds", ())]) < 1  # measured, not the initial 0
+        verifier_errors = (
+            "orchestrator_loop_tick_failures_total",
+            (("cause", "error"), ("loop", "verifier")),
+        )
+        assert scraped[verifier_errors] == 0
 
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(proc.wait, 30) == 0, log.read_text()

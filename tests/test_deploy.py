@@ -258,7 +258,9 @@ def assert_stack(config: Mapping[str, Any], *, seed_secret: str) -> None:
     background_env = _environment(background)
     for name in ("ORCH_DB__URL", "ORCH_REDIS__URL", "ORCH_SEED_SECRET", "ORCH_ENV"):
         assert background_env[name] == env[name], name
-    assert not background.get("ports")
+    assert not background.get("ports")  # nothing published: its metrics are for the compose network
+    assert argv[argv.index("--metrics-host") + 1] == "0.0.0.0"  # reachable from another container
+    assert 1 <= int(argv[argv.index("--metrics-port") + 1]) <= 65535
 
     db = make_url(env["ORCH_DB__URL"])
     assert db.drivername == "postgresql+asyncpg"

@@ -363,7 +363,11 @@ def test_the_background_deployment_runs_the_loops_and_probes_its_alive_file() ->
     # The file lives on a writable volume (the root file system is read-only).
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert any(alive.startswith(m.rstrip("/") + "/") for m in mounts), alive
-    assert "ports" not in container and "readinessProbe" not in container, "it serves no HTTP"
+    # Its only HTTP is its metrics, on the port it declares, on every interface of the pod.
+    assert "readinessProbe" not in container, "no traffic is routed to it"
+    (port,) = container["ports"]
+    assert (port["name"], port["containerPort"]) == ("metrics", int(argv[argv.index("--metrics-port") + 1]))
+    assert argv[argv.index("--metrics-host") + 1] == "0.0.0.0"
 
 
 def test_no_http_traffic_or_api_disruption_budget_selects_the_background_pods() -> None:

@@ -4,23 +4,28 @@ answered, and how long ago each background loop last ran."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import math
+from collections.abc import Callable
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import update
 
 from orchestrator import background
+from orchestrator.core import metrics
 from orchestrator.core.clock import FakeClock
 from orchestrator.core.db import utcnow
 from orchestrator.core.ticks import BackgroundTick
 from orchestrator.tasks import jobs as task_jobs
 from orchestrator.verification import jobs as verification_jobs
+from orchestrator.verification import service
 from tests.conftest import make_token
 from tests.tasks_helpers import pool_setup, task
-from tests.verification_helpers import FixedDraw, submit, verify_all
+from tests.verification_helpers import FixedDraw, submit, verdicts, verify_all
 
 
 async def scrape(client: httpx.AsyncClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -160,3 +165,72 @@ async def test_a_result_waiting_for_a_validator_shows_its_age_until_one_decides_
         r = await s.admin.post(f"/v1/validation/jobs/{job['job_id']}/verdict", json=verdict, headers=headers)
         assert r.status_code == 200, r.text
         assert value(await scrape(client), "orchestrator_validation_oldest_waiting_seconds") == 0
+
+
+async def test_verdicts_and_their_money_are_counted_once_each_when_they_commit(
+    app: Any, app_state: Any, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch whose transaction fails after its verdicts were written (at its commit, say)
+    rolls back and is decided again: each verdict is counted once, as its money moved once."""
+    real = service.process_pending
+    failed: list[int] = []
+
+    async def fail_once(session: Any, **kwargs: Any) -> Any:
+        batch = await real(session, **kwargs)
+        if not failed:
+            failed.append(batch.processed)
+            raise RuntimeError("the batch's commit failed")
+        return batch
+
+    monkeypatch.setattr(service, "process_pending", fail_once)
+    economics = {"reward_per_sample": 7}
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=3, economics=economics) as s:
+        w = s.workers[0]
+        await s.enqueue([task(), task(), task()])  # each expects 4
+        leases = (await w.claim(s.pool_id, max_tasks=3)).json()["leases"]
+        for lease, answer in zip(leases, ("4", "4", "wrong"), strict=True):
+            await submit(w, lease, [answer])
+        before = await scrape(client)
+        with pytest.raises(RuntimeError):
+            await verify_all(app_state)
+        assert await verdicts(s.admin, s.headers, s.pool_id) == []
+        await verify_all(app_state)
+        after = await scrape(client)
+        decided = await verdicts(s.admin, s.headers, s.pool_id)
+    assert failed == [3] and len(decided) == 3
+
+    def grew(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    counted = "orchestrator_verdicts_total"
+    assert grew(counted, outcome="accepted", category="valid", verifier="reward") == 2
+    assert grew(counted, outcome="rejected", category="invalid", verifier="reward") == 1
+    assert grew("orchestrator_rewards_credited_total") == sum(v["reward_amount"] for v in decided) == 14
+
+
+async def test_a_count_waits_for_the_outermost_commit_and_goes_with_a_rollback(app_state: Any) -> None:
+    counted: list[str] = []
+
+    def count(name: str) -> Callable[[], None]:
+        return lambda: counted.append(name)
+
+    async with app_state.sessionmaker() as session:
+        async with session.begin():
+            metrics.on_commit(session, count("outer"))
+            async with session.begin_nested():
+                metrics.on_commit(session, count("released"))
+            with contextlib.suppress(RuntimeError):
+                async with session.begin_nested():
+                    metrics.on_commit(session, count("rolled back savepoint"))
+                    raise RuntimeError
+            assert counted == []  # a released savepoint is not yet a commit
+        assert counted == ["outer", "released"]
+        with contextlib.suppress(RuntimeError):
+            async with session.begin():
+                metrics.on_commit(session, count("rolled back"))
+                async with session.begin_nested():
+                    metrics.on_commit(session, count("inside it"))
+                raise RuntimeError
+        async with session.begin():
+            pass
+    assert counted == ["outer", "released"]

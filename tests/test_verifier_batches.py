@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import structlog
+from prometheus_client import REGISTRY
 from sqlalchemy import func, select, text
 
 from orchestrator.core.ticks import tick_runs
@@ -101,14 +102,17 @@ async def test_a_failing_housekeeping_does_not_stop_the_verdicts(
     monkeypatch.setattr(service, "expire_quorum_waits", failing)
     async with pool_setup(app, app_state, workers=1) as s:
         await results(s, 1)
+        errors = {"loop": VERIFIER, "cause": "error"}
+        before = REGISTRY.get_sample_value("orchestrator_loop_tick_failures_total", errors) or 0
         with structlog.testing.capture_logs() as logs:
             report = await verify_once(app_state)
         assert (report.ran, report.processed) == (False, 1)
         assert await decided(app_state) == (1, Counter(done=1))
         failed = [e for e in logs if e["event"] == "background_tick_failed"]
-        assert [(e["loop"], e["log_level"], e.get("exc_info")) for e in failed] == [
-            ("verifier", "error", True)
+        assert [(e["loop"], e["log_level"], e.get("exc_info"), e["part"]) for e in failed] == [
+            ("verifier", "error", True, "housekeeping")
         ]
+        assert REGISTRY.get_sample_value("orchestrator_loop_tick_failures_total", errors) == before + 1
         async with app_state.sessionmaker() as session:
             assert await tick_runs(session, VERIFIER) == 0
 

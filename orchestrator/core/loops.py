@@ -10,6 +10,7 @@ import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from orchestrator.core import metrics
 from orchestrator.core.errors import database_unavailable
 from orchestrator.core.state import AppState
 
@@ -32,15 +33,24 @@ async def run_periodically(
         try:
             await tick(state)
         except Exception as exc:
-            if _unreachable(exc):  # an outage: one line a tick, not the same traceback each time
-                log.warning("background_tick_unavailable", loop=name, error=f"{type(exc).__name__}: {exc}")
-            else:
-                log.exception("background_tick_failed", loop=name)
+            tick_failed(name, exc)
         delay = interval_s - (state.clock.now() % interval_s) + 0.05
         try:
             await asyncio.wait_for(stop.wait(), timeout=delay)
         except TimeoutError:
             pass
+
+
+def tick_failed(loop: str, exc: Exception, **fields: str) -> None:
+    """Log a failed tick (or part of one) and count it by cause
+    (``orchestrator_loop_tick_failures_total``). An outage is one line a tick, not the same
+    traceback each time; any other failure keeps its traceback."""
+    if _unreachable(exc):
+        log.warning("background_tick_unavailable", loop=loop, error=f"{type(exc).__name__}: {exc}", **fields)
+        metrics.LOOP_TICK_FAILURES.labels(loop, "unavailable").inc()
+    else:
+        log.exception("background_tick_failed", loop=loop, **fields)  # called in the except block
+        metrics.LOOP_TICK_FAILURES.labels(loop, "error").inc()
 
 
 def _unreachable(exc: BaseException) -> bool:

@@ -7,16 +7,26 @@ them (prometheus_client's multiprocess mode); otherwise each process reports its
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
     generate_latest,
     multiprocess,
+    start_http_server,
 )
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session, SessionTransaction
 
 REQUESTS = Counter("orchestrator_http_requests_total", "HTTP requests", ["method", "route", "status"])
 LATENCY = Histogram(
@@ -82,11 +92,89 @@ LOOP_LAST_RUN_AGE = Gauge(
 
 CLOCK_OFFSET = Gauge(
     "orchestrator_clock_offset_seconds",
-    "This process's clock less the database server's, as its last serving mark (every 5 s) measured "
-    "it; 0 on SQLite. Beats are timed by the API processes' clocks and judged by the sweeper's: "
+    "This process's clock less the database server's, as its last serving mark or sweep (every 5 s) "
+    "measured it; 0 on SQLite. Beats are timed by the API processes' clocks and judged by the sweeper's: "
     "hosts whose clocks differ by seconds judge liveness wrong, and a sweeper 15 s ahead holds for ever",
     multiprocess_mode="liveall",
 )
+
+# What the background loops did, counted by the process that did it (an API process with the
+# loops, or `orchestrator background`, whose --metrics-port serves these), once its transaction
+# committed: a batch rolled back and retried is counted once.
+VERDICTS = Counter(
+    "orchestrator_verdicts_total",
+    "Verdicts recorded, by outcome (accepted, rejected), category (valid, invalid, fraud, "
+    "inconclusive) and verifier (checks, reward, quorum, validator)",
+    ["outcome", "category", "verifier"],
+)
+REWARDS_CREDITED = Counter(
+    "orchestrator_rewards_credited_total",
+    "Rewards credited to providers' pending balances by verdicts, in ledger units (held for the "
+    "pool's reward_hold_s before they can be withdrawn)",
+)
+SLASHED = Counter(
+    "orchestrator_slashed_total",
+    "Stake slashed and pending rewards forfeited by verdicts (fraud, and the soft-invalid "
+    "penalty), in ledger units",
+)
+LOOP_TICK_FAILURES = Counter(
+    "orchestrator_loop_tick_failures_total",
+    "Background ticks that raised, by loop and cause: unavailable (the database or Redis could "
+    "not be reached) or error (anything else: its traceback is in the log)",
+    ["loop", "cause"],
+)
+TICK_FAILURE_CAUSES = ("unavailable", "error")
+
+# The metrics ``orchestrator background`` measures itself. Its /metrics leaves out the gauges
+# that the API processes read from the database at scrape time (they would read 0 there).
+BACKGROUND_METRICS = (VERDICTS, REWARDS_CREDITED, SLASHED, LOOP_TICK_FAILURES, CLOCK_OFFSET)
+
+_ON_COMMIT = "orchestrator.metrics_on_commit"
+
+
+def on_commit(session: Session | AsyncSession, count: Callable[[], None]) -> None:
+    """Call ``count`` once ``session``'s transaction commits: never if it rolls back, nor if a
+    savepoint it was called in rolls back (a verifier batch's failed job) while the rest
+    commits."""
+    sync = session.sync_session if isinstance(session, AsyncSession) else session
+    transaction = sync.get_nested_transaction() or sync.get_transaction()
+    session.info.setdefault(_ON_COMMIT, []).append((transaction, count))
+
+
+@event.listens_for(Session, "after_commit")
+def _committed(session: Session) -> None:
+    # Still the committing transaction: the innermost savepoint, or the outermost.
+    committed = session.get_nested_transaction() or session.get_transaction()
+    pending = session.info.get(_ON_COMMIT)
+    if committed is None or not pending:
+        return
+    if committed.nested:  # released: its counts now wait for its parent's commit
+        session.info[_ON_COMMIT] = [(committed.parent if t is committed else t, c) for t, c in pending]
+    else:
+        del session.info[_ON_COMMIT]
+        for _, count in pending:
+            count()
+
+
+@event.listens_for(Session, "after_transaction_end")
+def _ended(session: Session, transaction: SessionTransaction) -> None:
+    # What a transaction committed was passed on above; what is still its own was rolled back.
+    pending = session.info.get(_ON_COMMIT)
+    if pending:
+        session.info[_ON_COMMIT] = [(t, c) for t, c in pending if t is not transaction]
+
+
+def background_registry() -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=True)
+    for collector in (*BACKGROUND_METRICS, PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        registry.register(collector)
+    return registry
+
+
+def serve_background(host: str, port: int) -> tuple[WSGIServer, threading.Thread]:
+    """/metrics of ``orchestrator background`` on ``host:port``, in a thread of its own (so a
+    scrape is answered while a tick holds the event loop). OSError if the address is taken."""
+    return start_http_server(port, addr=host, registry=background_registry())
 
 
 def render() -> tuple[bytes, str]:

@@ -156,8 +156,8 @@ async def check_clock(state: AppState, session: AsyncSession) -> float | None:
     query's round trip); a ``clock_skew`` warning once a minute while the difference is more
     than ``CLOCK_SKEW_WARN_S`` beyond what the round trip leaves uncertain, and
     ``clock_agrees`` once it is not. None on SQLite (one host) or with a clock of the tests'
-    that is not the system's. The API processes also export it
-    (``orchestrator_clock_offset_seconds``)."""
+    that is not the system's. Exported as ``orchestrator_clock_offset_seconds`` by the API
+    processes (their marks) and by ``orchestrator background --metrics-port`` (its sweeps)."""
     if not is_postgres(session) or not isinstance(state.clock, SystemClock):
         return None
     before = state.clock.now()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import structlog
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from orchestrator.core.loops import tick_failed
 from orchestrator.core.state import AppState
 from orchestrator.core.ticks import Keyset, claim_tick, tick_in_batches
 from orchestrator.verification import service, validators
@@ -66,15 +67,15 @@ async def verify_once(state: AppState) -> VerifyReport:
     tick = int(state.clock.now() // VERIFY_INTERVAL_S)
     try:
         ran, expired, waits = await _housekeeping(state, tick)
-    except Exception:
-        log.exception("background_tick_failed", loop=VERIFIER, part="housekeeping")
+    except Exception as exc:
+        tick_failed(VERIFIER, exc, part="housekeeping")
         ran, expired, waits = False, 0, 0
     validator_waits = 0
     if ran:
         try:
             validator_waits = await _validator_waits(state)
-        except Exception:
-            log.exception("background_tick_failed", loop=VERIFIER, part="validator_waits")
+        except Exception as exc:
+            tick_failed(VERIFIER, exc, part="validator_waits")
     processed = await verify_batches(state, budget_s=state.settings.verifier.tick_budget_s)
     return VerifyReport(
         tick=tick,

@@ -42,7 +42,7 @@ import json
 import random
 import zlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -67,6 +67,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import aliased
 
+from orchestrator.core import metrics
 from orchestrator.core.db import UTCDateTime
 from orchestrator.core.sql import is_postgres
 from orchestrator.core.ticks import Keyset
@@ -989,6 +990,7 @@ async def decide(
             await _penalise(session, pool, verdict, now=now)
     await _maybe_complete(session, submission.task_id)
     await session.flush()
+    metrics.on_commit(session, _counter(decision, verdict.reward_amount, verdict.slashed_amount))
     log.info(
         "verdict",
         submission_id=submission.id,
@@ -998,6 +1000,17 @@ async def decide(
         reason=decision.reason,
     )
     return verdict
+
+
+def _counter(decision: Decision, credited: int, slashed: int) -> Callable[[], None]:
+    def count() -> None:
+        metrics.VERDICTS.labels(decision.outcome, decision.category, decision.verifier).inc()
+        if decision.category == "valid" and credited > 0:
+            metrics.REWARDS_CREDITED.inc(credited)
+        if slashed > 0:
+            metrics.SLASHED.inc(slashed)
+
+    return count
 
 
 def _verified(decision: Decision, job: VerificationJob) -> bool:
