@@ -146,7 +146,8 @@ class LimitSettings(BaseModel):
         description=(
             "Requests signed by a provider key (its registration, balance, verdicts, withdrawals) "
             "per key per window. Every machine of a provider signs these with the same key: a "
-            "worker run with the provider key reads twice per stats interval (5 s). 0: no limit."
+            "worker run with the provider key reads the balance every 30 s (its verdicts it reads "
+            "with its node key). 0: no limit."
         ),
     )
     signed_window_s: int = Field(
