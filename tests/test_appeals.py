@@ -163,6 +163,41 @@ async def test_a_released_reward_is_taken_back_from_claimable_and_a_withdrawn_on
         await books_balance(app_state)
 
 
+async def test_a_stake_slashed_before_the_node_left_and_joined_again_comes_back_free(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    """The slash took the stake of the membership's first episode; the node left and joined
+    again (a second episode, with stake of its own) before the appeal. The stake given back was
+    locked into the second episode on top of its own, so that this episode held more than any
+    join locks: with the pool's largest stake (10^15), more than one transfer can move, and
+    every end of the membership (a leave, an ejection, the pool's completion) failed with a 500
+    and left the provider's stake locked for good. The first episode is over: its stake comes
+    back free."""
+    big = {**ECON, "min_stake_per_node": 10**15, "fraud_slash_amount": 10**15}
+    async with pool_setup(app, app_state, workers=1, economics=big, stake=10**15) as s:
+        w = s.workers[0]
+        f = await fraud(s, w, app_state)
+        assert f["slashed_amount"] == 10**15
+        leave = f"/v1/pools/{s.pool_id}/leave"
+        assert (await w.client.post(leave, json={}, auth=w.contributor.node_auth)).status_code == 200
+        r = await s.admin.post(
+            f"/v1/admin/providers/{w.contributor.provider_id}/deposits",
+            json={"amount": 10**15},
+            headers={**s.admin_headers, "Idempotency-Key": "second-stake"},
+        )
+        assert r.status_code == 201, r.text
+        r = await w.client.post(f"/v1/pools/{s.pool_id}/join", json={}, auth=w.contributor.node_auth)
+        assert (r.status_code, r.json()["episode"], r.json()["stake"]) == (201, 2, 10**15)
+        assert (await reverse(s, f["id"])).status_code == 200
+        b = await balances(client, w)
+        assert (b["stake_free"], b["stake_locked"]) == (10**15, 10**15)
+        r = await w.client.post(leave, json={}, auth=w.contributor.node_auth)
+        assert r.status_code == 200, r.text
+        b = await balances(client, w)
+        assert (b["stake_free"], b["stake_locked"], b["stake_unbonding"]) == (10**15, 0, 10**15)
+        await books_balance(app_state)
+
+
 @postgres_only
 async def test_an_appeal_waits_for_a_release_in_progress_and_reverses_what_it_released(
     app: Any, app_state: Any, client: Any, clock: FakeClock

@@ -400,6 +400,12 @@ def _key(m: PoolMembership, what: str) -> str:
     return f"membership:{m.id}:{m.episode}:{what}"
 
 
+def lock_key(m: PoolMembership) -> str:
+    """The ledger key of the transfer that locked the stake of ``m``'s current episode (none if
+    the pool asked for no stake when it joined)."""
+    return _key(m, "lock")
+
+
 def unbonding_keys(m: PoolMembership) -> list[str]:
     """The ledger keys of the transfers that started the unbonding of ``m``'s stake when its
     episodes ended, latest first (none for an episode that never became active). Every one of
@@ -633,7 +639,7 @@ async def join(
                 session,
                 node.provider_id,
                 m.stake,
-                key=_key(m, "lock"),
+                key=lock_key(m),
                 actor=f"node:{node.id}",
                 reference=("membership", str(m.id)),
             )

@@ -1372,10 +1372,10 @@ async def reverse_verdict(
       other verdicts forfeited of it (``forfeited``: all of it) is in a slashed account and goes
       from there back to the system, not from the provider; the hold is ``reversed`` and its
       forfeits ``returned``, so that an appeal against the forfeiting verdict gives nothing back.
-    * A fraud verdict: the slashed stake back (locked again for a live membership, else free),
-      a strike less; and, as for a soft-invalid penalty, its forfeits still in force are given
-      back: to pending, the hold ``held`` again (released when due), or to claimable if the
-      hold was released meanwhile.
+    * A fraud verdict: the slashed stake back (locked again if the membership's episode it was
+      slashed from is still live, else free), a strike less; and, as for a soft-invalid
+      penalty, its forfeits still in force are given back: to pending, the hold ``held`` again
+      (released when due), or to claimable if the hold was released meanwhile.
 
     Lock order: the verdict, the membership, then every account the appeal may touch, and only
     then the holds and forfeits, whose state decides what moves: a reward release or a verdict
@@ -1611,6 +1611,22 @@ async def _membership(session: AsyncSession, pool_id: str, node_id: str) -> Pool
     ).scalar_one_or_none()
 
 
+async def _slashed_this_episode(session: AsyncSession, verdict: Verdict, membership: PoolMembership) -> bool:
+    """Whether the verdict's stake slash took the stake of the membership's episode still live:
+    one that locked its stake before the slash (a join waits for a verdict on its membership, so
+    a later episode's lock has a higher transfer id). The stake of an earlier episode was to come
+    back when that episode ended; locked into this one, on top of what it locked itself, it
+    stayed locked until this one ended too, and could exceed the largest transfer (10^15), which
+    then failed every end of the membership."""
+    from orchestrator.pools import service as pools_service
+
+    if membership.status not in ("active", "pending"):
+        return False
+    lock = await ledger.by_key(session, pools_service.lock_key(membership))
+    slash = await ledger.by_key(session, f"submission:{verdict.submission_id}:slash-stake")
+    return lock is not None and slash is not None and lock.id < slash.id
+
+
 async def _restore_after_fraud(
     session: AsyncSession,
     verdict: Verdict,
@@ -1636,9 +1652,9 @@ async def _restore_after_fraud(
             actor=actor,
             reference=("verdict", str(verdict.id)),
         )
-    elif membership is not None and membership.status in ("active", "pending"):
-        membership.stake += stake_back  # locked again for the membership it was slashed from
-    else:  # the membership is over: the restored stake is free
+    elif membership is not None and await _slashed_this_episode(session, verdict, membership):
+        membership.stake += stake_back  # locked again for the episode it was slashed from
+    else:  # that episode is over (the membership ended, or ended and began again): the stake is free
         await ledger.unlock_stake(
             session,
             verdict.provider_id,
