@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 from api_schemas.tasks import Sampling
+
+VerifiedBy = Literal["server", "quorum", "validator"]
 
 
 class FeedTask(BaseModel):
@@ -46,6 +48,12 @@ class Rollout(BaseModel):
     policy_step: int = Field(description="The policy step the samples were generated with")
     seed: int | None = Field(description="The seed the coordinator assigned (echoed by the worker)")
     reward: float | None = Field(description="The server's reward for the result: mean over samples")
+    verified_by: VerifiedBy | None = Field(
+        description="Who checked the result before it was accepted: the server against the task's "
+        "hidden answer, a quorum of other providers' replicas, or a validator; null when nobody did "
+        "(a task with nothing to check against whose audit was not drawn or was skipped), which "
+        "trainers may weigh or skip"
+    )
     accepted_at: dt.datetime
     task: FeedTask
     samples: list[RolloutSample]

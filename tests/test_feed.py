@@ -106,6 +106,32 @@ async def test_only_accepted_rollouts_appear_in_acceptance_order_with_server_rew
         assert [i["task"]["task_id"] for i in page["items"]] == [await s.task_of(late)]
 
 
+async def test_each_rollout_says_who_checked_it(app: Any, app_state: Any) -> None:
+    """The server against the hidden answer, a quorum of two providers' replicas, or nobody: a
+    task with nothing to check whose audit was not drawn (no_audits) is accepted unchecked."""
+    open_ended = {"prompt": "Name the capital of France.", "sampling": {"max_tokens": 64}}
+    async with pool_setup(app, app_state, workers=2, max_leases_per_node=4) as s:
+        one, two = s.workers
+        [checked] = await leases(s, one, 1)
+        await submit(one, checked, ["4"])
+        assert (await s.enqueue([open_ended], key="unchecked")).status_code == 201
+        unchecked = (await one.claim(s.pool_id)).json()["leases"][0]
+        await submit(one, unchecked, ["Paris"])
+        await verify_all(app_state)
+        assert (await s.enqueue([{**open_ended, "replication": 2}], key="quorum")).status_code == 201
+        for worker in (one, two):
+            lease = (await worker.claim(s.pool_id)).json()["leases"][0]
+            await submit(worker, lease, ["Paris"])
+        await verify_all(app_state)
+        items = (await feed(s))["items"]
+    assert [(i["verified_by"], i["reward"]) for i in items] == [
+        ("server", 1.0),
+        (None, None),
+        ("quorum", None),
+        ("quorum", None),
+    ]
+
+
 async def test_pages_concatenate_and_a_cursor_keeps_working_after_new_verdicts(
     app: Any, app_state: Any
 ) -> None:

@@ -69,6 +69,9 @@ async def test_validators_lease_jobs_and_post_idempotent_verdicts(
         )
         again = await s.admin.post(f"/v1/validation/jobs/{job['job_id']}/verdict", json=body, headers=mine)
         assert again.json() == first.json()
+        # The trainer feed says who checked the rollout.
+        feed = await s.admin.get(f"/v1/pools/{s.pool_id}/rollouts", headers=s.headers)
+        assert [r["verified_by"] for r in feed.json()["items"]] == ["validator"]
         changed = {**body, "outcome": "fraud", "reason": "toploc_mismatch"}
         problem(
             await s.admin.post(f"/v1/validation/jobs/{job['job_id']}/verdict", json=changed, headers=mine),

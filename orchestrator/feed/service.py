@@ -31,7 +31,7 @@ from sqlalchemy import Row, exists, func, select, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from api_schemas.feed import FeedTask, Rollout, RolloutPage, RolloutSample
+from api_schemas.feed import FeedTask, Rollout, RolloutPage, RolloutSample, VerifiedBy
 from api_schemas.tasks import Sampling
 from orchestrator.core.errors import BadRequest, ServiceUnavailable
 from orchestrator.core.pagination import ID_MAX, decode_cursor, encode_cursor
@@ -171,6 +171,7 @@ async def _rows(
             Verdict.submission_id,
             Verdict.node_id,
             Verdict.server_reward,
+            Verdict.verifier,
             Verdict.details,
             Verdict.decided_at,
             Submission.policy_step,
@@ -193,6 +194,17 @@ async def _rows(
     return (await session.execute(stmt)).all()
 
 
+def verified_by(verifier: str, server_reward: float | None) -> VerifiedBy | None:
+    """Who checked an accepted result (``verification.service._verified``): a quorum or a
+    validator judged it, or the server scored it (verifier ``reward`` with a reward); an
+    accepted result the server could not score and nobody audited was checked by nobody."""
+    if verifier == "quorum":
+        return "quorum"
+    if verifier == "validator":
+        return "validator"
+    return "server" if server_reward is not None else None
+
+
 def rollout(row: Row[Any]) -> Rollout:
     body = load_body(row.body)
     samples = body.get("samples") or []
@@ -205,6 +217,7 @@ def rollout(row: Row[Any]) -> Rollout:
         policy_step=row.policy_step,
         seed=body.get("seed"),
         reward=row.server_reward,
+        verified_by=verified_by(row.verifier, row.server_reward),
         accepted_at=row.decided_at,
         task=FeedTask(
             task_id=row.task_id,
