@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from orchestrator.core.clock import FakeClock
 from orchestrator.verification.jobs import verify_once
@@ -59,8 +60,11 @@ async def test_an_audit_replica_nobody_takes_is_withdrawn_and_the_result_decided
         assert report.ran and report.quorum_waits_expired == 0
         assert await verdicts(s.admin, s.headers, s.pool_id) == []
 
+        skipped = REGISTRY.get_sample_value("orchestrator_audits_skipped_total") or 0
         report = await _tick(app_state, clock, 2)
         assert report.quorum_waits_expired == 1
+        # Counted for the operator: the audit that was drawn never happened.
+        assert REGISTRY.get_sample_value("orchestrator_audits_skipped_total") == skipped + 1
         [verdict] = await verdicts(s.admin, s.headers, s.pool_id)
         assert (verdict["outcome"], verdict["category"], verdict["reason"]) == (
             "accepted",
@@ -77,6 +81,7 @@ async def test_an_audit_replica_nobody_takes_is_withdrawn_and_the_result_decided
         assert (r["leases"], r["reason"]) == ([], "no_tasks")
         assert (await _tick(app_state, clock, WAIT_S + 1)).quorum_waits_expired == 0
         assert len(await verdicts(s.admin, s.headers, s.pool_id)) == 1
+        assert REGISTRY.get_sample_value("orchestrator_audits_skipped_total") == skipped + 1
         b = await balances(s.admin, first)
         assert b["rewards_pending"] + b["rewards_claimable"] == 7  # paid once
 
@@ -91,11 +96,13 @@ async def test_a_leased_audit_replica_is_left_to_finish(app: Any, app_state: Any
         assert (await _tick(app_state, clock, WAIT_S + 1)).quorum_waits_expired == 0
         assert await verdicts(s.admin, s.headers, s.pool_id) == []
 
+        skipped = REGISTRY.get_sample_value("orchestrator_audits_skipped_total") or 0
         await submit(sibling, audit, ["Paris"])
         await verify_all(app_state)
         vs = await verdicts(s.admin, s.headers, s.pool_id)
         assert [(v["category"], v["verifier"]) for v in vs] == [("valid", "quorum")] * 2
         assert all("audit_skipped" not in v["details"] for v in vs)
+        assert (REGISTRY.get_sample_value("orchestrator_audits_skipped_total") or 0) == skipped
 
 
 async def test_disagreeing_results_whose_tie_break_nobody_takes_are_inconclusive(

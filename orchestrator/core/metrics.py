@@ -117,6 +117,13 @@ SLASHED = Counter(
     "Stake slashed and pending rewards forfeited by verdicts (fraud, and the soft-invalid "
     "penalty), in ledger units",
 )
+AUDITS_SKIPPED = Counter(
+    "orchestrator_audits_skipped_total",
+    "Results drawn for an audit but decided on their own checks (audit_skipped in the verdict's "
+    "details): no member of another provider and address could repeat the task, nobody took the "
+    "audit replica within ORCH_VERIFIER__QUORUM_WAIT_S, or no validator decided within "
+    "ORCH_VERIFIER__VALIDATOR_WAIT_S; a cheat among them goes unchecked",
+)
 LOOP_TICK_FAILURES = Counter(
     "orchestrator_loop_tick_failures_total",
     "Background ticks that raised, by loop and cause: unavailable (the database or Redis could "
@@ -127,7 +134,7 @@ TICK_FAILURE_CAUSES = ("unavailable", "error")
 
 # The metrics ``orchestrator background`` measures itself. Its /metrics leaves out the gauges
 # that the API processes read from the database at scrape time (they would read 0 there).
-BACKGROUND_METRICS = (VERDICTS, REWARDS_CREDITED, SLASHED, LOOP_TICK_FAILURES, CLOCK_OFFSET)
+BACKGROUND_METRICS = (VERDICTS, REWARDS_CREDITED, SLASHED, AUDITS_SKIPPED, LOOP_TICK_FAILURES, CLOCK_OFFSET)
 
 _ON_COMMIT = "orchestrator.metrics_on_commit"
 

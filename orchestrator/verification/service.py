@@ -1009,6 +1009,8 @@ def _counter(decision: Decision, credited: int, slashed: int) -> Callable[[], No
             metrics.REWARDS_CREDITED.inc(credited)
         if slashed > 0:
             metrics.SLASHED.inc(slashed)
+        if "audit_skipped" in decision.details:
+            metrics.AUDITS_SKIPPED.inc()
 
     return count
 
