@@ -63,6 +63,14 @@ class PoolStatsOut(BaseModel):
     by_category: dict[str, int]
     acceptance_rate: float | None = Field(description="valid / all verdicts not reversed")
     fraud_rate: float | None = Field(description="fraud / all verdicts not reversed")
+    rewards_credited: int = Field(
+        description="What the pool's verdicts not reversed credited to providers (ledger units), "
+        "held and released alike, including any that later verdicts forfeited"
+    )
+    slashed: int = Field(
+        description="Stake slashed and pending rewards forfeited by the pool's verdicts not reversed "
+        "(fraud, and the soft-invalid penalty), in ledger units"
+    )
     tasks_by_status: dict[str, int]
     placement: PlacementOut
 

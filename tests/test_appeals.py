@@ -52,6 +52,11 @@ async def system(app_state: Any) -> dict[str, int]:
         return {kind: int(total) for kind, total in rows.all()}
 
 
+async def pool_money(s: Any) -> tuple[int, int]:
+    stats = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/stats", headers=s.headers)).json()
+    return stats["rewards_credited"], stats["slashed"]
+
+
 async def honest(s: Any, w: Any, app_state: Any) -> dict[str, Any]:
     await submit(w, await one_lease(s, w), ["4"])
     await verify_all(app_state)
@@ -77,7 +82,9 @@ async def test_a_reversed_fraud_verdict_gives_back_the_forfeited_rewards_which_a
         f = await fraud(s, w, app_state)
         assert f["slashed_amount"] == 200 + 7
         assert await hold_statuses(app_state) == {w.node_id: ["forfeited"]}
+        assert await pool_money(s) == (7, 207)
         assert (await reverse(s, f["id"])).status_code == 200
+        assert await pool_money(s) == (7, 0)  # the pool's stats count verdicts not reversed
         b = await balances(client, w)
         assert (b["rewards_pending"], b["stake_locked"]) == (7, 1000)
         assert await hold_statuses(app_state) == {w.node_id: ["held"]}

@@ -720,6 +720,9 @@ async def test_pool_stats_and_histories(app: Any, app_state: Any, client: Any) -
         assert stats["acceptance_rate"] == pytest.approx(1 / 3) and stats["fraud_rate"] == pytest.approx(
             1 / 3
         )
+        # The money: 7 credited for the valid answer; the fraud slashed 200 of stake and forfeited
+        # those 7, still held.
+        assert (stats["rewards_credited"], stats["slashed"]) == (7, 207)
         mine = (await client.get("/v1/providers/me/verdicts", auth=w.contributor.provider_auth)).json()[
             "items"
         ]

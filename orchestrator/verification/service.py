@@ -1342,18 +1342,26 @@ async def _release(session: AsyncSession, hold: RewardHold) -> None:
 async def pool_stats(session: AsyncSession, pool_id: str) -> dict[str, Any]:
     rows = (
         await session.execute(
-            select(Verdict.category, func.count())
+            select(
+                Verdict.category,
+                func.count(),
+                func.coalesce(func.sum(Verdict.reward_amount), 0),
+                func.coalesce(func.sum(Verdict.slashed_amount), 0),
+            )
             .where(Verdict.pool_id == pool_id, Verdict.reversed_at.is_(None))
             .group_by(Verdict.category)
         )
     ).all()
-    counts = {c: int(n) for c, n in rows}
+    counts = {c: int(n) for c, n, _, _ in rows}
     total = sum(counts.values())
     return {
         "verdicts": total,
         "by_category": counts,
         "acceptance_rate": counts.get("valid", 0) / total if total else None,
         "fraud_rate": counts.get("fraud", 0) / total if total else None,
+        # A rejected verdict's reward_amount is 0 (set when it was written), so the sum is the valid ones'.
+        "rewards_credited": sum(int(credited) for _, _, credited, _ in rows),
+        "slashed": sum(int(slashed) for _, _, _, slashed in rows),
     }
 
 
