@@ -606,7 +606,9 @@ def list_tokens_cmd() -> None:
             f"{row.expires_at:%Y-%m-%d %H:%M}" if row.expires_at else "",
             f"{row.revoked_at:%Y-%m-%d %H:%M}" if row.revoked_at else "",
         )
-    Console().print(table)
+    from orchestrator.core.console import wide_console
+
+    wide_console().print(table)
 
 
 @admin_app.command("revoke-token")

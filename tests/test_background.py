@@ -33,6 +33,7 @@ from orchestrator.core.clock import SystemClock
 from orchestrator.core.loops import STOP_GRACE_S, run_periodically
 from orchestrator.settings import Settings, get_settings
 from tests.conftest import REDIS_URL, postgres_only
+from tests.process_helpers import free_port
 from tests.scoring_helpers import Gate
 from tests.tasks_helpers import pool_setup, task
 from tests.verification_helpers import submit, verdicts
@@ -295,9 +296,7 @@ async def test_the_process_runs_the_loops_passes_its_probe_and_stops_on_sigterm(
             [*command, "alive", str(alive)], env=env, capture_output=True, check=False
         ).returncode
 
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    port = free_port()
     args = ["background", "--alive-file", str(alive), "--metrics-port", str(port)]
     proc = _spawn([*command, *args], env, log)
     engine = create_async_engine(settings.db.url)

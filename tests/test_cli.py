@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import re
 import socket
 import stat
 from collections.abc import Iterator
@@ -526,6 +527,25 @@ def test_list_tokens_shows_whole_ids_in_a_narrow_terminal(database_url: str) -> 
         assert token_id in listed.stdout.split(), listed.stdout
 
 
+def test_list_tokens_written_to_a_pipe_gives_each_token_one_line(database_url: str) -> None:
+    """Piped (to grep, say), rich assumed 80 columns and folded the dates and names of every row
+    over several lines; with no COLUMNS set a pipe gets 160."""
+    env: dict[str, str | None] = {"ORCH_DB__URL": database_url, "COLUMNS": None}
+    name = "a rather long token name for the ci"
+    made = runner.invoke(
+        app,
+        ["admin", "create-token", "--role", "admin", "--name", name, "--expires-in-days", "2"],
+        env=env,
+    )
+    assert made.exit_code == 0, made.output
+    listed = runner.invoke(app, ["admin", "list-tokens"], env=env)
+    assert listed.exit_code == 0, listed.output
+    [token_id] = _token_ids(database_url)
+    [row] = [line for line in listed.stdout.splitlines() if token_id in line]
+    assert name in row  # not folded
+    assert len(re.findall(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}", row)) == 2, row  # created and expires
+
+
 def test_help_joins_a_docstrings_lines_into_paragraphs() -> None:
     """The command list and each command's help wrap at the terminal's width, not where the
     docstring's lines end in the source (the list broke 'background' after 'verifier,')."""
@@ -576,7 +596,8 @@ def test_demo_refuses_bad_arguments_before_it_runs(
 def test_the_demo_table_written_to_a_file_keeps_its_names_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     """Piped or written to a file, rich assumed 80 columns and cut the table's names to
     "hone…", "forg…", "nonc…"; there it is 160 wide unless COLUMNS is set."""
-    from orchestrator.demo.cli import _table, wide_console
+    from orchestrator.core.console import wide_console
+    from orchestrator.demo.cli import _table
 
     kind = {"nodes": 1, "submitted": 0, "accepted": 0, "rewards": 0, "slashed": 0, "ejected": 0}
     summary = {

@@ -4,27 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import sys
 from pathlib import Path
-from typing import Annotated, Any, TextIO
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console, Group
+from rich.console import Group
 from rich.live import Live
 from rich.table import Table
 
+from orchestrator.core.console import wide_console
 from orchestrator.demo.behaviours import KINDS
 from orchestrator.demo.swarm import DemoConfig, run_demo
-
-
-def wide_console(file: TextIO | None = None) -> Console:
-    """A console for the table: written to a file or a pipe, rich would assume 80 columns and
-    cut every name in it, so it gets 160 there unless ``COLUMNS`` says otherwise."""
-    out = file or sys.stdout
-    sized = out.isatty() or "COLUMNS" in os.environ
-    return Console(file=file, width=None if sized else 160)
-
 
 console = wide_console()
 
