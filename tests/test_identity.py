@@ -42,10 +42,16 @@ async def test_node_registration_then_me(client: httpx.AsyncClient, contributor:
 async def test_reregistering_a_node_updates_specs_and_is_idempotent(
     client: httpx.AsyncClient, contributor: Contributor
 ) -> None:
-    body = contributor.node_body(version="0.2.0")
+    specs = {"gpu_model": "NVIDIA A100-SXM4-80GB", "gpu_count": 8, "gpu_memory_mb": 81920, "cpu_cores": 64}
+    body = contributor.node_body(version="0.2.0", specs={**contributor.node_body()["specs"], **specs})
     r = await client.post("/v1/nodes", json=body, auth=contributor.node_auth)
     assert r.status_code == 200
-    assert r.json()["version"] == "0.2.0"
+    assert r.json()["version"] == "0.2.0" and r.json()["specs"] == body["specs"]
+    # Stored, as the node's own reads see it; and the same registration again changes nothing.
+    me = (await client.get("/v1/nodes/me", auth=contributor.node_auth)).json()
+    assert (me["version"], me["specs"]) == ("0.2.0", body["specs"])
+    again = await client.post("/v1/nodes", json=body, auth=contributor.node_auth)
+    assert again.status_code == 200 and again.json() == r.json()
 
 
 async def test_node_key_bound_to_another_provider_conflicts(
