@@ -1145,7 +1145,7 @@ async def test_a_heartbeat_that_waited_for_the_reaper_is_told_to_drop_the_lease_
             expired, _ = await reap_expired(session, now=clock.utcnow() + dt.timedelta(seconds=1))
             assert expired == 1
             beat = asyncio.create_task(w.beat([lease["assignment_id"]]))
-            await asyncio.sleep(0.5)
+            await until_waiting(app_state, 1, beat, on="row")
             assert not beat.done()  # its UPDATE waits for the reaper's lock
         r = await beat
         assert r.json()["drop_leases"] == [lease["assignment_id"]]
