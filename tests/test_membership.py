@@ -387,7 +387,7 @@ async def test_the_per_ip_cap_counts_nodes_registered_from_one_address(
 
 
 async def test_a_member_that_registers_again_from_another_address_stays_within_the_per_ip_cap(
-    client: httpx.AsyncClient, app: Any, operator_headers: dict[str, str]
+    client: httpx.AsyncClient, app: Any, operator_headers: dict[str, str], admin_headers: dict[str, str]
 ) -> None:
     """The per-IP cap was checked only at the join: a node could join from one address and then
     register again from another, so a few addresses held any number of nodes in the pool."""
@@ -405,6 +405,13 @@ async def test_a_member_that_registers_again_from_another_address_stays_within_t
         moved["version"] = "moved"
         body = problem(await home.post("/v1/nodes", json=moved, auth=mover.node_auth), 409, "ip_cap")
         assert body["pools"] == [{"pool_id": capped["id"], "nodes_from_address": 1, "max_nodes_per_ip": 1}]
+        me = (await away.get("/v1/nodes/me", auth=mover.node_auth)).json()
+        assert me["version"] == mover.node_body()["version"]
+        assert sorted(m["pool_id"] for m in me["memberships"] if m["status"] == "active") == sorted(
+            [capped["id"], uncapped["id"]]
+        )
+        node = await client.get(f"/v1/admin/nodes/{mover.node_id}", headers=admin_headers)
+        assert node.json()["ip_address"] == "198.51.100.9"
         r = await away.post("/v1/nodes", json=mover.node_body(), auth=mover.node_auth)
         assert r.status_code == 200 and r.json()["version"] != "moved", r.text
         assert (
