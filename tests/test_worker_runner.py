@@ -345,7 +345,11 @@ class StaleLeasesTransport(FaultyTransport):
 
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     accepted: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Returns once the worker has forgotten the finished lease.
+    forgotten: Callable[[], Awaitable[Any]] | None = None
     looks: int = 0
+    #: The leases the held answer lists.
+    stale: list[str] = field(default_factory=list)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         response = await super().handle_async_request(request)
@@ -354,10 +358,11 @@ class StaleLeasesTransport(FaultyTransport):
         if request.url.path == "/v1/nodes/me/leases":
             self.looks += 1
             if self.looks == 2:
-                assert len(response.json()) == 1  # the lease being worked, still live when read
+                self.stale = [lease["assignment_id"] for lease in response.json()["leases"]]
                 self.gate.set()
                 await self.accepted.wait()
-                await asyncio.sleep(0.2)  # the worker forgets the finished lease
+                assert self.forgotten is not None
+                await self.forgotten()
         return response
 
 
@@ -376,6 +381,7 @@ async def test_a_lease_finished_while_its_leases_were_read_is_not_worked_again(
         monkeypatch.setitem(registry.BUILT_IN, "gated", lambda options: GatedBackend(wire.gate))
         wire.fail("/v1/assignments/claim", "pass", "forward+timeout")  # the first claim gets the task
         run = start(app, s.pool_id, transport=wire, backend="gated", concurrency=2)
+        wire.forgotten = lambda: run.until(lambda st: st.submitted == 1 and st.in_flight == 0)
         while not wire.seen or wire.looks < 2 or not wire.gate.is_set():
             await asyncio.sleep(0.02)
             assert not run.task.done()
@@ -384,6 +390,8 @@ async def test_a_lease_finished_while_its_leases_were_read_is_not_worked_again(
         stats = await asyncio.wait_for(run.task, 10)
         results = [x for x in wire.seen if x.path.endswith("/result")]
         assert (stats.recovered, stats.submitted, len(results)) == (0, 1, 1), (stats, results)
+        # The held answer did list the lease being worked (still live when read).
+        assert wire.stale == [results[0].path.split("/")[3]]
 
 
 async def test_a_restarted_worker_takes_up_the_leases_its_previous_run_left(app: Any, app_state: Any) -> None:
