@@ -521,14 +521,27 @@ async def test_request_id_is_returned_and_logged_without_secrets(
     assert "signature-input" not in out.lower()
 
 
+def _heartbeats_counted(text: str) -> float:
+    [value] = re.findall(r"^orchestrator_heartbeats_total (\S+)$", text, re.M)
+    return float(value)
+
+
 async def test_metrics_are_labelled_by_route_template(
-    client: httpx.AsyncClient, contributor: Contributor
+    client: httpx.AsyncClient, contributor: Contributor, admin_headers: dict[str, str]
 ) -> None:
+    # The counters are the process's: other tests count too.
+    before = _heartbeats_counted((await client.get("/metrics")).text)
     await contributor.beat(client)
+    node = await client.get(f"/v1/admin/nodes/{contributor.node_id}", headers=admin_headers)
+    assert node.status_code == 200, node.text
     text = (await client.get("/metrics")).text
     assert 'route="/v1/nodes/me/heartbeat"' in text
+    assert (
+        'orchestrator_http_requests_total{method="GET",route="/v1/admin/nodes/{node_id}",status="200"}'
+        in text
+    )
     assert contributor.node_id not in text
-    assert "orchestrator_heartbeats_total" in text
+    assert _heartbeats_counted(text) == before + 1
     assert 'orchestrator_nodes{status="healthy"} 1.0' in text
 
 
