@@ -243,13 +243,14 @@ def test_worker_run_submits_results_and_exits_cleanly_on_sigint(
 ) -> None:
     url, env = server
     headers = admin_headers(env)
-    keys = {}
+    keys, key_ids = {}, {}
     for name in ("provider", "node"):
         keys[name] = tmp_path / f"{name}.key"
         done = subprocess.run(
             cli("keys", "generate", str(keys[name])), capture_output=True, text=True, check=True
         )
-        assert len(done.stdout.strip()) == 43
+        key_ids[name] = done.stdout.strip()
+        assert len(key_ids[name]) == 43
 
     key_args = ["--provider-key", str(keys["provider"]), "--node-key", str(keys["node"])]
     with httpx.Client(base_url=url, timeout=10) as http:
@@ -284,9 +285,11 @@ def test_worker_run_submits_results_and_exits_cleanly_on_sigint(
         stats = json.loads(out.strip().splitlines()[-1])
         assert stats["submitted"] == 6 and stats["state"] == "stopped" and stats["errors"] == 0
         assert "SIGINT: stopping" in err
-        r = http.get(f"/v1/admin/pools/{pool_id}/verdicts", headers=headers)
+        # The stats name the node (its key's id), which did all the work.
         node_id = stats["node_id"]
-        assert all(v["node_id"] == node_id for v in r.json()["items"])
+        assert node_id == key_ids["node"]
+        r = http.get(f"/v1/admin/pools/{pool_id}/lease-stats", headers=headers)
+        assert [(row["node_id"], row["submitted"]) for row in r.json()] == [(node_id, 6)]
 
         # A join the pool refuses ends the run with exit 1 and the server's reasons ...
         staked = _pool(http, headers, {"min_stake_per_node": 100}, tasks=1)
