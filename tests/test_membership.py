@@ -674,20 +674,26 @@ async def test_members_are_listed_by_status_with_pagination(
 # ------------------------------------------------------------------ ejection and blacklisting
 
 
+@pytest.fixture
+def released(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """The (pool, node) of every release of a member's leases, recorded instead of made."""
+    calls: list[tuple[str, str]] = []
+
+    async def record_release(session: Any, pool_id: str, node_id: str, *, now: Any) -> int:
+        calls.append((pool_id, node_id))
+        return 0
+
+    monkeypatch.setattr(pools_service, "release_member_leases", record_release)
+    return calls
+
+
 async def test_an_ejected_node_leaves_its_stake_unbonds_and_it_cannot_rejoin(
     client: httpx.AsyncClient,
     operator_headers: dict[str, str],
     admin_headers: dict[str, str],
     contributor: Contributor,
-    monkeypatch: pytest.MonkeyPatch,
+    released: list[tuple[str, str]],
 ) -> None:
-    released: list[tuple[str, str]] = []
-
-    async def record_release(session: Any, pool_id: str, node_id: str, *, now: Any) -> int:
-        released.append((pool_id, node_id))
-        return 0
-
-    monkeypatch.setattr(pools_service, "release_member_leases", record_release)
     pool = await active_pool(client, operator_headers, economics={"min_stake_per_node": 100})
     await deposit(client, admin_headers, contributor.provider_id, 100)
     await join(client, contributor, pool["id"])
@@ -731,15 +737,8 @@ async def test_ejecting_a_pending_member_returns_its_stake_at_once(
 
 
 async def test_every_way_out_of_a_pool_releases_the_nodes_leases_once(
-    client: httpx.AsyncClient, operator_headers: dict[str, str], monkeypatch: pytest.MonkeyPatch
+    client: httpx.AsyncClient, operator_headers: dict[str, str], released: list[tuple[str, str]]
 ) -> None:
-    released: list[tuple[str, str]] = []
-
-    async def record_release(session: Any, pool_id: str, node_id: str, *, now: Any) -> int:
-        released.append((pool_id, node_id))
-        return 0
-
-    monkeypatch.setattr(pools_service, "release_member_leases", record_release)
     pool = await active_pool(client, operator_headers)
     leaver, banned, stayer = await registered(client), await registered(client), await registered(client)
     for c in (leaver, banned, stayer):
