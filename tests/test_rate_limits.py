@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+import pytest
 import structlog
 import structlog.testing
 from asgi_lifespan import LifespanManager
@@ -23,14 +24,27 @@ from tests.conftest import new_contributor, problem
 from tests.tasks_helpers import pool_setup, task
 
 
+@pytest.fixture
+async def second_store(settings: Settings, hot_store: HotStore) -> AsyncIterator[HotStore]:
+    """The hot store as a second API process has it: with Redis, a connection pool of its own to
+    the same server; else the one in-process store."""
+    redis_url = os.environ.get("ORCH_TEST_REDIS_URL")
+    if not redis_url:
+        yield hot_store
+        return
+    store = RedisHotStore.from_url(redis_url, settings.redis.prefix)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
 async def test_registration_limit_per_ip_holds_across_two_instances(
-    settings: Settings, clock: FakeClock, hot_store: HotStore
+    settings: Settings, clock: FakeClock, hot_store: HotStore, second_store: HotStore
 ) -> None:
     limited = settings.model_copy(
         update={"limits": LimitSettings(registration_per_ip=3, registration_window_s=60)}
     )
-    redis_url = os.environ.get("ORCH_TEST_REDIS_URL")
-    second_store = RedisHotStore.from_url(redis_url, settings.redis.prefix) if redis_url else hot_store
     apps = [
         create_app(limited, clock=clock, hot_store=hot_store),
         create_app(limited, clock=clock, hot_store=second_store),
@@ -55,8 +69,6 @@ async def test_registration_limit_per_ip_holds_across_two_instances(
         assert again.status_code == 201
         for c in clients:
             await c.aclose()
-    if second_store is not hot_store:
-        await second_store.aclose()
 
 
 async def test_registration_limit_per_key_counts_attempts_to_register_a_new_key_only(
@@ -187,10 +199,8 @@ async def test_a_replayed_request_does_not_spend_its_signers_limit(
 
 
 async def test_the_signed_request_limit_holds_across_two_instances_and_zero_turns_it_off(
-    settings: Settings, clock: FakeClock, hot_store: HotStore
+    settings: Settings, clock: FakeClock, hot_store: HotStore, second_store: HotStore
 ) -> None:
-    redis_url = os.environ.get("ORCH_TEST_REDIS_URL")
-    second_store = RedisHotStore.from_url(redis_url, settings.redis.prefix) if redis_url else hot_store
     c = new_contributor()
     async with (
         app_with(settings, clock, hot_store, signed_per_key=4, signed_window_s=60) as first,
@@ -211,8 +221,6 @@ async def test_the_signed_request_limit_holds_across_two_instances_and_zero_turn
             assert (await clients[2].get("/v1/nodes/me", auth=c.node_auth)).status_code == 200
         for client in clients:
             await client.aclose()
-    if second_store is not hot_store:
-        await second_store.aclose()
 
 
 async def test_a_providers_machines_share_its_key_within_a_budget_of_their_own(
