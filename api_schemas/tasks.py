@@ -253,7 +253,14 @@ class EvidenceOut(BaseModel):
         description="Each header line the signature covers, [name, value], as received"
     )
     body_sha256: str
-    body_base64: str | None = Field(description="The signed body; only with ?include_body=true")
+    body_base64: str | None = Field(
+        description="The signed body; only with ?include_body=true, and not once it was pruned"
+    )
+    pruned_at: dt.datetime | None = Field(
+        default=None,
+        description="When `orchestrator admin prune-evidence` archived the body and emptied it here "
+        "(null: stored); the digest, signature and covered lines stay",
+    )
 
 
 class EvidenceCheckOut(BaseModel):
@@ -262,7 +269,8 @@ class EvidenceCheckOut(BaseModel):
     valid: bool
     keyid: str | None = Field(description="The signing key (the node id) when the signature verifies")
     code: str | None = Field(
-        description="Why not: a signature error code, body_altered or signer_mismatch; null when valid"
+        description="Why not: a signature error code, body_altered, signer_mismatch or evidence_pruned "
+        "(the body was archived and emptied); null when valid"
     )
     detail: str | None
 

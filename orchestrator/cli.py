@@ -6,7 +6,7 @@ import asyncio
 import datetime as dt
 import json
 import os
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
@@ -19,7 +19,7 @@ from rich.table import Column, Table
 from orchestrator.settings import LOG_LEVELS, Settings, get_settings
 
 if TYPE_CHECKING:
-    from sqlalchemy.ext.asyncio import AsyncSession
+    from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 T = TypeVar("T")
 
@@ -462,9 +462,9 @@ def _database_errors(url: str) -> Iterator[None]:
         raise typer.Exit(2) from None
 
 
-async def _with_token_table(work: Callable[[AsyncSession], Awaitable[T]]) -> T:
-    """Run ``work`` in one transaction on the configured database, once it is known to hold
-    the schema (``NoSchema`` otherwise: an empty database is not changed)."""
+async def _with_schema(work: Callable[[async_sessionmaker[AsyncSession]], Awaitable[T]]) -> T:
+    """Run ``work`` with sessions of the configured database, once it is known to hold the
+    schema (``NoSchema`` otherwise: an empty database is not changed)."""
     from sqlalchemy import inspect
     from sqlalchemy.engine import make_url
 
@@ -476,14 +476,28 @@ async def _with_token_table(work: Callable[[AsyncSession], Awaitable[T]]) -> T:
         async with engine.connect() as conn:
             if not await conn.run_sync(lambda sync: inspect(sync).has_table("api_tokens")):
                 raise NoSchema(f"the database {make_url(settings.url)!r} has no orchestrator schema")
-        async with make_sessionmaker(engine)() as session, session.begin():
-            return await work(session)
+        return await work(make_sessionmaker(engine))
     finally:
         await engine.dispose()
 
 
+async def _with_token_table(work: Callable[[AsyncSession], Awaitable[T]]) -> T:
+    """Run ``work`` in one transaction (``_with_schema``)."""
+
+    async def one_transaction(sessionmaker: async_sessionmaker[AsyncSession]) -> T:
+        async with sessionmaker() as session, session.begin():
+            return await work(session)
+
+    return await _with_schema(one_transaction)
+
+
 def _run_on_tokens(work: Callable[[AsyncSession], Awaitable[T]]) -> T:
     """``_with_token_table``, with the CLI's answers to a missing schema and refused input."""
+    return _run_on_database(lambda: _with_token_table(work))
+
+
+def _run_on_database(work: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run ``work()`` (``_with_schema``) with the CLI's answers to a missing schema and refused input."""
     from sqlalchemy.engine import make_url
 
     from orchestrator.core.errors import OrchestratorError
@@ -494,7 +508,7 @@ def _run_on_tokens(work: Callable[[AsyncSession], Awaitable[T]]) -> T:
         if settings.is_sqlite and database and database != ":memory:" and not Path(database).exists():
             raise NoSchema(f"there is no database file {database}")  # connecting would create it
         with _database_errors(settings.url):
-            return asyncio.run(_with_token_table(work))
+            return asyncio.run(work())
     except NoSchema as exc:
         console.print(
             f"[red]{exc}.[/red] Run this where `orchestrator serve` runs (the embedded default is "
@@ -511,13 +525,17 @@ async def _audit_token(session: AsyncSession, action: str, row: Any) -> None:
     """Audit a token's creation or revocation as the admin API does, by the actor ``cli``: whoever
     can run this command on the server's database (the first admin token has no other)."""
     from orchestrator.admin.router import token_out
-    from orchestrator.admin.tokens import Principal, Role
     from orchestrator.audit.service import record
 
-    cli = Principal(token_id="cli", name="command line", role=Role.admin)  # noqa: S106 - an actor, not a secret
-    await record(
-        session, cli, action, target_type="token", target_id=row.id, after=token_out(row).model_dump()
-    )
+    after = token_out(row).model_dump()
+    await record(session, _cli_actor(), action, target_type="token", target_id=row.id, after=after)
+
+
+def _cli_actor() -> Any:
+    """The audit's actor for what these commands do: whoever can run them on the server's database."""
+    from orchestrator.admin.tokens import Principal, Role
+
+    return Principal(token_id="cli", name="command line", role=Role.admin)  # noqa: S106 - an actor, not a secret
 
 
 def _token_name(value: str) -> str:
@@ -648,6 +666,89 @@ def revoke_token_cmd(
         console.print(f"[red]no token {named}[/red] (see `orchestrator admin list-tokens`)")
         raise typer.Exit(1)
     console.print(f"token {token_id} revoked (at {revoked_at:%Y-%m-%d %H:%M:%S} UTC)")
+
+
+@admin_app.command("prune-evidence")
+def prune_evidence_cmd(
+    older_than_days: Annotated[
+        int,
+        typer.Option(
+            min=1, help="Prune results whose verdict was decided more than this many days ago (at least 1)"
+        ),
+    ],
+    archive: Annotated[
+        Path | None,
+        typer.Option(
+            help="The new file (JSON Lines; gzip'd if it ends in .gz) that receives each result's "
+            "evidence before its body is emptied; required unless --dry-run"
+        ),
+    ] = None,
+    pool: Annotated[str | None, typer.Option(help="Only this pool's results")] = None,
+    batch_size: Annotated[int, typer.Option(min=1, max=1000, help="Results per transaction")] = 50,
+    dry_run: Annotated[bool, typer.Option(help="Count what would be pruned; change nothing")] = False,
+) -> None:
+    """Archive, then empty, the signed bodies of results decided long ago: each result's whole
+    evidence (the body, the signature and the header lines it covers, its verdict) is written to
+    --archive and fsync'd before its stored body is emptied, batch by batch; the digest and the
+    signature stay in the database. Pruned results leave the trainer feed and ReST^EM datasets.
+    Results not yet decided are never pruned. The run is audited (evidence.prune)."""
+    import datetime as dt
+
+    from orchestrator.audit.service import record
+    from orchestrator.tasks import retention
+
+    if archive is None and not dry_run:
+        raise typer.BadParameter("name the file that keeps the pruned evidence", param_hint="--archive")
+    if archive is not None and not dry_run:
+        if archive.exists():
+            raise typer.BadParameter(f"{archive} exists: name a new file", param_hint="--archive")
+        directory = archive.parent
+        if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
+            raise typer.BadParameter(f"{directory} is not a writable directory", param_hint="--archive")
+    _require_current_schema(_settings().db.url)
+    now = dt.datetime.now(dt.UTC)
+    cutoff = now - dt.timedelta(days=older_than_days)
+
+    async def work(sessionmaker: async_sessionmaker[AsyncSession]) -> retention.PruneReport:
+        if dry_run:
+            async with sessionmaker() as session:
+                return await retention.measure(session, cutoff=cutoff, pool_id=pool)
+        assert archive is not None
+        kept = retention.Archive(archive)
+        try:
+            report = await retention.prune(
+                sessionmaker, kept, cutoff=cutoff, now=now, pool_id=pool, batch=batch_size
+            )
+        finally:
+            kept.close()
+        if not report.submissions:
+            return report
+        async with sessionmaker() as session, session.begin():
+            await record(
+                session,
+                _cli_actor(),
+                "evidence.prune",
+                target_type="pool" if pool else "submissions",
+                target_id=pool or "all",
+                pool_id=pool,
+                after={
+                    "submissions": report.submissions,
+                    "body_bytes": report.body_bytes,
+                    "older_than_days": older_than_days,
+                    "archive": str(archive.resolve()),
+                },
+            )
+        return report
+
+    report = _run_on_database(lambda: _with_schema(work))
+    what = f"{report.submissions} results ({report.body_bytes} bytes of signed bodies)"
+    before = f"decided before {cutoff:%Y-%m-%d %H:%M} UTC"
+    if dry_run:
+        console.print(f"would prune {what} {before}")
+    elif not report.submissions:
+        console.print(f"nothing to prune: no result {before} is stored whole (no archive written)")
+    else:
+        console.print(f"pruned {what}; their evidence is in {archive}")
 
 
 @keys_app.command("generate")

@@ -185,7 +185,8 @@ async def _rows(
         )
         .join(Submission, Submission.id == Verdict.submission_id)
         .join(Task, Task.id == Verdict.task_id)
-        .where(*_accepted(pool_id), Verdict.id > after_id)
+        # A result whose evidence was pruned (tasks.retention) has no samples to serve.
+        .where(*_accepted(pool_id), Verdict.id > after_id, Submission.evidence_pruned_at.is_(None))
         .order_by(Verdict.id)
         .limit(limit)
     )

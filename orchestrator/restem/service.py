@@ -599,6 +599,7 @@ async def dataset_lines(
                     Submission.policy_step == spec.policy_step,
                     Verdict.outcome == "accepted",
                     Verdict.reversed_at.is_(None),
+                    Submission.evidence_pruned_at.is_(None),  # its samples were archived (tasks.retention)
                 )
                 .order_by(Submission.id)
             )

@@ -42,6 +42,13 @@ def recheck(sub: Submission, *, window_s: int) -> EvidenceCheck:
     ``created`` window it was checked against then (``window_s``, today's setting, for results
     stored before that was kept), the nonce aside (it was spent then), and that its key is the
     node's that held the lease."""
+    if sub.evidence_pruned_at is not None:
+        return EvidenceCheck(
+            False,
+            code="evidence_pruned",
+            detail=f"the body was pruned on {sub.evidence_pruned_at:%Y-%m-%d %H:%M} UTC "
+            "(orchestrator admin prune-evidence): check the one its archive holds",
+        )
     if hashlib.sha256(sub.body).hexdigest() != sub.body_sha256:
         return EvidenceCheck(False, code="body_altered", detail="the stored body does not match its SHA-256")
     try:

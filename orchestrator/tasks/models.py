@@ -258,3 +258,7 @@ class Submission(Base):
         JSON, doc="what the node was told, for idempotent replays"
     )
     received_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    evidence_pruned_at: Mapped[dt.datetime | None] = mapped_column(
+        UTCDateTime(),
+        doc="when ``orchestrator admin prune-evidence`` archived the body and emptied it here (NULL: stored)",
+    )

@@ -481,7 +481,10 @@ def _submission_out(sub: Submission, replica_index: int, window_s: int, include_
             signature=sub.signature,
             signed_fields=evidence.covered_lines(sub),
             body_sha256=sub.body_sha256,
-            body_base64=base64.b64encode(sub.body).decode() if include_body else None,
+            body_base64=base64.b64encode(sub.body).decode()
+            if include_body and sub.evidence_pruned_at is None
+            else None,
+            pruned_at=sub.evidence_pruned_at,
         ),
         check=EvidenceCheckOut(**dataclasses.asdict(checked)),
     )

@@ -1310,8 +1310,11 @@ _SUBMISSION_OF = text(
 # a column's name (SQLAlchemy would add a parameter named like a column to an UPDATE's SET), so
 # one parameter dict serves all of them: on PostgreSQL they run as one statement (data-modifying
 # CTEs, one round trip); on SQLite one after another.
-# Every column but the id, bound as ``s_<column>``.
-_SUBMISSION_COLUMNS = tuple(c.name for c in Submission.__table__.c if not c.primary_key)
+# Every column but the id and those written later (NULL for a new result), bound as ``s_<column>``.
+_WRITTEN_LATER = frozenset({Submission.evidence_pruned_at.key})
+_SUBMISSION_COLUMNS = tuple(
+    c.name for c in Submission.__table__.c if not c.primary_key and c.name not in _WRITTEN_LATER
+)
 _INSERT_SUBMISSION = (
     insert(Submission.__table__)  # type: ignore[arg-type]
     .values({name: bindparam(f"s_{name}") for name in _SUBMISSION_COLUMNS})

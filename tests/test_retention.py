@@ -1,0 +1,196 @@
+"""``orchestrator admin prune-evidence``: the signed bodies of results decided long ago are
+archived, then emptied; nothing is emptied that is not in the archive, results still waiting are
+left whole, and what reads bodies (the feed, the evidence check) says so."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime as dt
+import gzip
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select, update
+from typer.testing import CliRunner, Result
+
+from orchestrator.audit.models import AuditEntry
+from orchestrator.cli import app as cli
+from orchestrator.settings import Settings, get_settings
+from orchestrator.tasks import evidence, retention
+from orchestrator.tasks.models import Submission
+from orchestrator.verification.models import Verdict
+from tests.conftest import postgres_only
+from tests.tasks_helpers import PoolSetup, pool_setup, task
+from tests.verification_helpers import submit, verify_all
+
+pytestmark = pytest.mark.usefixtures("no_audits")
+
+
+async def prune(settings: Settings, *args: str) -> Result:
+    """The command, on the test's database, in a thread (it runs its own event loop)."""
+
+    def run() -> Result:
+        get_settings.cache_clear()
+        try:
+            env = {"ORCH_DB__URL": settings.db.url, "COLUMNS": "200"}
+            return CliRunner().invoke(cli, ["admin", "prune-evidence", *args], env=env)
+        finally:
+            get_settings.cache_clear()
+
+    return await asyncio.to_thread(run)
+
+
+async def stored(app_state: Any) -> dict[int, tuple[bytes, dt.datetime | None]]:
+    async with app_state.sessionmaker() as session:
+        rows = await session.execute(select(Submission.id, Submission.body, Submission.evidence_pruned_at))
+        return {i: (bytes(body), at) for i, body, at in rows.all()}
+
+
+async def decided_days_ago(app_state: Any, days: float) -> None:
+    async with app_state.sessionmaker() as session, session.begin():
+        then = dt.datetime.now(dt.UTC) - dt.timedelta(days=days)
+        await session.execute(update(Verdict).values(decided_at=then))
+
+
+async def three_results(s: PoolSetup, app_state: Any) -> None:
+    """Two decided (one accepted, one rejected), and one still waiting for the verifier."""
+    w = s.workers[0]
+    await s.enqueue([task(), task(), task()])
+    for answer in ("4", "5"):
+        await submit(w, (await w.claim(s.pool_id)).json()["leases"][0], [answer])
+    await verify_all(app_state)
+    await decided_days_ago(app_state, 3)
+    await submit(w, (await w.claim(s.pool_id)).json()["leases"][0], ["4"])
+
+
+async def test_old_results_are_archived_then_emptied_and_waiting_ones_kept(
+    app: Any, app_state: Any, settings: Settings, tmp_path: Path
+) -> None:
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=3) as s:
+        await three_results(s, app_state)
+        before = await stored(app_state)
+        first, second, waiting = sorted(before)
+        size = len(before[first][0]) + len(before[second][0])
+        feed = await s.admin.get(f"/v1/pools/{s.pool_id}/rollouts", headers=s.headers)
+        assert [r["submission_id"] for r in feed.json()["items"]] == [first]
+
+        # Decided 3 days ago: not more than 4 days ago.
+        archive = tmp_path / "evidence.jsonl.gz"
+        done = await prune(settings, "--older-than-days", "4", "--archive", str(archive))
+        assert done.exit_code == 0, done.output
+        assert "nothing to prune" in done.output and not archive.exists()
+
+        dry = await prune(settings, "--older-than-days", "2", "--dry-run")
+        assert dry.exit_code == 0, dry.output
+        assert f"would prune 2 results ({size} bytes of signed bodies)" in dry.output
+        assert await stored(app_state) == before and not archive.exists()
+
+        done = await prune(settings, "--older-than-days", "2", "--archive", str(archive), "--batch-size", "1")
+        assert done.exit_code == 0, done.output
+        assert f"pruned 2 results ({size} bytes of signed bodies)" in done.output
+
+        # The archive holds each whole request; the database keeps only the waiting one's body.
+        lines = [json.loads(line) for line in gzip.decompress(archive.read_bytes()).splitlines()]
+        assert [line["submission_id"] for line in lines] == [first, second]
+        assert [line["verdict"]["outcome"] for line in lines] == ["accepted", "rejected"]
+        after = await stored(app_state)
+        for line in lines:
+            body = base64.b64decode(line["body_base64"])
+            assert body == before[line["submission_id"]][0]
+            assert hashlib.sha256(body).hexdigest() == line["body_sha256"]
+            assert after[line["submission_id"]][0] == b"" and after[line["submission_id"]][1] is not None
+        assert after[waiting] == before[waiting]
+
+        # The archived request still verifies against the signature the database kept.
+        async with app_state.sessionmaker() as session:
+            kept = await session.get(Submission, first)
+            assert kept is not None
+            assert evidence.recheck(kept, window_s=300).code == "evidence_pruned"
+            kept.body = base64.b64decode(lines[0]["body_base64"])
+            kept.evidence_pruned_at = None
+            assert evidence.recheck(kept, window_s=300).valid
+            await session.rollback()
+
+        # What reads bodies says so: the feed leaves the result out, the task's view has no body.
+        feed = await s.admin.get(f"/v1/pools/{s.pool_id}/rollouts", headers=s.headers)
+        assert feed.json()["items"] == []
+        task_id = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)
+        views = []
+        for t in task_id.json()["items"]:
+            r = await s.admin.get(
+                f"/v1/admin/pools/{s.pool_id}/tasks/{t['id']}/submissions",
+                params={"include_body": "true"},
+                headers=s.headers,
+            )
+            views += r.json()["submissions"]
+        by_id = {v["id"]: v for v in views}
+        assert by_id[first]["check"]["code"] == "evidence_pruned"
+        assert by_id[first]["evidence"]["body_base64"] is None
+        assert by_id[first]["evidence"]["pruned_at"] is not None
+        assert by_id[waiting]["check"]["valid"] and by_id[waiting]["evidence"]["pruned_at"] is None
+
+        # Audited once; a second run finds nothing left and writes no archive.
+        again = await prune(settings, "--older-than-days", "2", "--archive", str(tmp_path / "again.jsonl"))
+        assert again.exit_code == 0 and "nothing to prune" in again.output
+        assert not (tmp_path / "again.jsonl").exists()
+        async with app_state.sessionmaker() as session:
+            entries = (
+                await session.execute(select(AuditEntry).where(AuditEntry.action == "evidence.prune"))
+            ).scalars()
+            [entry] = list(entries)
+        assert (entry.actor, entry.after["submissions"], entry.after["body_bytes"]) == ("cli", 2, size)
+        assert entry.after["archive"] == str(archive.resolve())
+
+
+async def test_an_archive_that_exists_or_is_missing_is_refused_before_anything_changes(
+    app: Any, app_state: Any, settings: Settings, tmp_path: Path
+) -> None:
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=3) as s:
+        await three_results(s, app_state)
+        before = await stored(app_state)
+        taken = tmp_path / "taken.jsonl"
+        taken.write_bytes(b"an earlier run's\n")
+        for args, says in (
+            (["--archive", str(taken)], "exists: name a new file"),
+            ([], "name the file that keeps the pruned evidence"),
+            (["--archive", str(tmp_path / "no" / "such.jsonl")], "is not a writable directory"),
+        ):
+            r = await prune(settings, "--older-than-days", "1", *args)
+            assert r.exit_code == 2, r.output
+            assert says in " ".join(r.output.split())
+        assert taken.read_bytes() == b"an earlier run's\n"
+        assert await stored(app_state) == before
+
+
+@postgres_only
+async def test_two_runs_at_once_archive_and_prune_each_result_once(
+    app: Any, app_state: Any, tmp_path: Path
+) -> None:
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=6) as s:
+        w = s.workers[0]
+        await s.enqueue([task() for _ in range(6)])
+        for lease in (await w.claim(s.pool_id, max_tasks=6)).json()["leases"]:
+            await submit(w, lease, ["4"])
+        await verify_all(app_state)
+        now = dt.datetime.now(dt.UTC)
+        archives = [retention.Archive(tmp_path / f"run-{i}.jsonl") for i in range(2)]
+        try:
+            reports = await asyncio.gather(
+                *(retention.prune(app_state.sessionmaker, a, cutoff=now, now=now, batch=1) for a in archives)
+            )
+        finally:
+            for a in archives:
+                a.close()
+    archived = [
+        [json.loads(line)["submission_id"] for line in a.path.read_text().splitlines()]
+        for a in archives
+        if a.path.exists()
+    ]
+    everything = sorted(await stored(app_state))
+    assert sorted(i for ids in archived for i in ids) == everything  # each result in one archive, once
+    assert sum(r.submissions for r in reports) == 6
+    assert all(body == b"" and at is not None for body, at in (await stored(app_state)).values())
