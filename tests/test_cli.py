@@ -7,7 +7,7 @@ import io
 import re
 import socket
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -509,17 +509,21 @@ def test_a_database_that_does_not_exist_is_one_line_and_exit_2(args: list[str]) 
     assert 'database "orch_no_such_db" does not exist' in line and "createdb" in line
 
 
+def _create_token(name: str, env: Mapping[str, str | None]) -> None:
+    made = runner.invoke(
+        app,
+        ["admin", "create-token", "--role", "admin", "--name", name, "--expires-in-days", "2"],
+        env=env,
+    )
+    assert made.exit_code == 0, made.output
+
+
 def test_list_tokens_shows_whole_ids_in_a_narrow_terminal(database_url: str) -> None:
     """revoke-token takes the id list-tokens shows: in an 80-column terminal (or piped, where
     Rich assumes 80) the table cut it to 'tok_6427a2d…', which no command accepts."""
     env = {"ORCH_DB__URL": database_url, "COLUMNS": "80"}
     for name in ("a rather long token name for the ci", "another"):
-        made = runner.invoke(
-            app,
-            ["admin", "create-token", "--role", "admin", "--name", name, "--expires-in-days", "2"],
-            env=env,
-        )
-        assert made.exit_code == 0, made.output
+        _create_token(name, env)
 
     listed = runner.invoke(app, ["admin", "list-tokens"], env=env)
     assert listed.exit_code == 0, listed.output
@@ -532,12 +536,7 @@ def test_list_tokens_written_to_a_pipe_gives_each_token_one_line(database_url: s
     over several lines; with no COLUMNS set a pipe gets 160."""
     env: dict[str, str | None] = {"ORCH_DB__URL": database_url, "COLUMNS": None}
     name = "a rather long token name for the ci"
-    made = runner.invoke(
-        app,
-        ["admin", "create-token", "--role", "admin", "--name", name, "--expires-in-days", "2"],
-        env=env,
-    )
-    assert made.exit_code == 0, made.output
+    _create_token(name, env)
     listed = runner.invoke(app, ["admin", "list-tokens"], env=env)
     assert listed.exit_code == 0, listed.output
     [token_id] = _token_ids(database_url)

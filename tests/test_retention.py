@@ -10,6 +10,8 @@ import datetime as dt
 import gzip
 import hashlib
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -56,23 +58,27 @@ async def decided_days_ago(app_state: Any, days: float) -> None:
         await session.execute(update(Verdict).values(decided_at=then))
 
 
-async def three_results(s: PoolSetup, app_state: Any) -> None:
-    """Two decided (one accepted, one rejected), and one still waiting for the verifier."""
-    w = s.workers[0]
-    await s.enqueue([task(), task(), task()])
-    for answer in ("4", "5"):
-        await submit(w, (await w.claim(s.pool_id)).json()["leases"][0], [answer])
-    await verify_all(app_state)
-    await decided_days_ago(app_state, 3)
-    await submit(w, (await w.claim(s.pool_id)).json()["leases"][0], ["4"])
+@asynccontextmanager
+async def three_results(
+    app: Any, app_state: Any
+) -> AsyncIterator[tuple[PoolSetup, dict[int, tuple[bytes, dt.datetime | None]]]]:
+    """A pool with two results decided 3 days ago (one accepted, one rejected) and one still
+    waiting for the verifier; and their stored bodies."""
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=3) as s:
+        w = s.workers[0]
+        await s.enqueue([task(), task(), task()])
+        for answer in ("4", "5"):
+            await submit(w, (await w.claim(s.pool_id)).json()["leases"][0], [answer])
+        await verify_all(app_state)
+        await decided_days_ago(app_state, 3)
+        await submit(w, (await w.claim(s.pool_id)).json()["leases"][0], ["4"])
+        yield s, await stored(app_state)
 
 
 async def test_old_results_are_archived_then_emptied_and_waiting_ones_kept(
     app: Any, app_state: Any, settings: Settings, tmp_path: Path
 ) -> None:
-    async with pool_setup(app, app_state, workers=1, max_leases_per_node=3) as s:
-        await three_results(s, app_state)
-        before = await stored(app_state)
+    async with three_results(app, app_state) as (s, before):
         first, second, waiting = sorted(before)
         size = len(before[first][0]) + len(before[second][0])
         feed = await s.admin.get(f"/v1/pools/{s.pool_id}/rollouts", headers=s.headers)
@@ -149,9 +155,7 @@ async def test_old_results_are_archived_then_emptied_and_waiting_ones_kept(
 async def test_an_archive_that_exists_or_is_missing_is_refused_before_anything_changes(
     app: Any, app_state: Any, settings: Settings, tmp_path: Path
 ) -> None:
-    async with pool_setup(app, app_state, workers=1, max_leases_per_node=3) as s:
-        await three_results(s, app_state)
-        before = await stored(app_state)
+    async with three_results(app, app_state) as (_, before):
         taken = tmp_path / "taken.jsonl"
         taken.write_bytes(b"an earlier run's\n")
         for args, says in (
