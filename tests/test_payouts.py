@@ -866,6 +866,27 @@ async def test_a_payout_run_takes_the_requested_payouts_that_no_run_holds_once(
     await books_balance(app_state)
 
 
+async def test_a_payout_run_stops_before_its_total_passes_what_it_can_record(
+    client: httpx.AsyncClient,
+    app_state: Any,
+    admin_headers: dict[str, str],
+    contributor: Contributor,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """10,000 payouts of up to 10^15 each could total more than the run's 64-bit amount (a 500
+    on PostgreSQL). Here the bound is 25: of payouts of 10, 11 and 12, a run takes the first two
+    (21) and leaves the third for the next run."""
+    monkeypatch.setattr(payouts, "MAX_RUN_AMOUNT", 25)
+    await give_claimable(app_state, contributor.provider_id, 100)
+    for amount in (10, 11, 12):
+        assert (await withdraw(client, contributor, amount, f"bounded-{amount}")).status_code == 201
+    first = (await start_run(client, admin_headers, "bounded-run-1", max_payouts=3)).json()
+    assert (first["payouts"], first["amount"]) == (2, 21)
+    second = (await start_run(client, admin_headers, "bounded-run-2", max_payouts=3)).json()
+    assert (second["payouts"], second["amount"]) == (1, 12)
+    problem(await start_run(client, admin_headers, "bounded-run-3"), 409, "nothing_to_settle")
+
+
 async def test_payout_runs_need_an_admin_and_a_key_and_name_real_runs(
     client: httpx.AsyncClient, app_state: Any, admin_headers: dict[str, str], operator_headers: dict[str, str]
 ) -> None:

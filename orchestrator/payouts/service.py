@@ -229,6 +229,22 @@ def _same_run(run: PayoutRun, max_payouts: int) -> PayoutRun:
     return run
 
 
+# A run's total is a 64-bit column: 10,000 payouts of up to ledger.MAX_AMOUNT each could pass it
+# (a 500 on PostgreSQL, an overflow on SQLite). A run stops taking payouts before its total would.
+MAX_RUN_AMOUNT = ledger.MAX_BALANCE
+
+
+def _within_total(taken: list[Payout]) -> list[Payout]:
+    """The oldest of ``taken`` whose total stays within ``MAX_RUN_AMOUNT`` (the first always
+    does: a payout is at most ledger.MAX_AMOUNT); the rest wait for the next run."""
+    total = 0
+    for i, payout in enumerate(taken):
+        total += payout.amount
+        if total > MAX_RUN_AMOUNT:
+            return taken[: max(i, 1)]
+    return taken
+
+
 async def start_run(
     session: AsyncSession, principal: Principal, key: str, max_payouts: int, *, now: dt.datetime
 ) -> tuple[PayoutRun, bool]:
@@ -256,7 +272,7 @@ async def start_run(
         if found is None:
             raise
         return _same_run(found, max_payouts), False
-    taken = await repo.take_for_run(session, limit=max_payouts)
+    taken = _within_total(await repo.take_for_run(session, limit=max_payouts))
     if not taken:
         raise NothingToSettle("no requested payout is waiting outside a run")
     for payout in taken:
