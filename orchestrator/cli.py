@@ -694,6 +694,8 @@ def prune_evidence_cmd(
     Results not yet decided are never pruned. The run is audited (evidence.prune)."""
     import datetime as dt
 
+    from rich.progress import MofNCompleteColumn, Progress
+
     from orchestrator.audit.service import record
     from orchestrator.tasks import retention
 
@@ -714,13 +716,31 @@ def prune_evidence_cmd(
             async with sessionmaker() as session:
                 return await retention.measure(session, cutoff=cutoff, pool_id=pool)
         assert archive is not None
+        async with sessionmaker() as session:
+            expected = (await retention.measure(session, cutoff=cutoff, pool_id=pool)).submissions
         kept = retention.Archive(archive)
-        try:
-            report = await retention.prune(
-                sessionmaker, kept, cutoff=cutoff, now=now, pool_id=pool, batch=batch_size
-            )
-        finally:
-            kept.close()
+        # On a terminal, a bar of the results pruned (a run over millions takes a while); none
+        # in a pipe or a cron job's log.
+        with Progress(
+            *Progress.get_default_columns(),
+            MofNCompleteColumn(),
+            console=console,
+            transient=True,
+            disable=not console.is_terminal,
+        ) as bar:
+            task = bar.add_task("pruning", total=expected)
+            try:
+                report = await retention.prune(
+                    sessionmaker,
+                    kept,
+                    cutoff=cutoff,
+                    now=now,
+                    pool_id=pool,
+                    batch=batch_size,
+                    on_batch=lambda n: bar.advance(task, n),
+                )
+            finally:
+                kept.close()
         if not report.submissions:
             return report
         async with sessionmaker() as session, session.begin():

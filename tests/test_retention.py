@@ -182,9 +182,15 @@ async def test_two_runs_at_once_archive_and_prune_each_result_once(
         await verify_all(app_state)
         now = dt.datetime.now(dt.UTC)
         archives = [retention.Archive(tmp_path / f"run-{i}.jsonl") for i in range(2)]
+        batches: list[int] = []
         try:
             reports = await asyncio.gather(
-                *(retention.prune(app_state.sessionmaker, a, cutoff=now, now=now, batch=1) for a in archives)
+                *(
+                    retention.prune(
+                        app_state.sessionmaker, a, cutoff=now, now=now, batch=1, on_batch=batches.append
+                    )
+                    for a in archives
+                )
             )
         finally:
             for a in archives:
@@ -197,4 +203,5 @@ async def test_two_runs_at_once_archive_and_prune_each_result_once(
     everything = sorted(await stored(app_state))
     assert sorted(i for ids in archived for i in ids) == everything  # each result in one archive, once
     assert sum(r.submissions for r in reports) == 6
+    assert batches == [1] * 6  # the progress bar's steps
     assert all(body == b"" and at is not None for body, at in (await stored(app_state)).values())

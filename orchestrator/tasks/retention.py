@@ -30,7 +30,7 @@ import datetime as dt
 import gzip
 import os
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -176,9 +176,11 @@ async def prune(
     now: dt.datetime,
     pool_id: str | None = None,
     batch: int = BATCH,
+    on_batch: Callable[[int], None] | None = None,
 ) -> PruneReport:
     """Archive, then empty, the bodies of the results decided before ``cutoff`` (of ``pool_id``
-    only, if given), ``batch`` per transaction (module doc)."""
+    only, if given), ``batch`` per transaction (module doc); ``on_batch(n)`` after each batch
+    commits, with how many it pruned."""
     pruned = size = 0
     after = 0
     last: int | None = None
@@ -198,3 +200,5 @@ async def prune(
             pruned += len(rows)
             size += sum(len(r.Submission.body) for r in rows)
             after = last = ids[-1]
+        if on_batch is not None:
+            on_batch(len(rows))
