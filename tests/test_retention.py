@@ -205,3 +205,30 @@ async def test_two_runs_at_once_archive_and_prune_each_result_once(
     assert sum(r.submissions for r in reports) == 6
     assert batches == [1] * 6  # the progress bar's steps
     assert all(body == b"" and at is not None for body, at in (await stored(app_state)).values())
+
+
+async def test_a_gzip_archive_of_a_run_killed_between_batches_reads_whole(
+    app: Any, app_state: Any, tmp_path: Path
+) -> None:
+    async with three_results(app, app_state):
+        path = tmp_path / "evidence.jsonl.gz"
+        archive = retention.Archive(path)
+        left: list[bytes] = []  # the file as a kill after each batch's commit leaves it
+        try:
+            now = dt.datetime.now(dt.UTC)
+            await retention.prune(
+                app_state.sessionmaker,
+                archive,
+                cutoff=now - dt.timedelta(days=2),
+                now=now,
+                batch=1,
+                on_batch=lambda _: left.append(path.read_bytes()),
+            )
+        finally:
+            archive.close()
+        emptied = sorted(i for i, (body, at) in (await stored(app_state)).items() if at is not None)
+    assert len(left) == 2
+    for n, data in enumerate(left, start=1):
+        lines = [json.loads(line) for line in gzip.decompress(data).splitlines()]
+        assert [line["submission_id"] for line in lines] == emptied[:n]
+    assert gzip.decompress(path.read_bytes()).count(b"\n") == 2

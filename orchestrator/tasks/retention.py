@@ -29,7 +29,6 @@ import base64
 import datetime as dt
 import gzip
 import os
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,29 +137,28 @@ def archive_line(row: Row[Any]) -> bytes:
 
 class Archive:
     """An archive file made for one run (never an existing file: ``FileExistsError``), gzip'd
-    when its name ends in ``.gz``. ``write`` returns once the lines are on disk."""
+    when its name ends in ``.gz``. ``write`` returns once the lines are on disk.
+
+    Gzip'd, each write is a whole gzip member (header, data, trailer): a run killed between
+    batches leaves a complete file that gunzip and ``gzip.decompress`` read whole. One stream
+    for the run, finished only by ``close``, left every batch of a killed run in a file they
+    refused as truncated ("unexpected end of file")."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.lines = 0
         self._raw: IO[bytes] = path.open("xb")
-        self._gzip = gzip.GzipFile(fileobj=self._raw, mode="wb") if path.suffix == ".gz" else None
+        self._gzip = path.suffix == ".gz"
 
     def write(self, lines: list[bytes]) -> None:
         data = b"".join(lines)
-        if self._gzip is not None:
-            self._gzip.write(data)
-            self._gzip.flush(zlib.Z_SYNC_FLUSH)
-        else:
-            self._raw.write(data)
+        self._raw.write(gzip.compress(data) if self._gzip else data)
         self._raw.flush()
         os.fsync(self._raw.fileno())
         self.lines += len(lines)
 
     def close(self) -> None:
         """Finish the file; one that received nothing is removed."""
-        if self._gzip is not None:
-            self._gzip.close()  # the gzip trailer; the raw file stays open until below
         self._raw.flush()
         os.fsync(self._raw.fileno())
         self._raw.close()
