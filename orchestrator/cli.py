@@ -719,6 +719,28 @@ def prune_evidence_cmd(
         async with sessionmaker() as session:
             expected = (await retention.measure(session, cutoff=cutoff, pool_id=pool)).submissions
         kept = retention.Archive(archive)
+        # What the committed batches pruned, audited even if a later batch fails (a full disk, an
+        # outage): their bodies are gone whether or not the run finishes.
+        done = [0, 0]
+
+        async def audit() -> None:
+            assert archive is not None
+            async with sessionmaker() as session, session.begin():
+                await record(
+                    session,
+                    _cli_actor(),
+                    "evidence.prune",
+                    target_type="pool" if pool else "submissions",
+                    target_id=pool or "all",
+                    pool_id=pool,
+                    after={
+                        "submissions": done[0],
+                        "body_bytes": done[1],
+                        "older_than_days": older_than_days,
+                        "archive": str(archive.resolve()),
+                    },
+                )
+
         # On a terminal, a bar of the results pruned (a run over millions takes a while); none
         # in a pipe or a cron job's log.
         with Progress(
@@ -729,6 +751,12 @@ def prune_evidence_cmd(
             disable=not console.is_terminal,
         ) as bar:
             task = bar.add_task("pruning", total=expected)
+
+            def pruned(n: int, size: int) -> None:
+                done[0] += n
+                done[1] += size
+                bar.advance(task, n)
+
             try:
                 report = await retention.prune(
                     sessionmaker,
@@ -737,27 +765,12 @@ def prune_evidence_cmd(
                     now=now,
                     pool_id=pool,
                     batch=batch_size,
-                    on_batch=lambda n: bar.advance(task, n),
+                    on_batch=pruned,
                 )
             finally:
                 kept.close()
-        if not report.submissions:
-            return report
-        async with sessionmaker() as session, session.begin():
-            await record(
-                session,
-                _cli_actor(),
-                "evidence.prune",
-                target_type="pool" if pool else "submissions",
-                target_id=pool or "all",
-                pool_id=pool,
-                after={
-                    "submissions": report.submissions,
-                    "body_bytes": report.body_bytes,
-                    "older_than_days": older_than_days,
-                    "archive": str(archive.resolve()),
-                },
-            )
+                if done[0]:
+                    await audit()
         return report
 
     report = _run_on_database(lambda: _with_schema(work))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import datetime as dt
+import errno
 import gzip
 import hashlib
 import json
@@ -187,7 +188,12 @@ async def test_two_runs_at_once_archive_and_prune_each_result_once(
             reports = await asyncio.gather(
                 *(
                     retention.prune(
-                        app_state.sessionmaker, a, cutoff=now, now=now, batch=1, on_batch=batches.append
+                        app_state.sessionmaker,
+                        a,
+                        cutoff=now,
+                        now=now,
+                        batch=1,
+                        on_batch=lambda n, _: batches.append(n),
                     )
                     for a in archives
                 )
@@ -222,7 +228,7 @@ async def test_a_gzip_archive_of_a_run_killed_between_batches_reads_whole(
                 cutoff=now - dt.timedelta(days=2),
                 now=now,
                 batch=1,
-                on_batch=lambda _: left.append(path.read_bytes()),
+                on_batch=lambda *_: left.append(path.read_bytes()),
             )
         finally:
             archive.close()
@@ -232,3 +238,34 @@ async def test_a_gzip_archive_of_a_run_killed_between_batches_reads_whole(
         lines = [json.loads(line) for line in gzip.decompress(data).splitlines()]
         assert [line["submission_id"] for line in lines] == emptied[:n]
     assert gzip.decompress(path.read_bytes()).count(b"\n") == 2
+
+
+async def test_a_run_that_fails_midway_audits_what_it_pruned(
+    app: Any, app_state: Any, settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with three_results(app, app_state) as (_, before):
+        write = retention.Archive.write
+        writes: list[int] = []
+
+        def disk_fills(archive: retention.Archive, lines: list[bytes]) -> None:
+            writes.append(len(lines))
+            if len(writes) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            write(archive, lines)
+
+        monkeypatch.setattr(retention.Archive, "write", disk_fills)
+        archive = tmp_path / "evidence.jsonl"
+        r = await prune(settings, "--older-than-days", "2", "--archive", str(archive), "--batch-size", "1")
+        assert r.exit_code != 0
+        emptied = [i for i, (_, at) in (await stored(app_state)).items() if at is not None]
+        assert len(emptied) == 1  # the first batch was archived and emptied before the disk filled
+        async with app_state.sessionmaker() as session:
+            entries = list(
+                (
+                    await session.execute(select(AuditEntry).where(AuditEntry.action == "evidence.prune"))
+                ).scalars()
+            )
+        assert [(e.after["submissions"], e.after["body_bytes"]) for e in entries] == [
+            (1, len(before[emptied[0]][0]))
+        ]
+        assert entries[0].after["archive"] == str(archive.resolve())

@@ -174,11 +174,12 @@ async def prune(
     now: dt.datetime,
     pool_id: str | None = None,
     batch: int = BATCH,
-    on_batch: Callable[[int], None] | None = None,
+    on_batch: Callable[[int, int], None] | None = None,
 ) -> PruneReport:
     """Archive, then empty, the bodies of the results decided before ``cutoff`` (of ``pool_id``
-    only, if given), ``batch`` per transaction (module doc); ``on_batch(n)`` after each batch
-    commits, with how many it pruned."""
+    only, if given), ``batch`` per transaction (module doc); ``on_batch(n, body_bytes)`` after
+    each batch commits, with how many it pruned and their bodies' size (what a run that fails
+    later has pruned)."""
     pruned = size = 0
     after = 0
     last: int | None = None
@@ -195,8 +196,9 @@ async def prune(
                 .values(body=b"", evidence_pruned_at=now)
                 .execution_options(synchronize_session=False)
             )
+            batch_size = sum(len(r.Submission.body) for r in rows)
             pruned += len(rows)
-            size += sum(len(r.Submission.body) for r in rows)
+            size += batch_size
             after = last = ids[-1]
         if on_batch is not None:
-            on_batch(len(rows))
+            on_batch(len(rows), batch_size)
