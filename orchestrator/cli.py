@@ -697,6 +697,8 @@ def prune_evidence_cmd(
     from rich.progress import MofNCompleteColumn, Progress
 
     from orchestrator.audit.service import record
+    from orchestrator.core.errors import NotFound
+    from orchestrator.pools.models import Pool
     from orchestrator.tasks import retention
 
     if archive is None and not dry_run:
@@ -712,6 +714,10 @@ def prune_evidence_cmd(
     cutoff = now - dt.timedelta(days=older_than_days)
 
     async def work(sessionmaker: async_sessionmaker[AsyncSession]) -> retention.PruneReport:
+        if pool is not None:
+            async with sessionmaker() as session:
+                if await session.get(Pool, pool) is None:  # a typo is not a pool with nothing to prune
+                    raise NotFound(f"no pool {pool}", code="pool_not_found")
         if dry_run:
             async with sessionmaker() as session:
                 return await retention.measure(session, cutoff=cutoff, pool_id=pool)

@@ -269,3 +269,17 @@ async def test_a_run_that_fails_midway_audits_what_it_pruned(
             (1, len(before[emptied[0]][0]))
         ]
         assert entries[0].after["archive"] == str(archive.resolve())
+
+
+async def test_a_pool_that_does_not_exist_is_refused_not_found_empty(
+    app: Any, app_state: Any, settings: Settings, tmp_path: Path
+) -> None:
+    async with three_results(app, app_state) as (s, before):
+        archive = tmp_path / "evidence.jsonl"
+        for args in (["--archive", str(archive)], ["--dry-run"]):
+            r = await prune(settings, "--older-than-days", "2", "--pool", s.pool_id + "x", *args)
+            assert r.exit_code == 2, r.output
+            assert f"no pool {s.pool_id}x" in r.output and "prune" not in r.output
+        assert not archive.exists() and await stored(app_state) == before
+        r = await prune(settings, "--older-than-days", "2", "--pool", s.pool_id, "--dry-run")
+        assert r.exit_code == 0 and "would prune 2 results" in r.output
