@@ -684,7 +684,15 @@ def prune_evidence_cmd(
         ),
     ] = None,
     pool: Annotated[str | None, typer.Option(help="Only this pool's results")] = None,
-    batch_size: Annotated[int, typer.Option(min=1, max=1000, help="Results per transaction")] = 50,
+    batch_size: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=200,
+            help="Results per transaction; a batch's bodies are held in memory, each up to "
+            "ORCH_LIMITS__MAX_RESULT_BODY_BYTES",
+        ),
+    ] = 50,
     dry_run: Annotated[bool, typer.Option(help="Count what would be pruned; change nothing")] = False,
 ) -> None:
     """Archive, then empty, the signed bodies of results decided long ago: each result's whole
