@@ -371,6 +371,15 @@ class ClaimOut(BaseModel):
     retry_after_s: int | None = Field(default=None, description="Also sent as Retry-After")
 
 
+def _is_unicode(text: str) -> bool:
+    """Whether ``text`` is Unicode characters only: no lone surrogate, which UTF-8 cannot encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class Sample(StrictModel):
     completion: str | None = Field(default=None, max_length=4_000_000)
     token_ids: list[TokenId] | None = Field(default=None, max_length=1_000_000)
@@ -386,6 +395,11 @@ class Sample(StrictModel):
     def _finite(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         if value is not None and not all(math.isfinite(v) for v in value.values()):
             raise ValueError("logprob summary values must be finite")
+        # A name is taken as it was parsed, where a string field refuses a lone surrogate
+        # (JSON's \ud800): one was stored and served by the trainer feed as bytes that are not
+        # UTF-8, which a strict JSON parser refuses.
+        if value is not None and not all(_is_unicode(name) for name in value):
+            raise ValueError("logprob summary names must be Unicode text (no lone surrogate)")
         return value
 
 

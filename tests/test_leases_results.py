@@ -812,6 +812,37 @@ async def test_numbers_inside_a_results_lists_and_maps_are_json_numbers(app: Any
         assert r.status_code == 201, r.text
 
 
+async def test_a_result_holding_text_that_is_not_unicode_is_refused(app: Any, app_state: Any) -> None:
+    """JSON can spell a lone surrogate (\\ud800), which is no Unicode character: a string field
+    holding one was refused, but a logprob summary's name was taken as it was, stored, and served
+    by the trainer feed as bytes that are not UTF-8 (RFC 8259 section 8.1), which a strict JSON
+    parser (orjson, serde_json) refuses: a node could leave a page of the pool's feed that such a
+    trainer never reads past. Each is 422 naming the place now, and nothing is recorded: the
+    lease takes the right answer afterwards."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        await s.enqueue([task(n=1)])
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        sample = {"completion": "42", "finish_reason": "stop", "prompt_tokens": 3, "completion_tokens": 2}
+        for bad, loc in (
+            ({"logprob_summary": {"LONE": -0.5}}, ["logprob_summary"]),
+            ({"logprob_summary": {"mean": -0.5, "x LONE": -1.0}}, ["logprob_summary"]),
+            ({"completion": "4LONE2"}, ["completion"]),
+        ):
+            raw = json.dumps(result_body(lease, samples=[{**sample, **bad}])).replace("LONE", "\\ud800")
+            r = await w.client.post(
+                f"/v1/assignments/{lease['assignment_id']}/result",
+                content=raw.encode(),
+                headers={"Content-Type": "application/json"},
+                auth=w.contributor.node_auth,
+            )
+            body = problem(r, 422, "validation_failed")
+            assert any(e["loc"][-len(loc) :] == loc for e in body["errors"]), (bad, body)
+        async with app_state.sessionmaker() as session:
+            assert await session.scalar(select(func.count()).select_from(Submission)) == 0
+        assert (await w.submit(lease)).status_code == 201
+
+
 async def test_leaving_a_pool_gives_its_leases_back_at_once(app: Any, app_state: Any) -> None:
     async with pool_setup(app, app_state, workers=2) as s:
         quitter, other = s.workers
