@@ -10,6 +10,8 @@ import hashlib
 import itertools
 import json
 import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -780,15 +782,24 @@ async def test_results_are_validated(app: Any, app_state: Any) -> None:
         assert (await w.submit(lease)).status_code == 201
 
 
+SAMPLE = {"completion": "42", "finish_reason": "stop", "prompt_tokens": 3, "completion_tokens": 2}
+
+
+@asynccontextmanager
+async def one_lease(app: Any, app_state: Any) -> AsyncIterator[tuple[Any, dict[str, Any]]]:
+    """A worker and the lease it holds on a one-sample task, for results sent to it by hand."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        await s.enqueue([task(n=1)])
+        yield w, (await w.claim(s.pool_id)).json()["leases"][0]
+
+
 async def test_numbers_inside_a_results_lists_and_maps_are_json_numbers(app: Any, app_state: Any) -> None:
     """Token ids and logprob summaries were read leniently: a token id true or "5" was stored as
     1 or 5, and a logprob summary of "-0.5" as -0.5. Each is 422 naming the place now, and the
     result is not recorded: the lease takes the right answer afterwards."""
-    async with pool_setup(app, app_state, workers=1) as s:
-        w = s.workers[0]
-        await s.enqueue([task(n=1)])
-        lease = (await w.claim(s.pool_id)).json()["leases"][0]
-        sample = {"completion": "42", "finish_reason": "stop", "prompt_tokens": 3, "completion_tokens": 2}
+    async with one_lease(app, app_state) as (w, lease):
+        sample = dict(SAMPLE)
         for bad, loc in (
             ({"token_ids": [5, True]}, ["token_ids", 1]),
             ({"token_ids": ["5"]}, ["token_ids", 0]),
@@ -819,11 +830,8 @@ async def test_a_result_holding_text_that_is_not_unicode_is_refused(app: Any, ap
     parser (orjson, serde_json) refuses: a node could leave a page of the pool's feed that such a
     trainer never reads past. Each is 422 naming the place now, and nothing is recorded: the
     lease takes the right answer afterwards."""
-    async with pool_setup(app, app_state, workers=1) as s:
-        w = s.workers[0]
-        await s.enqueue([task(n=1)])
-        lease = (await w.claim(s.pool_id)).json()["leases"][0]
-        sample = {"completion": "42", "finish_reason": "stop", "prompt_tokens": 3, "completion_tokens": 2}
+    async with one_lease(app, app_state) as (w, lease):
+        sample = dict(SAMPLE)
         for bad, loc in (
             ({"logprob_summary": {"LONE": -0.5}}, ["logprob_summary"]),
             ({"logprob_summary": {"mean": -0.5, "x LONE": -1.0}}, ["logprob_summary"]),

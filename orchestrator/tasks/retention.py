@@ -50,7 +50,6 @@ MIN_AGE_DAYS = 1
 class PruneReport:
     submissions: int
     body_bytes: int
-    last_submission_id: int | None
 
 
 def _eligible(cutoff: dt.datetime, pool_id: str | None) -> list[Any]:
@@ -62,19 +61,15 @@ def _eligible(cutoff: dt.datetime, pool_id: str | None) -> list[Any]:
 
 async def measure(session: AsyncSession, *, cutoff: dt.datetime, pool_id: str | None) -> PruneReport:
     """What a run would prune now: the count and the bytes of the bodies (a dry run)."""
-    count, size, last = (
+    count, size = (
         await session.execute(
-            select(
-                func.count(),
-                func.coalesce(func.sum(func.length(Submission.body)), 0),
-                func.max(Submission.id),
-            )
+            select(func.count(), func.coalesce(func.sum(func.length(Submission.body)), 0))
             .select_from(Submission)
             .join(Verdict, Verdict.submission_id == Submission.id)
             .where(*_eligible(cutoff, pool_id))
         )
     ).one()
-    return PruneReport(int(count), int(size), int(last) if last is not None else None)
+    return PruneReport(int(count), int(size))
 
 
 async def _batch(
@@ -182,12 +177,11 @@ async def prune(
     later has pruned)."""
     pruned = size = 0
     after = 0
-    last: int | None = None
     while True:
         async with sessionmaker() as session, session.begin():
             rows = await _batch(session, cutoff=cutoff, pool_id=pool_id, after_id=after, limit=batch)
             if not rows:
-                return PruneReport(pruned, size, last)
+                return PruneReport(pruned, size)
             archive.write([archive_line(r) for r in rows])  # on disk before the bodies go
             ids = [r.Submission.id for r in rows]
             await session.execute(
@@ -199,6 +193,6 @@ async def prune(
             batch_size = sum(len(r.Submission.body) for r in rows)
             pruned += len(rows)
             size += batch_size
-            after = last = ids[-1]
+            after = ids[-1]
         if on_batch is not None:
             on_batch(len(rows), batch_size)
