@@ -111,7 +111,8 @@ class ProblemReport(BaseModel):
     kept_samples: int = Field(description="min(correct, keep_correct): what the dataset holds")
     off_policy_samples: int = Field(description="Generated with another policy step: excluded")
     discarded_samples: int = Field(
-        description="Results rejected for another reason, reversed, or decided after the deadline"
+        description="Results rejected for another reason, reversed, withdrawn by a fraud verdict "
+        "against their node, or decided after the deadline"
     )
     unchecked_samples: int = Field(
         description="Accepted samples without a server reward: the problem's verification spec gives "

@@ -38,6 +38,13 @@ class VerdictOut(BaseModel):
     decided_at: dt.datetime
     reversed_at: dt.datetime | None
     reversal_reason: str | None
+    withdrawn_by: int | None = Field(
+        default=None,
+        description="An accepted verdict withdrawn by a fraud verdict (its id) against the same node, "
+        "decided within this one's hold window: its reward is forfeited and its rollout is no longer "
+        "in the trainer feed, its export or ReST^EM datasets. Null again if that verdict is reversed "
+        "on appeal",
+    )
 
 
 class ReverseIn(StrictModel):

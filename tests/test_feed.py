@@ -8,16 +8,17 @@ import json
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from orchestrator.admin.tokens import Role, create_token
 from orchestrator.core.pagination import encode_cursor
 from orchestrator.feed import service as feed_service
 from orchestrator.tasks.models import Submission
 from orchestrator.verification import service as verification
-from orchestrator.verification.models import VerificationJob
+from orchestrator.verification.models import Verdict, VerificationJob
 from tests.conftest import make_token, postgres_only, problem
 from tests.tasks_helpers import PoolSetup, Worker, pool_setup, task
+from tests.test_verification import ECON
 from tests.verification_helpers import answer_body, submit, verdicts, verify_all
 from tests.waits import HANG_S, until_waiting
 
@@ -73,14 +74,16 @@ async def whole_feed(s: PoolSetup, limit: int, after: str | None = None) -> tupl
 async def test_only_accepted_rollouts_appear_in_acceptance_order_with_server_rewards(
     app: Any, app_state: Any
 ) -> None:
-    async with pool_setup(app, app_state, workers=1, max_leases_per_node=10) as s:
-        w = s.workers[0]
-        first, second, wrong, fraud, late = await leases(s, w, 5, n=2)
+    async with pool_setup(app, app_state, workers=2, max_leases_per_node=10) as s:
+        w, cheat = s.workers
+        first, second, wrong, late = await leases(s, w, 4, n=2)
+        [fraud] = await leases(s, cheat, 1, n=2)
         # Submitted (and so verified) out of lease order: the feed follows verdicts, not tasks.
         b = await submit(w, second, ["4", "5"])
         a = await submit(w, first, ["4", "4"])
         await submit(w, wrong, ["5", "6"])  # an honest wrong answer: rejected
-        await submit(w, fraud, ["4", "4"], seed=12345)  # a seed the worker chose: fraud
+        # A seed the worker chose: fraud (by another node: it would withdraw w's rollouts).
+        await submit(cheat, fraud, ["4", "4"], seed=12345)
         await verify_all(app_state)
         await submit(w, late, ["4", "4"])  # not verified yet
 
@@ -500,3 +503,68 @@ async def test_verdicts_are_written_while_a_feed_page_is_being_built(
         monkeypatch.setattr(feed_service, "_rollouts", real)
         later = await feed(s, after=page["next_cursor"])
         assert [i["submission_id"] for i in later["items"]] == [sub_b]
+
+
+async def test_a_fraud_verdict_withdraws_its_nodes_rollouts_in_the_hold_window_until_appealed(
+    app: Any, app_state: Any
+) -> None:
+    """INTELLECT-2's window: the work a fraud verdict's node did within the hold window is as
+    suspect as its forfeited rewards. Those rollouts leave the feed, whether or not they earned a
+    reward; older ones, another node's and the node's later ones stay; an appeal brings them back."""
+    open_ended = {"prompt": "Name the capital of France.", "sampling": {"max_tokens": 64}}
+    async with pool_setup(app, app_state, workers=2, economics=ECON, stake=1000, max_leases_per_node=10) as s:
+        cheat, honest = s.workers
+        [old] = await leases(s, cheat, 1)
+        await submit(cheat, old, ["4"])
+        await verify_all(app_state)
+        async with app_state.sessionmaker() as session, session.begin():  # its window is over
+            await session.execute(update(Verdict).values(hold_until=Verdict.decided_at))
+        [recent] = await leases(s, cheat, 1)
+        await submit(cheat, recent, ["4"])
+        assert (await s.enqueue([open_ended], key="unchecked")).status_code == 201
+        [unpaid] = (await cheat.claim(s.pool_id)).json()["leases"]
+        await submit(cheat, unpaid, ["Paris"])  # accepted unchecked, for no reward
+        [other] = await leases(s, honest, 1)
+        await submit(honest, other, ["4"])
+        await verify_all(app_state)
+        everything = [i["verdict_id"] for i in (await feed(s))["items"]]
+        assert len(everything) == 4
+        old_id, recent_id, unpaid_id, other_id = everything
+
+        [forged] = await leases(s, cheat, 1)
+        await submit(cheat, forged, ["5"], claimed_reward=1.0)  # a reward claim the server refutes
+        await verify_all(app_state)
+        fraud = (await verdicts(s.admin, s.headers, s.pool_id))[-1]
+        assert fraud["category"] == "fraud"
+        [later] = await leases(s, cheat, 1)
+        await submit(cheat, later, ["4"])
+        await verify_all(app_state)
+        later_id = (await verdicts(s.admin, s.headers, s.pool_id))[-1]["id"]
+
+        assert [i["verdict_id"] for i in (await feed(s))["items"]] == [old_id, other_id, later_id]
+        exported = await s.admin.get(f"/v1/pools/{s.pool_id}/rollouts/export", headers=s.headers)
+        assert [json.loads(line)["verdict_id"] for line in exported.text.splitlines()] == [
+            old_id,
+            other_id,
+            later_id,
+        ]
+        trainer = await trainer_headers(app_state, [s.pool_id])
+        listed = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/verdicts", headers=trainer)
+        assert listed.status_code == 200, listed.text
+        withdrawn = {v["id"]: v["withdrawn_by"] for v in listed.json()["items"]}
+        assert withdrawn == {
+            old_id: None,
+            recent_id: fraud["id"],
+            unpaid_id: fraud["id"],
+            other_id: None,
+            fraud["id"]: None,
+            later_id: None,
+        }
+
+        r = await s.admin.post(
+            f"/v1/admin/verdicts/{fraud['id']}/reverse",
+            json={"reason": "appeal upheld"},
+            headers=s.admin_headers,
+        )
+        assert r.status_code == 200, r.text
+        assert [i["verdict_id"] for i in (await feed(s))["items"]] == [*everything, later_id]

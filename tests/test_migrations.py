@@ -566,6 +566,37 @@ def test_0013_records_which_fraud_verdict_forfeited_each_hold(scratch_url: str) 
     ]
 
 
+async def _hold_until(url: str) -> list[tuple[int, Any]]:
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            rows = await conn.execute(text("SELECT id, hold_until FROM verdicts ORDER BY id"))
+            return [(i, None if at is None else str(at)[:19]) for i, at in rows]
+    finally:
+        await engine.dispose()
+
+
+def test_0034_gives_rewarded_verdicts_their_holds_release_as_hold_until(scratch_url: str) -> None:
+    """The end of the hold window a fraud verdict withdraws a rollout in: the hold's release
+    time for the accepted verdicts that earned one (all of them here), none for fraud."""
+    upgrade(scratch_url)
+    asyncio.run(_seed_ended_tasks(scratch_url))
+    asyncio.run(_seed_forfeited_holds(scratch_url))
+    downgrade(scratch_url, "0012")
+    asyncio.run(_seed_holds_before_0013(scratch_url))  # each released at 2026-11-30 12:00
+    upgrade(scratch_url)
+    at = "2026-11-30 12:00:00"
+    assert asyncio.run(_hold_until(scratch_url)) == [
+        (1, at),
+        (2, at),
+        (3, None),
+        (4, at),
+        (5, None),
+        (6, at),
+        (7, at),
+    ]
+
+
 async def _seed_node_addresses(url: str, addresses: list[str]) -> None:
     """Nodes as registered before revision 0014: the address as the client connected from."""
     from orchestrator.identity.models import Node, Provider

@@ -16,7 +16,8 @@ from orchestrator.restem import service as restem_service
 from orchestrator.restem.jobs import advance_once
 from orchestrator.tasks.jobs import reap_once
 from tests.conftest import problem
-from tests.tasks_helpers import PoolSetup, Worker, pool_setup
+from tests.tasks_helpers import PoolSetup, Worker, pool_setup, task
+from tests.test_verification import ECON
 from tests.verification_helpers import FixedDraw, submit, verify_all
 
 QUESTIONS = {"p1": ("What is 2+2?", "4"), "p2": ("What is 3+3?", "6"), "p3": ("What is 5+5?", "10")}
@@ -395,6 +396,34 @@ async def test_a_reversed_verdict_drops_out_of_the_dataset(app: Any, app_state: 
         assert await dataset(s, it["id"]) == ""
         [p1] = (await report(s, it["id"]))["problems"]
         assert (p1["verified_samples"], p1["discarded_samples"]) == (0, 4)
+
+
+async def test_a_fraud_verdict_against_the_node_withdraws_its_samples_until_appealed(
+    app: Any, app_state: Any
+) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        it = await create(s, problems=("p1",), keep_correct=10)
+        w = s.workers[0]
+        await submit(w, (await claim_all(w, s.pool_id, 1))["p1"], ["4", "4", "4", "4"])
+        await verify_all(app_state)
+        assert len((await dataset(s, it["id"])).splitlines()) == 4
+        assert (await s.enqueue([task(verification={"answer": "4"})], key="other")).status_code == 201
+        [forged] = (await w.claim(s.pool_id)).json()["leases"]
+        await submit(w, forged, ["5"], claimed_reward=1.0)  # fraud, on a task outside the iteration
+        await verify_all(app_state)
+        assert await dataset(s, it["id"]) == ""
+        [p1] = (await report(s, it["id"]))["problems"]
+        assert (p1["verified_samples"], p1["discarded_samples"]) == (0, 4)
+        verdicts = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/verdicts", headers=s.headers)).json()
+        fraud = verdicts["items"][0]
+        assert fraud["category"] == "fraud"
+        r = await s.admin.post(
+            f"/v1/admin/verdicts/{fraud['id']}/reverse", json={"reason": "appeal"}, headers=s.admin_headers
+        )
+        assert r.status_code == 200, r.text
+        assert len((await dataset(s, it["id"])).splitlines()) == 4
+        [p1] = (await report(s, it["id"]))["problems"]
+        assert (p1["verified_samples"], p1["discarded_samples"]) == (4, 0)
 
 
 async def test_iterations_are_scoped_to_the_pool(app: Any, app_state: Any) -> None:

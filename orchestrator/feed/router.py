@@ -47,8 +47,9 @@ FEED_BUSY = {
     "/pools/{pool_id}/rollouts",
     response_model=RolloutPage,
     summary="Accepted rollouts in acceptance order, after a cursor",
-    description="Only accepted, unreversed verdicts; rewards are the server's. A verdict reversed "
-    "after it was served is absent when the same range is read again. Poll with `next_cursor`.",
+    description="Only accepted, unreversed verdicts that no fraud verdict against their node "
+    "withdrew; rewards are the server's. A verdict reversed or withdrawn after it was served is "
+    "absent when the same range is read again. Poll with `next_cursor`.",
     responses={503: FEED_BUSY},
 )
 async def rollouts(

@@ -2,8 +2,10 @@
 
 One item is one accepted result (a task replica's group of samples, kept together because
 GRPO-style trainers normalise rewards within a group), with the server's reward per sample.
-Rejected, still unverified and reversed verdicts never appear; a verdict reversed after it
-was served is simply absent when the same range is read again.
+Rejected, still unverified and reversed verdicts never appear, nor accepted ones that a fraud
+verdict against their node withdrew (decided within their hold window: ``Verdict``); a verdict
+reversed or withdrawn after it was served is simply absent when the same range is read again,
+and a withdrawn one is back if the fraud verdict is reversed on appeal.
 
 **Order without holes.** The cursor is the last verdict id served, so a verdict that commits
 *after* a reader passed its id would be skipped for ever. On SQLite every transaction takes
@@ -37,7 +39,7 @@ from orchestrator.core.errors import BadRequest, ServiceUnavailable
 from orchestrator.core.pagination import ID_MAX, decode_cursor, encode_cursor
 from orchestrator.core.sql import is_postgres
 from orchestrator.tasks.models import Submission, Task
-from orchestrator.verification.models import Verdict
+from orchestrator.verification.models import Verdict, withdrawn_by
 
 CURSOR_PREFIX = "rollouts:"
 EXPORT_CHUNK = 200
@@ -187,6 +189,8 @@ async def _rows(
         .join(Task, Task.id == Verdict.task_id)
         # A result whose evidence was pruned (tasks.retention) has no samples to serve.
         .where(*_accepted(pool_id), Verdict.id > after_id, Submission.evidence_pruned_at.is_(None))
+        # Nor one a fraud verdict against its node withdrew (Verdict), while that verdict stands.
+        .where(withdrawn_by().is_(None))
         .order_by(Verdict.id)
         .limit(limit)
     )

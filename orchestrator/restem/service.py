@@ -20,14 +20,15 @@ Counting a result's samples:
   the server checked every sample, so they count in the solve rate; but an accepted sample
   without a server reward (the problem's verification spec gave the reward function nothing
   to check against) -> ``unchecked`` (excluded: neither right nor wrong);
-* rejected for any other reason, reversed, or (expired iterations) decided after the deadline
-  -> ``discarded``; no verdict yet -> pending.
+* rejected for any other reason, reversed, withdrawn by a fraud verdict against its node
+  (``verification.models.Verdict``), or (expired iterations) decided after the deadline ->
+  ``discarded``; no verdict yet -> pending.
 
 A sample is correct when its server reward is 1 (ReST^EM's binary reward). The dataset keeps,
 per problem, the K correct samples with the smallest SHA-256 of
 ``"{iteration_id}:{submission_id}:{sample_index}"``: the same samples on every read, and no
-preference for fast or early workers. A verdict reversed later drops out and the next sample
-in that order takes its place.
+preference for fast or early workers. A verdict reversed or withdrawn later drops out and the
+next sample in that order takes its place.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from orchestrator.restem.models import RestemIteration, RestemProblem
 from orchestrator.tasks import service as tasks_service
 from orchestrator.tasks.models import Submission, Task
 from orchestrator.verification import rewards
-from orchestrator.verification.models import Verdict
+from orchestrator.verification.models import Verdict, withdrawn_by
 
 log = structlog.get_logger(__name__)
 
@@ -429,6 +430,7 @@ async def tally(session: AsyncSession, iteration: RestemIteration) -> list[Probl
                 Verdict.outcome,
                 Verdict.reason,
                 Verdict.reversed_at,
+                withdrawn_by().label("withdrawn_by"),
                 Verdict.decided_at,
                 Verdict.server_reward,
                 Verdict.details,
@@ -450,7 +452,11 @@ async def tally(session: AsyncSession, iteration: RestemIteration) -> list[Probl
             p.pending += 1
         elif r.policy_step != iteration.policy_step:
             p.off_policy += r.sample_count
-        elif r.reversed_at is not None or (cutoff is not None and r.decided_at > cutoff):
+        elif (
+            r.reversed_at is not None
+            or r.withdrawn_by is not None
+            or (cutoff is not None and r.decided_at > cutoff)
+        ):
             p.discarded += r.sample_count
         elif r.outcome == "accepted":
             checked = _checked(r.details, r.server_reward, r.sample_count)
@@ -599,6 +605,7 @@ async def dataset_lines(
                     Submission.policy_step == spec.policy_step,
                     Verdict.outcome == "accepted",
                     Verdict.reversed_at.is_(None),
+                    withdrawn_by().is_(None),  # by a fraud verdict against its node (Verdict)
                     Submission.evidence_pruned_at.is_(None),  # its samples were archived (tasks.retention)
                 )
                 .order_by(Submission.id)

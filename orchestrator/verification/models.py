@@ -14,13 +14,16 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    ScalarSelect,
     SmallInteger,
     String,
     Text,
     UniqueConstraint,
+    func,
+    select,
     text,
 )
-from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy.orm import Mapped, aliased, mapped_column
 
 from orchestrator.core.db import Base, UTCDateTime, utcnow
 
@@ -83,7 +86,13 @@ class VerificationJob(Base):
 
 
 class Verdict(Base):
-    """The decision on one submission. Never edited: an appeal adds a reversal."""
+    """The decision on one submission. Never edited: an appeal adds a reversal.
+
+    An accepted verdict's ``hold_until`` ends its hold window (its reward's ``release_at``; set
+    whether or not it earned a reward). A fraud verdict against the same node in the same pool,
+    decided after it and before that, withdraws it (``withdrawn_by``): the trainer feed, its
+    export and ReST^EM datasets leave it out, as the fraud verdict forfeits its reward. Nothing
+    is written for that: reversing the fraud verdict on appeal brings the rollout back."""
 
     __tablename__ = "verdicts"
     __table_args__ = (
@@ -92,6 +101,13 @@ class Verdict(Base):
         Index("ix_verdicts_node_id_id", "node_id", "id"),
         Index("ix_verdicts_provider_id_id", "provider_id", "id"),
         Index("ix_verdicts_pool_id_id", "pool_id", "id"),
+        Index(
+            "ix_verdicts_fraud",
+            "node_id",
+            "id",
+            postgresql_where=text("category = 'fraud'"),
+            sqlite_where=text("category = 'fraud'"),
+        ),
     )
 
     id: Mapped[int] = mapped_column(ID, primary_key=True, autoincrement=True)
@@ -114,6 +130,28 @@ class Verdict(Base):
     decided_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     reversed_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
     reversal_reason: Mapped[str | None] = mapped_column(Text)
+    hold_until: Mapped[dt.datetime | None] = mapped_column(
+        UTCDateTime(), doc="accepted: the end of its hold window (NULL: rejected, or decided before 0034)"
+    )
+
+
+def withdrawn_by() -> ScalarSelect[int]:
+    """The id of the first unreversed fraud verdict that withdraws the ``Verdict`` row it is
+    selected with (see ``Verdict``), or NULL: a correlated subquery (``ix_verdicts_fraud``)."""
+    fraud = aliased(Verdict)
+    return (
+        select(func.min(fraud.id))
+        .where(
+            fraud.node_id == Verdict.node_id,
+            fraud.pool_id == Verdict.pool_id,
+            fraud.category == "fraud",
+            fraud.reversed_at.is_(None),
+            fraud.id > Verdict.id,
+            fraud.decided_at < Verdict.hold_until,
+        )
+        .correlate(Verdict)
+        .scalar_subquery()
+    )
 
 
 class NodeTrust(Base):

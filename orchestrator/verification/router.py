@@ -35,7 +35,7 @@ from orchestrator.tasks.access import pool_for
 from orchestrator.tasks.models import Task
 from orchestrator.tasks.refs import task_ref
 from orchestrator.verification import service, validators
-from orchestrator.verification.models import Verdict
+from orchestrator.verification.models import Verdict, withdrawn_by
 from orchestrator.verification.scoring import scorer_for
 
 router = APIRouter(prefix="/v1", tags=["verification"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute)
@@ -55,9 +55,10 @@ JobId = Annotated[int, Path(ge=1, le=ID_MAX, description="Validation job id")]
 Limit = Annotated[int, Query(ge=1, le=500)]
 
 
-def verdict_out(v: Verdict, ref_key: bytes | None = None) -> VerdictOut:
+def verdict_out(v: Verdict, ref_key: bytes | None = None, withdrawn: int | None = None) -> VerdictOut:
     """A verdict; with ``ref_key``, as its node and provider see it: the task by the node's
-    reference (``refs.task_ref``), as the node's lease named it, not by its id."""
+    reference (``refs.task_ref``), as the node's lease named it, not by its id. ``withdrawn``:
+    the fraud verdict that withdraws it (``models.withdrawn_by``)."""
     return VerdictOut(
         id=v.id,
         submission_id=v.submission_id,
@@ -76,6 +77,7 @@ def verdict_out(v: Verdict, ref_key: bytes | None = None) -> VerdictOut:
         decided_at=v.decided_at,
         reversed_at=v.reversed_at,
         reversal_reason=v.reversal_reason,
+        withdrawn_by=withdrawn,
     )
 
 
@@ -91,14 +93,15 @@ async def _page(
     verdict (its pool, node, provider), so the cursor must be one of the listed verdicts. With
     ``ref_key`` (for nodes and providers), tasks are named by the node's references."""
     await require_listed(session, cursor, Verdict.id, *where, what="verdict of this list")
-    stmt = select(Verdict).where(*where).order_by(Verdict.id.desc()).limit(limit + 1)
+    stmt = select(Verdict, withdrawn_by()).where(*where).order_by(Verdict.id.desc()).limit(limit + 1)
     if cursor is not None:
         stmt = stmt.where(Verdict.id < cursor)
-    rows = list((await session.execute(stmt)).scalars())
+    rows = [(v, withdrawn) for v, withdrawn in (await session.execute(stmt)).all()]
     more = len(rows) > limit
     rows = rows[:limit]
     return Page[VerdictOut](
-        items=[verdict_out(v, ref_key) for v in rows], next_cursor=str(rows[-1].id) if more else None
+        items=[verdict_out(v, ref_key, withdrawn) for v, withdrawn in rows],
+        next_cursor=str(rows[-1][0].id) if more else None,
     )
 
 
@@ -233,7 +236,8 @@ async def reverse(
             before={"outcome": verdict.outcome, "category": verdict.category},
             after={"reversed": True, "reason": body.reason},
         )
-    return verdict_out(verdict)
+    withdrawn = await session.scalar(select(withdrawn_by()).where(Verdict.id == verdict.id))
+    return verdict_out(verdict, withdrawn=withdrawn)
 
 
 @validation_router.post(

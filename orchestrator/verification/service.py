@@ -955,6 +955,8 @@ async def decide(
         ),
         slashed_amount=0,
         decided_at=now,
+        # Its hold window: a fraud verdict against the node before then withdraws it (Verdict).
+        hold_until=now + dt.timedelta(seconds=pool.reward_hold_s) if decision.outcome == "accepted" else None,
     )
     try:
         async with session.begin_nested():
@@ -1048,6 +1050,7 @@ async def _reward(session: AsyncSession, pool: Pool, verdict: Verdict, *, now: d
     amount = verdict.reward_amount  # set when the verdict was written
     if amount <= 0:
         return
+    assert verdict.hold_until is not None  # a rewarded verdict is accepted
     await ledger.transfer(
         session,
         debit=_system_account(session, SystemAccount.rewards),
@@ -1065,7 +1068,7 @@ async def _reward(session: AsyncSession, pool: Pool, verdict: Verdict, *, now: d
             node_id=verdict.node_id,
             provider_id=verdict.provider_id,
             amount=amount,
-            release_at=now + dt.timedelta(seconds=pool.reward_hold_s),
+            release_at=verdict.hold_until,
             status="held",
             created_at=now,
         )
