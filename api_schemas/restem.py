@@ -108,7 +108,9 @@ class ProblemReport(BaseModel):
     )
     correct_samples: int
     solve_rate: float | None = Field(description="correct / verified; null when nothing was verified")
-    kept_samples: int = Field(description="min(correct, keep_correct): what the dataset holds")
+    kept_samples: int = Field(
+        description="min(correct - pruned_correct, keep_correct): what the dataset holds"
+    )
     off_policy_samples: int = Field(description="Generated with another policy step: excluded")
     discarded_samples: int = Field(
         description="Results rejected for another reason, reversed, withdrawn by a fraud verdict "
@@ -118,6 +120,10 @@ class ProblemReport(BaseModel):
         description="Accepted samples without a server reward: the problem's verification spec gives "
         "the pool's reward function nothing to check against (e.g. no `answer`). Not in the solve "
         "rate or the dataset"
+    )
+    pruned_correct_samples: int = Field(
+        description="Correct samples whose result's evidence `orchestrator admin prune-evidence` "
+        "archived: counted in the solve rate, not in the dataset (the archive holds them)"
     )
     pending_results: int = Field(description="Results still waiting for a verdict")
 
@@ -136,6 +142,7 @@ class ReportTotals(BaseModel):
     off_policy_samples: int
     discarded_samples: int
     unchecked_samples: int
+    pruned_correct_samples: int
     pending_results: int
 
 

@@ -6,6 +6,7 @@ import datetime as dt
 import hashlib
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from orchestrator.admin.tokens import Role, create_token
 from orchestrator.core.clock import FakeClock
 from orchestrator.restem import service as restem_service
 from orchestrator.restem.jobs import advance_once
+from orchestrator.tasks import retention
 from orchestrator.tasks.jobs import reap_once
 from tests.conftest import problem
 from tests.tasks_helpers import PoolSetup, Worker, pool_setup, task
@@ -424,6 +426,35 @@ async def test_a_fraud_verdict_against_the_node_withdraws_its_samples_until_appe
         assert len((await dataset(s, it["id"])).splitlines()) == 4
         [p1] = (await report(s, it["id"]))["problems"]
         assert (p1["verified_samples"], p1["discarded_samples"]) == (4, 0)
+
+
+async def test_the_report_counts_pruned_correct_samples_apart_and_its_dataset_size_stays_true(
+    app: Any, app_state: Any, tmp_path: Path
+) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        it = await create(s, keep_correct=3)
+        w = s.workers[0]
+        leases = await claim_all(w, s.pool_id, 2)
+        await submit(w, leases["p1"], ["4", "4", "4", "5"])
+        await verify_all(app_state)
+        now = dt.datetime.now(dt.UTC)
+        archive = retention.Archive(tmp_path / "evidence.jsonl")
+        pruned = await retention.prune(
+            app_state.sessionmaker, archive, cutoff=now + dt.timedelta(seconds=1), now=now
+        )
+        archive.close()
+        assert pruned.submissions == 1
+        await submit(w, leases["p2"], ["6", "6", "7", "7"])
+        await verify_all(app_state)
+        lines = [json.loads(line) for line in (await dataset(s, it["id"])).splitlines()]
+        assert [x["problem_id"] for x in lines] == ["p2", "p2"]
+        totals = (await report(s, it["id"]))["totals"]
+        # p1's 3 correct samples still count in the solve rate, but are in the archive only.
+        assert (totals["correct_samples"], totals["verified_samples"]) == (5, 8)
+        assert (totals["pruned_correct_samples"], totals["dataset_size"]) == (3, len(lines))
+        p1, p2 = (await report(s, it["id"]))["problems"]
+        assert (p1["kept_samples"], p1["pruned_correct_samples"]) == (0, 3)
+        assert (p2["kept_samples"], p2["pruned_correct_samples"]) == (2, 0)
 
 
 async def test_iterations_are_scoped_to_the_pool(app: Any, app_state: Any) -> None:

@@ -413,6 +413,7 @@ class ProblemTally:
     discarded: int = 0
     unchecked: int = 0
     pending: int = 0
+    pruned_correct: int = 0  # correct, but their result's evidence was pruned: not in the dataset
 
 
 async def tally(session: AsyncSession, iteration: RestemIteration) -> list[ProblemTally]:
@@ -427,6 +428,7 @@ async def tally(session: AsyncSession, iteration: RestemIteration) -> list[Probl
                 Submission.id.label("submission_id"),
                 Submission.policy_step,
                 Submission.sample_count,
+                Submission.evidence_pruned_at,
                 Verdict.outcome,
                 Verdict.reason,
                 Verdict.reversed_at,
@@ -462,7 +464,10 @@ async def tally(session: AsyncSession, iteration: RestemIteration) -> list[Probl
             checked = _checked(r.details, r.server_reward, r.sample_count)
             p.verified += checked
             p.unchecked += r.sample_count - checked
-            p.correct += _correct(r.details, r.server_reward, r.sample_count)
+            correct = _correct(r.details, r.server_reward, r.sample_count)
+            p.correct += correct
+            if r.evidence_pruned_at is not None:
+                p.pruned_correct += correct
         elif r.reason == "wrong_answer":
             p.verified += r.sample_count
         else:
@@ -639,7 +644,8 @@ async def report(session: AsyncSession, iteration: RestemIteration) -> Iteration
             verified_samples=p.verified,
             correct_samples=p.correct,
             solve_rate=_rate(p.correct, p.verified),
-            kept_samples=min(p.correct, k),
+            kept_samples=min(p.correct - p.pruned_correct, k),
+            pruned_correct_samples=p.pruned_correct,
             off_policy_samples=p.off_policy,
             discarded_samples=p.discarded,
             unchecked_samples=p.unchecked,
@@ -662,6 +668,7 @@ async def report(session: AsyncSession, iteration: RestemIteration) -> Iteration
         off_policy_samples=sum(p.off_policy for p in problems),
         discarded_samples=sum(p.discarded for p in problems),
         unchecked_samples=sum(p.unchecked for p in problems),
+        pruned_correct_samples=sum(p.pruned_correct for p in problems),
         pending_results=sum(p.pending for p in problems),
     )
     return IterationReport(
