@@ -234,3 +234,34 @@ async def test_a_count_waits_for_the_outermost_commit_and_goes_with_a_rollback(a
         async with session.begin():
             pass
     assert counted == ["outer", "released"]
+
+
+async def test_an_appeal_is_counted_by_what_the_verdict_was_once_it_commits(
+    app: Any, app_state: Any, client: httpx.AsyncClient
+) -> None:
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=2) as s:
+        w = s.workers[0]
+        await s.enqueue([task(), task()])
+        for lease, answer in zip(
+            (await w.claim(s.pool_id, max_tasks=2)).json()["leases"], ("4", "5"), strict=True
+        ):
+            await submit(w, lease, [answer])
+        await verify_all(app_state)
+        decided = {v["category"]: v["id"] for v in await verdicts(s.admin, s.headers, s.pool_id)}
+        before = await scrape(client)
+        for _ in range(2):  # the second appeal of the same verdict changes nothing
+            r = await s.admin.post(
+                f"/v1/admin/verdicts/{decided['invalid']}/reverse",
+                json={"reason": "appeal"},
+                headers=s.admin_headers,
+            )
+            assert r.status_code == 200, r.text
+        after = await scrape(client)
+    counted = "orchestrator_verdicts_reversed_total"
+    grew = value(after, counted, outcome="rejected", category="invalid") - value(
+        before, counted, outcome="rejected", category="invalid"
+    )
+    assert grew == 1
+    assert value(after, counted, outcome="accepted", category="valid") == value(
+        before, counted, outcome="accepted", category="valid"
+    )

@@ -117,6 +117,12 @@ SLASHED = Counter(
     "Stake slashed and pending rewards forfeited by verdicts (fraud, and the soft-invalid "
     "penalty), in ledger units",
 )
+VERDICTS_REVERSED = Counter(
+    "orchestrator_verdicts_reversed_total",
+    "Verdicts reversed on appeal, by the outcome and category they had (counted by the API "
+    "process that took the appeal): orchestrator_verdicts_total less these is what stands",
+    ["outcome", "category"],
+)
 AUDITS_SKIPPED = Counter(
     "orchestrator_audits_skipped_total",
     "Results drawn for an audit but decided on their own checks (audit_skipped in the verdict's "

@@ -1420,6 +1420,8 @@ async def reverse_verdict(
     verdict.reversed_at = now
     verdict.reversal_reason = reason
     await session.flush()
+    reversed_ = metrics.VERDICTS_REVERSED.labels(verdict.outcome, verdict.category)
+    metrics.on_commit(session, reversed_.inc)
     return verdict, True
 
 
