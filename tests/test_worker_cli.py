@@ -22,6 +22,7 @@ from orchestrator.cli import app
 from orchestrator.worker.problems import arithmetic_tasks
 from tests.conftest import REDIS_URL, ROOT, _drop_prefix
 from tests.process_helpers import free_port
+from tests.waits import HANG_S
 
 runner = CliRunner()
 WORKER_ARGS = ["worker", "run", "--backend", "arithmetic", "--backend-opt", "error_rate=0"]
@@ -192,7 +193,7 @@ def server(database_url: str, redis_prefix: str, tmp_path: Path) -> Iterator[tup
                 except httpx.HTTPError:
                     return False
 
-            _wait(up, 15, "the server")
+            _wait(up, HANG_S, "the server")
             yield url, env
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -274,7 +275,7 @@ def test_worker_run_submits_results_and_exits_cleanly_on_sigint(
                 r = http.get(f"/v1/admin/pools/{pool_id}/tasks", params={"status": "open"}, headers=headers)
                 return r.json()["items"] == []
 
-            _wait(all_submitted, 20, "the worker's results")
+            _wait(all_submitted, HANG_S, "the worker's results")
             proc.send_signal(signal.SIGINT)
             out, err = proc.communicate(timeout=20)
         finally:
@@ -375,7 +376,7 @@ def test_a_second_signal_after_the_stats_were_printed_does_not_change_the_exit_s
                 r = http.get(f"/v1/admin/pools/{pool_id}/members", headers=headers)
                 return len(r.json()["items"]) == 1
 
-            _wait(joined, 20, "the worker's join")
+            _wait(joined, HANG_S, "the worker's join")
             proc.send_signal(signal.SIGINT)
             assert proc.stdout is not None
             stats = json.loads(proc.stdout.readline())  # the run is over
