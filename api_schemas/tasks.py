@@ -11,6 +11,7 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     Field,
+    StringConstraints,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -388,18 +389,19 @@ class Sample(StrictModel):
     )
     prompt_tokens: int = Field(ge=0, le=10_000_000)
     completion_tokens: int = Field(ge=0, le=10_000_000)
-    logprob_summary: dict[str, JsonFloat] | None = Field(default=None, max_length=64)
+    logprob_summary: (
+        dict[Annotated[str, StringConstraints(min_length=1, max_length=64)], JsonFloat] | None
+    ) = Field(
+        default=None,
+        max_length=64,
+        description="Up to 64 named statistics (names of 1 to 64 characters), e.g. mean and min",
+    )
 
     @field_validator("logprob_summary")
     @classmethod
     def _finite(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         if value is not None and not all(math.isfinite(v) for v in value.values()):
             raise ValueError("logprob summary values must be finite")
-        # A name is taken as it was parsed, where a string field refuses a lone surrogate
-        # (JSON's \ud800): one was stored and served by the trainer feed as bytes that are not
-        # UTF-8, which a strict JSON parser refuses.
-        if value is not None and not all(_is_unicode(name) for name in value):
-            raise ValueError("logprob summary names must be Unicode text (no lone surrogate)")
         return value
 
 
