@@ -4,6 +4,7 @@ a node that left, fell unhealthy or never polls, or on a provider the pool does 
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
 import pytest
@@ -182,3 +183,45 @@ async def test_a_lone_result_of_a_replicated_task_waits_for_its_sibling(
         await _answer(app_state, s, s.workers[1:], ["Paris"])
         vs = await verdicts(s.admin, s.headers, s.pool_id)
         assert [(v["category"], v["verifier"]) for v in vs] == [("valid", "quorum")] * 2
+
+
+@pytest.mark.parametrize("ending", ["cancel", "complete_pool", "deadline"])
+async def test_a_lone_audited_result_whose_task_ends_is_decided_on_its_checks(
+    app: Any, app_state: Any, client: Any, clock: FakeClock, ending: str
+) -> None:
+    """A task's only result was in, and the verifier reopened the task for an audit replica;
+    then the task ended (an operator's cancel, the pool's completion, its deadline). Nobody will
+    ever answer the audit, so it is skipped and the result decided on its checks, as when nobody
+    takes the replica in time: the node did the work in time and is paid. It was rejected
+    ``task_abandoned`` (inconclusive), unpaid and counted against the node's trust."""
+    from orchestrator.tasks.jobs import reap_once
+
+    async with pool_setup(app, app_state, workers=2, economics=ECON) as s:
+        first, _sibling = s.workers
+        deadline = (clock.utcnow() + dt.timedelta(seconds=30)).isoformat()
+        await s.enqueue([{**TASK, "deadline_at": deadline}], key="audit")
+        await _answer(app_state, s, [first], ["Paris"])
+        detail = await _task_detail(s)
+        assert (detail["status"], detail["replication"]) == ("open", 2)  # the audit replica
+        if ending == "cancel":
+            url = f"/v1/admin/pools/{s.pool_id}/tasks/{detail['id']}/cancel"
+            assert (await s.admin.post(url, headers=s.headers)).status_code == 200
+        elif ending == "complete_pool":
+            for action in ("pause", "complete"):
+                r = await s.admin.post(f"/v1/admin/pools/{s.pool_id}/{action}", headers=s.headers)
+                assert r.status_code == 200, r.text
+        else:
+            clock.advance(31)
+            await reap_once(app_state)
+        await verify_all(app_state)
+        [verdict] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (verdict["outcome"], verdict["category"], verdict["reason"]) == (
+            "accepted",
+            "valid",
+            "verified",
+        )
+        assert "audit_skipped" in verdict["details"]
+        assert verdict["reward_amount"] == 7
+        b = await balances(client, first)
+        assert b["rewards_pending"] + b["rewards_claimable"] == 7
+        assert (await _task_detail(s))["replication"] == 1  # the audit replica withdrawn

@@ -62,6 +62,7 @@ from sqlalchemy import (
     literal_column,
     or_,
     select,
+    update,
 )
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionmaker
@@ -872,16 +873,26 @@ async def _expire_wait(
 async def settle_abandoned(session: AsyncSession, task_id: int, *, now: dt.datetime) -> int:
     """A task that was cancelled or failed while results waited for their quorum (or before
     their checks, which then call this through ``try_quorum``): those results can never be
-    compared, so they are decided as inconclusive (no reward, no slash)."""
-    waiting = list(
-        (
-            await session.execute(
-                select(VerificationJob).where(
-                    VerificationJob.task_id == task_id, VerificationJob.stage.in_(("quorum",))
-                )
-            )
-        ).scalars()
+    compared, so they are decided as inconclusive (no reward, no slash).
+
+    But a lone audited result (its task's only one, waiting for the audit replica the verifier
+    added) was in before the task ended; only its audit never can be. The audit replica is
+    withdrawn, as when nobody takes it in time (``_expire_wait``), and the result goes back to
+    the verifier, whose checks find the task ended and decide it without the audit
+    (``audit_skipped``). It is not decided here: its verdict moves money, and the caller holds
+    the task, which the global lock order puts after the ledger accounts."""
+    jobs = list(
+        (await session.execute(select(VerificationJob).where(VerificationJob.task_id == task_id))).scalars()
     )
+    waiting = [j for j in jobs if j.stage == "quorum"]
+    if len(jobs) == 1 and waiting and waiting[0].audited:
+        await session.execute(
+            update(Task).where(Task.id == task_id).values(replication=Task.submitted_replicas, updated_at=now)
+        )
+        [job] = waiting
+        job.stage, job.audited, job.updated_at = "checks", False, now
+        await session.flush()
+        return 0
     for job in waiting:
         submission = await session.get(Submission, job.submission_id)
         assert submission is not None
