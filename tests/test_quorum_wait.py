@@ -225,3 +225,33 @@ async def test_a_lone_audited_result_whose_task_ends_is_decided_on_its_checks(
         b = await balances(client, first)
         assert b["rewards_pending"] + b["rewards_claimable"] == 7
         assert (await _task_detail(s))["replication"] == 1  # the audit replica withdrawn
+
+
+@pytest.mark.parametrize("ending", ["cancel", "complete_pool"])
+async def test_agreeing_results_of_a_task_that_ends_are_decided_by_the_quorum_rule(
+    app: Any, app_state: Any, client: Any, ending: str
+) -> None:
+    """Two of a task's three replicas are in and agree, a strict majority of its quorum of
+    three; then the task ends (an operator's cancel, the pool's completion) before the third
+    comes. The results are put to the quorum rule on what is in, as when nobody takes the third
+    replica in time, and accepted: they were rejected ``task_abandoned`` (inconclusive), unpaid
+    and counted against both nodes' trust, although a pool's completion pays the results in."""
+    async with pool_setup(app, app_state, workers=3, replication_factor=3, economics=ECON) as s:
+        await s.enqueue([TASK], key="r3")
+        await _answer(app_state, s, s.workers[:2], ["Paris", "Paris"])  # the third never answers
+        assert await verdicts(s.admin, s.headers, s.pool_id) == []
+        if ending == "cancel":
+            url = f"/v1/admin/pools/{s.pool_id}/tasks/{(await _task_detail(s))['id']}/cancel"
+            assert (await s.admin.post(url, headers=s.headers)).status_code == 200
+        else:
+            for action in ("pause", "complete"):
+                r = await s.admin.post(f"/v1/admin/pools/{s.pool_id}/{action}", headers=s.headers)
+                assert r.status_code == 200, r.text
+        await verify_all(app_state)
+        vs = await verdicts(s.admin, s.headers, s.pool_id)
+        assert [(v["category"], v["reason"], v["verifier"], v["reward_amount"]) for v in vs] == [
+            ("valid", "verified", "quorum", 7)
+        ] * 2
+        for worker in s.workers[:2]:
+            b = await balances(client, worker)
+            assert b["rewards_pending"] + b["rewards_claimable"] == 7

@@ -872,25 +872,27 @@ async def _expire_wait(
 
 async def settle_abandoned(session: AsyncSession, task_id: int, *, now: dt.datetime) -> int:
     """A task that was cancelled or failed while results waited for their quorum (or before
-    their checks, which then call this through ``try_quorum``): those results can never be
-    compared, so they are decided as inconclusive (no reward, no slash).
-
-    But a lone audited result (its task's only one, waiting for the audit replica the verifier
-    added) was in before the task ended; only its audit never can be. The audit replica is
-    withdrawn, as when nobody takes it in time (``_expire_wait``), and the result goes back to
-    the verifier, whose checks find the task ended and decide it without the audit
-    (``audit_skipped``). It is not decided here: its verdict moves money, and the caller holds
-    the task, which the global lock order puts after the ledger accounts."""
+    their checks, which then call this through ``try_quorum``): the replicas still out never
+    report. What is in is then judged as when nobody takes those replicas in time
+    (``_expire_wait``): two or more results are put to the quorum rule without the missing ones
+    (a strict majority of at least two decides, else they are inconclusive), and a lone audited
+    result (its task's only one, waiting for the audit replica the verifier added) is decided on
+    its checks without the audit (``audit_skipped``). For that the unanswered replicas are
+    withdrawn and the waiting results go back to the verifier, which finds the task ended; they
+    are not decided here, since their verdicts may move money and the caller holds the task,
+    which the global lock order puts after the ledger accounts. A lone result that was not
+    audited can never be compared: it is decided here as inconclusive (no reward, no slash).
+    Returns how many results were decided here."""
     jobs = list(
         (await session.execute(select(VerificationJob).where(VerificationJob.task_id == task_id))).scalars()
     )
     waiting = [j for j in jobs if j.stage == "quorum"]
-    if len(jobs) == 1 and waiting and waiting[0].audited:
+    if waiting and (len(jobs) > 1 or waiting[0].audited):
         await session.execute(
             update(Task).where(Task.id == task_id).values(replication=Task.submitted_replicas, updated_at=now)
         )
-        [job] = waiting
-        job.stage, job.audited, job.updated_at = "checks", False, now
+        for job in waiting:
+            job.stage, job.audited, job.updated_at = "checks", False, now
         await session.flush()
         return 0
     for job in waiting:
