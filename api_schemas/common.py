@@ -101,22 +101,37 @@ KeyId = Annotated[
 MAX_JSON_DEPTH = 64
 
 
+def is_unicode(text: str) -> bool:
+    """Whether ``text`` is Unicode characters only: no lone surrogate, which UTF-8 cannot encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _finite_json(value: dict[str, Any]) -> dict[str, Any]:
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
         if isinstance(item, float) and not math.isfinite(item):
             raise ValueError("NaN and Infinity are not JSON numbers")
+        if isinstance(item, str) and not is_unicode(item):
+            raise ValueError("strings must be Unicode text (no lone surrogate)")
         if isinstance(item, dict | list):
             if depth > MAX_JSON_DEPTH:
                 raise ValueError(f"objects and arrays may be nested at most {MAX_JSON_DEPTH} deep")
+            if isinstance(item, dict) and not all(is_unicode(key) for key in item):
+                raise ValueError("names must be Unicode text (no lone surrogate)")
             children = item.values() if isinstance(item, dict) else item
             stack.extend((child, depth + 1) for child in children)
     return value
 
 
 # A JSON object kept in a JSON column: Python's JSON parser accepts the bare words NaN and
-# Infinity, which PostgreSQL's json type refuses (a 500) and SQLite's would serve back as null.
+# Infinity, which PostgreSQL's json type refuses (a 500) and SQLite's would serve back as null,
+# and a lone surrogate (\ud800) in a string or a name, which UTF-8 cannot encode (the enqueue's
+# batch digest failed with a 500, and a stored one reached workers as bytes that are not UTF-8).
 # Nesting is bounded: pydantic serializes at most some 255 levels, so a task's metadata 300 deep
 # failed the enqueue with a 500, and one a little less deep could be stored and then fail every
 # answer that wraps it in more levels (a validator's job carries the verification spec).

@@ -17,7 +17,15 @@ from pydantic import (
     model_validator,
 )
 
-from api_schemas.common import JsonFloat, JsonInt, JsonObject, NoNul, StrictModel, Text, UtcTime
+from api_schemas.common import (
+    JsonFloat,
+    JsonInt,
+    JsonObject,
+    NoNul,
+    StrictModel,
+    Text,
+    UtcTime,
+)
 
 SHA256 = r"^[0-9a-f]{64}$"
 MAX_PROOF_BYTES = 8 * 1024 * 1024
@@ -370,15 +378,6 @@ class ClaimOut(BaseModel):
     reason: NoWorkReason | None = Field(default=None, description="Why the list is empty")
     detail: str | None = None
     retry_after_s: int | None = Field(default=None, description="Also sent as Retry-After")
-
-
-def _is_unicode(text: str) -> bool:
-    """Whether ``text`` is Unicode characters only: no lone surrogate, which UTF-8 cannot encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class Sample(StrictModel):

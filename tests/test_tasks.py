@@ -245,6 +245,45 @@ async def test_metadata_or_verification_nested_too_deep_is_refused(app: Any, app
         assert r.status_code == 201, r.text
 
 
+async def test_metadata_or_verification_holding_text_that_is_not_unicode_is_refused(
+    app: Any, app_state: Any
+) -> None:
+    """JSON can spell a lone surrogate (\\ud800), which is no Unicode character and which UTF-8
+    cannot encode: a task's metadata or verification spec holding one, as a string or as a name,
+    failed the enqueue with a 500 (its batch digest could not encode it), and so did a ReST^EM
+    problem's. Each is 422 naming the field now, nothing is recorded, and the batch key is still
+    free for the right batch."""
+    async with pool_setup(app, app_state) as s:
+        for field, value in (
+            ("metadata", {"difficulty": "LONE"}),
+            ("metadata", {"LONE": 1}),
+            ("verification", {"answer": "4", "accept": ["4", "fourLONE"]}),
+            ("verification", {"answer": "4", "x": {"LONE": True}}),
+        ):
+            body = {"batch_key": "b", "tasks": [task(), task(**{field: value})]}
+            r = await s.admin.post(
+                f"/v1/admin/pools/{s.pool_id}/tasks",
+                content=json.dumps(body).replace("LONE", "\\ud800").encode(),
+                headers={**s.headers, "Content-Type": "application/json"},
+            )
+            body = problem(r, 422, "validation_failed")
+            assert body["errors"][0]["loc"] == ["body", "tasks", 1, field], body
+            assert "no lone surrogate" in body["detail"]
+        problem_set = {"problem_id": "q", "prompt": "p", "verification": {"answer": "LONE"}}
+        r = await s.admin.post(
+            f"/v1/admin/pools/{s.pool_id}/restem/iterations",
+            content=json.dumps({"name": "lone", "policy_step": 1, "problems": [problem_set]})
+            .replace("LONE", "\\ud800")
+            .encode(),
+            headers={**s.headers, "Content-Type": "application/json"},
+        )
+        problem(r, 422, "validation_failed")
+        listing = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)).json()
+        assert listing["items"] == []
+        r = await s.enqueue([task(), task(metadata={"difficulty": "\u00e9"})], key="b")
+        assert r.status_code == 201, r.text
+
+
 async def test_enqueue_refuses_tasks_whose_reward_could_never_be_paid(app: Any, app_state: Any) -> None:
     """A pool stored before reward_per_sample was bounded may pay more per sample than a result
     of many samples can be paid in one ledger transfer (10^15): such tasks are refused when
