@@ -40,9 +40,23 @@ NO_NUL = r"^[^\x00]*$"
 """The same rule as a pattern, for path and query parameters (Path(pattern=...), Query(...))."""
 
 
+def is_unicode(text: str) -> bool:
+    """Whether ``text`` is Unicode characters only: no lone surrogate, which UTF-8 cannot encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check_no_nul(value: str) -> str:
     if "\x00" in value:
         raise ValueError("must not contain a NUL character (U+0000)")
+    # A string with bounds or a pattern is refused by pydantic's core when it holds a lone
+    # surrogate (JSON's \ud800); one without (a heartbeat's lease ids) reached the database,
+    # which cannot encode it as UTF-8 (a 500).
+    if not is_unicode(value):
+        raise ValueError("must be Unicode text (no lone surrogate)")
     return value
 
 
@@ -99,15 +113,6 @@ KeyId = Annotated[
 
 # The deepest nesting of objects and arrays a JsonObject may have (the object itself is level 1).
 MAX_JSON_DEPTH = 64
-
-
-def is_unicode(text: str) -> bool:
-    """Whether ``text`` is Unicode characters only: no lone surrogate, which UTF-8 cannot encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _finite_json(value: dict[str, Any]) -> dict[str, Any]:

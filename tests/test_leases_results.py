@@ -1000,6 +1000,30 @@ async def test_a_heartbeat_naming_a_lease_id_with_a_nul_is_refused_as_bad_input(
         assert (await w.beat([lease["assignment_id"], odd])).json()["drop_leases"] == [odd]
 
 
+async def test_a_heartbeat_naming_a_lease_id_that_is_not_unicode_is_refused_as_bad_input(
+    app: Any, app_state: Any
+) -> None:
+    """JSON can spell a lone surrogate (\\ud800), which UTF-8 cannot encode: a lease id holding
+    one reached the database, which failed the heartbeat with a 500. It is a 422 naming the id
+    now, and the lease is still extended by the next beat."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        await s.enqueue([task()])
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        raw = json.dumps({"leases": [lease["assignment_id"], "asg_LONE"]}).replace("LONE", "\\ud800")
+        r = await w.client.post(
+            "/v1/nodes/me/heartbeat",
+            content=raw.encode(),
+            headers={"Content-Type": "application/json"},
+            auth=w.contributor.node_auth,
+        )
+        body = problem(r, 422, "validation_failed")
+        assert body["errors"][0]["loc"] == ["body", "leases", 1], body
+        assert "no lone surrogate" in body["detail"]
+        r = await w.beat([lease["assignment_id"]])
+        assert r.status_code == 200 and r.json()["drop_leases"] == [], r.text
+
+
 async def test_releasing_a_lease_after_it_ran_out_counts_as_its_expiry(
     app: Any, app_state: Any, clock: FakeClock
 ) -> None:
