@@ -217,6 +217,30 @@ async def test_hand_built_signature_base_is_accepted(
     assert r.status_code == 200, r.text
 
 
+async def test_a_json_body_not_sent_as_json_is_refused_saying_so(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    """PROTOCOL.md names no Content-Type, and many HTTP clients send raw bytes with none (or, as
+    curl -d does, as a form). Such a body, a well-formed JSON object, was validated as bytes:
+    422 "Input should be a valid dictionary or object to extract fields from", which sent the
+    author of a client looking at the JSON. The 422 says what the body was sent as, and that it
+    must be application/json; sent so, the same body is taken."""
+    for media in (None, "application/x-www-form-urlencoded", "text/plain"):
+        headers = signed(contributor.node_key, "POST", HEARTBEAT, HB_BODY)
+        if media is not None:
+            headers["Content-Type"] = media
+        r = await client.post(HEARTBEAT, content=HB_BODY, headers=headers)
+        body = problem(r, 422, "validation_failed")
+        said = f"Content-Type {media!r}" if media else "no Content-Type"
+        assert said in body["detail"] and "application/json" in body["detail"], body
+        assert body["errors"] == [
+            {"loc": ["body"], "msg": body["detail"].removeprefix("body: "), "type": "content_type_not_json"}
+        ]
+    headers = signed(contributor.node_key, "POST", HEARTBEAT, HB_BODY)
+    r = await client.post(HEARTBEAT, content=HB_BODY, headers={**headers, "Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+
+
 # ------------------------------------------------------------- tampering
 
 

@@ -309,6 +309,21 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
                 request=request,
                 extra={"errors": errors},
             )
+    if any(tuple(e.get("loc", ())) == ("body",) and isinstance(e.get("input"), bytes) for e in exc.errors()):
+        # FastAPI reads a body as JSON only when its Content-Type says JSON; any other body is
+        # validated as the raw bytes, which said "Input should be a valid dictionary" of a body
+        # that was a JSON object.
+        media = request.headers.get("content-type")
+        said = f"Content-Type {media[:100]!r}" if media else "no Content-Type"
+        msg = f"the body was sent with {said}, so it was not read as JSON; send it as application/json"
+        return problem_response(
+            status=422,
+            code="validation_failed",
+            title="Request did not validate",
+            detail=f"body: {msg}",
+            request=request,
+            extra={"errors": [{"loc": ["body"], "msg": msg, "type": "content_type_not_json"}]},
+        )
     first = (located("body") or errors or [{"loc": [], "msg": "invalid"}])[0]
     return problem_response(
         status=422,
