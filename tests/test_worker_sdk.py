@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import func, select
 
 from api_schemas.tasks import Lease, ResultIn
-from orchestrator.tasks.models import Submission
+from orchestrator.tasks.models import Assignment, Submission
 from orchestrator.verification.jobs import drain
 from orchestrator.worker.backends import ArithmeticBackend
 from orchestrator.worker.errors import OrchestratorAPIError, ProviderKeyRequired, parse_retry_after
@@ -81,6 +81,27 @@ async def test_release_gives_the_lease_back(app: Any, app_state: Any) -> None:
         [again] = (await b.claim(s.pool_id)).leases
         assert await s.task_of(again.assignment_id) == await s.task_of(lease.assignment_id)
         assert again.fencing_token > lease.fencing_token
+
+
+async def test_a_release_whose_error_is_not_unicode_text_gives_the_lease_back(
+    app: Any, app_state: Any
+) -> None:
+    """A backend's error can hold a lone surrogate: Python reads a file name that is not UTF-8
+    into one (an OSError's message). The release raised (its error could not be sent as UTF-8)
+    and the lease was not given back, but held until it expired. It is sent with U+FFFD in its
+    place, as a NUL is, and the lease is released with the error."""
+    async with pool_setup(app, app_state) as s, new_client(app) as client:
+        await client.register(SPECS, "1")
+        await client.join(s.pool_id)
+        await client.heartbeat()
+        await s.enqueue(arithmetic_tasks(1, seed=1))
+        [lease] = (await client.claim(s.pool_id)).leases
+        name = b"/models/\xff.bin".decode("utf-8", "surrogateescape")
+        await client.release(lease.assignment_id, error=f"FileNotFoundError: {name}\x00")
+        async with app_state.sessionmaker() as session:
+            row = await session.get(Assignment, lease.assignment_id)
+        assert row is not None and row.status == "released"
+        assert row.error == "FileNotFoundError: /models/\ufffd.bin\ufffd"
 
 
 async def test_errors_are_typed_with_the_problem_code(app: Any, app_state: Any) -> None:

@@ -24,6 +24,7 @@ import enum
 import functools
 import json
 import random
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from types import TracebackType
 from typing import Any, TypeVar
@@ -60,6 +61,9 @@ RETRY_STATUSES_IDEMPOTENT = frozenset({429, 500, 502, 503, 504})
 # A 429 or 503 is refused before the request does anything; a 500/502/504 may come after a
 # claim was committed, so a claim is not retried on those.
 RETRY_STATUSES_UNSENT = frozenset({429, 503})
+# What a release's error cannot send: a NUL (which PostgreSQL text cannot hold) and a lone
+# surrogate (which UTF-8 cannot encode).
+_NOT_TEXT = re.compile("[\x00\ud800-\udfff]")
 UNSENT_ERRORS: tuple[type[httpx.TransportError], ...] = (
     httpx.ConnectError,
     httpx.ConnectTimeout,
@@ -252,12 +256,15 @@ class WorkerClient:
 
     async def release(self, assignment_id: str, *, error: str | None = None) -> None:
         """Give a lease back so its replica is reissued at once (idempotent). ``error`` says the
-        task failed on this node (its first 1,000 characters are sent, a NUL as U+FFFD): after
-        such releases from the nodes of the pool's ``max_failures`` providers the task ends
-        failed."""
+        task failed on this node (its first 1,000 characters are sent, a NUL or a lone surrogate
+        as U+FFFD): after such releases from the nodes of the pool's ``max_failures`` providers
+        the task ends failed."""
         body = None
         if error is not None:
-            body = ReleaseIn(error=error.replace("\x00", "\ufffd")[:1000] or "error").model_dump()
+            # A lone surrogate (an undecodable file name in an OSError's message, say) is no
+            # Unicode text: the release raised (ValidationError) and the lease was not given back.
+            text = _NOT_TEXT.sub("\ufffd", error)[:1000]
+            body = ReleaseIn(error=text or "error").model_dump()
         await self._call("POST", f"/v1/assignments/{_seg(assignment_id)}/release", body)
 
     async def leases(self, pool_id: str | None = None) -> list[Lease]:
