@@ -24,9 +24,12 @@ ECON = {"min_stake_per_node": 1000, "reward_per_sample": 7, "fraud_slash_amount"
 
 async def test_policy_steps_must_increase(app: Any, app_state: Any) -> None:
     async with pool_setup(app, app_state, step=None) as s:
-        assert (await s.publish(5)).status_code == 201
-        problem(await s.publish(5), 409, "policy_step_not_increasing")
+        first = await s.publish(5)
+        assert first.status_code == 201
         problem(await s.publish(4), 409, "policy_step_not_increasing")
+        other = {"step": 5, "uri": "s3://ckpt/another", "sha256": "a" * 64, "size": 1024}
+        r = await s.admin.post(f"/v1/admin/pools/{s.pool_id}/policies", headers=s.headers, json=other)
+        assert problem(r, 409, "policy_step_not_increasing")["current_step"] == 5
         assert (await s.publish(6)).status_code == 201
         listed = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/policies", headers=s.headers)).json()
         assert [p["step"] for p in listed] == [6, 5]
@@ -36,6 +39,37 @@ async def test_policy_steps_must_increase(app: Any, app_state: Any) -> None:
             json={"step": 7, "uri": "s3://x", "sha256": "XYZ", "size": 1},
         )
         problem(bad, 422, "validation_failed")
+
+
+async def test_publishing_the_same_version_again_returns_it_and_changes_nothing(
+    app: Any, app_state: Any
+) -> None:
+    """A trainer whose publish timed out retries it: the same step and checkpoint (shards too)
+    is the version as published, 200, not a 409 that reads as if another publisher got there
+    first; it is audited once, and the step after it still publishes."""
+    async with pool_setup(app, app_state, step=None) as s:
+        policies = f"/v1/admin/pools/{s.pool_id}/policies"
+        shards = [
+            {"uri": "s3://ckpt/5/0", "sha256": "b" * 64, "bytes": 4},
+            {"uri": "s3://ckpt/5/1", "sha256": "c" * 64, "bytes": 6},
+        ]
+        version = {"step": 5, "uri": "s3://ckpt/5", "sha256": "a" * 64, "size": 10, "shards": shards}
+        first = await s.admin.post(policies, headers=s.headers, json=version)
+        assert first.status_code == 201, first.text
+        assert (await s.publish(6)).status_code == 201
+        again = await s.admin.post(policies, headers=s.headers, json=version)
+        assert again.status_code == 200, again.text
+        assert again.json() == first.json()
+        reordered = {**version, "shards": shards[::-1]}  # another manifest: another checkpoint
+        problem(
+            await s.admin.post(policies, headers=s.headers, json=reordered), 409, "policy_step_not_increasing"
+        )
+        listed = (await s.admin.get(policies, headers=s.headers)).json()
+        assert [p["step"] for p in listed] == [6, 5]
+        audit = await s.admin.get("/v1/admin/audit", params={"pool_id": s.pool_id}, headers=s.admin_headers)
+        assert audit.status_code == 200, audit.text
+        published = [e["target_id"] for e in audit.json()["items"] if e["action"] == "policy.publish"]
+        assert published == ["6", "5"]
 
 
 async def test_a_blank_uri_or_a_shard_manifest_that_is_not_the_checkpoint_is_refused(

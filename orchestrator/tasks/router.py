@@ -262,13 +262,17 @@ def _node_assignment_out(a: Assignment) -> NodeAssignmentOut:
     "/pools/{pool_id}/policies",
     response_model=PolicyOut,
     status_code=201,
-    summary="Publish a policy version (step must increase)",
+    summary="Publish a policy version (step must increase; the same version again is 200)",
+    responses={200: {"model": PolicyOut, "description": "The same step and checkpoint again"}},
 )
 async def publish_policy(
-    scoped: PublisherPool, body: PolicyIn, principal: Publisher, session: Session
+    scoped: PublisherPool, body: PolicyIn, principal: Publisher, session: Session, response: Response
 ) -> PolicyOut:
     pool = await pool_for(session, principal, scoped.id, for_update=True)
-    row = await service.publish_policy(session, pool, body, principal.token_id)
+    row, created = await service.publish_policy(session, pool, body, principal.token_id)
+    if not created:
+        response.status_code = 200
+        return policy_out(row)
     await record(
         session,
         principal,

@@ -111,7 +111,32 @@ async def current_policy(session: AsyncSession, pool_id: str) -> PolicyVersion |
     ).scalar_one_or_none()
 
 
-async def publish_policy(session: AsyncSession, pool: Pool, body: PolicyIn, actor: str) -> PolicyVersion:
+async def publish_policy(
+    session: AsyncSession, pool: Pool, body: PolicyIn, actor: str
+) -> tuple[PolicyVersion, bool]:
+    """The version published (caller holds the pool), and whether this call published it: the
+    same step with the same checkpoint again (a retry after a lost answer) returns the version
+    as it was; the same step with another checkpoint, or a step not above the current one, is
+    409 ``policy_step_not_increasing``."""
+    shards = [s.model_dump() for s in body.shards] if body.shards is not None else None
+    published = (
+        await session.execute(
+            select(PolicyVersion).where(PolicyVersion.pool_id == pool.id, PolicyVersion.step == body.step)
+        )
+    ).scalar_one_or_none()
+    if published is not None:
+        if (published.uri, published.sha256, published.size_bytes, published.shards) == (
+            body.uri,
+            body.sha256,
+            body.size,
+            shards,
+        ):
+            return published, False
+        raise Conflict(
+            f"step {body.step} was already published with another checkpoint",
+            code="policy_step_not_increasing",
+            extra={"current_step": (await current_policy(session, pool.id) or published).step},
+        )
     if pool.status == "completed":
         raise Conflict("the pool is completed", code="pool_completed")
     current = await current_policy(session, pool.id)
@@ -127,7 +152,7 @@ async def publish_policy(session: AsyncSession, pool: Pool, body: PolicyIn, acto
         uri=body.uri,
         sha256=body.sha256,
         size_bytes=body.size,
-        shards=[s.model_dump() for s in body.shards] if body.shards is not None else None,
+        shards=shards,
         created_by=actor,
         created_at=dt.datetime.now(dt.UTC),
     )
@@ -137,7 +162,7 @@ async def publish_policy(session: AsyncSession, pool: Pool, body: PolicyIn, acto
             await session.flush()
     except IntegrityError as exc:
         raise Conflict(f"step {body.step} was already published", code="policy_step_not_increasing") from exc
-    return row
+    return row, True
 
 
 # ------------------------------------------------------------------------ tasks
