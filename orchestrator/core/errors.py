@@ -190,6 +190,18 @@ async def _orchestrator_error(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+def _body_refused(request: Request, msg: str, kind: str) -> JSONResponse:
+    """422 ``validation_failed`` for a body refused whole (its one error is at ``body``)."""
+    return problem_response(
+        status=422,
+        code="validation_failed",
+        title="Request did not validate",
+        detail=f"body: {msg}",
+        request=request,
+        extra={"errors": [{"loc": ["body"], "msg": msg, "type": kind}]},
+    )
+
+
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError | RecursionError):
@@ -200,14 +212,7 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
             if isinstance(exc.__cause__, UnicodeDecodeError)
             else "JSON nested too deeply to parse"
         )
-        return problem_response(
-            status=422,
-            code="validation_failed",
-            title="Request did not validate",
-            detail=f"body: {msg}",
-            request=request,
-            extra={"errors": [{"loc": ["body"], "msg": msg, "type": "json_invalid"}]},
-        )
+        return _body_refused(request, msg, "json_invalid")
     code, title = _STATUS_CODES.get(exc.status_code, ("http_error", "HTTP error"))
     detail = exc.detail if isinstance(exc.detail, str) else title
     if exc.status_code == 404 and detail == "Not Found":
@@ -316,14 +321,7 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
         media = request.headers.get("content-type")
         said = f"Content-Type {media[:100]!r}" if media else "no Content-Type"
         msg = f"the body was sent with {said}, so it was not read as JSON; send it as application/json"
-        return problem_response(
-            status=422,
-            code="validation_failed",
-            title="Request did not validate",
-            detail=f"body: {msg}",
-            request=request,
-            extra={"errors": [{"loc": ["body"], "msg": msg, "type": "content_type_not_json"}]},
-        )
+        return _body_refused(request, msg, "content_type_not_json")
     first = (located("body") or errors or [{"loc": [], "msg": "invalid"}])[0]
     return problem_response(
         status=422,
