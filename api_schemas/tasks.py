@@ -17,15 +17,7 @@ from pydantic import (
     model_validator,
 )
 
-from api_schemas.common import (
-    JsonFloat,
-    JsonInt,
-    JsonObject,
-    NoNul,
-    StrictModel,
-    Text,
-    UtcTime,
-)
+from api_schemas.common import JsonFloat, JsonInt, JsonObject, NoNul, StrictModel, Text, UtcTime
 
 SHA256 = r"^[0-9a-f]{64}$"
 MAX_PROOF_BYTES = 8 * 1024 * 1024

@@ -119,27 +119,31 @@ async def publish_policy(
     as it was; the same step with another checkpoint, or a step not above the current one, is
     409 ``policy_step_not_increasing``."""
     shards = [s.model_dump() for s in body.shards] if body.shards is not None else None
-    published = (
-        await session.execute(
-            select(PolicyVersion).where(PolicyVersion.pool_id == pool.id, PolicyVersion.step == body.step)
+    current = await current_policy(session, pool.id)
+    if current is not None and body.step <= current.step:
+        # A retry: the same step with the same checkpoint is the version as published.
+        published = (
+            current
+            if current.step == body.step
+            else await session.scalar(
+                select(PolicyVersion).where(PolicyVersion.pool_id == pool.id, PolicyVersion.step == body.step)
+            )
         )
-    ).scalar_one_or_none()
-    if published is not None:
-        if (published.uri, published.sha256, published.size_bytes, published.shards) == (
-            body.uri,
-            body.sha256,
-            body.size,
-            shards,
-        ):
-            return published, False
-        raise Conflict(
-            f"step {body.step} was already published with another checkpoint",
-            code="policy_step_not_increasing",
-            extra={"current_step": (await current_policy(session, pool.id) or published).step},
-        )
+        if published is not None:
+            if (published.uri, published.sha256, published.size_bytes, published.shards) == (
+                body.uri,
+                body.sha256,
+                body.size,
+                shards,
+            ):
+                return published, False
+            raise Conflict(
+                f"step {body.step} was already published with another checkpoint",
+                code="policy_step_not_increasing",
+                extra={"current_step": current.step},
+            )
     if pool.status == "completed":
         raise Conflict("the pool is completed", code="pool_completed")
-    current = await current_policy(session, pool.id)
     if current is not None and body.step <= current.step:
         raise Conflict(
             f"step must be greater than the current step {current.step}",

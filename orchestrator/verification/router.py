@@ -96,12 +96,12 @@ async def _page(
     stmt = select(Verdict, withdrawn_by()).where(*where).order_by(Verdict.id.desc()).limit(limit + 1)
     if cursor is not None:
         stmt = stmt.where(Verdict.id < cursor)
-    rows = [(v, withdrawn) for v, withdrawn in (await session.execute(stmt)).all()]
+    rows = (await session.execute(stmt)).all()
     more = len(rows) > limit
     rows = rows[:limit]
     return Page[VerdictOut](
         items=[verdict_out(v, ref_key, withdrawn) for v, withdrawn in rows],
-        next_cursor=str(rows[-1][0].id) if more else None,
+        next_cursor=str(rows[-1].Verdict.id) if more else None,
     )
 
 
