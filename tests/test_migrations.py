@@ -597,6 +597,63 @@ def test_0034_gives_rewarded_verdicts_their_holds_release_as_hold_until(scratch_
     ]
 
 
+async def _change_history(url: str) -> None:
+    """Of the seeded verdicts (fraud 3 standing, fraud 5 reversed): every accepted one's hold
+    window runs a day longer, so the fraud verdicts fall in the windows of those before them;
+    and v6 was reversed on appeal."""
+    from orchestrator.verification.models import Verdict
+
+    engine = create_async_engine(url)
+    at = dt.datetime(2026, 11, 30, 12, tzinfo=dt.UTC)
+    verdicts = Verdict.__table__
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                verdicts.update()
+                .where(verdicts.c.outcome == "accepted")
+                .values(hold_until=at + dt.timedelta(days=1))
+            )
+            await conn.execute(
+                verdicts.update().where(verdicts.c.id == 6).values(reversed_at=at + dt.timedelta(hours=3))
+            )
+    finally:
+        await engine.dispose()
+
+
+async def _rollout_changes(url: str) -> list[tuple[Any, ...]]:
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            rows = await conn.execute(
+                text(
+                    "SELECT id, pool_id, verdict_id, change, cause_verdict_id, created_at "
+                    "FROM rollout_changes ORDER BY id"
+                )
+            )
+            return [(*r[:5], str(r[5])[:19]) for r in rows]
+    finally:
+        await engine.dispose()
+
+
+def test_0035_gives_each_rollout_whose_standing_changed_a_notice(scratch_url: str) -> None:
+    """v1 and v2 are withdrawn by fraud 3; v4 was withdrawn by fraud 5 only, reversed since, so
+    it stands again; v6 was reversed; v7 came after both fraud verdicts. Each notice is dated
+    when its change happened."""
+    upgrade(scratch_url)
+    asyncio.run(_seed_ended_tasks(scratch_url))
+    asyncio.run(_seed_forfeited_holds(scratch_url))
+    downgrade(scratch_url, "0034")
+    asyncio.run(_change_history(scratch_url))
+    upgrade(scratch_url)
+    at, later = "2026-11-30 12:00:00", "2026-11-30 15:00:00"
+    assert asyncio.run(_rollout_changes(scratch_url)) == [
+        (1, "pool-mig", 1, "withdrawn", 3, at),
+        (2, "pool-mig", 2, "withdrawn", 3, at),
+        (3, "pool-mig", 4, "restored", 5, at),
+        (4, "pool-mig", 6, "reversed", None, later),
+    ]
+
+
 async def _seed_node_addresses(url: str, addresses: list[str]) -> None:
     """Nodes as registered before revision 0014: the address as the client connected from."""
     from orchestrator.identity.models import Node, Provider

@@ -91,8 +91,9 @@ class Verdict(Base):
     An accepted verdict's ``hold_until`` ends its hold window (its reward's ``release_at``; set
     whether or not it earned a reward). A fraud verdict against the same node in the same pool,
     decided after it and before that, withdraws it (``withdrawn_by``): the trainer feed, its
-    export and ReST^EM datasets leave it out, as the fraud verdict forfeits its reward. Nothing
-    is written for that: reversing the fraud verdict on appeal brings the rollout back."""
+    export and ReST^EM datasets leave it out, as the fraud verdict forfeits its reward. That is
+    read, not written (a ``RolloutChange`` notice tells trainers): reversing the fraud verdict
+    on appeal brings the rollout back."""
 
     __tablename__ = "verdicts"
     __table_args__ = (
@@ -152,6 +153,30 @@ def withdrawn_by() -> ScalarSelect[int]:
         .correlate(Verdict)
         .scalar_subquery()
     )
+
+
+class RolloutChange(Base):
+    """A notice that an accepted verdict's standing may have changed, for trainers that already
+    took its rollout from the feed: its verdict was reversed on appeal (``reversed``), a fraud
+    verdict against its node withdrew it (``withdrawn``), or that fraud verdict was reversed
+    (``restored``). Written in the transaction that made the change, so every change of a
+    rollout's standing has a notice committed with it; whether the rollout stands is read when
+    the notices are (``feed.service.changes``), so notices written by racing transactions, or
+    one too many, cannot mislead a reader. ``cause_verdict_id``: the fraud verdict of a
+    withdrawal or restoration."""
+
+    __tablename__ = "rollout_changes"
+    __table_args__ = (
+        CheckConstraint("change IN ('reversed', 'withdrawn', 'restored')", name="change_known"),
+        Index("ix_rollout_changes_pool_id_id", "pool_id", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(ID, primary_key=True, autoincrement=True)
+    pool_id: Mapped[str] = mapped_column(POOL_ID)
+    verdict_id: Mapped[int] = mapped_column(ID, ForeignKey("verdicts.id", ondelete="RESTRICT"))
+    change: Mapped[str] = mapped_column(String(16))
+    cause_verdict_id: Mapped[int | None] = mapped_column(ID, ForeignKey("verdicts.id", ondelete="RESTRICT"))
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class NodeTrust(Base):

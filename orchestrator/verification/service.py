@@ -59,6 +59,7 @@ from sqlalchemy import (
     false,
     func,
     insert,
+    literal,
     literal_column,
     or_,
     select,
@@ -84,6 +85,7 @@ from orchestrator.verification.models import (
     NodeTrust,
     RewardForfeit,
     RewardHold,
+    RolloutChange,
     ValidationJob,
     Verdict,
     VerificationJob,
@@ -998,6 +1000,7 @@ async def decide(
         trust.consecutive_valid = 0
         trust.strikes += 1
         await _punish(session, pool, verdict, trust, now=now)
+        await notify_window(session, verdict, "withdrawn", now=now)
     else:
         trust.invalid += 1
         trust.consecutive_valid = 0
@@ -1015,6 +1018,38 @@ async def decide(
         reason=decision.reason,
     )
     return verdict
+
+
+async def notify_window(session: AsyncSession, fraud: Verdict, change: str, *, now: dt.datetime) -> None:
+    """A ``RolloutChange`` notice (``withdrawn`` when the fraud verdict is written, ``restored``
+    when it is reversed) for each unreversed accepted verdict of its window: its node's in its
+    pool, decided before it and still in their hold window then (``withdrawn_by``). Those
+    already withdrawn by another fraud verdict, or standing again because of one, get a notice
+    all the same: a reader sees whether each stands when it reads, and a notice too many costs
+    nothing, where one left out because of a racing appeal would leave a trainer wrong."""
+    window = (
+        select(
+            Verdict.pool_id,
+            Verdict.id,
+            literal(change, String()),
+            literal(fraud.id, BigInteger()),
+            literal(now, UTCDateTime()),
+        )
+        .where(
+            Verdict.node_id == fraud.node_id,
+            Verdict.pool_id == fraud.pool_id,
+            Verdict.outcome == "accepted",
+            Verdict.reversed_at.is_(None),
+            Verdict.id < fraud.id,
+            Verdict.hold_until > fraud.decided_at,
+        )
+        .order_by(Verdict.id)
+    )
+    await session.execute(
+        insert(RolloutChange).from_select(
+            ["pool_id", "verdict_id", "change", "cause_verdict_id", "created_at"], window
+        )
+    )
 
 
 def _counter(decision: Decision, credited: int, slashed: int) -> Callable[[], None]:
@@ -1432,7 +1467,13 @@ async def reverse_verdict(
         await _restore_after_fraud(session, verdict, stake_back, unbonding, membership, actor=actor)
     verdict.reversed_at = now
     verdict.reversal_reason = reason
+    if verdict.outcome == "accepted":
+        session.add(
+            RolloutChange(pool_id=verdict.pool_id, verdict_id=verdict.id, change="reversed", created_at=now)
+        )
     await session.flush()
+    if fraud:
+        await notify_window(session, verdict, "restored", now=now)
     reversed_ = metrics.VERDICTS_REVERSED.labels(verdict.outcome, verdict.category)
     metrics.on_commit(session, reversed_.inc)
     return verdict, True
