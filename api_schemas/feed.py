@@ -67,3 +67,44 @@ class RolloutPage(BaseModel):
         "feed is empty and no cursor was passed."
     )
     has_more: bool = Field(description="More accepted rollouts exist after this page right now")
+
+
+class RolloutChangeOut(BaseModel):
+    """A notice that a rollout's standing changed: for a trainer that took it from the feed (its
+    ``verdict_id`` is at or before the trainer's place in the feed). One past that place needs
+    nothing: the feed serves it, or not, as it stands when it is read."""
+
+    cursor: str = Field(description="Resume point just after this notice (pass as ?after=)")
+    change_id: int
+    change: Literal["reversed", "withdrawn", "restored"] = Field(
+        description="What happened: the rollout's verdict was reversed on appeal; a fraud verdict "
+        "against its node withdrew it (decided within its hold window); that fraud verdict was "
+        "reversed, so it stands again unless something else keeps it out"
+    )
+    cause_verdict_id: int | None = Field(description="The fraud verdict, for `withdrawn` and `restored`")
+    changed_at: dt.datetime
+    verdict_id: int = Field(description="The rollout's accepted verdict, as in the feed's items")
+    submission_id: int
+    task_id: int
+    node_id: str
+    stands: bool = Field(
+        description="Whether the rollout counts as accepted now, as this page was read: not "
+        "reversed and withdrawn by no standing fraud verdict. Act on this, not on `change`: "
+        "notices of racing changes may commit in either order, and every notice read after the "
+        "last change of a rollout gives its true standing. False: drop what you took of it; "
+        "true: take `rollout` if you had dropped it."
+    )
+    rollout: Rollout | None = Field(
+        description="When it stands: the rollout as the feed serves it (null if its evidence was "
+        "pruned since, or it does not stand)"
+    )
+
+
+class RolloutChangePage(BaseModel):
+    items: list[RolloutChangeOut]
+    next_cursor: str | None = Field(
+        description="Pass as ?after= for the next page; at the end still given (the last "
+        "position), so polling with it returns only newer notices. Null only when there are none "
+        "and no cursor was passed."
+    )
+    has_more: bool = Field(description="More notices exist after this page right now")

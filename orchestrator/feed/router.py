@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Path, Query
 from fastapi.responses import StreamingResponse
 
 from api_schemas.common import NO_NUL, PROBLEM_RESPONSES
-from api_schemas.feed import RolloutPage
+from api_schemas.feed import RolloutChangePage, RolloutPage
 from orchestrator.admin.tokens import Principal, Role, require_roles
 from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import Session, State
@@ -59,6 +59,27 @@ async def rollouts(
     limit: Annotated[int, Query(ge=1, le=500, description="Rollouts per page")] = 100,
 ) -> RolloutPage:
     return await service.page(session, pool.id, after=after, limit=limit)
+
+
+@router.get(
+    "/pools/{pool_id}/rollouts/changes",
+    response_model=RolloutChangePage,
+    summary="Notices of rollouts reversed, withdrawn or restored, in commit order, after a cursor",
+    description="A notice for each rollout whose verdict was reversed on appeal, that a fraud "
+    "verdict against its node withdrew, or that stands again because that fraud verdict was "
+    "reversed, in the order the changes committed. Each says whether the rollout stands as the "
+    "page is read (`stands`), and carries the rollout when it does. A trainer reading the feed "
+    "forward polls this with its own `next_cursor` to unlearn or take back rollouts it has "
+    "passed.",
+    responses={503: FEED_BUSY},
+)
+async def changes(
+    pool: ReaderPool,
+    session: Session,
+    after: After = None,
+    limit: Annotated[int, Query(ge=1, le=500, description="Notices per page")] = 100,
+) -> RolloutChangePage:
+    return await service.changes(session, pool.id, after=after, limit=limit)
 
 
 @router.get(

@@ -5,7 +5,8 @@ GRPO-style trainers normalise rewards within a group), with the server's reward 
 Rejected, still unverified and reversed verdicts never appear, nor accepted ones that a fraud
 verdict against their node withdrew (decided within their hold window: ``Verdict``); a verdict
 reversed or withdrawn after it was served is simply absent when the same range is read again,
-and a withdrawn one is back if the fraud verdict is reversed on appeal.
+and a withdrawn one is back if the fraud verdict is reversed on appeal. For a trainer that
+already took such a rollout, the change notices (``changes``, ``RolloutChange``) say so.
 
 **Order without holes.** The cursor is the last verdict id served, so a verdict that commits
 *after* a reader passed its id would be skipped for ever. On SQLite every transaction takes
@@ -17,7 +18,7 @@ a savepoint, rolled back). Every verdict up to that id has committed and any lat
 larger id, so what the read serves (ids up to the bound) is a prefix of the final id order.
 The wait is bounded (``lock_timeout``); past it the read answers 503 ``feed_busy`` with
 ``Retry-After``. The export fixes its upper bound the same way, then reads below it in short
-transactions.
+transactions, and the change notices are read behind their own table's lock.
 """
 
 from __future__ import annotations
@@ -33,15 +34,24 @@ from sqlalchemy import Row, exists, func, select, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from api_schemas.feed import FeedTask, Rollout, RolloutPage, RolloutSample, VerifiedBy
+from api_schemas.feed import (
+    FeedTask,
+    Rollout,
+    RolloutChangeOut,
+    RolloutChangePage,
+    RolloutPage,
+    RolloutSample,
+    VerifiedBy,
+)
 from api_schemas.tasks import Sampling
 from orchestrator.core.errors import BadRequest, ServiceUnavailable
 from orchestrator.core.pagination import ID_MAX, decode_cursor, encode_cursor
 from orchestrator.core.sql import is_postgres
 from orchestrator.tasks.models import Submission, Task
-from orchestrator.verification.models import Verdict, withdrawn_by
+from orchestrator.verification.models import RolloutChange, Verdict, withdrawn_by
 
 CURSOR_PREFIX = "rollouts:"
+CHANGES_PREFIX = "changes:"
 EXPORT_CHUNK = 200
 LOCK_TIMEOUT_MS = 5000
 RETRY_AFTER_S = 2
@@ -51,21 +61,18 @@ LOCK_NOT_AVAILABLE = "55P03"
 # ------------------------------------------------------------------ cursors
 
 
-def encode(verdict_id: int) -> str:
-    return encode_cursor(f"{CURSOR_PREFIX}{verdict_id}")
+def encode(verdict_id: int, prefix: str = CURSOR_PREFIX) -> str:
+    return encode_cursor(f"{prefix}{verdict_id}")
 
 
-def decode(cursor: str | None) -> int:
-    """The verdict id a cursor stands for (0: the beginning of the feed)."""
+def decode(cursor: str | None, prefix: str = CURSOR_PREFIX) -> int:
+    """The id a cursor stands for (0: the beginning of the feed): a verdict id, or with
+    ``CHANGES_PREFIX`` a change notice's."""
     raw = decode_cursor(cursor)
     if raw is None:
         return 0
-    number = raw.removeprefix(CURSOR_PREFIX)
-    if (
-        not raw.startswith(CURSOR_PREFIX)
-        or not (number.isascii() and number.isdigit())
-        or int(number) > ID_MAX
-    ):
+    number = raw.removeprefix(prefix)
+    if not raw.startswith(prefix) or not (number.isascii() and number.isdigit()) or int(number) > ID_MAX:
         raise BadRequest("the cursor is not one this feed issued", code="cursor_invalid")
     return int(number)
 
@@ -130,18 +137,19 @@ def sample_rewards(details: dict[str, Any] | None, server_reward: float | None, 
 # ------------------------------------------------------------------ reads
 
 
-async def settled_bound(session: AsyncSession) -> int | None:
+async def settled_bound(session: AsyncSession, table: type[Verdict | RolloutChange] = Verdict) -> int | None:
     """On PostgreSQL, the newest verdict id once no transaction is still writing verdicts (see
     the module doc): every verdict at or below it has committed, and any later one gets a larger
     id. The lock is taken in a savepoint and given back with it, as soon as the bound is known,
-    so verdicts are not held up while the page is built. None on SQLite (ids commit in order)."""
+    so verdicts are not held up while the page is built. None on SQLite (ids commit in order).
+    With ``RolloutChange``: the same for change notices."""
     if not is_postgres(session):
         return None
     savepoint = await session.begin_nested()
     try:
         await session.execute(text(f"SET LOCAL lock_timeout = {LOCK_TIMEOUT_MS}"))
-        await session.execute(text("LOCK TABLE verdicts IN SHARE MODE"))
-        upto = await session.scalar(select(func.max(Verdict.id)))
+        await session.execute(text(f"LOCK TABLE {table.__tablename__} IN SHARE MODE"))
+        upto = await session.scalar(select(func.max(table.id)))
     except DBAPIError as exc:
         code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
         if code != LOCK_NOT_AVAILABLE:
@@ -164,27 +172,31 @@ def _accepted(pool_id: str) -> Any:
     )
 
 
+# What ``rollout`` builds a rollout from.
+_ROLLOUT_COLUMNS = (
+    Verdict.id,
+    Verdict.submission_id,
+    Verdict.node_id,
+    Verdict.server_reward,
+    Verdict.verifier,
+    Verdict.details,
+    Verdict.decided_at,
+    Submission.policy_step,
+    Submission.body,
+    Task.id.label("task_id"),
+    Task.prompt,
+    Task.problem_ref,
+    Task.sampling,
+    Task.metadata_,
+    Task.is_canary,
+)
+
+
 async def _rows(
     session: AsyncSession, pool_id: str, *, after_id: int, upto_id: int | None, limit: int
 ) -> Sequence[Row[Any]]:
     stmt = (
-        select(
-            Verdict.id,
-            Verdict.submission_id,
-            Verdict.node_id,
-            Verdict.server_reward,
-            Verdict.verifier,
-            Verdict.details,
-            Verdict.decided_at,
-            Submission.policy_step,
-            Submission.body,
-            Task.id.label("task_id"),
-            Task.prompt,
-            Task.problem_ref,
-            Task.sampling,
-            Task.metadata_,
-            Task.is_canary,
-        )
+        select(*_ROLLOUT_COLUMNS)
         .join(Submission, Submission.id == Verdict.submission_id)
         .join(Task, Task.id == Verdict.task_id)
         # A result whose evidence was pruned (tasks.retention) has no samples to serve.
@@ -300,3 +312,74 @@ async def export_lines(
         if len(rows) < chunk_size:
             return
         after_id = rows[-1].id
+
+
+# ------------------------------------------------------------------ change notices
+
+
+async def _change_resume_point(session: AsyncSession, pool_id: str, cursor: str | None) -> int:
+    """As ``resume_point``, for the change notices: a cursor names a notice of this pool."""
+    after_id = decode(cursor, CHANGES_PREFIX)
+    if cursor is None:
+        return after_id
+    issued = await session.scalar(
+        select(exists().where(RolloutChange.id == after_id, RolloutChange.pool_id == pool_id))
+    )
+    if not issued:
+        raise BadRequest("the cursor is not one this pool's change feed issued", code="cursor_invalid")
+    return after_id
+
+
+def _change(row: Row[Any]) -> RolloutChangeOut:
+    stands = row.reversed_at is None and row.withdrawn is None
+    return RolloutChangeOut(
+        cursor=encode(row.change_id, CHANGES_PREFIX),
+        change_id=row.change_id,
+        change=row.change,
+        cause_verdict_id=row.cause_verdict_id,
+        changed_at=row.changed_at,
+        verdict_id=row.id,
+        submission_id=row.submission_id,
+        task_id=row.task_id,
+        node_id=row.node_id,
+        stands=stands,
+        rollout=rollout(row) if stands and row.evidence_pruned_at is None else None,
+    )
+
+
+def _changes(rows: Sequence[Row[Any]]) -> list[RolloutChangeOut]:
+    return [_change(r) for r in rows]
+
+
+async def changes(session: AsyncSession, pool_id: str, *, after: str | None, limit: int) -> RolloutChangePage:
+    """Change notices of a pool's rollouts in the order they committed (``RolloutChange``),
+    after a cursor, each with whether its rollout stands as this page is read (and then the
+    rollout, unless its evidence was pruned). Ordered without holes as the feed is: the
+    notices' own table is locked for the bound."""
+    after_id = await _change_resume_point(session, pool_id, after)
+    upto_id = await settled_bound(session, RolloutChange)
+    stmt = (
+        select(
+            RolloutChange.id.label("change_id"),
+            RolloutChange.change,
+            RolloutChange.cause_verdict_id,
+            RolloutChange.created_at.label("changed_at"),
+            *_ROLLOUT_COLUMNS,
+            Verdict.reversed_at,
+            withdrawn_by().label("withdrawn"),
+            Submission.evidence_pruned_at,
+        )
+        .join(Verdict, Verdict.id == RolloutChange.verdict_id)
+        .join(Submission, Submission.id == Verdict.submission_id)
+        .join(Task, Task.id == Verdict.task_id)
+        .where(RolloutChange.pool_id == pool_id, RolloutChange.id > after_id)
+        .order_by(RolloutChange.id)
+        .limit(limit + 1)
+    )
+    if upto_id is not None:
+        stmt = stmt.where(RolloutChange.id <= upto_id)
+    rows = (await session.execute(stmt)).all()
+    more = len(rows) > limit
+    items = await anyio.to_thread.run_sync(_changes, rows[:limit])
+    next_cursor = items[-1].cursor if items else after
+    return RolloutChangePage(items=items, next_cursor=next_cursor, has_more=more)

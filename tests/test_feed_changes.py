@@ -1,0 +1,165 @@
+"""The feed's change notices: rollouts reversed, withdrawn or restored after a trainer took them."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from orchestrator.core.pagination import encode_cursor
+from orchestrator.verification.models import RolloutChange
+from tests.conftest import postgres_only, problem
+from tests.tasks_helpers import PoolSetup, pool_setup
+from tests.test_feed import feed, leases, trainer_headers, whole_feed
+from tests.test_verification import ECON
+from tests.verification_helpers import submit, verdicts, verify_all
+from tests.waits import until_waiting
+
+pytestmark = pytest.mark.usefixtures("no_audits")
+
+
+async def changes(s: PoolSetup, headers: dict[str, str] | None = None, **params: Any) -> dict[str, Any]:
+    r = await s.admin.get(
+        f"/v1/pools/{s.pool_id}/rollouts/changes", params=params, headers=headers or s.headers
+    )
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+async def reverse(s: PoolSetup, verdict_id: int) -> None:
+    r = await s.admin.post(
+        f"/v1/admin/verdicts/{verdict_id}/reverse", json={"reason": "appeal upheld"}, headers=s.admin_headers
+    )
+    assert r.status_code == 200, r.text
+
+
+def seen(page: dict[str, Any]) -> list[tuple[str, int, bool]]:
+    return [(i["change"], i["verdict_id"], i["stands"]) for i in page["items"]]
+
+
+async def test_a_trainer_past_its_rollouts_learns_of_each_reversal_withdrawal_and_restoration(
+    app: Any, app_state: Any
+) -> None:
+    """A trainer reading the feed forward never saw a rollout it had taken leave it. The change
+    notices tell it, in commit order, and say whether each rollout stands as they are read."""
+    async with pool_setup(app, app_state, workers=2, economics=ECON, stake=1000, max_leases_per_node=10) as s:
+        cheat, honest = s.workers
+        trainer = await trainer_headers(app_state, [s.pool_id])
+        assert await changes(s, trainer) == {"items": [], "next_cursor": None, "has_more": False}
+        for lease in await leases(s, cheat, 2):
+            await submit(cheat, lease, ["4"])
+        [h] = await leases(s, honest, 1)
+        await submit(honest, h, ["4"])
+        await verify_all(app_state)
+        taken, _ = await whole_feed(s, limit=10)
+        by_id = {i["verdict_id"]: i for i in taken}
+        [honest_id] = [i["verdict_id"] for i in taken if i["node_id"] == honest.node_id]
+        a1, a2 = sorted(i["verdict_id"] for i in taken if i["node_id"] == cheat.node_id)
+
+        await reverse(s, honest_id)
+        page = await changes(s, trainer)
+        assert seen(page) == [("reversed", honest_id, False)]
+        [notice] = page["items"]
+        assert notice["rollout"] is None and notice["cause_verdict_id"] is None
+        assert notice["task_id"] == by_id[honest_id]["task"]["task_id"]
+        cursor = page["next_cursor"]
+
+        [forged] = await leases(s, cheat, 1)
+        await submit(cheat, forged, ["5"], claimed_reward=1.0)  # a reward claim the server refutes
+        await verify_all(app_state)
+        fraud = (await verdicts(s.admin, s.headers, s.pool_id))[-1]
+        assert fraud["category"] == "fraud"
+        page = await changes(s, trainer, after=cursor)
+        assert seen(page) == [("withdrawn", a1, False), ("withdrawn", a2, False)]
+        assert {i["cause_verdict_id"] for i in page["items"]} == {fraud["id"]}
+        cursor = page["next_cursor"]
+        assert (await changes(s, trainer, after=cursor))["items"] == []  # polling at the end
+
+        await reverse(s, fraud["id"])
+        page = await changes(s, trainer, after=cursor)
+        assert seen(page) == [("restored", a1, True), ("restored", a2, True)]
+        # What the trainer takes back is the rollout as the feed serves it.
+        assert [i["rollout"] for i in page["items"]] == [by_id[a1], by_id[a2]]
+
+        # Read from the start, each notice says how its rollout stands now.
+        everything = await changes(s, trainer, limit=2)
+        assert everything["has_more"] is True
+        rest = await changes(s, trainer, after=everything["next_cursor"])
+        assert seen(everything) + seen(rest) == [
+            ("reversed", honest_id, False),
+            ("withdrawn", a1, True),
+            ("withdrawn", a2, True),
+            ("restored", a1, True),
+            ("restored", a2, True),
+        ]
+
+
+async def test_change_cursors_belong_to_their_pool_and_trainers_to_theirs(app: Any, app_state: Any) -> None:
+    async with (
+        pool_setup(app, app_state, workers=1, max_leases_per_node=10) as a,
+        pool_setup(app, app_state, workers=1, max_leases_per_node=10) as b,
+    ):
+        for s in (a, b):
+            [lease] = await leases(s, s.workers[0], 1)
+            await submit(s.workers[0], lease, ["4"])
+        await verify_all(app_state)
+        for s in (a, b):
+            [item] = (await feed(s))["items"]
+            await reverse(s, item["verdict_id"])
+        [in_a] = (await changes(a))["items"]
+        [in_b] = (await changes(b))["items"]
+        assert in_a["change_id"] < in_b["change_id"]
+        not_issued = [
+            in_a["cursor"],  # another pool's
+            encode_cursor(f"changes:{in_b['change_id'] + 1000}"),  # past the newest notice
+            encode_cursor(f"rollouts:{in_b['verdict_id']}"),  # the rollouts feed's, for this rollout
+            "not base64!",
+        ]
+        for cursor in not_issued:
+            r = await b.admin.get(
+                f"/v1/pools/{b.pool_id}/rollouts/changes", params={"after": cursor}, headers=b.headers
+            )
+            problem(r, 400, "cursor_invalid")
+        assert (await changes(b, after=in_b["cursor"]))["items"] == []
+        elsewhere = await trainer_headers(app_state, [a.pool_id])
+        r = await b.admin.get(f"/v1/pools/{b.pool_id}/rollouts/changes", headers=elsewhere)
+        problem(r, 404, "pool_not_found")
+
+
+async def notice_in_transaction(
+    app_state: Any, pool_id: str, verdict_id: int, written: asyncio.Event, release: asyncio.Event
+) -> None:
+    """A notice written in a transaction held open until ``release`` is set. (A real appeal holds
+    the system accounts, so a second appeal would wait for it rather than commit first.)"""
+    async with app_state.sessionmaker() as session, session.begin():
+        session.add(RolloutChange(pool_id=pool_id, verdict_id=verdict_id, change="reversed"))
+        await session.flush()
+        written.set()
+        await release.wait()
+
+
+@postgres_only
+async def test_a_notice_committed_out_of_id_order_is_not_skipped(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=10) as s:
+        for lease in await leases(s, s.workers[0], 2):
+            await submit(s.workers[0], lease, ["4"])
+        await verify_all(app_state)
+        first, second = [i["verdict_id"] for i in (await feed(s))["items"]]
+
+        # The first notice gets the lower id but commits last; the appeal's commits first.
+        written, release = asyncio.Event(), asyncio.Event()
+        slow = asyncio.create_task(notice_in_transaction(app_state, s.pool_id, first, written, release))
+        await asyncio.wait_for(written.wait(), 10)
+        await reverse(s, second)
+
+        read = asyncio.create_task(changes(s))
+        try:
+            await until_waiting(app_state, 1, read, on="table")
+            assert not read.done(), "the change feed must wait for the notice still being written"
+        finally:
+            release.set()
+            await slow
+        page = await asyncio.wait_for(read, 10)
+        # The first was not reversed after all: its notice says it stands.
+        assert seen(page) == [("reversed", first, True), ("reversed", second, False)]
