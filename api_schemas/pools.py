@@ -511,6 +511,25 @@ class MembershipOut(BaseModel):
     )
 
 
+class TrackRecordOut(BaseModel):
+    """A node's verdicts in the pool that stand (a verdict reversed on appeal no longer counts)."""
+
+    valid: int = Field(description="Valid verdicts")
+    invalid: int = Field(description="Invalid and inconclusive verdicts")
+    fraud: int = Field(description="Fraud verdicts")
+    strikes: int = Field(description="Fraud strikes (strikes_before_ejection ejects the node)")
+    consecutive_valid: int = Field(
+        description="Verified valid verdicts since the last rejected one; the audit rate is "
+        "max(audit_rate_floor, 1 / (1 + consecutive_valid))"
+    )
+
+
+class MemberOut(MembershipOut):
+    track_record: TrackRecordOut = Field(
+        description="The node's verdicts in the pool, over all its episodes (zeros before its first)"
+    )
+
+
 class RefusalReason(BaseModel):
     """One unmet rule of a refused join (listed in the problem's ``reasons``)."""
 

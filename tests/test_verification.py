@@ -27,6 +27,7 @@ from tests.verification_helpers import (
     balances,
     books_balance,
     submit,
+    track_record,
     verdicts,
     verify_all,
 )
@@ -862,3 +863,26 @@ async def test_a_result_of_a_cancelled_task_is_not_audited_by_a_replica(app: Any
         assert (v["outcome"], v["category"]) == ("accepted", "valid")
         assert "audit_skipped" in v["details"]
         assert (await s.workers[1].claim(s.pool_id)).json()["reason"] == "no_tasks"
+
+
+async def test_the_member_list_shows_each_nodes_track_record(app: Any, app_state: Any) -> None:
+    """The counters behind audit rates and ejection, per node: zeros before its first verdict."""
+    async with pool_setup(app, app_state, workers=2, economics=ECON, stake=1000) as s:
+        w, idle = s.workers
+        zeros = {"valid": 0, "invalid": 0, "fraud": 0, "strikes": 0, "consecutive_valid": 0}
+        assert await track_record(s, w) == zeros
+        await submit(w, await one_lease(s, w), ["4"])
+        await submit(w, await one_lease(s, w), ["4"])
+        await submit(w, await one_lease(s, w), ["5"])
+        await submit(w, await one_lease(s, w), ["4"])
+        await submit(w, await one_lease(s, w), ["5"], claimed_reward=1.0)
+        await submit(w, await one_lease(s, w), ["4"])
+        await verify_all(app_state)
+        assert await track_record(s, w) == {
+            "valid": 4,
+            "invalid": 1,
+            "fraud": 1,
+            "strikes": 1,
+            "consecutive_valid": 1,
+        }
+        assert await track_record(s, idle) == zeros

@@ -114,3 +114,11 @@ async def verdicts(admin: Any, headers: dict[str, str], pool_id: str) -> list[di
     r = await admin.get(f"/v1/admin/pools/{pool_id}/verdicts", headers=headers)
     assert r.status_code == 200, r.text
     return list(reversed(r.json()["items"]))
+
+
+async def track_record(s: Any, worker: Any) -> dict[str, int]:
+    """The worker's node's track record in the pool, as the operator's member list shows it."""
+    r = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/members", headers=s.headers)
+    assert r.status_code == 200, r.text
+    [member] = [m for m in r.json()["items"] if m["node_id"] == worker.node_id]
+    return dict(member["track_record"])

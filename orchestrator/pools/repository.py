@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from orchestrator.core.sql import insert_ignore
 from orchestrator.identity.models import Node
 from orchestrator.pools.models import Pool, PoolInvite, PoolMembership, PoolProviderBlacklist
+from orchestrator.verification.models import NodeTrust
 
 LIVE = ("active", "pending")  # memberships that count against caps and hold stake
 
@@ -86,6 +87,14 @@ async def list_members(
     if after is not None:
         stmt = stmt.where(PoolMembership.id > after)
     return list((await session.execute(stmt.limit(limit))).scalars())
+
+
+async def track_records(session: AsyncSession, pool_id: str, node_ids: Sequence[str]) -> dict[str, NodeTrust]:
+    """The nodes' track records in the pool, by node (a node never judged there has none)."""
+    if not node_ids:
+        return {}
+    stmt = select(NodeTrust).where(NodeTrust.pool_id == pool_id, NodeTrust.node_id.in_(set(node_ids)))
+    return {t.node_id: t for t in (await session.execute(stmt)).scalars()}
 
 
 async def live_members(

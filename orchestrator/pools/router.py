@@ -14,6 +14,7 @@ from api_schemas.pools import (
     InviteIn,
     InviteOut,
     JoinIn,
+    MemberOut,
     MembershipOut,
     MembershipStatus,
     PoolCreate,
@@ -251,8 +252,8 @@ async def complete_pool(
 
 @admin_router.get(
     "/pools/{pool_id}/members",
-    response_model=Page[MembershipOut],
-    summary="A pool's memberships, in join order, with cursor pagination",
+    response_model=Page[MemberOut],
+    summary="A pool's memberships, in join order, with cursor pagination and each node's track record",
 )
 async def list_members(
     pool_id: ScopedPoolId,
@@ -261,7 +262,7 @@ async def list_members(
     status: Annotated[MembershipStatus | None, Query(description="Only memberships in this status")] = None,
     cursor: Cursor = None,
     limit: Limit = 100,
-) -> Page[MembershipOut]:
+) -> Page[MemberOut]:
     scope = CursorScope("admin.pools.members", pool_id=pool_id, status=status.value if status else None)
     members = await service.list_members(
         session,
@@ -273,8 +274,8 @@ async def list_members(
     )
     more = len(members) > limit
     members = members[:limit]
-    return Page[MembershipOut](
-        items=[service.membership_out(m) for m in members],
+    return Page[MemberOut](
+        items=await service.members_out(session, members),
         next_cursor=scope.encode(members[-1].id) if more else None,
     )
 

@@ -57,6 +57,7 @@ from api_schemas.pools import (
     Admission,
     Caps,
     Economics,
+    MemberOut,
     MembershipOut,
     MembershipStatus,
     Policy,
@@ -67,6 +68,7 @@ from api_schemas.pools import (
     PublicPolicy,
     PublicPoolOut,
     Requirements,
+    TrackRecordOut,
 )
 from orchestrator.admin.tokens import Principal, Role
 from orchestrator.audit.service import record
@@ -188,6 +190,25 @@ def membership_out(m: PoolMembership) -> MembershipOut:
         failure_streak=m.failure_streak or 0,
         failing_until=m.failing_until,
     )
+
+
+async def members_out(session: AsyncSession, members: list[PoolMembership]) -> list[MemberOut]:
+    """The memberships (all of one pool) with their nodes' track records."""
+    if not members:
+        return []
+    records = await repo.track_records(session, members[0].pool_id, [m.node_id for m in members])
+    out = []
+    for m in members:
+        t = records.get(m.node_id)
+        record = TrackRecordOut(
+            valid=t.valid if t else 0,
+            invalid=t.invalid if t else 0,
+            fraud=t.fraud if t else 0,
+            strikes=t.strikes if t else 0,
+            consecutive_valid=t.consecutive_valid if t else 0,
+        )
+        out.append(MemberOut(**membership_out(m).model_dump(), track_record=record))
+    return out
 
 
 # ------------------------------------------------------------------ scoping
