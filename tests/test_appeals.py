@@ -27,6 +27,7 @@ from tests.verification_helpers import (
     books_balance,
     pending_matches_holds,
     submit,
+    track_record,
     verdicts,
     verify_all,
 )
@@ -261,3 +262,87 @@ async def test_two_appeals_of_one_verdict_at_once_reverse_it_and_are_audited_onc
             ).all()
         assert actions == ["verdict.reverse"]
         await books_balance(app_state)
+
+
+async def wrong(s: Any, w: Any, app_state: Any) -> dict[str, Any]:
+    await submit(w, await one_lease(s, w), ["5"])
+    await verify_all(app_state)
+    v = (await verdicts(s.admin, s.headers, s.pool_id))[-1]
+    assert (v["category"], v["reason"]) == ("invalid", "wrong_answer")
+    return v
+
+
+def record(valid: int, invalid: int, fraud: int, consecutive_valid: int) -> dict[str, int]:
+    return {
+        "valid": valid,
+        "invalid": invalid,
+        "fraud": fraud,
+        "strikes": fraud,
+        "consecutive_valid": consecutive_valid,
+    }
+
+
+async def test_a_reversed_rejection_no_longer_counts_in_the_track_record_and_its_run_is_whole_again(
+    app: Any, app_state: Any
+) -> None:
+    """An invalid or fraud verdict reversed on appeal was wrong: it leaves the node's counters, and
+    the run of valid results it broke counts as one again, as if it had never been decided (the
+    run lowers the node's audit rate). Before, the invalid one was still counted for good and
+    neither gave the run back."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        await honest(s, w, app_state)
+        await honest(s, w, app_state)
+        bad = await wrong(s, w, app_state)
+        await honest(s, w, app_state)
+        f = await fraud(s, w, app_state)
+        await honest(s, w, app_state)
+        assert await track_record(s, w) == record(4, 1, 1, 1)
+        assert (await reverse(s, f["id"])).status_code == 200
+        assert await track_record(s, w) == record(4, 1, 0, 2)
+        assert (await reverse(s, bad["id"])).status_code == 200
+        assert await track_record(s, w) == record(4, 0, 0, 4)
+        assert (await reverse(s, bad["id"])).status_code == 200  # once
+        assert await track_record(s, w) == record(4, 0, 0, 4)
+
+
+async def test_a_reversed_valid_verdict_no_longer_counts_in_the_track_record(
+    app: Any, app_state: Any
+) -> None:
+    """A valid verdict reversed on appeal leaves the node's count of valid results, and the run it
+    was in is one shorter (the run before the node's latest rejection is gone already)."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        old = await honest(s, w, app_state)
+        await wrong(s, w, app_state)
+        first = await honest(s, w, app_state)
+        await honest(s, w, app_state)
+        assert await track_record(s, w) == record(3, 1, 0, 2)
+        assert (await reverse(s, first["id"])).status_code == 200
+        assert await track_record(s, w) == record(2, 1, 0, 1)
+        assert (await reverse(s, old["id"])).status_code == 200
+        assert await track_record(s, w) == record(1, 1, 0, 1)
+
+
+async def test_a_reversed_inconclusive_verdict_no_longer_counts_in_the_track_record(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """An inconclusive verdict counts with the invalid ones and breaks the run; reversed, it does
+    neither."""
+    async with pool_setup(app, app_state, workers=2, economics=ECON, stake=1000) as s:
+        w, other = s.workers
+        await honest(s, w, app_state)
+        r = await s.enqueue([{"prompt": "Name a colour.", "sampling": {"max_tokens": 8}, "replication": 2}])
+        task_id = r.json()["first_task_id"]
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        assert (await other.claim(s.pool_id)).json()["leases"]  # then never answers
+        await submit(w, lease, ["red"])
+        cancel = await s.admin.post(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}/cancel", headers=s.headers)
+        assert cancel.json()["status"] == "cancelled"
+        clock.advance(app_state.settings.verifier.quorum_wait_s + 60)
+        await verify_all(app_state)
+        v = (await verdicts(s.admin, s.headers, s.pool_id))[-1]
+        assert (v["category"], v["reason"]) == ("inconclusive", "task_abandoned")
+        assert await track_record(s, w) == record(1, 1, 0, 0)
+        assert (await reverse(s, v["id"])).status_code == 200
+        assert await track_record(s, w) == record(1, 0, 0, 1)

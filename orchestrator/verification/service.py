@@ -1071,7 +1071,7 @@ def _verified(decision: Decision, job: VerificationJob) -> bool:
     audit rate (BOINC counts validated results): a result the server cannot check, accepted
     without an audit (not drawn, or skipped), was never checked, and a cheater's every such
     answer would otherwise make its next audit less likely. It neither builds trust nor breaks
-    the run."""
+    the run. (``_standing_run`` reads the same from a verdict's row: keep the two alike.)"""
     return decision.verifier in ("quorum", "validator") or job.server_reward is not None
 
 
@@ -1437,10 +1437,14 @@ async def reverse_verdict(
       slashed from is still live, else free), a strike less; and, as for a soft-invalid
       penalty, its forfeits still in force are given back: to pending, the hold ``held`` again
       (released when due), or to claimable if the hold was released meanwhile.
+    * Every verdict leaves the node's track record (``_uncount``), which drives its audit rate
+      and ejection: its counter one less, and the run of verified valid results counted again
+      without it.
 
-    Lock order: the verdict, the membership, then every account the appeal may touch, and only
-    then the holds and forfeits, whose state decides what moves: a reward release or a verdict
-    committing meanwhile holds those accounts, so it is either wholly before or wholly after."""
+    Lock order: the verdict, the membership, then every account the appeal may touch, the
+    node's track record (after the accounts, as the verifier locks it), and only then the holds
+    and forfeits, whose state decides what moves: a reward release or a verdict committing
+    meanwhile holds those accounts, so it is either wholly before or wholly after."""
     from orchestrator.core.errors import Conflict, NotFound
 
     verdict = await session.get(Verdict, verdict_id, with_for_update=True)
@@ -1451,6 +1455,8 @@ async def reverse_verdict(
     fraud = verdict.category == "fraud"
     membership = await _membership(session, verdict.pool_id, verdict.node_id) if fraud else None
     await _lock_for_appeal(session, verdict)
+    # After the accounts, before the holds: the order in which the verifier locks them.
+    trust = await session.get(NodeTrust, (verdict.pool_id, verdict.node_id), with_for_update=True)
     memo = f"appeal: {reason}"
     try:
         stake_back, unbonding = (
@@ -1472,11 +1478,52 @@ async def reverse_verdict(
             RolloutChange(pool_id=verdict.pool_id, verdict_id=verdict.id, change="reversed", created_at=now)
         )
     await session.flush()
+    if trust is not None:
+        await _uncount(session, trust, verdict, now=now)
     if fraud:
         await notify_window(session, verdict, "restored", now=now)
     reversed_ = metrics.VERDICTS_REVERSED.labels(verdict.outcome, verdict.category)
     metrics.on_commit(session, reversed_.inc)
     return verdict, True
+
+
+async def _uncount(session: AsyncSession, trust: NodeTrust, verdict: Verdict, *, now: dt.datetime) -> None:
+    """Take the reversed ``verdict`` out of the node's track record, as if it had never been
+    decided: its counter (``invalid`` for an inconclusive one too, as ``decide`` counts it) and,
+    for fraud, its strike, one less (never below 0); and the run of ``consecutive_valid``
+    counted again from the node's verdicts in the pool that stand (see ``_standing_run``): an
+    appeal of a valid verdict shortens the run it was in, one of the verdict that broke a run
+    joins the runs on either side of it again."""
+    if verdict.category == "valid":
+        trust.valid = max(0, trust.valid - 1)
+    elif verdict.category == "fraud":
+        trust.fraud = max(0, trust.fraud - 1)
+        trust.strikes = max(0, trust.strikes - 1)
+    else:
+        trust.invalid = max(0, trust.invalid - 1)
+    trust.consecutive_valid = await _standing_run(session, verdict.pool_id, verdict.node_id)
+    trust.updated_at = now
+    await session.flush()
+
+
+async def _standing_run(session: AsyncSession, pool_id: str, node_id: str) -> int:
+    """The node's verified valid verdicts in the pool since its latest rejected one, leaving out
+    reversed verdicts: what ``decide`` would have counted in ``consecutive_valid`` had they never
+    been decided. A valid verdict that verified nothing (``_verified``: accepted unchecked and
+    unaudited) neither adds to the run nor breaks it. Verdicts are never deleted, so this is
+    exact."""
+    standing = (Verdict.pool_id == pool_id, Verdict.node_id == node_id, Verdict.reversed_at.is_(None))
+    last_break = select(func.max(Verdict.id)).where(*standing, Verdict.category != "valid").scalar_subquery()
+    verified = or_(Verdict.verifier.in_(("quorum", "validator")), Verdict.server_reward.is_not(None))
+    run = await session.scalar(
+        select(func.count()).where(
+            *standing,
+            Verdict.category == "valid",
+            verified,
+            Verdict.id > func.coalesce(last_break, 0),
+        )
+    )
+    return int(run or 0)
 
 
 async def _lock_for_appeal(session: AsyncSession, verdict: Verdict) -> None:
@@ -1705,9 +1752,6 @@ async def _restore_after_fraud(
     *,
     actor: str,
 ) -> None:
-    trust = await _trust(session, verdict.pool_id, verdict.node_id, verdict.provider_id)
-    trust.strikes = max(0, trust.strikes - 1)
-    trust.fraud = max(0, trust.fraud - 1)
     if stake_back <= 0:
         return
     if unbonding:  # slashed from an ended membership's unbonding: free at once, like a release
