@@ -313,3 +313,31 @@ async def test_an_invite_waits_for_a_completion_in_progress_and_is_refused_after
             await s.admin.get("/v1/admin/audit", params={"pool_id": s.pool_id}, headers=s.headers)
         ).json()
         assert "invite.create" not in [e["action"] for e in audit["items"]]
+
+
+async def test_max_nodes_is_not_lowered_below_the_replicas_of_an_open_task(app: Any, app_state: Any) -> None:
+    """Replicas of a task go to different nodes, so a pool capped below a queued task's replicas
+    would never finish it, as the enqueue of such a task is refused for. The change is refused
+    too, naming the highest replication still open, and changes nothing (not even the other
+    fields sent with it); once the task is cancelled the cap may be lowered."""
+    async with pool_setup(app, app_state) as s:
+        r = await s.enqueue([task(replication=3), task(replication=2), task()], key="b-1")
+        first = r.json()["first_task_id"]
+        r = await s.admin.patch(
+            f"/v1/admin/pools/{s.pool_id}",
+            json={"caps": {"max_nodes": 1}, "description": "smaller"},
+            headers=s.headers,
+        )
+        body = problem(r, 409, "replication_exceeds_max_nodes")
+        assert (body["max_nodes"], body["max_replication"], body["open_tasks"]) == (1, 3, 2)
+        pool = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}", headers=s.headers)).json()
+        assert pool["caps"]["max_nodes"] is None and pool["description"] != "smaller"
+        audit = await s.admin.get("/v1/admin/audit", params={"pool_id": s.pool_id}, headers=s.admin_headers)
+        assert "pool.update" not in [e["action"] for e in audit.json()["items"]]
+        cancel = await s.admin.post(f"/v1/admin/pools/{s.pool_id}/tasks/{first}/cancel", headers=s.headers)
+        assert cancel.status_code == 200, cancel.text
+        r = await s.admin.patch(
+            f"/v1/admin/pools/{s.pool_id}", json={"caps": {"max_nodes": 2}}, headers=s.headers
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["caps"]["max_nodes"] == 2

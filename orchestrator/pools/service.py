@@ -318,6 +318,8 @@ async def update_pool(
         ) from None
     before, after = _flatten(current), _flatten(merged.model_dump(mode="json"))
     changed = sorted(k for k in after if after[k] != before.get(k))
+    if "caps.max_nodes" in changed and merged.caps.max_nodes is not None:
+        await _open_tasks_fit(session, pool.id, merged.caps.max_nodes)
     if changed:
         _apply_settings(pool, merged)
         pool.updated_at = now
@@ -333,6 +335,23 @@ async def update_pool(
             after={k: after[k] for k in changed},
         )
     return pool
+
+
+async def _open_tasks_fit(session: AsyncSession, pool_id: str, max_nodes: int) -> None:
+    """A task's replicas go to different nodes, so a cap below the replicas of a task still open
+    would leave it open for ever: refused, as an enqueue of such a task is (the enqueue holds the
+    pool shared, this change holds it for update, so neither commits a task the other missed)."""
+    from orchestrator.tasks.service import open_tasks_above
+
+    count, highest = await open_tasks_above(session, pool_id, max_nodes)
+    if count:
+        raise Conflict(
+            f"caps.max_nodes {max_nodes} is below the replicas of {count} open task(s) (up to "
+            f"{highest}); replicas go to different nodes, so they could never be done: cancel them "
+            "or let them finish first",
+            code="replication_exceeds_max_nodes",
+            extra={"max_nodes": max_nodes, "max_replication": highest, "open_tasks": count},
+        )
 
 
 async def change_status(

@@ -305,6 +305,19 @@ def _replicas_fit(pool: Pool, body: TaskBatchIn) -> None:
         )
 
 
+async def open_tasks_above(session: AsyncSession, pool_id: str, replication: int) -> tuple[int, int]:
+    """How many of the pool's open tasks have more than ``replication`` replicas, and the most
+    replicas any of them has (0, 0 when none has)."""
+    count, highest = (
+        await session.execute(
+            select(func.count(), func.coalesce(func.max(Task.replication), 0)).where(
+                Task.pool_id == pool_id, Task.status == "open", Task.replication > replication
+            )
+        )
+    ).one()
+    return int(count), int(highest)
+
+
 async def _batch(session: AsyncSession, pool_id: str, key: str) -> TaskBatch | None:
     return (
         await session.execute(
