@@ -76,7 +76,8 @@ class PoolStatsOut(BaseModel):
     )
     slashed: int = Field(
         description="Stake slashed and pending rewards forfeited by the pool's verdicts not reversed "
-        "(fraud, and the soft-invalid penalty), in ledger units"
+        "(fraud, and the soft-invalid penalty), in ledger units; a forfeited reward whose own "
+        "verdict was reversed since went back to the system and is not counted"
     )
     tasks_by_status: dict[str, int]
     placement: PlacementOut

@@ -346,3 +346,22 @@ async def test_a_reversed_inconclusive_verdict_no_longer_counts_in_the_track_rec
         assert await track_record(s, w) == record(1, 1, 0, 0)
         assert (await reverse(s, v["id"])).status_code == 200
         assert await track_record(s, w) == record(1, 0, 0, 1)
+
+
+async def test_the_pools_slashed_total_leaves_out_a_forfeit_given_back_by_the_rewards_appeal(
+    app: Any, app_state: Any
+) -> None:
+    """A fraud verdict forfeited A's held reward; A's appeal sends that forfeit from the slashed
+    account back to the system's rewards. The pool's stats counted it as slashed still (207, of
+    which only 200 was), while no longer counting A's reward as credited."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        a = await honest(s, w, app_state)
+        f = await fraud(s, w, app_state)
+        assert await pool_money(s) == (7, 207)
+        assert (await reverse(s, a["id"])).status_code == 200
+        assert await pool_money(s) == (0, 200)
+        assert (await system(app_state))["slashed"] == 200
+        assert (await reverse(s, f["id"])).status_code == 200
+        assert await pool_money(s) == (0, 0)
+        assert (await system(app_state))["slashed"] == 0

@@ -1403,6 +1403,13 @@ async def pool_stats(session: AsyncSession, pool_id: str) -> dict[str, Any]:
             .group_by(Verdict.category)
         )
     ).all()
+    # A verdict's slashed_amount is what it took when decided; a forfeit of it that a reward's
+    # appeal sent back to the system since (``returned``) is slashed no more.
+    returned = await session.scalar(
+        select(func.coalesce(func.sum(RewardForfeit.amount), 0))
+        .join(Verdict, Verdict.id == RewardForfeit.verdict_id)
+        .where(Verdict.pool_id == pool_id, Verdict.reversed_at.is_(None), RewardForfeit.status == "returned")
+    )
     counts = {c: int(n) for c, n, _, _ in rows}
     total = sum(counts.values())
     return {
@@ -1412,7 +1419,7 @@ async def pool_stats(session: AsyncSession, pool_id: str) -> dict[str, Any]:
         "fraud_rate": counts.get("fraud", 0) / total if total else None,
         # A rejected verdict's reward_amount is 0 (set when it was written), so the sum is the valid ones'.
         "rewards_credited": sum(int(credited) for _, _, credited, _ in rows),
-        "slashed": sum(int(slashed) for _, _, _, slashed in rows),
+        "slashed": sum(int(slashed) for _, _, _, slashed in rows) - int(returned or 0),
     }
 
 
