@@ -86,13 +86,14 @@ def hand_signed(
     *,
     components: tuple[str, ...] | None = None,
     label: str = "sig1",
+    digest: str | None = None,
     **params: int | str | None,
 ) -> dict[str, str]:
     """Sign by building the RFC 9421 signature base here, independently of any library.
 
     Parameters default to created=now, keyid=the key's id, nonce=random, alg="ed25519";
     pass one as None to leave it out, or any value to override it. A body gets a
-    Content-Digest header, covered by default.
+    Content-Digest header (``digest`` when given, else its SHA-256), covered by default.
     """
     url = BASE + path
     if components is None:
@@ -106,7 +107,7 @@ def hand_signed(
     chosen = {name: value for name, value in {**defaults, **params}.items() if value is not None}
     headers: dict[str, str] = {}
     if body:
-        headers["Content-Digest"] = content_digest(body)
+        headers["Content-Digest"] = digest if digest is not None else content_digest(body)
     parts = urlsplit(url)
     values = {
         "@method": method.upper(),
@@ -307,6 +308,60 @@ async def test_malformed_content_digest_is_refused(
         401,
         "digest_malformed",
     )
+
+
+def _b64(digest: bytes) -> str:
+    return base64.b64encode(digest).decode()
+
+
+SHA256 = "sha-256=:" + _b64(hashlib.sha256(HB_BODY).digest()) + ":"
+SHA512 = "sha-512=:" + _b64(hashlib.sha512(HB_BODY).digest()) + ":"
+SHA384 = "sha-384=:" + _b64(hashlib.sha384(HB_BODY).digest()) + ":"
+UNIXSUM = "unixsum=:" + _b64(b"12345") + ":"
+WRONG_SHA256 = "sha-256=:" + _b64(hashlib.sha256(OTHER_BODY).digest()) + ":"
+WRONG_SHA512 = "sha-512=:" + _b64(hashlib.sha512(OTHER_BODY).digest()) + ":"
+
+
+@pytest.mark.parametrize(
+    "digest",
+    [
+        pytest.param(f"{SHA384}, {SHA256}", id="sha-384,sha-256"),
+        pytest.param(f"{SHA256}, {UNIXSUM}", id="sha-256,unixsum"),
+        pytest.param(f"{SHA512}, {SHA384}", id="sha-512,sha-384"),
+        pytest.param(f"{SHA256}, {SHA512}", id="sha-256,sha-512"),
+        pytest.param(f"{UNIXSUM}, {SHA512}, {SHA256}, {SHA384}", id="unixsum,sha-512,sha-256,sha-384"),
+    ],
+)
+async def test_digests_of_unknown_algorithms_beside_a_matching_one_are_ignored(
+    client: httpx.AsyncClient, contributor: Contributor, digest: str
+) -> None:
+    # RFC 9530: a recipient ignores algorithms it does not support. The signature covers the
+    # field as sent, unknown members and all.
+    headers = hand_signed(contributor.node_key, "POST", HEARTBEAT, HB_BODY, digest=digest)
+    assert (await send(client, "POST", HEARTBEAT, headers, HB_BODY)).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("digest", "code"),
+    [
+        # Nothing this server can check.
+        pytest.param(f"{SHA384}, {UNIXSUM}", "digest_malformed", id="sha-384,unixsum"),
+        pytest.param(SHA384, "digest_malformed", id="sha-384"),
+        # Every supported digest must match.
+        pytest.param(f"{SHA384}, {WRONG_SHA256}", "digest_mismatch", id="sha-384,wrong-sha-256"),
+        pytest.param(f"{SHA256}, {WRONG_SHA512}", "digest_mismatch", id="sha-256,wrong-sha-512"),
+        pytest.param(
+            f"{WRONG_SHA512}, {SHA256}, {UNIXSUM}", "digest_mismatch", id="wrong-sha-512,sha-256,unixsum"
+        ),
+        # Every member is a byte sequence, of an algorithm known or not.
+        pytest.param(f"{SHA256}, unixsum=12345", "digest_malformed", id="sha-256,unixsum-integer"),
+    ],
+)
+async def test_a_digest_field_without_a_matching_supported_digest_is_refused(
+    client: httpx.AsyncClient, contributor: Contributor, digest: str, code: str
+) -> None:
+    headers = hand_signed(contributor.node_key, "POST", HEARTBEAT, HB_BODY, digest=digest)
+    problem(await send(client, "POST", HEARTBEAT, headers, HB_BODY), 401, code)
 
 
 async def test_body_without_content_digest_is_refused(
