@@ -423,6 +423,39 @@ async def test_expired_signature_is_refused(
     assert (await send(client, "GET", ME, valid)).status_code == 200
 
 
+# The largest integer a structured field can carry (RFC 8941, 15 digits): far past year 9999,
+# which is as far as a datetime reaches.
+SF_INTEGER_MAX = 999_999_999_999_999
+
+
+@pytest.mark.parametrize("expires", [253_402_300_800, SF_INTEGER_MAX], ids=["year-10000", "sf-integer-max"])
+async def test_an_expires_past_year_9999_has_not_passed(
+    client: httpx.AsyncClient, contributor: Contributor, clock: FakeClock, expires: int
+) -> None:
+    now = int(clock.now())
+    headers = hand_signed(contributor.node_key, "GET", ME, created=now, expires=expires)
+    assert (await send(client, "GET", ME, headers)).status_code == 200
+    # The created window still applies.
+    old = hand_signed(contributor.node_key, "GET", ME, created=now - 3600, expires=expires)
+    problem(await send(client, "GET", ME, old), 401, "signature_stale")
+
+
+@pytest.mark.parametrize(
+    ("created", "code"),
+    [
+        pytest.param(SF_INTEGER_MAX, "signature_from_future", id="sf-integer-max"),
+        pytest.param(253_402_300_800, "signature_from_future", id="year-10000"),
+        pytest.param(-SF_INTEGER_MAX, "signature_stale", id="sf-integer-min"),
+        pytest.param(-62_135_596_801, "signature_stale", id="before-year-1"),
+    ],
+)
+async def test_a_created_beyond_any_date_is_refused_for_its_time(
+    client: httpx.AsyncClient, contributor: Contributor, created: int, code: str
+) -> None:
+    headers = hand_signed(contributor.node_key, "GET", ME, created=created)
+    problem(await send(client, "GET", ME, headers), 401, code)
+
+
 # ---------------------------------------------------------------- nonces
 
 
