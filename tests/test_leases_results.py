@@ -689,6 +689,34 @@ async def test_evidence_of_a_signature_that_covers_signature_input_verifies(app:
         assert dict(sub["evidence"]["signed_fields"])["signature-input"] == signature_input
 
 
+async def test_evidence_of_a_result_a_proxy_signed_too_verifies(app: Any, app_state: Any) -> None:
+    """A proxy on the way may add its own signature (RFC 9421, section 4.3), which the server
+    ignores: the result is accepted, and its evidence, kept whole, verifies again as the node's."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        task_id = (await s.enqueue([task()])).json()["first_task_id"]
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        url = f"http://testserver/v1/assignments/{lease['assignment_id']}/result"
+        body = json.dumps(result_body(lease)).encode()
+        headers = sign_headers(w.contributor.node_key, method="POST", url=url, body=body)
+        proxy_input = 'edge=("@method" "signature";key="pyhms");keyid="edge-1";alg="hmac-sha256"'
+        proxy_signature = "edge=:" + base64.b64encode(bytes(32)).decode() + ":"
+        r = await w.client.post(
+            url,
+            content=body,
+            headers=[
+                *headers.items(),
+                ("signature-input", proxy_input),
+                ("signature", proxy_signature),
+                ("content-type", "application/json"),
+            ],
+        )
+        assert r.status_code == 201, r.text
+        (sub,) = await submissions_of(s, task_id)
+        assert sub["check"] == {"valid": True, "keyid": w.node_id, "code": None, "detail": None}
+        assert proxy_input in sub["evidence"]["signature_input"]
+
+
 async def test_evidence_of_a_signature_at_the_edge_of_its_window_verifies(
     app: Any, app_state: Any, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -773,6 +773,113 @@ async def test_node_acts_only_as_itself(client: httpx.AsyncClient, contributor: 
     assert theirs.json()["last_heartbeat_at"] is None  # A's heartbeat never landed on B
 
 
+# ------------------------------------------------------- several signatures
+
+
+def proxy_signature(
+    label: str = "proxy", keyid: str = "edge-proxy-1", covers: str = "sig1"
+) -> dict[str, str]:
+    """A signature as a proxy on the way adds its own (RFC 9421, section 4.3): its keyid is not
+    an Ed25519 key id, it covers the client's signature, and this server cannot check it."""
+    return {
+        "Signature-Input": f'{label}=("@method" "signature";key="{covers}");created={int(time.time())};'
+        f'keyid="{keyid}";alg="rsa-pss-sha512"',
+        "Signature": f"{label}=:{base64.b64encode(secrets.token_bytes(256)).decode()}:",
+    }
+
+
+def with_signatures(body: dict[str, str], *added: dict[str, str], lines: bool = False) -> Any:
+    """``body``'s headers with ``added``'s signatures after its own: in the same field lines
+    (``lines=False``) or each in a field line of its own."""
+    out: Any = dict(body)
+    if lines:
+        out = list(body.items())
+        for extra in added:
+            out += list(extra.items())
+        return out
+    for extra in added:
+        out["Signature-Input"] += ", " + extra["Signature-Input"]
+        out["Signature"] += ", " + extra["Signature"]
+    return out
+
+
+@pytest.mark.parametrize("lines", [False, True], ids=["one-field-line", "field-line-each"])
+async def test_a_signature_a_proxy_added_is_ignored(
+    client: httpx.AsyncClient, contributor: Contributor, lines: bool
+) -> None:
+    headers = with_signatures(
+        hand_signed(contributor.node_key, "POST", HEARTBEAT, HB_BODY), proxy_signature(), lines=lines
+    )
+    assert (await send(client, "POST", HEARTBEAT, headers, HB_BODY)).status_code == 200
+    # The node's nonce is spent, whatever else the request carries.
+    problem(await send(client, "POST", HEARTBEAT, headers, HB_BODY), 401, "nonce_replayed")
+
+
+async def test_the_nodes_signature_may_come_after_others(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    mine = hand_signed(contributor.node_key, "GET", ME, label="client")
+    headers = with_signatures(
+        proxy_signature("edge", covers="client"), mine, proxy_signature("cdn", keyid="cdn", covers="edge")
+    )
+    r = await send(client, "GET", ME, headers)
+    assert r.status_code == 200, r.text
+    assert r.json()["id"] == contributor.node_id
+
+
+async def test_a_signature_that_does_not_verify_beside_the_nodes_valid_one_is_ignored(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    # Another Ed25519 key id (a proxy keyed that way), its signature not valid for this request.
+    stranger = hand_signed(generate_key(), "GET", ME + "?elsewhere=1", label="edge")
+    headers = with_signatures(hand_signed(contributor.node_key, "GET", ME), stranger)
+    assert (await send(client, "GET", ME, headers)).status_code == 200
+
+
+async def test_of_several_signatures_the_nodes_own_refusal_is_given(
+    client: httpx.AsyncClient, contributor: Contributor, clock: FakeClock
+) -> None:
+    stale = hand_signed(contributor.node_key, "GET", ME, created=int(clock.now()) - 3600)
+    problem(await send(client, "GET", ME, with_signatures(stale, proxy_signature())), 401, "signature_stale")
+    forged = hand_signed(generate_key(), "GET", ME, keyid=contributor.node_id)
+    problem(
+        await send(client, "GET", ME, with_signatures(forged, proxy_signature())), 401, "signature_invalid"
+    )
+
+
+async def test_a_request_with_no_signature_by_an_ed25519_key_is_refused(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    headers = with_signatures(proxy_signature("a", covers="b"), proxy_signature("b", covers="a"))
+    problem(await send(client, "GET", ME, headers), 401, "unknown_key")
+
+
+async def test_two_valid_signatures_by_different_keys_are_refused(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    # Which identity would act is not for the server to guess; nor is a captured request of
+    # another node's made to act for it by adding one's own signature.
+    other = new_contributor()
+    await other.register(client)
+    mine = hand_signed(contributor.node_key, "GET", ME)
+    theirs = hand_signed(other.node_key, "GET", ME, label="sig2")
+    problem(await send(client, "GET", ME, with_signatures(mine, theirs)), 401, "signature_malformed")
+    # Neither nonce was spent.
+    assert (await send(client, "GET", ME, mine)).status_code == 200
+    assert (await send(client, "GET", ME, theirs)).status_code == 200
+
+
+async def test_more_than_eight_signatures_are_refused(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    mine = hand_signed(contributor.node_key, "GET", ME)
+    seven = [proxy_signature(f"p{i}", keyid=f"p{i}") for i in range(7)]
+    assert (await send(client, "GET", ME, with_signatures(mine, *seven))).status_code == 200
+    again = hand_signed(contributor.node_key, "GET", ME)
+    eight = [*seven, proxy_signature("p7", keyid="p7")]
+    problem(await send(client, "GET", ME, with_signatures(again, *eight)), 401, "signature_malformed")
+
+
 # ---------------------------------------------------- Host and the rebuilt URL
 
 

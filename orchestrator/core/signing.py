@@ -39,6 +39,8 @@ ALGORITHM = "ed25519"
 DEFAULT_COMPONENTS: tuple[str, ...] = ("@method", "@target-uri")
 MAX_NONCE_LENGTH = 128
 MAX_SIGNATURE_HEADER = 4096
+# Signatures (labels) a request may carry: the client's, and any a proxy on the way added.
+MAX_SIGNATURES = 8
 MAX_HOST_LENGTH = 255
 # A signed result keeps its target URI as evidence, in a column of this many characters.
 MAX_TARGET_URI_LENGTH = 2048
@@ -157,6 +159,19 @@ def _parse_dictionary(name: str, value: str) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class _Member:
+    """One labelled signature: its Signature-Input and Signature members, as parsed."""
+
+    label: str
+    input: tuple[Any, dict[str, Any]]
+    signature: tuple[Any, dict[str, Any]]
+
+    @property
+    def keyid(self) -> object:
+        return self.input[1].get("keyid")
+
+
+@dataclass(frozen=True)
 class _Parsed:
     label: str
     components: tuple[str, ...]
@@ -164,15 +179,19 @@ class _Parsed:
     signature: bytes
 
 
-def _parse_signature_headers(sig_input: str, sig: str) -> _Parsed:
+def _signature_members(sig_input: str, sig: str) -> list[_Member]:
     inputs = _parse_dictionary("Signature-Input", sig_input)
     signatures = _parse_dictionary("Signature", sig)
-    if len(inputs) != 1 or len(signatures) != 1:
-        raise _fail("signature_malformed", "exactly one signature is expected per request")
-    ((label, (members, params)),) = inputs.items()
-    if label not in signatures:
+    if len(inputs) > MAX_SIGNATURES:
+        raise _fail("signature_malformed", f"a request carries at most {MAX_SIGNATURES} signatures")
+    if inputs.keys() != signatures.keys():
         raise _fail("signature_malformed", "Signature-Input and Signature use different labels")
-    sig_value, _ = signatures[label]
+    return [_Member(label, inputs[label], signatures[label]) for label in inputs]
+
+
+def _parse_member(member: _Member) -> _Parsed:
+    members, params = member.input
+    sig_value, _ = member.signature
     if not isinstance(members, list):
         raise _fail("signature_malformed", "Signature-Input member must be an inner list of components")
     components: list[str] = []
@@ -182,7 +201,7 @@ def _parse_signature_headers(sig_input: str, sig: str) -> _Parsed:
         components.append(item)
     if not isinstance(sig_value, bytes):
         raise _fail("signature_malformed", "Signature member must be a byte sequence")
-    return _Parsed(label=label, components=tuple(components), params=dict(params), signature=sig_value)
+    return _Parsed(label=member.label, components=tuple(components), params=dict(params), signature=sig_value)
 
 
 def _check_params(params: dict[str, Any], *, now: float, window_s: int) -> tuple[str, int, str]:
@@ -339,56 +358,135 @@ def verify_request(
 ) -> SignedRequest:
     """Check a request's signature, coverage, time window and digest (not the nonce).
 
-    Raises ``Unauthorized`` with a stable ``code`` on the first failed check.
+    A request may carry several labelled signatures (RFC 9421, section 4.3: a proxy on the way
+    may add its own). Those whose ``keyid`` is not an Ed25519 key id are someone else's and are
+    ignored; of the others, exactly one must pass every check, and it is the one returned.
+
+    Raises ``Unauthorized`` with a stable ``code`` on the first failed check (for several
+    signatures by Ed25519 key ids none of which passes, the first one's).
     """
-    header_lines = list(headers)
-    lookup: dict[str, list[str]] = {}
-    for name, value in header_lines:
-        lookup.setdefault(name.lower(), []).append(value)
-    sig_input = lookup.get("signature-input")
-    sig = lookup.get("signature")
-    if not sig_input or not sig:
+    request = _Request(method=method, url=url, query=query, header_lines=list(headers), body=body)
+    if request.signature_input is None or request.signature is None:
         raise _fail("signature_missing", "Signature-Input and Signature headers are required")
-    parsed = _parse_signature_headers(", ".join(sig_input), ", ".join(sig))
-    keyid, created, nonce = _check_params(parsed.params, now=now, window_s=window_s)
-    digest_values = lookup.get("content-digest")
-    if body and not digest_values:
-        raise _fail("digest_missing", "a request with a body must carry a Content-Digest header")
-    _check_coverage(parsed.components, query=query, has_body=bool(body))
-    if not is_key_id(keyid):
-        raise _fail("unknown_key", "keyid is not a base64url Ed25519 public key")
-    digest = ", ".join(digest_values) if digest_values else None
-    if digest is not None:
-        check_content_digest(digest, body)
-    verifier = _Verifier(
-        signature_algorithm=NaclEd25519,
-        key_resolver=_OneKey(keyid, verify_key=VerifyKey(b64u_decode(keyid))),
+    members = _signature_members(request.signature_input, request.signature)
+    if len(members) == 1:
+        return request.verify(members[0], now=now, window_s=window_s, alone=True)
+    ours = [member for member in members if isinstance(member.keyid, str) and is_key_id(member.keyid)]
+    if not ours:
+        raise _fail(
+            "unknown_key",
+            f"none of the {len(members)} signatures has a keyid that is a base64url Ed25519 public key",
+        )
+    verified: list[SignedRequest] = []
+    refusals: list[Unauthorized] = []
+    for member in ours:
+        try:
+            verified.append(request.verify(member, now=now, window_s=window_s, alone=False))
+        except Unauthorized as exc:
+            refusals.append(exc)
+    if len(verified) == 1:
+        return verified[0]
+    if not verified:
+        raise refusals[0]
+    raise _fail(
+        "signature_malformed",
+        f"{len(verified)} signatures by Ed25519 key ids verify; exactly one is expected per request",
     )
-    try:
-        verifier.verify(_Message(method=method, url=url, headers=_HeaderLines(header_lines)), max_age=None)
-    except (InvalidSignature, HTTPMessageSignaturesException) as exc:
-        if isinstance(exc, InvalidSignature) and isinstance(exc.__cause__, BadSignatureError):
-            raise _fail("signature_invalid", "the signature does not verify for this request") from exc
-        # No signature base could be built (a parameter or covered component this server does
-        # not know, a covered field the request lacks ...): say which, not that it did not verify.
-        raise _fail("signature_malformed", f"the signature base cannot be built: {exc}") from exc
-    return SignedRequest(
-        keyid=keyid,
-        nonce=nonce,
-        created=created,
-        covered=parsed.components,
-        method=method,
-        target_uri=url,
-        signature_input=", ".join(sig_input),
-        signature=", ".join(sig),
-        content_digest=digest,
-        body=body,
-        signed_fields=tuple(
-            (name.lower(), value) for name, value in header_lines if name.lower() in parsed.components
-        ),
-        verified_at=now,
-        window_s=window_s,
-    )
+
+
+class _Request:
+    """The parts of one request its signatures are checked against; the body's digest is checked
+    once, however many signatures there are."""
+
+    def __init__(
+        self, *, method: str, url: str, query: str, header_lines: list[tuple[str, str]], body: bytes
+    ) -> None:
+        self.method = method
+        self.url = url
+        self.query = query
+        self.header_lines = header_lines
+        self.body = body
+        lookup: dict[str, list[str]] = {}
+        for name, value in header_lines:
+            lookup.setdefault(name.lower(), []).append(value)
+
+        def joined(name: str) -> str | None:
+            values = lookup.get(name)
+            return ", ".join(values) if values else None
+
+        self.signature_input = joined("signature-input")
+        self.signature = joined("signature")
+        self.content_digest = joined("content-digest")
+        self._digest_checked = False
+        self._digest_refusal: Unauthorized | None = None
+
+    def check_digest(self) -> None:
+        if not self._digest_checked and self.content_digest is not None:
+            try:
+                check_content_digest(self.content_digest, self.body)
+            except Unauthorized as exc:
+                self._digest_refusal = exc
+        self._digest_checked = True
+        if self._digest_refusal is not None:
+            raise self._digest_refusal
+
+    def verify(self, member: _Member, *, now: float, window_s: int, alone: bool) -> SignedRequest:
+        """Check one signature. When it is not ``alone``, the signature library is given the
+        request with its Signature-Input and Signature holding this member only."""
+        parsed = _parse_member(member)
+        keyid, created, nonce = _check_params(parsed.params, now=now, window_s=window_s)
+        if self.body and self.content_digest is None:
+            raise _fail("digest_missing", "a request with a body must carry a Content-Digest header")
+        _check_coverage(parsed.components, query=self.query, has_body=bool(self.body))
+        if not is_key_id(keyid):
+            raise _fail("unknown_key", "keyid is not a base64url Ed25519 public key")
+        self.check_digest()
+        lines = self.header_lines
+        if not alone:
+            try:
+                own = [
+                    ("signature-input", http_sf.ser({member.label: member.input})),
+                    ("signature", http_sf.ser({member.label: member.signature})),
+                ]
+            except (ValueError, TypeError) as exc:
+                raise _fail("signature_malformed", "the signature cannot be read back on its own") from exc
+            lines = [(name, value) for name, value in lines if name.lower() not in _SIGNATURE_FIELDS] + own
+        verifier = _Verifier(
+            signature_algorithm=NaclEd25519,
+            key_resolver=_OneKey(keyid, verify_key=VerifyKey(b64u_decode(keyid))),
+        )
+        message = _Message(method=self.method, url=self.url, headers=_HeaderLines(lines))
+        try:
+            verifier.verify(message, max_age=None)
+        except (InvalidSignature, HTTPMessageSignaturesException) as exc:
+            if isinstance(exc, InvalidSignature) and isinstance(exc.__cause__, BadSignatureError):
+                raise _fail("signature_invalid", "the signature does not verify for this request") from exc
+            # No signature base could be built (a parameter or covered component this server does
+            # not know, a covered field the request lacks ...): say which, not that it did not verify.
+            raise _fail("signature_malformed", f"the signature base cannot be built: {exc}") from exc
+        return SignedRequest(
+            keyid=keyid,
+            nonce=nonce,
+            created=created,
+            covered=parsed.components,
+            method=self.method,
+            target_uri=self.url,
+            # Whole, every signature: the evidence is the request as received.
+            signature_input=self.signature_input or "",
+            signature=self.signature or "",
+            content_digest=self.content_digest,
+            body=self.body,
+            signed_fields=tuple(
+                (name.lower(), value)
+                for name, value in self.header_lines
+                if name.lower() in parsed.components
+            ),
+            verified_at=now,
+            window_s=window_s,
+        )
+
+
+_SIGNATURE_FIELDS = frozenset({"signature-input", "signature"})
 
 
 # ---------------------------------------------------------------- client side
