@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
+import http_sf
 import httpx
 import pytest
 import requests
@@ -48,6 +49,7 @@ from tests.pools_helpers import active_pool
 BASE = "http://testserver"
 ME = "/v1/nodes/me"
 HEARTBEAT = "/v1/nodes/me/heartbeat"
+BALANCE = "/v1/providers/me/balance"
 HB_BODY = json.dumps({"metrics": {"gpu_util": 0.5}}).encode()
 OTHER_BODY = json.dumps({"metrics": {"gpu_util": 0.9}}).encode()
 REDIS_URL = os.environ.get("ORCH_TEST_REDIS_URL")
@@ -878,6 +880,61 @@ async def test_more_than_eight_signatures_are_refused(
     again = hand_signed(contributor.node_key, "GET", ME)
     eight = [*seven, proxy_signature("p7", keyid="p7")]
     problem(await send(client, "GET", ME, with_signatures(again, *eight)), 401, "signature_malformed")
+
+
+# ------------------------------------------------- what a refusal asks for
+
+
+def accepted_signature(response: httpx.Response) -> tuple[list[str], dict[str, Any]]:
+    """The one signature a response's Accept-Signature field (RFC 9421, section 5.1) asks for:
+    its covered components and parameters."""
+    requested = http_sf.parse(response.headers["accept-signature"].encode(), tltype="dictionary")
+    assert isinstance(requested, dict) and len(requested) == 1, requested
+    ((components, params),) = requested.values()
+    assert isinstance(components, list) and isinstance(params, dict)
+    return [name for name, _ in components], params
+
+
+async def test_a_refused_signature_is_answered_with_the_signature_asked_for(
+    client: httpx.AsyncClient, contributor: Contributor, clock: FakeClock
+) -> None:
+    unsigned = await client.get(ME)
+    problem(unsigned, 401, "signature_missing")
+    assert accepted_signature(unsigned) == (["@method", "@target-uri"], {"created": True, "alg": "ed25519"})
+
+    # With a body, the digest is asked for too.
+    stale = signed(contributor.node_key, "POST", HEARTBEAT, HB_BODY, created=int(clock.now()) - 3600)
+    refused = await send(client, "POST", HEARTBEAT, stale, HB_BODY)
+    problem(refused, 401, "signature_stale")
+    assert accepted_signature(refused) == (
+        ["@method", "@target-uri", "content-digest"],
+        {"created": True, "alg": "ed25519"},
+    )
+
+    headers = signed(contributor.node_key, "GET", ME)
+    accepted = await send(client, "GET", ME, headers)
+    assert accepted.status_code == 200 and "accept-signature" not in accepted.headers
+    replayed = await send(client, "GET", ME, headers)
+    problem(replayed, 401, "nonce_replayed")
+    assert accepted_signature(replayed)[0] == ["@method", "@target-uri"]
+
+    # A key not registered, on a provider route.
+    stranger = await send(client, "GET", BALANCE, signed(generate_key(), "GET", BALANCE))
+    problem(stranger, 401, "unknown_key")
+    assert accepted_signature(stranger)[0] == ["@method", "@target-uri"]
+
+
+async def test_a_refusal_that_is_not_the_signatures_asks_for_none(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    body = b'{"metrics": "none"}'
+    r = await send(client, "POST", HEARTBEAT, signed(contributor.node_key, "POST", HEARTBEAT, body), body)
+    problem(r, 422, "validation_failed")
+    assert "accept-signature" not in r.headers
+    path = "/v1/pools/no-such-pool/join"
+    r = await send(client, "POST", path, signed(contributor.node_key, "POST", path))
+    problem(r, 404, "pool_not_found")
+    assert "accept-signature" not in r.headers
 
 
 # ---------------------------------------------------- Host and the rebuilt URL

@@ -29,6 +29,7 @@ from http_message_signatures import (
     InvalidSignature,
 )
 from http_message_signatures.exceptions import HTTPMessageSignaturesException
+from http_sf.types import BareItemType
 from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
 
@@ -202,6 +203,19 @@ def _parse_member(member: _Member) -> _Parsed:
     if not isinstance(sig_value, bytes):
         raise _fail("signature_malformed", "Signature member must be a byte sequence")
     return _Parsed(label=member.label, components=tuple(components), params=dict(params), signature=sig_value)
+
+
+def accept_signature(*, has_body: bool) -> str:
+    """The ``Accept-Signature`` field (RFC 9421, section 5.1) a refused signed request is
+    answered with: the signature this server asks for. It covers ``@method``, ``@target-uri``
+    and, for a request with a body, ``content-digest``, with a ``created`` time and ``alg``
+    ``ed25519``. ``keyid`` and ``nonce`` are required too, but section 5.1 gives both a value (the
+    key to sign with, the nonce to include) that only the client can choose: they are not named."""
+    components: list[http_sf.ItemType] = ["@method", "@target-uri"]
+    if has_body:
+        components.append("content-digest")
+    params: dict[str, BareItemType] = {"created": True, "alg": ALGORITHM}
+    return http_sf.ser({"sig1": (components, params)})
 
 
 def _check_params(params: dict[str, Any], *, now: float, window_s: int) -> tuple[str, int, str]:

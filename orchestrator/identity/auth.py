@@ -21,7 +21,7 @@ from sqlalchemy import bindparam, select
 from orchestrator.core import ratelimit
 from orchestrator.core.errors import BadRequest, Forbidden, RateLimited, Unauthorized
 from orchestrator.core.routing import before_body, guarded_answer
-from orchestrator.core.signing import SignedRequest, target_uri, verify_request
+from orchestrator.core.signing import SignedRequest, accept_signature, target_uri, verify_request
 from orchestrator.core.state import AppState, Session, State, app_state
 from orchestrator.identity import repository as repo
 from orchestrator.identity.models import Node, NodeStatus, Provider
@@ -35,7 +35,9 @@ signature_scheme = APIKeyHeader(
         "RFC 9421 HTTP Message Signature, algorithm ed25519. Send Signature-Input and Signature, "
         "and Content-Digest (RFC 9530) with any body. Parameters keyid, created and nonce are "
         "required; @method and @target-uri (or @path and @query) must be covered, plus "
-        "content-digest when there is a body. See PROTOCOL.md."
+        "content-digest when there is a body. A 401 for the signature carries Accept-Signature "
+        "(RFC 9421, section 5.1) naming the covered components and parameters asked for. "
+        "See PROTOCOL.md."
     ),
     auto_error=False,
 )
@@ -178,11 +180,16 @@ def _signature(kind: Kind, *, registration: bool) -> Callable[[Request], Awaitab
         state = app_state(request)
         admission = (registering if registration else registered)(request, state, kind)
         limit = getattr(state.settings.limits, budget)
-        return await guarded_answer(
-            request,
-            "signed",
-            lambda: _verified(request, state, limit=limit, budget=budget, admission=admission),
-        )
+        try:
+            return await guarded_answer(
+                request,
+                "signed",
+                lambda: _verified(request, state, limit=limit, budget=budget, admission=admission),
+            )
+        except Unauthorized as exc:
+            # RFC 9421, section 5: the answer says which signature the server asks for.
+            exc.headers.setdefault("Accept-Signature", accept_signature(has_body=bool(await request.body())))
+            raise
 
     return guard
 
