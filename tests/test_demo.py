@@ -9,10 +9,12 @@ from orchestrator.demo.swarm import DemoConfig, run_demo
 from tests.conftest import REDIS_URL
 
 
-@pytest.mark.timeout(180)
+# The demo stops once every task is done and every cheater caught (about 20 s on a quiet
+# machine); its duration is only the bound, long enough for a machine running other suites.
+@pytest.mark.timeout(240)
 async def test_the_demo_catches_every_cheater_and_pays_only_honest_work(database_url: str) -> None:
     config = DemoConfig(
-        duration_s=60,
+        duration_s=150,
         honest=4,
         dishonest=len(KINDS),
         seed=11,
