@@ -47,6 +47,22 @@ class VerdictOut(BaseModel):
     )
 
 
+class ReversalOut(VerdictOut):
+    """The verdict, as an appeal left it, and the sanctions of its node and provider now."""
+
+    membership_status: str | None = Field(
+        description="The node's membership in the pool now (null if it has none): `left` again when "
+        "the appeal of a fraud verdict lifted the verifier's ejection (the node's strikes are below "
+        "the pool's `strikes_before_ejection`; it may join again, with new stake); an operator's or a "
+        "ban's ejection stays `ejected`"
+    )
+    provider_blacklisted: bool = Field(
+        description="Whether the provider is blacklisted from the pool now: the appeal of a fraud "
+        "verdict removes the verifier's blacklisting once the provider's strikes in the pool are below "
+        "`strikes_before_provider_ban`; an operator's stays"
+    )
+
+
 class ReverseIn(StrictModel):
     reason: Text = Field(min_length=1, max_length=500, description="Why the verdict is reversed (kept)")
 

@@ -365,3 +365,185 @@ async def test_the_pools_slashed_total_leaves_out_a_forfeit_given_back_by_the_re
         assert (await reverse(s, f["id"])).status_code == 200
         assert await pool_money(s) == (0, 0)
         assert (await system(app_state))["slashed"] == 0
+
+
+# ------------------------------------------------------------------ sanctions lifted by appeals
+
+
+async def forged(s: Any, w: Any, leases: int = 1) -> None:
+    """``leases`` results of ``w`` not run with the assigned seed (fraud), submitted but not
+    yet verified (all of them before the first verdict can eject the node)."""
+    for lease in [await one_lease(s, w) for _ in range(leases)]:
+        await submit(w, lease, ["4"], seed=1)
+
+
+async def frauds_of(s: Any, w: Any) -> list[dict[str, Any]]:
+    """The node's fraud verdicts (by node: the verifier may decide providers in either order)."""
+    found = [v for v in await verdicts(s.admin, s.headers, s.pool_id) if v["node_id"] == w.node_id]
+    assert found and all(v["category"] == "fraud" for v in found), found
+    return found
+
+
+async def status_in_pool(s: Any, w: Any) -> str:
+    me = (await w.client.get("/v1/nodes/me", auth=w.contributor.node_auth)).json()
+    [status] = [m["status"] for m in me["memberships"] if m["pool_id"] == s.pool_id]
+    return str(status)
+
+
+async def join(s: Any, w: Any) -> Any:
+    return await w.client.post(f"/v1/pools/{s.pool_id}/join", json={}, auth=w.contributor.node_auth)
+
+
+async def audit_of(s: Any, action: str) -> list[dict[str, Any]]:
+    r = await s.admin.get("/v1/admin/audit", params={"limit": 200}, headers=s.admin_headers)
+    assert r.status_code == 200, r.text
+    return [e for e in r.json()["items"] if e["action"] == action]
+
+
+EJECT_AT_1 = {**ECON, "strikes_before_ejection": 1, "strikes_before_provider_ban": 5}
+
+
+async def test_an_appeal_that_brings_the_strikes_below_the_limit_lifts_the_verifiers_ejection(
+    app: Any, app_state: Any
+) -> None:
+    """The verifier ejected the node at its strike limit; the appeal of that fraud verdict takes
+    the strike back, so the ejection goes too: the membership is ``left`` (audited
+    ``membership.reinstate`` by the appeal's admin) and the node may join again, with new stake.
+    Before, the verifier's ejection stayed for ever."""
+    async with pool_setup(app, app_state, workers=1, economics=EJECT_AT_1, stake=2000) as s:
+        w = s.workers[0]
+        await forged(s, w)
+        await verify_all(app_state)
+        [f] = await frauds_of(s, w)
+        assert await status_in_pool(s, w) == "ejected"
+        problem(await join(s, w), 403, "node_ejected")
+
+        r = await reverse(s, f["id"], "seed bug on our side")
+        assert r.status_code == 200, r.text
+        assert (r.json()["membership_status"], r.json()["provider_blacklisted"]) == ("left", False)
+        assert await status_in_pool(s, w) == "left"
+        assert await track_record(s, w) == {
+            "valid": 0,
+            "invalid": 0,
+            "fraud": 0,
+            "strikes": 0,
+            "consecutive_valid": 0,
+        }
+        [reinstated] = await audit_of(s, "membership.reinstate")
+        assert (reinstated["target_id"], reinstated["pool_id"]) == (w.node_id, s.pool_id)
+        assert reinstated["actor_role"] == "admin" and reinstated["actor"] != "system"
+        assert reinstated["before"] == {"status": "ejected"}
+        assert reinstated["after"]["status"] == "left"
+        assert f"fraud verdict {f['id']} reversed on appeal" in reinstated["after"]["reason"]
+
+        r = await join(s, w)
+        assert r.status_code == 201 and r.json()["status"] == "active", r.text
+        assert r.json()["episode"] == 2
+        again = await reverse(s, f["id"])  # changes nothing, shows the state as it is
+        assert again.status_code == 200 and again.json()["membership_status"] == "active"
+        assert len(await audit_of(s, "membership.reinstate")) == 1
+    await books_balance(app_state)
+
+
+async def test_an_ejection_that_the_remaining_strikes_still_reach_stays(app: Any, app_state: Any) -> None:
+    """Two fraud strikes past a limit of 1: the appeal of one leaves one strike, still at the
+    limit, so the node stays ejected; the appeal of the other lifts the ejection."""
+    async with pool_setup(app, app_state, workers=1, economics=EJECT_AT_1, stake=2000) as s:
+        w = s.workers[0]
+        await forged(s, w, leases=2)
+        await verify_all(app_state)
+        first, second = await frauds_of(s, w)
+        assert (await track_record(s, w))["strikes"] == 2
+
+        r = await reverse(s, second["id"])
+        assert r.status_code == 200 and r.json()["membership_status"] == "ejected", r.text
+        assert await status_in_pool(s, w) == "ejected"
+        problem(await join(s, w), 403, "node_ejected")
+        assert await audit_of(s, "membership.reinstate") == []
+
+        r = await reverse(s, first["id"])
+        assert r.status_code == 200 and r.json()["membership_status"] == "left", r.text
+        r = await join(s, w)
+        assert r.status_code == 201 and r.json()["status"] == "active", r.text
+    await books_balance(app_state)
+
+
+async def test_an_appeal_does_not_lift_an_operators_ejection(app: Any, app_state: Any) -> None:
+    """Node A was ejected by its operator before the verdict on its forged result, node B (of
+    another provider) by the verifier at its strike limit. Both verdicts are reversed: B may
+    join again, A stays ejected (the appeal undoes the verifier's sanctions, not the operator's)."""
+    async with pool_setup(app, app_state, workers=2, economics=EJECT_AT_1, stake=2000) as s:
+        a, b = s.workers
+        await forged(s, a)
+        await forged(s, b)
+        r = await s.admin.post(
+            f"/v1/admin/pools/{s.pool_id}/members/{a.node_id}/eject",
+            json={"reason": "cheat"},
+            headers=s.headers,
+        )
+        assert r.status_code == 200, r.text
+        await verify_all(app_state)
+        [fa], [fb] = await frauds_of(s, a), await frauds_of(s, b)
+        assert (await status_in_pool(s, a), await status_in_pool(s, b)) == ("ejected", "ejected")
+
+        r = await reverse(s, fa["id"])
+        assert r.status_code == 200 and r.json()["membership_status"] == "ejected", r.text
+        r = await reverse(s, fb["id"])
+        assert r.status_code == 200 and r.json()["membership_status"] == "left", r.text
+        assert (await track_record(s, a))["strikes"] == 0
+        assert await status_in_pool(s, a) == "ejected"
+        problem(await join(s, a), 403, "node_ejected")
+        r = await join(s, b)
+        assert r.status_code == 201 and r.json()["status"] == "active", r.text
+        assert [e["target_id"] for e in await audit_of(s, "membership.reinstate")] == [b.node_id]
+    await books_balance(app_state)
+
+
+async def test_an_appeal_lifts_the_verifiers_provider_ban_but_not_an_operators_blacklist(
+    app: Any, app_state: Any
+) -> None:
+    """Provider P's two nodes have one fraud strike each, which reaches the pool's provider limit
+    of 2: the verifier blacklists P, which ends both memberships (``left``, not ejected). The
+    appeal of one strike brings P below the limit: the blacklisting is removed (audited
+    ``pool.unblacklist_provider``) and both nodes may join again. Provider Q was blacklisted by
+    its operator before the verdict on its node's forged result: that appeal leaves it as it is."""
+    econ = {**ECON, "strikes_before_ejection": 2, "strikes_before_provider_ban": 2}
+    async with pool_setup(app, app_state, workers=2, economics=econ, stake=2000) as s:
+        p1, q = s.workers
+        p2 = await s.add_worker(provider_key=p1.contributor.provider_key, stake=2000)
+        for w in (p1, p2, q):
+            await forged(s, w)
+        r = await s.admin.post(
+            f"/v1/admin/pools/{s.pool_id}/blacklist",
+            json={"provider_id": q.contributor.provider_id, "reason": "sybil"},
+            headers=s.headers,
+        )
+        assert r.status_code == 201, r.text
+        await verify_all(app_state)
+        [f1], [fq] = await frauds_of(s, p1), await frauds_of(s, q)
+        assert len(await frauds_of(s, p2)) == 1
+        for w in (p1, p2, q):
+            assert await status_in_pool(s, w) == "left"
+            problem(await join(s, w), 403, "provider_blacklisted")
+
+        r = await reverse(s, f1["id"])
+        assert r.status_code == 200, r.text
+        assert (r.json()["membership_status"], r.json()["provider_blacklisted"]) == ("left", False)
+        r = await reverse(s, fq["id"])
+        assert r.status_code == 200, r.text
+        assert (r.json()["membership_status"], r.json()["provider_blacklisted"]) == ("left", True)
+
+        [lifted] = await audit_of(s, "pool.unblacklist_provider")
+        assert (lifted["target_id"], lifted["pool_id"]) == (p1.contributor.provider_id, s.pool_id)
+        assert lifted["actor_role"] == "admin" and lifted["actor"] != "system"
+        assert lifted["before"]["blacklisted"] is True and lifted["before"]["created_by"] == "system"
+        assert lifted["after"] == {
+            "blacklisted": False,
+            "reason": f"fraud verdict {f1['id']} reversed on appeal",
+        }
+        for w in (p1, p2):
+            r = await join(s, w)
+            assert r.status_code == 201 and r.json()["status"] == "active", r.text
+        body = problem(await join(s, q), 403, "provider_blacklisted")
+        assert [reason["code"] for reason in body["reasons"]] == ["provider_blacklisted"]
+    await books_balance(app_state)

@@ -227,8 +227,12 @@ async def use_invite(session: AsyncSession, invite_id: str, node_id: str, now: d
 
 
 async def get_blacklisting(
-    session: AsyncSession, pool_id: str, provider_id: str
+    session: AsyncSession, pool_id: str, provider_id: str, *, for_update: bool = False
 ) -> PoolProviderBlacklist | None:
+    if for_update:  # locked and read again
+        return await session.get(
+            PoolProviderBlacklist, (pool_id, provider_id), with_for_update=True, populate_existing=True
+        )
     return await session.get(PoolProviderBlacklist, (pool_id, provider_id))
 
 

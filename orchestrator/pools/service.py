@@ -19,8 +19,9 @@ are still verified and paid. Memberships (one row per pool and node)::
 
 An admin ban of a node ejects it from every pool it is a live member of (``eject_node``).
 ``ejected_by`` records who ejected a membership: ``ban`` (lifted by an unban: the membership
-becomes ``left``), ``operator`` or ``verifier`` (final). An operator's or the verifier's
-ejection of a membership a ban ejected makes it theirs, and so final.
+becomes ``left``), ``verifier`` (lifted the same way by an appeal that brings the node's strikes
+below the pool's limit again, ``lift_fraud_ejection``) or ``operator`` (final). An operator's or
+the verifier's ejection of a membership a ban ejected makes it theirs.
 
 Money: a join locks ``min_stake_per_node`` from the provider's free stake; the amount is kept
 on the membership, so later changes to the pool's minimum never unlock more or less than was
@@ -865,7 +866,8 @@ async def lift_ban_ejections(
 ) -> list[str]:
     """After an unban: the memberships the ban ejected become ``left``, so the node may join
     those pools again (a new episode, with new stake). Ejections by an operator or by the
-    verifier stay final. Audited as ``membership.reinstate``. Returns the pools, by id."""
+    verifier stay (an appeal may lift the verifier's: ``lift_fraud_ejection``). Audited as
+    ``membership.reinstate``. Returns the pools, by id."""
     lifted = await repo.ejections_for_update(session, node_id, ejected_by=EJECTED_BY_BAN)
     for m in lifted:
         m.status = MembershipStatus.left.value
@@ -1017,3 +1019,49 @@ async def blacklist_for_fraud(
     """The verifier's provider ban after the pool's provider strike limit; True if new."""
     _, created = await _blacklist(session, SYSTEM, pool, provider_id, reason, now=now)
     return created
+
+
+async def lift_fraud_ejection(
+    session: AsyncSession, principal: Principal, m: PoolMembership, *, reason: str, now: dt.datetime
+) -> bool:
+    """After an appeal brought the node's strikes below the pool's limit: a locked membership
+    the verifier ejected becomes ``left``, as an unban's does (``lift_ban_ejections``), so the
+    node may join again (a new episode, with new stake). Ejections by an operator or a ban stay
+    as they are. Audited as ``membership.reinstate`` by ``principal`` (the appeal's). Returns
+    whether it was lifted."""
+    if m.status != MembershipStatus.ejected.value or m.ejected_by != EJECTED_BY_VERIFIER:
+        return False
+    m.status = MembershipStatus.left.value
+    m.ejected_by = None
+    m.reason = reason
+    m.updated_at = now
+    await session.flush()
+    await _audit_member(session, principal, "membership.reinstate", m, MembershipStatus.ejected.value, reason)
+    return True
+
+
+async def lift_fraud_blacklisting(
+    session: AsyncSession, principal: Principal, pool_id: str, provider_id: str, *, reason: str
+) -> bool:
+    """After an appeal brought the provider's strikes in the pool below its limit: the
+    verifier's blacklisting of the provider (``created_by`` the system actor) is removed, so its
+    nodes may join again; an operator's stays. Its nodes that the blacklisting removed are
+    ``left`` (``_blacklist`` ends memberships, it does not eject them): nothing to reinstate.
+    Audited as ``pool.unblacklist_provider`` by ``principal``. Returns whether it was removed."""
+    entry = await repo.get_blacklisting(session, pool_id, provider_id, for_update=True)
+    if entry is None or entry.created_by != SYSTEM.token_id:
+        return False
+    before = {"blacklisted": True, "reason": entry.reason, "created_by": entry.created_by}
+    await session.delete(entry)
+    await session.flush()
+    await record(
+        session,
+        principal,
+        "pool.unblacklist_provider",
+        target_type="provider",
+        target_id=provider_id,
+        pool_id=pool_id,
+        before=before,
+        after={"blacklisted": False, "reason": reason},
+    )
+    return True

@@ -11,6 +11,7 @@ from api_schemas.common import NO_NUL, PROBLEM_RESPONSES, KeyId, Page
 from api_schemas.verification import (
     PlacementOut,
     PoolStatsOut,
+    ReversalOut,
     ReverseIn,
     ValidationClaimIn,
     ValidationClaimOut,
@@ -29,6 +30,7 @@ from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import Session, State
 from orchestrator.identity import repository as identity_repo
 from orchestrator.identity.auth import CurrentProvider, SignedNode
+from orchestrator.pools import repository as pools_repo
 from orchestrator.pools.models import Pool
 from orchestrator.tasks import service as tasks_service
 from orchestrator.tasks.access import pool_for
@@ -216,14 +218,15 @@ async def pool_stats(pool: Annotated[Pool, Depends(_operator_pool)], session: Se
 
 @admin_router.post(
     "/verdicts/{verdict_id}/reverse",
-    response_model=VerdictOut,
-    summary="Appeal: undo a verdict's money and strike with compensating transfers",
+    response_model=ReversalOut,
+    summary="Appeal: undo a verdict's money and strike with compensating transfers, and the "
+    "verifier's ejection or provider ban the strikes no longer reach",
 )
 async def reverse(
     verdict_id: VerdictId, body: ReverseIn, principal: AdminOnly, session: Session, state: State
-) -> VerdictOut:
+) -> ReversalOut:
     verdict, reversed_now = await service.reverse_verdict(
-        session, verdict_id, reason=body.reason, actor=principal.token_id, now=state.clock.utcnow()
+        session, verdict_id, reason=body.reason, principal=principal, now=state.clock.utcnow()
     )
     if reversed_now:
         await record(
@@ -237,7 +240,13 @@ async def reverse(
             after={"reversed": True, "reason": body.reason},
         )
     withdrawn = await session.scalar(select(withdrawn_by()).where(Verdict.id == verdict.id))
-    return verdict_out(verdict, withdrawn=withdrawn)
+    membership = await pools_repo.get_membership(session, verdict.pool_id, verdict.node_id)
+    blacklisted = await pools_repo.get_blacklisting(session, verdict.pool_id, verdict.provider_id)
+    return ReversalOut(
+        **verdict_out(verdict, withdrawn=withdrawn).model_dump(),
+        membership_status=membership.status if membership is not None else None,
+        provider_blacklisted=blacklisted is not None,
+    )
 
 
 @validation_router.post(

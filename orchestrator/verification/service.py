@@ -7,7 +7,8 @@ the server's own reward function, then either decides at once or waits for more 
 * a fraud finding (seed mismatch, forged reward claim, failed canary, out-of-bounds claim)
   -> rejected as fraud: slash the pool's amount from the membership's locked stake, forfeit the
   node's rewards still in the hold window, add a strike; eject the node after the pool's strike
-  limit and blacklist the provider after the provider limit;
+  limit and blacklist the provider after the provider limit (an appeal that brings the strikes
+  below a limit again lifts that sanction);
 * an invalid finding (wrong sample count, token overflow, bad finish reason, missing proof,
   wrong answer) -> rejected as invalid: no reward, no stake slashed, counted in the trust
   record; the pool's ``soft_invalid_penalty`` is forfeited from the node's rewards still in the
@@ -69,6 +70,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import aliased
 
+from orchestrator.admin.tokens import Principal
 from orchestrator.core import metrics
 from orchestrator.core.db import UTCDateTime
 from orchestrator.core.sql import is_postgres
@@ -1178,21 +1180,15 @@ async def _punish(
         membership is not None
         # Any membership but one already ejected for good: a live one; one that ended (the node
         # left, or was rejected, before the verdict: it must not join again and go on); or one
-        # ejected by a ban, which an unban would lift. The verifier's ejection is final.
+        # ejected by a ban, which an unban would lift. The verifier's ejection stands until an
+        # appeal brings the strikes below the limit again (``_lift_sanctions``).
         and (membership.status != "ejected" or membership.ejected_by == "ban")
         and trust.strikes >= pool.strikes_before_ejection
     ):
         await pools_service.eject_for_fraud(
             session, pool, membership, reason=f"{trust.strikes} fraud strikes", now=now
         )
-    provider_strikes = int(
-        await session.scalar(
-            select(func.coalesce(func.sum(NodeTrust.strikes), 0)).where(
-                NodeTrust.pool_id == pool.id, NodeTrust.provider_id == verdict.provider_id
-            )
-        )
-        or 0
-    )
+    provider_strikes = await _provider_strikes(session, pool.id, verdict.provider_id)
     if provider_strikes >= pool.strikes_before_provider_ban:
         await pools_service.blacklist_for_fraud(
             session,
@@ -1427,7 +1423,7 @@ async def pool_stats(session: AsyncSession, pool_id: str) -> dict[str, Any]:
 
 
 async def reverse_verdict(
-    session: AsyncSession, verdict_id: int, *, reason: str, actor: str, now: dt.datetime
+    session: AsyncSession, verdict_id: int, *, reason: str, principal: Principal, now: dt.datetime
 ) -> tuple[Verdict, bool]:
     """Undo a verdict's money with compensating transfers that name the originals (never an
     edit), and its strike; returns (verdict, whether this call reversed it). Idempotent: a
@@ -1447,12 +1443,22 @@ async def reverse_verdict(
     * Every verdict leaves the node's track record (``_uncount``), which drives its audit rate
       and ejection: its counter one less, and the run of verified valid results counted again
       without it.
+    * A fraud verdict's sanctions that no longer stand (``_lift_sanctions``): the verifier's
+      ejection of the node once its strikes in the pool are below ``strikes_before_ejection``,
+      the verifier's blacklisting of the provider once its nodes' strikes in the pool are below
+      ``strikes_before_provider_ban``. An operator's ejection or blacklisting, and a ban's
+      ejection, stay.
 
     Lock order: the verdict, the membership, then every account the appeal may touch, the
     node's track record (after the accounts, as the verifier locks it), and only then the holds
     and forfeits, whose state decides what moves: a reward release or a verdict committing
-    meanwhile holds those accounts, so it is either wholly before or wholly after."""
+    meanwhile holds those accounts, so it is either wholly before or wholly after. The
+    sanctions are lifted last: the membership is locked already, the provider's blacklisting is
+    locked after everything else (a verdict that would blacklist the provider again holds the
+    provider's accounts, so it is wholly before or after the strikes counted here)."""
     from orchestrator.core.errors import Conflict, NotFound
+
+    actor = principal.token_id
 
     verdict = await session.get(Verdict, verdict_id, with_for_update=True)
     if verdict is None:
@@ -1488,6 +1494,7 @@ async def reverse_verdict(
     if trust is not None:
         await _uncount(session, trust, verdict, now=now)
     if fraud:
+        await _lift_sanctions(session, verdict, trust, membership, principal=principal, now=now)
         await notify_window(session, verdict, "restored", now=now)
     reversed_ = metrics.VERDICTS_REVERSED.labels(verdict.outcome, verdict.category)
     metrics.on_commit(session, reversed_.inc)
@@ -1511,6 +1518,46 @@ async def _uncount(session: AsyncSession, trust: NodeTrust, verdict: Verdict, *,
     trust.consecutive_valid = await _standing_run(session, verdict.pool_id, verdict.node_id)
     trust.updated_at = now
     await session.flush()
+
+
+async def _provider_strikes(session: AsyncSession, pool_id: str, provider_id: str) -> int:
+    """The fraud strikes of the provider's nodes in the pool: what its provider ban counts."""
+    total = await session.scalar(
+        select(func.coalesce(func.sum(NodeTrust.strikes), 0)).where(
+            NodeTrust.pool_id == pool_id, NodeTrust.provider_id == provider_id
+        )
+    )
+    return int(total or 0)
+
+
+async def _lift_sanctions(
+    session: AsyncSession,
+    verdict: Verdict,
+    trust: NodeTrust | None,
+    membership: PoolMembership | None,
+    *,
+    principal: Principal,
+    now: dt.datetime,
+) -> None:
+    """After a fraud verdict's appeal took its strike back: the verifier's ejection of the node
+    is lifted if the node's strikes in the pool are below the pool's ``strikes_before_ejection``
+    (the membership becomes ``left``: the node may join again, with new stake), and the
+    verifier's blacklisting of the provider is removed if its nodes' strikes in the pool are
+    below ``strikes_before_provider_ban`` (its nodes the blacklisting removed are ``left``
+    already, and may join again). An operator's ejection or blacklisting, and a ban's ejection,
+    are not the verifier's and stay; so do sanctions still covered by the strikes that stand."""
+    from orchestrator.pools import service as pools_service
+
+    pool = await session.get(Pool, verdict.pool_id)
+    assert pool is not None
+    why = f"fraud verdict {verdict.id} reversed on appeal"
+    strikes = trust.strikes if trust is not None else 0
+    if membership is not None and strikes < pool.strikes_before_ejection:
+        await pools_service.lift_fraud_ejection(session, principal, membership, reason=why, now=now)
+    if await _provider_strikes(session, pool.id, verdict.provider_id) < pool.strikes_before_provider_ban:
+        await pools_service.lift_fraud_blacklisting(
+            session, principal, pool.id, verdict.provider_id, reason=why
+        )
 
 
 async def _standing_run(session: AsyncSession, pool_id: str, node_id: str) -> int:
