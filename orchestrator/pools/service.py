@@ -16,6 +16,7 @@ are still verified and paid. Memberships (one row per pool and node)::
     active  --leave / blacklist / complete--> left                       (stake unbonds)
     pending --leave / blacklist / complete--> left                       (stake back at once)
     any     --eject--> ejected           (unbonds if active, back at once if pending; no rejoin)
+    ejected --unban / appeal--> left     (a ban's ejection / the verifier's, see ``ejected_by``)
 
 An admin ban of a node ejects it from every pool it is a live member of (``eject_node``).
 ``ejected_by`` records who ejected a membership: ``ban`` (lifted by an unban: the membership
