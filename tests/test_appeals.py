@@ -547,3 +547,44 @@ async def test_an_appeal_lifts_the_verifiers_provider_ban_but_not_an_operators_b
         body = problem(await join(s, q), 403, "provider_blacklisted")
         assert [reason["code"] for reason in body["reasons"]] == ["provider_blacklisted"]
     await books_balance(app_state)
+
+
+async def test_an_operators_blacklisting_of_a_provider_the_verifier_banned_is_theirs_and_stays(
+    app: Any, app_state: Any
+) -> None:
+    """The operator blacklists a provider the verifier banned already: the entry was left the
+    verifier's ("already blacklisted"), so the appeal of one strike lifted the operator's ban
+    too. The operator's blacklisting takes the entry over (its reason theirs, audited)."""
+    econ = {**ECON, "strikes_before_ejection": 2, "strikes_before_provider_ban": 2}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=2000) as s:
+        [p1] = s.workers
+        p2 = await s.add_worker(provider_key=p1.contributor.provider_key, stake=2000)
+        for w in (p1, p2):
+            await forged(s, w)
+        await verify_all(app_state)
+        provider = p1.contributor.provider_id
+        r = await s.admin.post(
+            f"/v1/admin/pools/{s.pool_id}/blacklist",
+            json={"provider_id": provider, "reason": "sybil ring"},
+            headers=s.headers,
+        )
+        assert r.status_code == 200, r.text  # it was blacklisted already, by the verifier
+        assert r.json()["reason"] == "sybil ring"
+        [taken] = [e for e in await audit_of(s, "pool.blacklist_provider") if e["actor"] != "system"]
+        assert taken["before"]["created_by"] == "system" and taken["after"]["reason"] == "sybil ring"
+
+        [f1] = await frauds_of(s, p1)
+        r = await reverse(s, f1["id"])
+        assert r.status_code == 200, r.text
+        assert r.json()["provider_blacklisted"] is True
+        assert await audit_of(s, "pool.unblacklist_provider") == []
+        for w in (p1, p2):
+            problem(await join(s, w), 403, "provider_blacklisted")
+        # Blacklisting it again changes nothing more.
+        again = await s.admin.post(
+            f"/v1/admin/pools/{s.pool_id}/blacklist",
+            json={"provider_id": provider, "reason": "other"},
+            headers=s.headers,
+        )
+        assert again.status_code == 200 and again.json()["reason"] == "sybil ring", again.text
+    await books_balance(app_state)

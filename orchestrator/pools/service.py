@@ -967,15 +967,23 @@ async def _blacklist(
     now: dt.datetime,
 ) -> tuple[list[str], bool]:
     """Record the blacklisting (once) and end the provider's live memberships in the pool;
-    returns the nodes removed and whether the entry is new."""
-    created = await repo.insert_blacklisting(
-        session,
-        pool_id=pool.id,
-        provider_id=provider_id,
-        reason=reason,
-        created_by=principal.token_id,
-        now=now,
-    )
+    returns the nodes removed and whether the entry is new. An operator's (or admin's)
+    blacklisting of a provider the verifier blacklisted already takes the entry over
+    (``_take_over``), so that an appeal of the verifier's strikes does not lift it."""
+    for _ in range(2):
+        created = await repo.insert_blacklisting(
+            session,
+            pool_id=pool.id,
+            provider_id=provider_id,
+            reason=reason,
+            created_by=principal.token_id,
+            now=now,
+        )
+        if created or principal.token_id == SYSTEM.token_id:
+            break
+        if await _take_over(session, principal, pool, provider_id, reason):
+            return [], False
+        # None to take over: an appeal removed the verifier's meanwhile; insert it again.
     if not created:
         return [], False
     removed = await _end_memberships(
@@ -998,6 +1006,34 @@ async def _blacklist(
         after={"blacklisted": True, "reason": reason, "removed_nodes": removed},
     )
     return removed, True
+
+
+async def _take_over(
+    session: AsyncSession, principal: Principal, pool: Pool, provider_id: str, reason: str
+) -> bool:
+    """The existing blacklisting of the provider, locked; the verifier's becomes ``principal``'s,
+    with its reason (audited ``pool.blacklist_provider``), as an operator's ejection of a
+    membership a ban ejected makes it theirs. False if there is none any more (an appeal removed
+    the verifier's since the insert found it)."""
+    entry = await repo.get_blacklisting(session, pool.id, provider_id, for_update=True)
+    if entry is None:
+        return False
+    if entry.created_by == SYSTEM.token_id:
+        before = {"blacklisted": True, "reason": entry.reason, "created_by": entry.created_by}
+        entry.created_by = principal.token_id
+        entry.reason = reason
+        await session.flush()
+        await record(
+            session,
+            principal,
+            "pool.blacklist_provider",
+            target_type="provider",
+            target_id=provider_id,
+            pool_id=pool.id,
+            before=before,
+            after={"blacklisted": True, "reason": reason, "created_by": principal.token_id},
+        )
+    return True
 
 
 # ------------------------------------------------------------------ sanctions by the verifier
