@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any
 
 import pytest
@@ -12,7 +13,7 @@ from orchestrator.verification.models import RolloutChange
 from tests.conftest import postgres_only, problem
 from tests.tasks_helpers import PoolSetup, pool_setup
 from tests.test_feed import feed, leases, trainer_headers, whole_feed
-from tests.test_verification import ECON
+from tests.test_verification import ECON, one_lease
 from tests.verification_helpers import submit, verdicts, verify_all
 from tests.waits import until_waiting
 
@@ -163,3 +164,92 @@ async def test_a_notice_committed_out_of_id_order_is_not_skipped(app: Any, app_s
         page = await asyncio.wait_for(read, 10)
         # The first was not reversed after all: its notice says it stands.
         assert seen(page) == [("reversed", first, True), ("reversed", second, False)]
+
+
+class Follower:
+    """A trainer reading the feed forward and the notices after it, as the README tells it to:
+    it keeps what the feed serves, and for a notice of a rollout at or before its place in the
+    feed, drops it if it does not stand and takes its ``rollout`` if it does."""
+
+    def __init__(self, s: PoolSetup, headers: dict[str, str]) -> None:
+        self.s, self.headers = s, headers
+        self.kept: dict[int, dict[str, Any]] = {}
+        self.position = 0
+        self.feed_cursor: str | None = None
+        self.changes_cursor: str | None = None
+        self.dropped = self.taken_back = 0
+
+    async def poll(self) -> None:
+        while True:
+            params = {"limit": 7, **({"after": self.feed_cursor} if self.feed_cursor else {})}
+            page = await feed(self.s, self.headers, **params)
+            for item in page["items"]:
+                self.kept[item["verdict_id"]] = item
+                self.position = item["verdict_id"]
+            self.feed_cursor = page["next_cursor"]
+            if not page["has_more"]:
+                break
+        while True:
+            params = {"limit": 5, **({"after": self.changes_cursor} if self.changes_cursor else {})}
+            page = await changes(self.s, self.headers, **params)
+            for notice in page["items"]:
+                verdict_id = notice["verdict_id"]
+                if verdict_id > self.position:
+                    continue  # the feed serves it as it stands when it gets there
+                if not notice["stands"]:
+                    self.dropped += self.kept.pop(verdict_id, None) is not None
+                elif verdict_id not in self.kept and notice["rollout"] is not None:
+                    self.kept[verdict_id] = notice["rollout"]
+                    self.taken_back += 1
+            self.changes_cursor = page["next_cursor"]
+            if not page["has_more"]:
+                break
+
+
+async def test_a_trainer_following_the_feed_and_its_notices_while_verdicts_change_ends_with_the_feed(
+    app: Any, app_state: Any
+) -> None:
+    """Accepts, fraud verdicts (each withdrawing its node's window) and appeals (of accepted and
+    of fraud verdicts) commit while a trainer polls; whatever order it saw them in, what it
+    keeps at the end is exactly what the feed serves."""
+    econ = {**ECON, "strikes_before_ejection": 100, "strikes_before_provider_ban": 100}
+    rng = random.Random(5)
+    async with pool_setup(app, app_state, workers=3, economics=econ, stake=5000, max_leases_per_node=50) as s:
+        trainer = await trainer_headers(app_state, [s.pool_id])
+        follower = Follower(s, trainer)
+        stop = asyncio.Event()
+
+        async def follow() -> None:
+            while not stop.is_set():
+                await follower.poll()
+                await asyncio.sleep(0)
+
+        async def appeal(verdict_ids: list[int]) -> None:
+            for verdict_id in verdict_ids:
+                await reverse(s, verdict_id)
+
+        following = asyncio.create_task(follow())
+        try:
+            for round_ in range(4):
+                for w in s.workers:
+                    for lease in await leases(s, w, 2):
+                        await submit(w, lease, ["4"])
+                cheat = s.workers[round_ % 2]
+                await submit(cheat, await one_lease(s, cheat), ["4"], seed=1)  # fraud: not its seed
+                listed = await verdicts(s.admin, s.headers, s.pool_id)
+                standing = [v for v in listed if v["reversed_at"] is None]
+                accepted = [v["id"] for v in standing if v["outcome"] == "accepted"]
+                frauds = [v["id"] for v in standing if v["category"] == "fraud"]
+                picked = rng.sample(accepted, min(1, len(accepted))) + rng.sample(frauds, min(1, len(frauds)))
+                await asyncio.gather(verify_all(app_state), appeal(picked))
+                await asyncio.sleep(0)
+        finally:
+            stop.set()
+            await following
+        await verify_all(app_state)
+        await follower.poll()
+        served, _ = await whole_feed(s, limit=100)
+        assert sorted(follower.kept) == [i["verdict_id"] for i in served]
+        assert follower.kept == {i["verdict_id"]: i for i in served}
+        # Not by luck: the follower dropped rollouts it had taken, and took some back.
+        assert follower.dropped > 0 and follower.taken_back > 0, (follower.dropped, follower.taken_back)
