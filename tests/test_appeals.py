@@ -588,3 +588,31 @@ async def test_an_operators_blacklisting_of_a_provider_the_verifier_banned_is_th
         )
         assert again.status_code == 200 and again.json()["reason"] == "sybil ring", again.text
     await books_balance(app_state)
+
+
+async def test_an_operators_ejection_of_a_node_the_verifier_ejected_is_theirs_and_stays(
+    app: Any, app_state: Any
+) -> None:
+    """The operator ejects a node the verifier ejected already: that changed nothing, so the
+    appeal of the strike lifted the operator's ejection with the verifier's. The operator's
+    ejection now makes it theirs (audited), and it stays final."""
+    async with pool_setup(app, app_state, workers=1, economics=EJECT_AT_1, stake=2000) as s:
+        w = s.workers[0]
+        await forged(s, w)
+        await verify_all(app_state)
+        [f] = await frauds_of(s, w)
+        assert await status_in_pool(s, w) == "ejected"
+        r = await s.admin.post(
+            f"/v1/admin/pools/{s.pool_id}/members/{w.node_id}/eject",
+            json={"reason": "caught on our dashboards too"},
+            headers=s.headers,
+        )
+        assert r.status_code == 200 and r.json()["status"] == "ejected", r.text
+        taken = [e for e in await audit_of(s, "membership.eject") if e["actor"] != "system"]
+        assert [e["after"]["reason"] for e in taken] == ["caught on our dashboards too"]
+
+        r = await reverse(s, f["id"])
+        assert r.status_code == 200 and r.json()["membership_status"] == "ejected", r.text
+        assert await audit_of(s, "membership.reinstate") == []
+        problem(await join(s, w), 403, "node_ejected")
+    await books_balance(app_state)

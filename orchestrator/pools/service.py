@@ -22,7 +22,8 @@ An admin ban of a node ejects it from every pool it is a live member of (``eject
 ``ejected_by`` records who ejected a membership: ``ban`` (lifted by an unban: the membership
 becomes ``left``), ``verifier`` (lifted the same way by an appeal that brings the node's strikes
 below the pool's limit again, ``lift_fraud_ejection``) or ``operator`` (final). An operator's or
-the verifier's ejection of a membership a ban ejected makes it theirs.
+the verifier's ejection of a membership a ban ejected makes it theirs, and an operator's of one
+the verifier ejected makes it the operator's.
 
 Money: a join locks ``min_stake_per_node`` from the provider's free stake; the amount is kept
 on the membership, so later changes to the pool's minimum never unlock more or less than was
@@ -834,9 +835,14 @@ async def _eject(
 ) -> None:
     """Eject a locked membership, recording who did (``by``), audited as ``membership.eject``.
     An ejected membership is left as it is, except that an operator's or the verifier's
-    ejection of one a ban ejected makes it theirs (so an unban does not lift it)."""
+    ejection of one a ban ejected makes it theirs (so an unban does not lift it), and an
+    operator's of one the verifier ejected makes it the operator's (so an appeal of the
+    verifier's strikes does not lift it)."""
     if m.status == MembershipStatus.ejected.value:
-        if m.ejected_by != EJECTED_BY_BAN or by == EJECTED_BY_BAN:
+        takes_over = (m.ejected_by == EJECTED_BY_BAN and by != EJECTED_BY_BAN) or (
+            m.ejected_by == EJECTED_BY_VERIFIER and by == EJECTED_BY_OPERATOR
+        )
+        if not takes_over:
             return
         m.ejected_by = by
         m.reason = reason
