@@ -1052,7 +1052,8 @@ async def eject_for_fraud(
 ) -> None:
     """The verifier's ejection after the pool's strike limit (audited as actor ``system``); of
     a live membership, of one that ended before the verdict (left or rejected: nothing moves,
-    it only may not join again), or of one a ban ejected, which it makes final."""
+    it only may not join again), or of one a ban ejected, which it makes the verifier's (lifted
+    only by an appeal that brings the strikes below the limit: ``lift_fraud_ejection``)."""
     await _eject(session, SYSTEM, pool, m, reason, by=EJECTED_BY_VERIFIER, now=now)
 
 
