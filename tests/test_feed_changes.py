@@ -6,9 +6,11 @@ import asyncio
 import random
 from typing import Any
 
+import httpx
 import pytest
 
 from orchestrator.core.pagination import encode_cursor
+from orchestrator.trainer import Drop, FeedFollower, FollowState, OrchestratorAPIError, Take
 from orchestrator.verification.models import RolloutChange
 from tests.conftest import postgres_only, problem
 from tests.tasks_helpers import PoolSetup, pool_setup
@@ -167,43 +169,30 @@ async def test_a_notice_committed_out_of_id_order_is_not_skipped(app: Any, app_s
 
 
 class Follower:
-    """A trainer reading the feed forward and the notices after it, as the README tells it to:
-    it keeps what the feed serves, and for a notice of a rollout at or before its place in the
-    feed, drops it if it does not stand and takes its ``rollout`` if it does."""
+    """A trainer that applies the SDK's events: keeps what it was told to take, drops the rest."""
 
-    def __init__(self, s: PoolSetup, headers: dict[str, str]) -> None:
-        self.s, self.headers = s, headers
+    def __init__(self, s: PoolSetup, headers: dict[str, str], state: FollowState | None = None) -> None:
+        token = headers["Authorization"].removeprefix("Bearer ")
+        self.sdk = FeedFollower(s.admin, s.pool_id, token, state=state, page_size=5)
         self.kept: dict[int, dict[str, Any]] = {}
-        self.position = 0
-        self.feed_cursor: str | None = None
-        self.changes_cursor: str | None = None
         self.dropped = self.taken_back = 0
 
+    def apply(self, events: list[Take | Drop]) -> None:
+        for event in events:
+            if isinstance(event, Drop):
+                self.dropped += self.kept.pop(event.verdict_id, None) is not None
+            else:
+                self.taken_back += (
+                    event.verdict_id <= max(self.kept, default=0) and event.verdict_id not in self.kept
+                )
+                self.kept[event.verdict_id] = event.rollout
+
     async def poll(self) -> None:
+        """Until both the feed and the notices are read to their end."""
         while True:
-            params = {"limit": 7, **({"after": self.feed_cursor} if self.feed_cursor else {})}
-            page = await feed(self.s, self.headers, **params)
-            for item in page["items"]:
-                self.kept[item["verdict_id"]] = item
-                self.position = item["verdict_id"]
-            self.feed_cursor = page["next_cursor"]
-            if not page["has_more"]:
-                break
-        while True:
-            params = {"limit": 5, **({"after": self.changes_cursor} if self.changes_cursor else {})}
-            page = await changes(self.s, self.headers, **params)
-            for notice in page["items"]:
-                verdict_id = notice["verdict_id"]
-                if verdict_id > self.position:
-                    continue  # the feed serves it as it stands when it gets there
-                if not notice["stands"]:
-                    self.dropped += self.kept.pop(verdict_id, None) is not None
-                elif verdict_id not in self.kept and notice["rollout"] is not None:
-                    self.kept[verdict_id] = notice["rollout"]
-                    self.taken_back += 1
-            self.changes_cursor = page["next_cursor"]
-            if not page["has_more"]:
-                break
+            self.apply(await self.sdk.poll())
+            if self.sdk.caught_up:
+                return
 
 
 async def test_a_trainer_following_the_feed_and_its_notices_while_verdicts_change_ends_with_the_feed(
@@ -253,3 +242,75 @@ async def test_a_trainer_following_the_feed_and_its_notices_while_verdicts_chang
         assert follower.kept == {i["verdict_id"]: i for i in served}
         # Not by luck: the follower dropped rollouts it had taken, and took some back.
         assert follower.dropped > 0 and follower.taken_back > 0, (follower.dropped, follower.taken_back)
+
+
+async def test_a_follower_restarted_from_its_saved_state_reads_only_what_is_new(
+    app: Any, app_state: Any
+) -> None:
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=10) as s:
+        for lease in await leases(s, s.workers[0], 3):
+            await submit(s.workers[0], lease, ["4"])
+        await verify_all(app_state)
+        trainer = await trainer_headers(app_state, [s.pool_id])
+        first = Follower(s, trainer)
+        await first.poll()
+        assert len(first.kept) == 3
+        saved = first.sdk.state.to_json()
+
+        gone = sorted(first.kept)[1]
+        await reverse(s, gone)
+        [lease] = await leases(s, s.workers[0], 1)
+        await submit(s.workers[0], lease, ["4"])
+        await verify_all(app_state)
+        again = FeedFollower(
+            s.admin,
+            s.pool_id,
+            trainer["Authorization"].removeprefix("Bearer "),
+            state=FollowState.from_json(saved),
+        )
+        events = await again.poll()
+        [new] = [e.verdict_id for e in events if isinstance(e, Take)]
+        assert new > max(first.kept)
+        assert [e.verdict_id for e in events if isinstance(e, Drop)] == [gone]
+        assert again.caught_up and await again.poll() == []
+        assert FollowState.from_json(again.state.to_json()) == again.state
+
+
+class BusyOnce(httpx.AsyncBaseTransport):
+    """The app, behind a first answer of 503 ``feed_busy`` (what a PostgreSQL feed says while
+    verdicts are being written)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner, self.busy = inner, 1
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.busy:
+            self.busy -= 1
+            body = {
+                "type": "about:blank",
+                "title": "busy",
+                "status": 503,
+                "code": "feed_busy",
+                "detail": "retry",
+            }
+            return httpx.Response(
+                503, json=body, headers={"Retry-After": "0", "Content-Type": "application/problem+json"}
+            )
+        return await self.inner.handle_async_request(request)
+
+
+async def test_the_follower_retries_a_busy_feed_and_raises_what_is_not_retried(
+    app: Any, app_state: Any
+) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        [lease] = await leases(s, s.workers[0], 1)
+        await submit(s.workers[0], lease, ["4"])
+        await verify_all(app_state)
+        token = (await trainer_headers(app_state, [s.pool_id]))["Authorization"].removeprefix("Bearer ")
+        transport = BusyOnce(s.admin._transport)
+        async with httpx.AsyncClient(transport=transport, base_url=str(s.admin.base_url)) as http:
+            events = await FeedFollower(http, s.pool_id, token).poll()
+            assert transport.busy == 0 and [type(e) for e in events] == [Take]
+            with pytest.raises(OrchestratorAPIError) as refused:
+                await FeedFollower(http, "pool_elsewhere", token).poll()
+            assert (refused.value.status, refused.value.code) == (404, "pool_not_found")
