@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from api_schemas.common import StrictModel, Text
+from api_schemas.pools import MembershipStatus
 
 
 class VerdictOut(BaseModel):
@@ -50,7 +51,7 @@ class VerdictOut(BaseModel):
 class ReversalOut(VerdictOut):
     """The verdict, as an appeal left it, and the sanctions of its node and provider now."""
 
-    membership_status: str | None = Field(
+    membership_status: MembershipStatus | None = Field(
         description="The node's membership in the pool now (null if it has none): `left` again when "
         "the appeal of a fraud verdict lifted the verifier's ejection (the node's strikes are below "
         "the pool's `strikes_before_ejection`; it may join again, with new stake); an operator's or a "
