@@ -1564,8 +1564,10 @@ async def _standing_run(session: AsyncSession, pool_id: str, node_id: str) -> in
     """The node's verified valid verdicts in the pool since its latest rejected one, leaving out
     reversed verdicts: what ``decide`` would have counted in ``consecutive_valid`` had they never
     been decided. A valid verdict that verified nothing (``_verified``: accepted unchecked and
-    unaudited) neither adds to the run nor breaks it. Verdicts are never deleted, so this is
-    exact."""
+    unaudited) neither adds to the run nor breaks it. Verdicts are never deleted, so every one
+    that stands is counted; the run is by verdict id, where ``decide`` counted in the order it
+    took the trust row, which differs only when a verdict written outside the verifier's tick
+    (a housekeeping ``task_abandoned``) took it after a later id."""
     standing = (Verdict.pool_id == pool_id, Verdict.node_id == node_id, Verdict.reversed_at.is_(None))
     last_break = select(func.max(Verdict.id)).where(*standing, Verdict.category != "valid").scalar_subquery()
     verified = or_(Verdict.verifier.in_(("quorum", "validator")), Verdict.server_reward.is_not(None))
