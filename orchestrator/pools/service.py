@@ -877,13 +877,7 @@ async def lift_ban_ejections(
     ``membership.reinstate``. Returns the pools, by id."""
     lifted = await repo.ejections_for_update(session, node_id, ejected_by=EJECTED_BY_BAN)
     for m in lifted:
-        m.status = MembershipStatus.left.value
-        m.ejected_by = None
-        m.reason = "ban lifted"
-        m.updated_at = now
-        await _audit_member(
-            session, principal, "membership.reinstate", m, MembershipStatus.ejected.value, m.reason
-        )
+        await _reinstate(session, principal, m, "ban lifted", now=now)
     await session.flush()
     return sorted(m.pool_id for m in lifted)
 
@@ -1075,13 +1069,21 @@ async def lift_fraud_ejection(
     whether it was lifted."""
     if m.status != MembershipStatus.ejected.value or m.ejected_by != EJECTED_BY_VERIFIER:
         return False
+    await _reinstate(session, principal, m, reason, now=now)
+    await session.flush()
+    return True
+
+
+async def _reinstate(
+    session: AsyncSession, principal: Principal, m: PoolMembership, reason: str, *, now: dt.datetime
+) -> None:
+    """An ejected membership becomes ``left`` (the node may join again), audited as
+    ``membership.reinstate``."""
     m.status = MembershipStatus.left.value
     m.ejected_by = None
     m.reason = reason
     m.updated_at = now
-    await session.flush()
     await _audit_member(session, principal, "membership.reinstate", m, MembershipStatus.ejected.value, reason)
-    return True
 
 
 async def lift_fraud_blacklisting(
