@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -44,7 +43,7 @@ from typing import Any
 import httpx
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 
-from orchestrator.worker.errors import OrchestratorAPIError
+from orchestrator.worker.errors import OrchestratorAPIError, backoff_s
 
 __all__ = ["Drop", "FeedFollower", "FollowState", "OrchestratorAPIError", "Take"]
 
@@ -177,8 +176,10 @@ class FeedFollower:
         raise AssertionError("unreachable: tenacity either returns or reraises")  # pragma: no cover
 
     def _wait(self, state: RetryCallState) -> float:
-        exc = state.outcome.exception() if state.outcome is not None else None
-        if isinstance(exc, OrchestratorAPIError) and exc.retry_after is not None:
-            return min(exc.retry_after, self.retry_after_cap_s)
-        ceiling = min(self.backoff_max_s, self.backoff_base_s * 2 ** (state.attempt_number - 1))
-        return random.uniform(0, ceiling)  # noqa: S311 - jitter, not a secret
+        return backoff_s(
+            state.outcome.exception() if state.outcome is not None else None,
+            state.attempt_number,
+            base_s=self.backoff_base_s,
+            max_s=self.backoff_max_s,
+            retry_after_cap_s=self.retry_after_cap_s,
+        )

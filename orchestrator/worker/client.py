@@ -23,7 +23,6 @@ import asyncio
 import enum
 import functools
 import json
-import random
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from types import TracebackType
@@ -50,7 +49,7 @@ from api_schemas.tasks import ClaimIn, ClaimOut, Lease, LeasesOut, ReleaseIn, Re
 from orchestrator import __version__
 from orchestrator.core.keys import attest_node, key_id_of
 from orchestrator.core.signing import SignatureAuth
-from orchestrator.worker.errors import NodeKeyRequired, OrchestratorAPIError, ProviderKeyRequired
+from orchestrator.worker.errors import NodeKeyRequired, OrchestratorAPIError, ProviderKeyRequired, backoff_s
 
 __all__ = ["NodeKeyRequired", "OrchestratorAPIError", "ProviderKeyRequired", "WorkerClient"]
 
@@ -427,11 +426,13 @@ class WorkerClient:
             await asyncio.gather(sleeper, waiter, return_exceptions=True)
 
     def _wait(self, state: RetryCallState) -> float:
-        exc = state.outcome.exception() if state.outcome is not None else None
-        if isinstance(exc, OrchestratorAPIError) and exc.retry_after is not None:
-            return min(exc.retry_after, self.retry_after_cap_s)
-        ceiling = min(self.backoff_max_s, self.backoff_base_s * 2 ** (state.attempt_number - 1))
-        return random.uniform(0, ceiling)  # noqa: S311 - jitter, not a secret
+        return backoff_s(
+            state.outcome.exception() if state.outcome is not None else None,
+            state.attempt_number,
+            base_s=self.backoff_base_s,
+            max_s=self.backoff_max_s,
+            retry_after_cap_s=self.retry_after_cap_s,
+        )
 
 
 def _seg(value: str) -> str:

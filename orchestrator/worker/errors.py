@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as dt
 import email.utils
+import random
 from typing import Any
 
 import httpx
@@ -94,3 +95,14 @@ def parse_retry_after(value: str | None, *, now: dt.datetime | None = None) -> f
     if when.tzinfo is None:
         when = when.replace(tzinfo=dt.UTC)
     return max(0.0, (when - (now or dt.datetime.now(dt.UTC))).total_seconds())
+
+
+def backoff_s(
+    exc: BaseException | None, attempt: int, *, base_s: float, max_s: float, retry_after_cap_s: float
+) -> float:
+    """How long to wait before retry ``attempt`` (1 for the first) after ``exc``: the server's
+    ``Retry-After`` when it gave one (at most ``retry_after_cap_s``), else exponential backoff
+    with full jitter, a uniform draw from 0 to ``min(max_s, base_s * 2**(attempt - 1))``."""
+    if isinstance(exc, OrchestratorAPIError) and exc.retry_after is not None:
+        return min(exc.retry_after, retry_after_cap_s)
+    return random.uniform(0, min(max_s, base_s * 2 ** (attempt - 1)))  # noqa: S311 - jitter, not a secret
