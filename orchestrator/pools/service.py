@@ -995,17 +995,39 @@ async def _blacklist(
         actor=principal.token_id,
         now=now,
     )
-    await record(
+    await _audit_blacklisting(
         session,
         principal,
         "pool.blacklist_provider",
-        target_type="provider",
-        target_id=provider_id,
-        pool_id=pool.id,
+        pool.id,
+        provider_id,
         before={"blacklisted": False},
         after={"blacklisted": True, "reason": reason, "removed_nodes": removed},
     )
     return removed, True
+
+
+async def _audit_blacklisting(
+    session: AsyncSession,
+    principal: Principal,
+    action: str,
+    pool_id: str,
+    provider_id: str,
+    *,
+    before: dict[str, Any],
+    after: dict[str, Any],
+) -> None:
+    """The audit entry of a change to a provider's blacklisting in a pool."""
+    await record(
+        session,
+        principal,
+        action,
+        target_type="provider",
+        target_id=provider_id,
+        pool_id=pool_id,
+        before=before,
+        after=after,
+    )
 
 
 async def _take_over(
@@ -1023,13 +1045,12 @@ async def _take_over(
         entry.created_by = principal.token_id
         entry.reason = reason
         await session.flush()
-        await record(
+        await _audit_blacklisting(
             session,
             principal,
             "pool.blacklist_provider",
-            target_type="provider",
-            target_id=provider_id,
-            pool_id=pool.id,
+            pool.id,
+            provider_id,
             before=before,
             after={"blacklisted": True, "reason": reason, "created_by": principal.token_id},
         )
@@ -1100,13 +1121,12 @@ async def lift_fraud_blacklisting(
     before = {"blacklisted": True, "reason": entry.reason, "created_by": entry.created_by}
     await session.delete(entry)
     await session.flush()
-    await record(
+    await _audit_blacklisting(
         session,
         principal,
         "pool.unblacklist_provider",
-        target_type="provider",
-        target_id=provider_id,
-        pool_id=pool_id,
+        pool_id,
+        provider_id,
         before=before,
         after={"blacklisted": False, "reason": reason},
     )
