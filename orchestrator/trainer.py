@@ -41,9 +41,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import httpx
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt
 
-from orchestrator.worker.errors import OrchestratorAPIError, backoff_s
+from orchestrator.worker.errors import Backoff, OrchestratorAPIError
 
 __all__ = ["Drop", "FeedFollower", "FollowState", "OrchestratorAPIError", "Take"]
 
@@ -96,7 +96,7 @@ def _retryable(exc: BaseException) -> bool:
     return isinstance(exc, httpx.TransportError)
 
 
-class FeedFollower:
+class FeedFollower(Backoff):
     """Reads a pool's feed and its change notices with a trainer's (or operator's) bearer token."""
 
     def __init__(
@@ -174,12 +174,3 @@ class FeedFollower:
                 page: dict[str, Any] = response.json()
                 return page
         raise AssertionError("unreachable: tenacity either returns or reraises")  # pragma: no cover
-
-    def _wait(self, state: RetryCallState) -> float:
-        return backoff_s(
-            state.outcome.exception() if state.outcome is not None else None,
-            state.attempt_number,
-            base_s=self.backoff_base_s,
-            max_s=self.backoff_max_s,
-            retry_after_cap_s=self.retry_after_cap_s,
-        )

@@ -49,7 +49,7 @@ from api_schemas.tasks import ClaimIn, ClaimOut, Lease, LeasesOut, ReleaseIn, Re
 from orchestrator import __version__
 from orchestrator.core.keys import attest_node, key_id_of
 from orchestrator.core.signing import SignatureAuth
-from orchestrator.worker.errors import NodeKeyRequired, OrchestratorAPIError, ProviderKeyRequired, backoff_s
+from orchestrator.worker.errors import Backoff, NodeKeyRequired, OrchestratorAPIError, ProviderKeyRequired
 
 __all__ = ["NodeKeyRequired", "OrchestratorAPIError", "ProviderKeyRequired", "WorkerClient"]
 
@@ -86,7 +86,7 @@ def _retryable(exc: BaseException, policy: Retry) -> bool:
     return False
 
 
-class WorkerClient:
+class WorkerClient(Backoff):
     """A node's (and optionally its provider's) signed client for one orchestrator server.
 
     ``transport`` runs the client against anything httpx can talk to, for example an
@@ -424,15 +424,6 @@ class WorkerClient:
             for task in (sleeper, waiter):
                 task.cancel()
             await asyncio.gather(sleeper, waiter, return_exceptions=True)
-
-    def _wait(self, state: RetryCallState) -> float:
-        return backoff_s(
-            state.outcome.exception() if state.outcome is not None else None,
-            state.attempt_number,
-            base_s=self.backoff_base_s,
-            max_s=self.backoff_max_s,
-            retry_after_cap_s=self.retry_after_cap_s,
-        )
 
 
 def _seg(value: str) -> str:

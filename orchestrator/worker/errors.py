@@ -19,6 +19,7 @@ import random
 from typing import Any
 
 import httpx
+from tenacity import RetryCallState
 
 
 class WorkerError(Exception):
@@ -97,12 +98,20 @@ def parse_retry_after(value: str | None, *, now: dt.datetime | None = None) -> f
     return max(0.0, (when - (now or dt.datetime.now(dt.UTC))).total_seconds())
 
 
-def backoff_s(
-    exc: BaseException | None, attempt: int, *, base_s: float, max_s: float, retry_after_cap_s: float
-) -> float:
-    """How long to wait before retry ``attempt`` (1 for the first) after ``exc``: the server's
+class Backoff:
+    """The wait between retries of an SDK client (``wait=self._wait`` for tenacity), set by its
+    ``backoff_base_s``, ``backoff_max_s`` and ``retry_after_cap_s``: the server's
     ``Retry-After`` when it gave one (at most ``retry_after_cap_s``), else exponential backoff
-    with full jitter, a uniform draw from 0 to ``min(max_s, base_s * 2**(attempt - 1))``."""
-    if isinstance(exc, OrchestratorAPIError) and exc.retry_after is not None:
-        return min(exc.retry_after, retry_after_cap_s)
-    return random.uniform(0, min(max_s, base_s * 2 ** (attempt - 1)))  # noqa: S311 - jitter, not a secret
+    with full jitter, a uniform draw from 0 to ``min(backoff_max_s, backoff_base_s * 2**(n - 1))``
+    before retry ``n``."""
+
+    backoff_base_s: float
+    backoff_max_s: float
+    retry_after_cap_s: float
+
+    def _wait(self, state: RetryCallState) -> float:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        if isinstance(exc, OrchestratorAPIError) and exc.retry_after is not None:
+            return min(exc.retry_after, self.retry_after_cap_s)
+        ceiling = min(self.backoff_max_s, self.backoff_base_s * 2 ** (state.attempt_number - 1))
+        return random.uniform(0, ceiling)  # noqa: S311 - jitter, not a secret
