@@ -83,6 +83,28 @@ def end_with_supervisor() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+ROUTERS = (
+    health_router,
+    identity_router,
+    liveness_router,
+    admin_router,
+    ledger_router,
+    pools_router,
+    pools_admin_router,
+    audit_router,
+    tasks_router,
+    tasks_admin_router,
+    payouts_router,
+    payouts_admin_router,
+    verification_router,
+    verification_admin_router,
+    validation_router,
+    feed_router,
+    restem_admin_router,
+)
+"""Every router of the service, in the order the app matches them."""
+
+
 def create_app(
     settings: Settings | None = None,
     *,
@@ -150,23 +172,14 @@ def create_app(
     )
     app.add_middleware(HostCheckMiddleware)
     app.add_middleware(RequestContextMiddleware)
-    app.include_router(health_router)
-    app.include_router(identity_router)
-    app.include_router(liveness_router)
-    app.include_router(admin_router)
-    app.include_router(ledger_router)
-    app.include_router(pools_router)
-    app.include_router(pools_admin_router)
-    app.include_router(audit_router)
-    app.include_router(tasks_router)
-    app.include_router(tasks_admin_router)
-    app.include_router(payouts_router)
-    app.include_router(payouts_admin_router)
-    app.include_router(verification_router)
-    app.include_router(verification_admin_router)
-    app.include_router(validation_router)
-    app.include_router(feed_router)
-    app.include_router(restem_admin_router)
+    # FastAPI (>= 0.137) keeps an included router as its own node and rebuilds every route's
+    # dependency tree and model fields for each app that includes it; the tests build an app
+    # per test, so that was a quarter of the suite's time. The routers carry no prefix, tags
+    # or dependencies of their own at inclusion, so the app shares their routes as they are:
+    # the OpenAPI document and the matching are the same. The one thing lost is
+    # app.dependency_overrides on those routes, which nothing here uses.
+    for router in ROUTERS:
+        app.router.routes.extend(router.routes)
     generate_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
