@@ -176,6 +176,8 @@ class Follower:
         self.sdk = FeedFollower(s.admin, s.pool_id, token, state=state, page_size=5)
         self.kept: dict[int, dict[str, Any]] = {}
         self.dropped = self.taken_back = 0
+        self.reads = 0
+        self.read = asyncio.Condition()
 
     def apply(self, events: list[Take | Drop]) -> None:
         for event in events:
@@ -192,7 +194,16 @@ class Follower:
         while True:
             self.apply(await self.sdk.poll())
             if self.sdk.caught_up:
+                async with self.read:
+                    self.reads += 1
+                    self.read.notify_all()
                 return
+
+    async def read_through(self) -> None:
+        """Until another poll, running concurrently, has read to the end from a start after now."""
+        async with self.read:
+            start = self.reads
+            await self.read.wait_for(lambda: self.reads >= start + 2)
 
 
 async def test_a_trainer_following_the_feed_and_its_notices_while_verdicts_change_ends_with_the_feed(
@@ -225,6 +236,9 @@ async def test_a_trainer_following_the_feed_and_its_notices_while_verdicts_chang
                         await submit(w, lease, ["4"])
                 cheat = s.workers[round_ % 2]
                 await submit(cheat, await one_lease(s, cheat), ["4"], seed=1)  # fraud: not its seed
+                # The follower has read the last round's verdicts before this round's change them, so
+                # it has something to drop and to take back however the threads are scheduled.
+                await follower.read_through()
                 listed = await verdicts(s.admin, s.headers, s.pool_id)
                 standing = [v for v in listed if v["reversed_at"] is None]
                 accepted = [v["id"] for v in standing if v["outcome"] == "accepted"]
