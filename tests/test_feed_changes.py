@@ -10,6 +10,8 @@ import httpx
 import pytest
 
 from orchestrator.core.pagination import encode_cursor
+from orchestrator.ledger import service as ledger
+from orchestrator.ledger.service import ProviderAccount, provider_account
 from orchestrator.trainer import Drop, FeedFollower, FollowState, OrchestratorAPIError, Take
 from orchestrator.verification.models import RolloutChange
 from tests.conftest import postgres_only, problem
@@ -17,7 +19,7 @@ from tests.tasks_helpers import PoolSetup, pool_setup
 from tests.test_feed import feed, leases, trainer_headers, whole_feed
 from tests.test_verification import ECON, one_lease
 from tests.verification_helpers import submit, verdicts, verify_all
-from tests.waits import until_waiting
+from tests.waits import HANG_S, until_waiting
 
 pytestmark = pytest.mark.usefixtures("no_audits")
 
@@ -166,6 +168,34 @@ async def test_a_notice_committed_out_of_id_order_is_not_skipped(app: Any, app_s
         page = await asyncio.wait_for(read, 10)
         # The first was not reversed after all: its notice says it stands.
         assert seen(page) == [("reversed", first, True), ("reversed", second, False)]
+
+
+@postgres_only
+async def test_an_appeal_does_not_deadlock_with_a_verifier_withdrawing_the_same_rollout(
+    app: Any, app_state: Any
+) -> None:
+    """A verifier deciding a fraud verdict holds the provider's accounts, then writes a withdrawal
+    notice naming each rollout of the node's window. An appeal of one of those rollouts, begun
+    meanwhile, has its verdict locked and waits for those accounts. The notice does not wait for
+    the appeal (it did, and PostgreSQL aborted one of the two as a deadlock): both commit."""
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=10) as s:
+        worker = s.workers[0]
+        [lease] = await leases(s, worker, 1)
+        await submit(worker, lease, ["4"])
+        await verify_all(app_state)
+        [rollout] = (await feed(s))["items"]
+        verdict_id = rollout["verdict_id"]
+        pending = provider_account(worker.contributor.provider_id, ProviderAccount.rewards_pending)
+        async with app_state.sessionmaker() as session, session.begin():
+            await ledger.lock_accounts(session, [pending])  # as the verifier's batch does first
+            appeal = asyncio.create_task(reverse(s, verdict_id))
+            await until_waiting(app_state, 1, appeal, on="row")
+            assert not appeal.done(), "the appeal must wait for the provider's accounts"
+            session.add(RolloutChange(pool_id=s.pool_id, verdict_id=verdict_id, change="withdrawn"))
+            await asyncio.wait_for(session.flush(), HANG_S)
+        await asyncio.wait_for(appeal, HANG_S)  # 200, not 503 transient_conflict
+        page = await changes(s)
+        assert seen(page) == [("withdrawn", verdict_id, False), ("reversed", verdict_id, False)]
 
 
 class Follower:

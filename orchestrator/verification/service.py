@@ -1460,7 +1460,12 @@ async def reverse_verdict(
 
     actor = principal.token_id
 
-    verdict = await session.get(Verdict, verdict_id, with_for_update=True)
+    # FOR NO KEY UPDATE, not FOR UPDATE: a verifier holding this provider's accounts may write a
+    # notice naming this verdict (a fraud verdict withdrawing its window), whose foreign key
+    # check takes a key-share lock on it. A FOR UPDATE here would make that check wait for this
+    # appeal while the appeal waits for the verifier's accounts: a deadlock. Two appeals of the
+    # verdict still wait for each other.
+    verdict = await session.get(Verdict, verdict_id, with_for_update={"key_share": True})
     if verdict is None:
         raise NotFound("no verdict with this id", code="verdict_not_found")
     if verdict.reversed_at is not None:
