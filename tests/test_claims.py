@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import pytest
 from sqlalchemy import func, select, text
 
 from orchestrator.core.keys import generate_key
@@ -412,34 +413,99 @@ async def test_a_claim_waits_for_a_leave_that_is_committing_and_then_finds_no_me
         assert await _live_leases(app_state, w.node_id) == []
 
 
+async def _claim_racing(
+    app_state: Any, clock: Any, monkeypatch: Any, s: Any, w: Any, other: Callable[[], Awaitable[Any]]
+) -> tuple[Any, Any]:
+    """A claim of ``w`` that has read its membership as active and is scanning for tasks when
+    ``other`` starts, which must wait for the claim (on a row lock). Returns both outcomes."""
+    from orchestrator.tasks import service
+
+    assert (await s.enqueue([task("x")])).status_code == 201
+    async with app_state.sessionmaker() as session, session.begin():
+        await session.execute(text(_DELAY_FN))
+    monkeypatch.setattr(service, "_MAY_TAKE", service._MAY_TAKE + " AND test_claim_delay()")
+    service._pick_statement.cache_clear()
+    try:
+        async with _claims_held(app_state):
+            claiming = asyncio.create_task(_held_claim(app_state, clock, w.node_id, s.pool_id))
+            # The claim has read the membership as active and is scanning for tasks.
+            await until_waiting(app_state, 1, claiming, on="advisory")
+            racing = asyncio.create_task(other())
+            await until_waiting(app_state, 1, racing, on="row")  # it waits for the claim
+        return await claiming, await racing
+    finally:
+        monkeypatch.undo()
+        service._pick_statement.cache_clear()
+
+
+async def _given_back(app_state: Any, w: Any, out: Any) -> None:
+    """The claim's one lease was given back: nothing live, the next heartbeat says to drop it,
+    and a result for it is not recorded."""
+    [lease] = out.leases
+    assert await _live_leases(app_state, w.node_id) == []
+    assert (await w.beat([lease.assignment_id])).json()["drop_leases"] == [lease.assignment_id]
+    problem(await w.submit(lease.model_dump(mode="json")), 409, "lease_expired")
+
+
 @postgres_only
 async def test_a_leave_waits_for_a_claim_that_read_the_membership_and_gives_its_lease_back(
     app: Any, app_state: Any, clock: Any, monkeypatch: Any
 ) -> None:
-    from orchestrator.tasks import service
-
     async with pool_setup(app, app_state, workers=1) as s:
         w = s.workers[0]
+        out, _ = await _claim_racing(
+            app_state, clock, monkeypatch, s, w, lambda: _leave(app_state, s, w, clock)
+        )
+        await _given_back(app_state, w, out)
+
+
+#: An operator's ways of ending a node's membership: (path, body) for the pool and the worker.
+REMOVALS: dict[str, Callable[[Any, Any], tuple[str, dict[str, str]]]] = {
+    "eject": lambda s, w: (f"/v1/admin/pools/{s.pool_id}/members/{w.node_id}/eject", {"reason": "cheat"}),
+    "blacklist": lambda s, w: (
+        f"/v1/admin/pools/{s.pool_id}/blacklist",
+        {"provider_id": w.contributor.provider_id, "reason": "sybil"},
+    ),
+}
+
+
+@postgres_only
+@pytest.mark.parametrize("removal", sorted(REMOVALS))
+async def test_an_operator_removing_a_node_waits_for_its_claim_and_gives_its_lease_back(
+    app: Any, app_state: Any, clock: Any, monkeypatch: Any, removal: str
+) -> None:
+    """As a leave does. The claim's lease, inserted after the removal began to wait for it, has
+    its foreign key checked on the pool, which the removal holds locked (FOR NO KEY UPDATE): the
+    check does not wait for the removal, so the two do not deadlock."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        path, body = REMOVALS[removal](s, w)
+        out, r = await _claim_racing(
+            app_state, clock, monkeypatch, s, w, lambda: s.admin.post(path, json=body, headers=s.headers)
+        )
+        assert r.status_code in (200, 201), r.text
+        await _given_back(app_state, w, out)
+
+
+@postgres_only
+async def test_a_claim_does_not_wait_for_a_policy_being_published(app: Any, app_state: Any) -> None:
+    """A publish holds the pool locked until it commits. A claim meanwhile leases at once, with
+    the policy committed before it (its lease's foreign key check on the pool does not wait)."""
+    from api_schemas.tasks import PolicyIn
+    from orchestrator.admin.tokens import Principal, Role
+    from orchestrator.tasks import service
+    from orchestrator.tasks.access import pool_for
+
+    async with pool_setup(app, app_state, workers=1, step=7) as s:
         assert (await s.enqueue([task("x")])).status_code == 201
+        admin = Principal(token_id="tok_test_admin", name="admin", role=Role.admin)
         async with app_state.sessionmaker() as session, session.begin():
-            await session.execute(text(_DELAY_FN))
-        monkeypatch.setattr(service, "_MAY_TAKE", service._MAY_TAKE + " AND test_claim_delay()")
-        service._pick_statement.cache_clear()
-        try:
-            async with _claims_held(app_state):
-                claiming = asyncio.create_task(_held_claim(app_state, clock, w.node_id, s.pool_id))
-                # The claim has read the membership as active and is scanning for tasks.
-                await until_waiting(app_state, 1, claiming, on="advisory")
-                leaving = asyncio.create_task(_leave(app_state, s, w, clock))
-                await until_waiting(app_state, 1, leaving, on="row")  # the leave waits for the claim
-            out = await claiming
-            await leaving
-        finally:
-            monkeypatch.undo()
-            service._pick_statement.cache_clear()
-        [lease] = out.leases
-        # The leave gave the lease back: nothing live, the next heartbeat says to drop it, and
-        # a result for it is not recorded.
-        assert await _live_leases(app_state, w.node_id) == []
-        assert (await w.beat([lease.assignment_id])).json()["drop_leases"] == [lease.assignment_id]
-        problem(await w.submit(lease.model_dump(mode="json")), 409, "lease_expired")
+            pool = await pool_for(session, admin, s.pool_id, for_update=True)
+            step_8 = PolicyIn(step=8, uri="s3://ckpt/step-8", sha256="a" * 64, size=1024)  # as s.publish
+            await service.publish_policy(session, pool, step_8, admin.token_id)
+            claiming = asyncio.create_task(s.workers[0].claim(s.pool_id))
+            await until_waiting(app_state, 1, claiming, on="row")  # returns once it is done
+            assert claiming.done(), "the claim must not wait for the publish to commit"
+        [lease] = claiming.result().json()["leases"]
+        assert lease["policy"]["step"] == 7
+        assert (await s.publish(8)).status_code == 200  # the same version again: it was published

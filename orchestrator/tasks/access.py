@@ -25,8 +25,12 @@ async def pool_for(
 
     ``for_update``: the row is locked and read again. A route has usually loaded the pool already
     (its scope check), and a locking ``get`` of an object in the session would otherwise keep
-    the attributes first read: a completion committed while the lock was awaited went unseen."""
-    pool = await session.get(Pool, pool_id, with_for_update=for_update, populate_existing=for_update)
+    the attributes first read: a completion committed while the lock was awaited went unseen.
+    The lock is FOR NO KEY UPDATE, as for membership changes: a claim's lease checks its foreign
+    key on the pool and must not wait for a policy being published (an enqueue, which holds the
+    pool FOR SHARE, still waits)."""
+    lock = {"key_share": True} if for_update else False
+    pool = await session.get(Pool, pool_id, with_for_update=lock, populate_existing=for_update)
     if pool is None or not can_act_on(principal, pool):
         raise NotFound("no pool with this id", code="pool_not_found")
     return pool
