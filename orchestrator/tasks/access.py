@@ -6,6 +6,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from orchestrator.admin.tokens import Principal, Role
 from orchestrator.core.errors import NotFound
+from orchestrator.pools import repository as pools_repo
 from orchestrator.pools.models import Pool
 
 
@@ -23,14 +24,15 @@ async def pool_for(
 ) -> Pool:
     """The pool, or 404 ``pool_not_found`` when it is missing or not this token's (no existence leak).
 
-    ``for_update``: the row is locked and read again. A route has usually loaded the pool already
-    (its scope check), and a locking ``get`` of an object in the session would otherwise keep
-    the attributes first read: a completion committed while the lock was awaited went unseen.
-    The lock is FOR NO KEY UPDATE, as for membership changes: a claim's lease checks its foreign
-    key on the pool and must not wait for a policy being published (an enqueue, which holds the
-    pool FOR SHARE, still waits)."""
-    lock = {"key_share": True} if for_update else False
-    pool = await session.get(Pool, pool_id, with_for_update=lock, populate_existing=for_update)
+    ``for_update``: the row is locked and read again, with the lock membership changes take
+    (``pools.repository.get_pool``: FOR NO KEY UPDATE, so a claim's lease checking its foreign
+    key on the pool does not wait for a policy being published; an enqueue, which holds the
+    pool FOR SHARE, still waits). A route has usually loaded the pool already (its scope
+    check): read again, a completion committed while the lock was awaited is seen."""
+    if for_update:
+        pool = await pools_repo.get_pool(session, pool_id, for_update=True)
+    else:
+        pool = await session.get(Pool, pool_id)
     if pool is None or not can_act_on(principal, pool):
         raise NotFound("no pool with this id", code="pool_not_found")
     return pool
