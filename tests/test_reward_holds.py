@@ -289,6 +289,31 @@ async def test_fraud_after_a_penalty_forfeits_the_rest_and_each_appeal_gives_bac
         await books_balance(app_state)
 
 
+async def test_fraud_leaves_a_reward_whose_hold_window_has_passed_to_the_release_loop(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    """A reward due before the fraud verdict (its ``reward_hold_s`` over) is the provider's,
+    even while the release loop has yet to move it: the fraud takes only the stake, and the
+    feed agrees that the rollout stands (it was decided outside the fraud's window)."""
+    async with pool_setup(
+        app, app_state, workers=1, economics={**ECON, "reward_hold_s": 60}, stake=1000
+    ) as s:
+        w = s.workers[0]
+        earned = await honest(s, w, app_state)
+        clock.advance(61)  # due; no release tick has run
+        await submit(w, await one_lease(s, w), ["5"], claimed_reward=1.0)
+        await verify_all(app_state)
+        vs = {v["id"]: v for v in await verdicts(s.admin, s.headers, s.pool_id)}
+        [fraud] = [v for v in vs.values() if v["category"] == "fraud"]
+        assert fraud["slashed_amount"] == 200  # the stake only
+        assert vs[earned["id"]]["withdrawn_by"] is None
+        assert await hold_statuses(app_state) == {w.node_id: ["held"]}
+        assert await release_once(app_state) == 1
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (0, 7)
+        await books_balance(app_state)
+
+
 async def test_reversing_a_partly_penalised_reward_takes_back_only_the_providers_part(
     app: Any, app_state: Any, client: Any
 ) -> None:

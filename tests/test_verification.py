@@ -527,6 +527,35 @@ async def test_fraud_strikes_eject_the_node_and_then_ban_the_provider(
     await books_balance(app_state)
 
 
+async def test_the_provider_ban_counts_the_strike_just_given_in_a_pool_without_stake(
+    app: Any, app_state: Any
+) -> None:
+    """The strike that brings a provider's nodes to ``strikes_before_provider_ban`` bans it,
+    also where a fraud verdict moves no money (no stake, nothing on hold), which is where the
+    strike was once left out of the count."""
+    econ = {
+        **ECON,
+        "min_stake_per_node": 0,
+        "fraud_slash_amount": 0,
+        "strikes_before_ejection": 2,
+        "strikes_before_provider_ban": 2,
+    }
+    async with pool_setup(app, app_state, workers=1, economics=econ) as s:
+        [first] = s.workers
+        second = await s.add_worker(provider_key=first.contributor.provider_key)
+        for w in (first, second):
+            await submit(w, await one_lease(s, w), ["5"], claimed_reward=1.0)
+        await verify_all(app_state)
+        vs = await verdicts(s.admin, s.headers, s.pool_id)
+        assert sorted((v["category"], v["slashed_amount"]) for v in vs) == [("fraud", 0)] * 2
+        for w in (first, second):
+            me = (await w.client.get("/v1/nodes/me", auth=w.contributor.node_auth)).json()
+            assert [m["status"] for m in me["memberships"] if m["pool_id"] == s.pool_id] == ["left"]
+            r = await w.client.post(f"/v1/pools/{s.pool_id}/join", json={}, auth=w.contributor.node_auth)
+            assert r.status_code == 403, r.text
+            assert [reason["code"] for reason in r.json()["reasons"]] == ["provider_blacklisted"]
+
+
 async def test_leaving_before_the_verdict_does_not_escape_the_stake_slash(
     app: Any, app_state: Any, client: Any, clock: FakeClock
 ) -> None:

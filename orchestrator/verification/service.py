@@ -1225,7 +1225,9 @@ async def _penalise(session: AsyncSession, pool: Pool, verdict: Verdict, *, now:
 
 
 async def _held(session: AsyncSession, verdict: Verdict) -> list[RewardHold]:
-    """The verdict's node's rewards still on hold in its pool, oldest first, locked after the
+    """The verdict's node's rewards still on hold in its pool (held, and in their hold window at
+    the verdict's time: one past its ``release_at`` is not taken, even while the release job has
+    yet to move it), oldest first, locked after the
     accounts a forfeit moves money between. (The verifier's batches have locked those already;
     a verdict decided without them, such as one of a quorum wait that expired, takes them here,
     so that it never holds a hold while it waits for an account the reward release holds.)"""
@@ -1244,6 +1246,9 @@ async def _held(session: AsyncSession, verdict: Verdict) -> list[RewardHold]:
                     RewardHold.pool_id == verdict.pool_id,
                     RewardHold.node_id == verdict.node_id,
                     RewardHold.status == "held",
+                    # Still in its hold window, as ``withdrawn_by`` counts it: a hold that is
+                    # due is the release job's, whenever that runs.
+                    RewardHold.release_at > verdict.decided_at,
                 )
                 .order_by(RewardHold.release_at, RewardHold.id)
                 .with_for_update()
@@ -1526,7 +1531,10 @@ async def _uncount(session: AsyncSession, trust: NodeTrust, verdict: Verdict, *,
 
 
 async def _provider_strikes(session: AsyncSession, pool_id: str, provider_id: str) -> int:
-    """The fraud strikes of the provider's nodes in the pool: what its provider ban counts."""
+    """The fraud strikes of the provider's nodes in the pool: what its provider ban counts. The
+    session is flushed first (autoflush is off): a strike just given or taken back on a
+    ``NodeTrust`` in it counts."""
+    await session.flush()
     total = await session.scalar(
         select(func.coalesce(func.sum(NodeTrust.strikes), 0)).where(
             NodeTrust.pool_id == pool_id, NodeTrust.provider_id == provider_id
