@@ -4,6 +4,7 @@ settings changed while nodes hold leases, tasks are queued and results wait for 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 from typing import Any
 
 import httpx
@@ -175,6 +176,49 @@ async def test_results_already_received_are_judged_and_paid_by_the_terms_they_ca
         }
 
 
+async def test_results_already_received_are_penalised_and_held_by_the_terms_they_came_in_under(
+    app: Any, app_state: Any, no_audits: None
+) -> None:
+    """The pool's fraud slash, soft penalty and reward hold that decide a result's verdict are
+    those in force when the result was received: an operator who raises them while results
+    wait for the verifier changes nothing for those results, only for the ones that follow."""
+    economics = {
+        "min_stake_per_node": 1000,
+        "reward_per_sample": 7,
+        "reward_hold_s": 3600,
+        "soft_invalid_penalty": 3,
+        "fraud_slash_amount": 200,
+    }
+    async with pool_setup(app, app_state, workers=1, economics=economics, stake=1000) as s:
+        [w] = s.workers
+        await s.enqueue([task("honest"), task("wrong"), task("forged"), task("after")])
+        [honest, wrong, forged, after] = (await w.claim(s.pool_id, 4)).json()["leases"]
+        await submit(w, honest, ["4"])
+        await submit(w, wrong, ["5"], claimed_reward=0.0)
+        await submit(w, forged, ["5"], claimed_reward=1.0)
+        changed = {"fraud_slash_amount": 500, "soft_invalid_penalty": 5, "reward_hold_s": 7200}
+        await _patch(s, {"economics": changed})
+        await submit(w, after, ["4"])
+        await verify_all(app_state)
+        async with app_state.sessionmaker() as session:
+            decided = {
+                r.task_id: (
+                    r.reason,
+                    r.reward_amount,
+                    r.slashed_amount,
+                    r.hold_until and r.hold_until - r.decided_at,
+                )
+                for r in (await session.execute(select(Verdict))).scalars()
+            }
+        hours = [dt.timedelta(hours=h) for h in (1, 2)]
+        assert decided == {
+            await s.task_of(honest): ("verified", 7, 0, hours[0]),
+            await s.task_of(wrong): ("wrong_answer", 0, 3, None),  # 3 of the honest reward
+            await s.task_of(forged): ("reward_forged", 0, 200 + 4, None),  # the stake, the rest held
+            await s.task_of(after): ("verified", 7, 0, hours[1]),
+        }
+
+
 async def test_a_result_stored_before_terms_were_recorded_is_judged_by_the_pools_settings(
     app: Any, app_state: Any, client: httpx.AsyncClient, no_audits: None
 ) -> None:
@@ -187,11 +231,23 @@ async def test_a_result_stored_before_terms_were_recorded_is_judged_by_the_pools
         await submit(w, lease, ["4"])
         async with app_state.sessionmaker() as session, session.begin():
             await session.execute(
-                update(Submission).values(max_async_level=None, require_proof=None, reward_per_sample=None)
+                update(Submission).values(
+                    {
+                        "max_async_level": None,
+                        "require_proof": None,
+                        "reward_per_sample": None,
+                        "reward_hold_s": None,
+                        "soft_invalid_penalty": None,
+                        "fraud_slash_amount": None,
+                    }
+                )
             )
-        await _patch(s, {"economics": {"reward_per_sample": 7}})
+        await _patch(s, {"economics": {"reward_per_sample": 7, "reward_hold_s": 60}})
         await verify_all(app_state)
         assert (await balances(client, w))["rewards_pending"] == 7
+        async with app_state.sessionmaker() as session:
+            [v] = (await session.execute(select(Verdict))).scalars()
+            assert v.hold_until is not None and v.hold_until - v.decided_at == dt.timedelta(seconds=60)
 
 
 async def _while_the_pool_is_locked(s: Any, app_state: Any, *requests: Any) -> list[httpx.Response]:

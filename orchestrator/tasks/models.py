@@ -229,12 +229,17 @@ class Submission(Base):
     policy_current_step: Mapped[int] = mapped_column(BigInteger, doc="the pool's policy step when received")
     # The pool's terms when the result was received: the verifier judges and pays it by these, not
     # by settings an operator changed while it waited (NULL for results stored before 0022: the
-    # pool's settings at the verdict, as then).
+    # pool's settings at the verdict, as then; the penalties and the hold: before 0036).
     max_async_level: Mapped[int | None] = mapped_column(
         Integer, doc="the pool's staleness bound when received"
     )
     require_proof: Mapped[bool | None] = mapped_column(Boolean, doc="whether the pool required a proof then")
     reward_per_sample: Mapped[int | None] = mapped_column(BigInteger, doc="the pool's reward rate then")
+    fraud_slash_amount: Mapped[int | None] = mapped_column(BigInteger, doc="the pool's fraud slash then")
+    soft_invalid_penalty: Mapped[int | None] = mapped_column(
+        BigInteger, doc="the pool's penalty for an invalid result then"
+    )
+    reward_hold_s: Mapped[int | None] = mapped_column(Integer, doc="the pool's reward hold then")
     seed_echoed: Mapped[int | None] = mapped_column(BigInteger)
     claimed_reward: Mapped[float | None] = mapped_column(Float)
     sample_count: Mapped[int] = mapped_column(Integer)

@@ -1305,6 +1305,9 @@ class ResultContext:
     step_published: bool
     require_proof: bool
     reward_per_sample: int
+    fraud_slash_amount: int
+    soft_invalid_penalty: int
+    reward_hold_s: int
 
 
 _RESULT_CONTEXT = """
@@ -1317,7 +1320,8 @@ _RESULT_CONTEXT = """
            (SELECT t.deadline_at FROM tasks t WHERE t.id = a.task_id) AS deadline_at,
            EXISTS (SELECT 1 FROM policy_versions
                     WHERE pool_id = a.pool_id AND step = :policy_step) AS step_published,
-           p.require_proof, p.reward_per_sample
+           p.require_proof, p.reward_per_sample, p.fraud_slash_amount, p.soft_invalid_penalty,
+           p.reward_hold_s
       FROM assignments a
       JOIN task_replicas r ON r.id = a.replica_id
       JOIN pools p ON p.id = a.pool_id
@@ -1553,6 +1557,9 @@ async def submit_result(
         "max_async_level": ctx.max_async_level,
         "require_proof": ctx.require_proof,
         "reward_per_sample": ctx.reward_per_sample,
+        "fraud_slash_amount": ctx.fraud_slash_amount,
+        "soft_invalid_penalty": ctx.soft_invalid_penalty,
+        "reward_hold_s": ctx.reward_hold_s,
         "seed_echoed": body.seed,
         "claimed_reward": body.claimed_reward,
         "sample_count": len(body.samples),

@@ -612,7 +612,7 @@ async def _run_checks(
 
 def _or(recorded: _T | None, current: _T) -> _T:
     """A term recorded with a submission, or the pool's current one for a submission stored
-    before terms were recorded (migration 0022)."""
+    before terms were recorded (migration 0022; the penalties and the hold, 0036)."""
     return current if recorded is None else recorded
 
 
@@ -973,7 +973,11 @@ async def decide(
         slashed_amount=0,
         decided_at=now,
         # Its hold window: a fraud verdict against the node before then withdraws it (Verdict).
-        hold_until=now + dt.timedelta(seconds=pool.reward_hold_s) if decision.outcome == "accepted" else None,
+        hold_until=(
+            now + dt.timedelta(seconds=_or(submission.reward_hold_s, pool.reward_hold_s))
+            if decision.outcome == "accepted"
+            else None
+        ),
     )
     try:
         async with session.begin_nested():
@@ -1001,13 +1005,15 @@ async def decide(
         trust.fraud += 1
         trust.consecutive_valid = 0
         trust.strikes += 1
-        await _punish(session, pool, verdict, trust, now=now)
+        slash = _or(submission.fraud_slash_amount, pool.fraud_slash_amount)
+        await _punish(session, pool, verdict, trust, slash=slash, now=now)
         await notify_window(session, verdict, "withdrawn", now=now)
     else:
         trust.invalid += 1
         trust.consecutive_valid = 0
         if decision.category == "invalid":
-            await _penalise(session, pool, verdict, now=now)
+            penalty = _or(submission.soft_invalid_penalty, pool.soft_invalid_penalty)
+            await _penalise(session, verdict, penalty=penalty, now=now)
     await _maybe_complete(session, submission.task_id)
     await session.flush()
     metrics.on_commit(session, _counter(decision, verdict.reward_amount, verdict.slashed_amount))
@@ -1126,8 +1132,9 @@ async def _reward(session: AsyncSession, pool: Pool, verdict: Verdict, *, now: d
 
 
 async def _punish(
-    session: AsyncSession, pool: Pool, verdict: Verdict, trust: NodeTrust, *, now: dt.datetime
+    session: AsyncSession, pool: Pool, verdict: Verdict, trust: NodeTrust, *, slash: int, now: dt.datetime
 ) -> None:
+    """``slash``: the pool's ``fraud_slash_amount`` when the result was received."""
     from orchestrator.pools import service as pools_service
 
     reference = ("verdict", str(verdict.id))
@@ -1135,9 +1142,9 @@ async def _punish(
     slashed = 0
     live = membership is not None and membership.status in ("active", "pending")
     slash_key = f"submission:{verdict.submission_id}:slash-stake"
-    if membership is not None and live and pool.fraud_slash_amount > 0 and membership.stake > 0:
+    if membership is not None and live and slash > 0 and membership.stake > 0:
         # A live membership has its stake locked.
-        amount = min(pool.fraud_slash_amount, membership.stake)
+        amount = min(slash, membership.stake)
         await ledger.transfer(
             session,
             debit=provider_account(verdict.provider_id, ProviderAccount.stake_locked),
@@ -1151,13 +1158,13 @@ async def _punish(
         )
         membership.stake -= amount
         slashed += amount
-    elif membership is not None and not live and pool.fraud_slash_amount > 0:
+    elif membership is not None and not live and slash > 0:
         # An ended one (left, ejected, its pool completed) has its stake unbonding: slashable
         # until the unbonding period ends, so that leaving before the verdict escapes nothing.
         slashed += await ledger.slash_unbonding(
             session,
             pools_service.unbonding_keys(membership),
-            pool.fraud_slash_amount,
+            slash,
             now=now,
             credit=_system_account(session, SystemAccount.slashed),
             key=slash_key,
@@ -1199,11 +1206,11 @@ async def _punish(
         )
 
 
-async def _penalise(session: AsyncSession, pool: Pool, verdict: Verdict, *, now: dt.datetime) -> None:
-    """An invalid (soft) verdict forfeits the pool's ``soft_invalid_penalty`` from the node's
-    rewards still on hold, oldest first (the part of a hold not taken stays held and is
-    released when due), up to what is on hold."""
-    left = pool.soft_invalid_penalty
+async def _penalise(session: AsyncSession, verdict: Verdict, *, penalty: int, now: dt.datetime) -> None:
+    """An invalid (soft) verdict forfeits ``penalty`` (the pool's ``soft_invalid_penalty`` when
+    the result was received) from the node's rewards still on hold, oldest first (the part of a
+    hold not taken stays held and is released when due), up to what is on hold."""
+    left = penalty
     if left <= 0:
         return
     takes: list[tuple[RewardHold, int]] = []
