@@ -91,6 +91,62 @@ async def test_a_json_body_nested_too_deeply_to_parse_is_a_422_problem(
         ]
 
 
+async def test_a_json_body_in_utf16_or_utf32_or_with_a_byte_order_mark_is_a_422_problem(
+    client: httpx.AsyncClient, contributor: Contributor, admin_headers: dict[str, str]
+) -> None:
+    """RFC 8259: JSON is UTF-8, without a byte order mark. Python's parser, given bytes, also
+    reads UTF-16 and UTF-32 (and encoded surrogates): such a body was taken, and a signed result
+    in UTF-16 was stored as its evidence, which strict JSON parsers then refuse."""
+    pool = json.dumps({"name": "utf"})
+    for content in (
+        pool.encode("utf-16"),
+        pool.encode("utf-32"),
+        pool.encode("utf-16-le"),
+        b"\xef\xbb\xbf" + pool.encode(),
+        b'{"name": "\xed\xa0\x80"}',  # a surrogate, encoded
+    ):
+        r = await client.post(
+            "/v1/admin/pools", content=content, headers={**admin_headers, "content-type": "application/json"}
+        )
+        body = problem(r, 422, "validation_failed")
+        assert body["errors"][0]["loc"][0] == "body", content
+    assert (await client.get("/v1/admin/pools", headers=admin_headers)).json()["items"] == []
+    r = await client.post(
+        "/v1/nodes/me/heartbeat",
+        content=json.dumps({"metrics": {}}).encode("utf-16"),
+        auth=contributor.node_auth,
+        headers={"content-type": "application/json"},
+    )
+    problem(r, 422, "validation_failed")
+
+
+async def test_a_json_integer_longer_than_the_parser_converts_is_a_422_problem(
+    client: httpx.AsyncClient, contributor: Contributor, admin_headers: dict[str, str]
+) -> None:
+    """Python converts at most 4,300 digits to an int; a longer JSON number was 400 bad_request
+    ('There was an error parsing the body') instead of a body that does not parse."""
+    huge = b"1" + b"0" * 5000
+    for path, content, kw in (
+        ("/v1/admin/pools", b'{"name": "n", "x": ' + huge + b"}", {"headers": admin_headers}),
+        (
+            "/v1/nodes/me/heartbeat",
+            b'{"metrics": {"gpu_util": ' + huge + b"}}",
+            {"auth": contributor.node_auth},
+        ),
+    ):
+        headers = {**kw.pop("headers", {}), "content-type": "application/json"}
+        r = await client.post(path, content=content, headers=headers, **kw)
+        body = problem(r, 422, "validation_failed")
+        assert body["errors"] == [
+            {
+                "loc": ["body"],
+                "msg": "JSON with a number too long to parse (at most 4300 digits)",
+                "type": "json_invalid",
+            }
+        ]
+    assert (await client.get("/v1/admin/pools", headers=admin_headers)).json()["items"] == []
+
+
 async def test_a_path_parameter_that_cannot_be_an_id_is_the_same_404_as_an_unknown_id(
     client: httpx.AsyncClient, contributor: Contributor, admin_headers: dict[str, str]
 ) -> None:

@@ -31,6 +31,7 @@ Redis: the request did not complete and can be sent again once the database is b
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import asyncpg
@@ -204,14 +205,20 @@ def _body_refused(request: Request, msg: str, kind: str) -> JSONResponse:
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError | RecursionError):
-        # FastAPI's 400 for a JSON body that is not UTF-8, or nested deeper than Python's parser
-        # goes (some 1,000 levels): a body that does not parse, as any other.
-        msg = (
-            "not UTF-8, so not JSON"
-            if isinstance(exc.__cause__, UnicodeDecodeError)
-            else "JSON nested too deeply to parse"
-        )
+    cause = exc.__cause__
+    if exc.status_code == 400 and (
+        isinstance(cause, UnicodeDecodeError | RecursionError)
+        or (isinstance(cause, ValueError) and "integer string conversion" in str(cause))
+    ):
+        # FastAPI's 400 for a JSON body that is not UTF-8, nested deeper than Python's parser
+        # goes (some 1,000 levels), or with an integer longer than it converts (4,300 digits):
+        # a body that does not parse, as any other. (Other JSON syntax errors are FastAPI's 422.)
+        if isinstance(cause, UnicodeDecodeError):
+            msg = "not UTF-8, so not JSON"
+        elif isinstance(cause, RecursionError):
+            msg = "JSON nested too deeply to parse"
+        else:
+            msg = f"JSON with a number too long to parse (at most {sys.get_int_max_str_digits()} digits)"
         return _body_refused(request, msg, "json_invalid")
     code, title = _STATUS_CODES.get(exc.status_code, ("http_error", "HTTP error"))
     detail = exc.detail if isinstance(exc.detail, str) else title

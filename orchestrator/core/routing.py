@@ -75,11 +75,15 @@ def guards_of(dependant: Dependant) -> list[Guard]:
 
 
 def loads(body: bytes) -> Any:
-    """``json.loads`` with the cyclic garbage collector paused (restored as it was)."""
+    """``json.loads`` of the body as UTF-8 (RFC 8259 section 8.1), with the cyclic garbage
+    collector paused (restored as it was). Bytes are decoded strictly first: ``json.loads`` of
+    bytes would take UTF-16 and UTF-32 too, and encoded surrogates, none of them JSON; they raise
+    ``UnicodeDecodeError`` (a byte order mark stays in the text and does not parse)."""
+    text = body.decode("utf-8")
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return json.loads(body)
+        return json.loads(text)
     finally:
         if enabled:
             gc.enable()
