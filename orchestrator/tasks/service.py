@@ -1236,6 +1236,10 @@ async def _expire(session: AsyncSession, expired: list[Assignment], *, now: dt.d
                 .where(Task.id == task_id, Task.status == "open")
                 .values(available_replicas=Task.available_replicas + count, updated_at=now)
             )
+    if failed_tasks:
+        # Written before ``fail_task``'s bulk updates of the same leases and replicas, so that
+        # they see (and are not overwritten by) these changes.
+        await session.flush()
     await lock_live_leases(session, sorted(failed_tasks))  # the siblings', before the tasks
     for task_id, reason in failed_tasks.items():
         task = await session.get(Task, task_id, with_for_update=True)
