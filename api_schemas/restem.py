@@ -49,7 +49,9 @@ class IterationIn(StrictModel):
     )
     sampling: RestemSampling = Field(default_factory=RestemSampling)
     policy_step: int = Field(
-        ge=0, description="Must be the pool's current policy step; results from other steps are excluded"
+        ge=0,
+        le=10**12,
+        description="Must be the pool's current policy step; results from other steps are excluded",
     )
     keep_correct: int = Field(default=10, ge=1, le=1024, description="K: correct samples kept per problem")
     replication: int = Field(

@@ -156,15 +156,16 @@ async def test_an_iteration_retried_with_its_json_spelled_otherwise_is_the_same(
         assert (again.status_code, again.json()["id"]) == (200, first.json()["id"])
 
 
-async def test_an_iteration_deadline_outside_the_years_utc_can_name_is_refused(
-    app: Any, app_state: Any
-) -> None:
+async def test_an_iteration_deadline_or_step_out_of_range_is_refused(app: Any, app_state: Any) -> None:
     """A deadline whose UTC time falls outside years 1 to 9999 answered 500: it is a 422."""
     async with pool_setup(app, app_state) as s:
         for deadline in ("9999-12-31T23:59:59-12:00", "0001-01-01T00:00:00+14:00"):
             r = await s.admin.post(base(s), json=iteration_body(deadline_at=deadline), headers=s.headers)
             body = problem(r, 422, "validation_failed")
             assert body["errors"][0]["loc"] == ["body", "deadline_at"]
+        # A step no policy can have (published steps are at most 10^12) is a bad body too.
+        r = await s.admin.post(base(s), json=iteration_body(policy_step=2**64), headers=s.headers)
+        assert problem(r, 422, "validation_failed")["errors"][0]["loc"] == ["body", "policy_step"]
         assert (await s.admin.get(base(s), headers=s.headers)).json()["items"] == []
 
 
