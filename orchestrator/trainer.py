@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import httpx
@@ -128,31 +128,44 @@ class FeedFollower(Backoff):
 
     async def poll(self) -> list[Take | Drop]:
         """One page of the feed, then one page of notices: their events, in order. Advances
-        ``state``; ``caught_up`` says whether both were read to their end."""
-        feed = await self._page("", self.state.feed_cursor)
-        events: list[Take | Drop] = []
+        ``state`` (only once both pages are read); ``caught_up`` says whether both were read
+        to their end."""
+        steps, final = await self._read()
+        self.state = final
+        return [event for event, _ in steps]
+
+    async def _read(self) -> tuple[list[tuple[Take | Drop, FollowState]], FollowState]:
+        """The events of one feed page and one notices page, each with the state that includes
+        it (and everything before it), and the state after both pages."""
+        state = replace(self.state)
+        steps: list[tuple[Take | Drop, FollowState]] = []
+        feed = await self._page("", state.feed_cursor)
         for item in feed["items"]:
-            events.append(Take(item["verdict_id"], item))
-            self.state.position = item["verdict_id"]
-        self.state.feed_cursor = feed["next_cursor"]
-        notices = await self._page("/changes", self.state.changes_cursor)
+            state = replace(state, position=item["verdict_id"], feed_cursor=item["cursor"])
+            steps.append((Take(item["verdict_id"], item), state))
+        state = replace(state, feed_cursor=feed["next_cursor"])
+        notices = await self._page("/changes", state.changes_cursor)
         for notice in notices["items"]:
+            state = replace(state, changes_cursor=notice["cursor"])
             verdict_id = notice["verdict_id"]
-            if verdict_id > self.state.position:
+            if verdict_id > state.position:
                 continue  # the feed serves it, or not, as it stands when the follower gets there
             if not notice["stands"]:
-                events.append(Drop(verdict_id, notice))
+                steps.append((Drop(verdict_id, notice), state))
             elif notice["rollout"] is not None:
-                events.append(Take(verdict_id, notice["rollout"]))
-        self.state.changes_cursor = notices["next_cursor"]
+                steps.append((Take(verdict_id, notice["rollout"]), state))
         self.caught_up = not feed["has_more"] and not notices["has_more"]
-        return events
+        return steps, replace(state, changes_cursor=notices["next_cursor"])
 
     async def follow(self, interval_s: float = 2.0) -> AsyncIterator[Take | Drop]:
-        """``poll`` for ever, waiting ``interval_s`` whenever both are read to their end."""
+        """``poll`` for ever, waiting ``interval_s`` whenever both are read to their end. When an
+        event is yielded, ``state`` is the state that includes it and nothing after it."""
         while True:
-            for event in await self.poll():
+            steps, final = await self._read()
+            for event, state in steps:
+                self.state = state
                 yield event
+            self.state = final
             if self.caught_up:
                 await asyncio.sleep(interval_s)
 

@@ -320,6 +320,63 @@ async def test_a_follower_restarted_from_its_saved_state_reads_only_what_is_new(
         assert FollowState.from_json(again.state.to_json()) == again.state
 
 
+async def test_a_follower_saved_after_each_event_and_restarted_misses_none_of_the_page(
+    app: Any, app_state: Any
+) -> None:
+    """The state saved once an event of ``follow`` is applied (as the README does it) is where
+    that event leaves the follower: it had already moved past the whole page, so a trainer that
+    died after the page's first event never got the rest."""
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=10) as s:
+        for lease in await leases(s, s.workers[0], 3):
+            await submit(s.workers[0], lease, ["4"])
+        await verify_all(app_state)
+        served, _ = await whole_feed(s, limit=10)
+        assert len(served) == 3
+        token = (await trainer_headers(app_state, [s.pool_id]))["Authorization"].removeprefix("Bearer ")
+        applied: list[int] = []
+        follower = FeedFollower(s.admin, s.pool_id, token)
+        async for event in follower.follow(interval_s=0):
+            assert isinstance(event, Take)
+            applied.append(event.verdict_id)
+            saved = follower.state.to_json()
+            break  # the trainer dies here, before the page's next event
+        restarted = FeedFollower(s.admin, s.pool_id, token, state=FollowState.from_json(saved))
+        applied += [e.verdict_id for e in await restarted.poll() if isinstance(e, Take)]
+        assert applied == [item["verdict_id"] for item in served]  # each once, in order
+
+
+class FailingChangesOnce(httpx.AsyncBaseTransport):
+    """The app, behind a first answer of 400 to a read of the change notices."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner, self.fail = inner, 1
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.fail and request.url.path.endswith("/changes"):
+            self.fail -= 1
+            body = {"type": "about:blank", "title": "bad", "status": 400, "code": "x", "detail": "x"}
+            return httpx.Response(400, json=body, headers={"Content-Type": "application/problem+json"})
+        return await self.inner.handle_async_request(request)
+
+
+async def test_a_poll_that_raises_leaves_the_follower_where_it_was(app: Any, app_state: Any) -> None:
+    """A poll that read the feed's page and then failed on the notices had moved the state past
+    that page: the same follower's next poll never handed its rollouts out."""
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=10) as s:
+        for lease in await leases(s, s.workers[0], 2):
+            await submit(s.workers[0], lease, ["4"])
+        await verify_all(app_state)
+        token = (await trainer_headers(app_state, [s.pool_id]))["Authorization"].removeprefix("Bearer ")
+        transport = FailingChangesOnce(s.admin._transport)
+        async with httpx.AsyncClient(transport=transport, base_url=str(s.admin.base_url)) as http:
+            follower = FeedFollower(http, s.pool_id, token, max_retries=0)
+            with pytest.raises(OrchestratorAPIError):
+                await follower.poll()
+            assert follower.state == FollowState()
+            events = await follower.poll()
+        assert [type(e) for e in events] == [Take, Take]
+
+
 class BusyOnce(httpx.AsyncBaseTransport):
     """The app, behind a first answer of 503 ``feed_busy`` (what a PostgreSQL feed says while
     verdicts are being written)."""
