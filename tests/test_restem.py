@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import hashlib
 import json
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import select
 
 from orchestrator.admin.tokens import Role, create_token
 from orchestrator.core.clock import FakeClock
@@ -17,10 +19,14 @@ from orchestrator.restem import service as restem_service
 from orchestrator.restem.jobs import advance_once
 from orchestrator.tasks import retention
 from orchestrator.tasks.jobs import reap_once
-from tests.conftest import problem
+from orchestrator.tasks.models import Submission
+from orchestrator.verification import service as verification
+from orchestrator.verification.models import VerificationJob
+from tests.conftest import postgres_only, problem
 from tests.tasks_helpers import PoolSetup, Worker, pool_setup, task
 from tests.test_verification import ECON
 from tests.verification_helpers import FixedDraw, submit, verify_all
+from tests.waits import HANG_S, until_waiting
 
 QUESTIONS = {"p1": ("What is 2+2?", "4"), "p2": ("What is 3+3?", "6"), "p3": ("What is 5+5?", "10")}
 
@@ -290,6 +296,91 @@ async def test_the_barrier_loop_expires_iterations_without_a_read(
         assert report_.ran and report_.expired == 1
         assert (await s.workers[0].claim(s.pool_id)).json()["reason"] == "no_tasks"
         assert (await get(s, it["id"]))["status"] == "expired"
+
+
+async def decide_accepted(
+    app_state: Any,
+    submission_id: int,
+    now: dt.datetime,
+    decided: asyncio.Event | None = None,
+    release: asyncio.Event | None = None,
+) -> None:
+    """What a verifier batch does with a result all of whose 4 samples are right: its verdict is
+    dated ``now`` (when the batch started) and, with ``release``, committed only once that is
+    set (``decided`` is set when the verdict is written)."""
+    async with app_state.sessionmaker() as session, session.begin():
+        job = (
+            await session.execute(
+                select(VerificationJob).where(VerificationJob.submission_id == submission_id)
+            )
+        ).scalar_one()
+        submission = await session.get(Submission, submission_id)
+        assert submission is not None
+        details = {"findings": [], "server_reward": 1.0, "per_sample_rewards": [1.0] * 4}
+        job.server_reward, job.correct_samples = 1.0, 4
+        decision = verification.Decision("accepted", "valid", "verified", "reward", details, paid_samples=4)
+        await verification.decide(session, job, submission, decision, now=now)
+        if decided is not None and release is not None:
+            decided.set()
+            await release.wait()
+
+
+async def test_a_verdict_written_after_the_iteration_expired_does_not_change_its_dataset(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """An expired iteration counted verdicts by their date alone, and a verifier batch dates its
+    verdicts when it starts: a batch that started before the deadline and wrote its verdict
+    after the iteration expired changed the final dataset and report."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        deadline = clock.utcnow() + dt.timedelta(seconds=60)
+        it = await create(s, problems=("p1",), deadline_at=deadline.isoformat())
+        w = s.workers[0]
+        submitted = await submit(w, (await claim_all(w, s.pool_id, 1))["p1"], ["4"] * 4)
+        clock.advance(61)
+        assert (await get(s, it["id"]))["status"] == "expired"
+
+        async def counted() -> tuple[str, dict[str, Any]]:
+            totals = (await report(s, it["id"]))["totals"]
+            del totals["problems_done"]  # its task's progress: finished once the verdict is in
+            return await dataset(s, it["id"]), totals
+
+        before = await counted()
+        assert before[0] == "" and before[1]["pending_results"] == 0, before
+        assert before[1]["discarded_samples"] == 4  # its verdict will come after the expiry
+        await decide_accepted(app_state, submitted["submission_id"], deadline - dt.timedelta(seconds=5))
+        assert await counted() == before
+
+
+@postgres_only
+async def test_an_iteration_expiring_while_a_verdict_is_written_counts_it_once_committed(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """The expiry waits for the verdicts being written (the trainer feed's bound) and counts
+    those decided by the deadline: the dataset is final from the first read."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        deadline = clock.utcnow() + dt.timedelta(seconds=60)
+        it = await create(s, problems=("p1",), keep_correct=10, deadline_at=deadline.isoformat())
+        w = s.workers[0]
+        submitted = await submit(w, (await claim_all(w, s.pool_id, 1))["p1"], ["4"] * 4)
+        clock.advance(55)
+        decided, release = asyncio.Event(), asyncio.Event()
+        batch = asyncio.create_task(
+            decide_accepted(app_state, submitted["submission_id"], clock.utcnow(), decided, release)
+        )
+        try:
+            await asyncio.wait_for(decided.wait(), HANG_S)
+            clock.advance(10)
+            expiry = asyncio.create_task(advance_once(app_state))
+            await until_waiting(app_state, 1, expiry, on="table")
+            assert not expiry.done()
+        finally:
+            release.set()
+            await asyncio.wait_for(batch, HANG_S)
+        assert (await asyncio.wait_for(expiry, HANG_S)).expired == 1
+        lines = (await dataset(s, it["id"])).splitlines()
+        assert len(lines) == 4
+        totals = (await report(s, it["id"]))["totals"]
+        assert (totals["correct_samples"], totals["discarded_samples"]) == (4, 0), totals
 
 
 def ranked(iteration_id: int, submission_id: int, indices: list[int]) -> list[int]:

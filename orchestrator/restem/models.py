@@ -65,6 +65,11 @@ class RestemIteration(Base):
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     deadline_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
     finished_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    verdict_bound: Mapped[int | None] = mapped_column(
+        BigInteger,
+        doc="expired: the newest verdict id when it expired, every lower one committed; it counts "
+        "no later verdict (NULL: expired before 0037)",
+    )
 
 
 class RestemProblem(Base):

@@ -21,8 +21,9 @@ Counting a result's samples:
   without a server reward (the problem's verification spec gave the reward function nothing
   to check against) -> ``unchecked`` (excluded: neither right nor wrong);
 * rejected for any other reason, reversed, withdrawn by a fraud verdict against its node
-  (``verification.models.Verdict``), or (expired iterations) decided after the deadline ->
-  ``discarded``; no verdict yet -> pending.
+  (``verification.models.Verdict``), or (expired iterations) decided after the deadline or
+  written after the iteration expired (its ``verdict_bound``) -> ``discarded``; no verdict yet
+  -> pending (expired iterations: discarded, since that verdict will be written after it).
 
 A sample is correct when its server reward is 1 (ReST^EM's binary reward). The dataset keeps,
 per problem, the K correct samples with the smallest SHA-256 of
@@ -59,7 +60,7 @@ from api_schemas.tasks import Sampling, TaskBatchIn, TaskIn
 from orchestrator.core.digest import body_digests
 from orchestrator.core.errors import Conflict, NotFound, UnprocessableEntity
 from orchestrator.core.sql import is_postgres
-from orchestrator.feed.service import dumps_line, load_body, sample_rewards
+from orchestrator.feed.service import dumps_line, load_body, sample_rewards, settled_bound
 from orchestrator.pools.models import Pool
 from orchestrator.restem.models import RestemIteration, RestemProblem
 from orchestrator.tasks import service as tasks_service
@@ -288,8 +289,17 @@ async def _settle(session: AsyncSession, iteration: RestemIteration, now: dt.dat
 
 
 async def _expire(session: AsyncSession, iteration: RestemIteration, deadline: dt.datetime) -> None:
+    # What it counts: verdicts decided by the deadline, and committed by now. On PostgreSQL a
+    # verifier batch dates its verdicts when it starts and commits later, so the decision time
+    # alone let a verdict committed after the expiry change the final dataset. The bound is the
+    # feed's (every lower id committed; a later verdict gets a larger one), taken before the
+    # tasks are locked below: a batch writing verdicts may be waiting for one of them.
+    bound = await settled_bound(session)
+    if bound is None:  # SQLite: one writer, ids commit in order
+        bound = int(await session.scalar(select(func.max(Verdict.id))) or 0)
     iteration.status = "expired"
     iteration.finished_at = deadline
+    iteration.verdict_bound = bound
     stmt = (
         select(Task)
         .join(RestemProblem, RestemProblem.task_id == Task.id)
@@ -378,9 +388,26 @@ def sampling_of(iteration: RestemIteration) -> RestemSampling:
 # ------------------------------------------------------------------ counting
 
 
-def _cutoff(iteration: RestemIteration) -> dt.datetime | None:
-    """Verdicts decided after this do not count (expired iterations: the deadline)."""
-    return iteration.finished_at if iteration.status == "expired" else None
+@dataclass(frozen=True)
+class Cutoff:
+    """An expired iteration's: verdicts decided after ``decided_by`` (its deadline) or with an
+    id above ``bound`` (written after it expired; None for one that expired before 0037) do not
+    count."""
+
+    decided_by: dt.datetime
+    bound: int | None
+
+    def excludes(self, verdict_id: int | None, decided_at: dt.datetime | None) -> bool:
+        """Whether a result with this verdict (None: none yet) is left out."""
+        if verdict_id is None or decided_at is None:
+            return self.bound is not None  # its verdict, when it comes, is past the bound
+        return decided_at > self.decided_by or (self.bound is not None and verdict_id > self.bound)
+
+
+def _cutoff(iteration: RestemIteration) -> Cutoff | None:
+    if iteration.status != "expired" or iteration.finished_at is None:
+        return None
+    return Cutoff(iteration.finished_at, iteration.verdict_bound)
 
 
 def _checked(details: dict[str, Any] | None, server_reward: float | None, n: int) -> int:
@@ -429,6 +456,7 @@ async def tally(session: AsyncSession, iteration: RestemIteration) -> list[Probl
                 Submission.policy_step,
                 Submission.sample_count,
                 Submission.evidence_pruned_at,
+                Verdict.id.label("verdict_id"),
                 Verdict.outcome,
                 Verdict.reason,
                 Verdict.reversed_at,
@@ -450,15 +478,12 @@ async def tally(session: AsyncSession, iteration: RestemIteration) -> list[Probl
         p = problems.setdefault(r.problem_index, ProblemTally(r.problem_id, r.task_id, r.task_status))
         if r.submission_id is None:
             continue
-        if r.outcome is None:
+        late = cutoff is not None and cutoff.excludes(r.verdict_id, r.decided_at)
+        if r.outcome is None and not late:
             p.pending += 1
         elif r.policy_step != iteration.policy_step:
             p.off_policy += r.sample_count
-        elif (
-            r.reversed_at is not None
-            or r.withdrawn_by is not None
-            or (cutoff is not None and r.decided_at > cutoff)
-        ):
+        elif late or r.reversed_at is not None or r.withdrawn_by is not None:
             p.discarded += r.sample_count
         elif r.outcome == "accepted":
             checked = _checked(r.details, r.server_reward, r.sample_count)
@@ -491,7 +516,7 @@ class DatasetSpec:
     pool_id: str
     policy_step: int
     keep_correct: int
-    cutoff: dt.datetime | None
+    cutoff: Cutoff | None
     reward_function: str
 
 
@@ -616,7 +641,9 @@ async def dataset_lines(
                 .order_by(Submission.id)
             )
             if spec.cutoff is not None:
-                stmt = stmt.where(Verdict.decided_at <= spec.cutoff)
+                stmt = stmt.where(Verdict.decided_at <= spec.cutoff.decided_by)
+                if spec.cutoff.bound is not None:
+                    stmt = stmt.where(Verdict.id <= spec.cutoff.bound)
             rows = (await session.execute(stmt)).all()
         data = await anyio.to_thread.run_sync(_dataset_chunk, spec, problems, rows)
         if data:
