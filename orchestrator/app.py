@@ -137,6 +137,7 @@ def create_app(
         stop = asyncio.Event()
         tasks = background.start(state, stop) if settings.server.background_loops else []
         if serving_marks:  # every API process, whatever its background_loops
+            state.marking = True
             tasks.append(background.start_serving_marks(state, stop))
         log.info(
             "started",

@@ -240,6 +240,52 @@ async def test_a_lease_outlives_an_outage_longer_than_itself(
         problem(await dropped.submit(leases[1]), 409, "lease_expired")
 
 
+async def test_requests_at_the_return_from_an_outage_judge_leases_after_the_first_mark(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """60 s leases and a 120 s outage; the service is back, and the marks loop's next tick is
+    up to 5 s away. Requests served in that moment saw every lease as run out: a result refused
+    (409 lease_expired), a beat told to drop its lease (which the mark then made live again), a
+    claim past the lease cap of 1, a release counted as an expiry. Now an API process whose own
+    last mark is stale writes one before such a request, and each is answered as after it."""
+    app_state.marking = True  # an API process; its marks loop does not tick on this clock
+    async with pool_setup(app, app_state, workers=4, lease_duration_s=60, max_leases_per_node=1) as s:
+        answers, beats, claims, releases = s.workers
+        await s.enqueue([task(f"t{i}") for i in range(5)])
+        leases = [(await w.claim(s.pool_id)).json()["leases"][0] for w in s.workers]
+        await mark(app_state)
+        for _ in range(24):  # 120 s without a mark: the database or Redis was down
+            clock.advance(5)
+            assert (await reap_once(app_state)).expired == 0
+        clock.advance(1)  # back
+
+        assert (await answers.submit(leases[0])).status_code == 201
+        r = await beats.beat([leases[1]["assignment_id"]])
+        assert r.status_code == 200 and r.json()["drop_leases"] == [], r.text
+        r = await claims.claim(s.pool_id)
+        assert (r.json()["leases"], r.json()["reason"]) == ([], "lease_cap_reached"), r.text
+        r = await releases.release(leases[3])
+        assert r.status_code == 200 and r.json()["status"] == "released", r.text
+        assert (await mark(app_state)).since == clock.now()  # the run began with the first request
+        assert (await reap_once(app_state)).expired == 0
+
+
+async def test_a_lease_taken_after_an_outage_began_does_not_get_its_length(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """Only a lease live when the outage began lost time to it: one claimed meanwhile (by a
+    process that writes no marks) keeps the deadline it was given."""
+    async with pool_setup(app, app_state, workers=1, lease_duration_s=600) as s:
+        [w] = s.workers
+        await s.enqueue([task()])
+        await mark(app_state)
+        clock.advance(120)
+        assert len((await w.claim(s.pool_id)).json()["leases"]) == 1
+        [deadline] = await lease_deadlines(app_state)
+        await mark(app_state)  # the first after the outage
+        assert await lease_deadlines(app_state) == [deadline]
+
+
 async def lease_deadlines(app_state: Any) -> list[dt.datetime]:
     async with app_state.sessionmaker() as session:
         query = (

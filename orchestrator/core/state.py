@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import socket
@@ -35,6 +36,11 @@ class AppState:
     known_keys: set[tuple[str, str]] = field(default_factory=set)
     # The last value this process logged of a condition that lasts (``changed``).
     logged: dict[str, object] = field(default_factory=dict)
+    # Whether this process writes the serving marks (an API process), when it last wrote one (on
+    # ``clock``), and the lock of a request that writes one first (``liveness.serving.caught_up``).
+    marking: bool = False
+    marked_at: float | None = None
+    mark_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def __post_init__(self) -> None:
         self.reader = autocommit(self.engine)

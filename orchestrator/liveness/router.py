@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 
 from api_schemas.common import PROBLEM_RESPONSES
 from api_schemas.identity import HeartbeatIn, HeartbeatOut
@@ -10,12 +10,14 @@ from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import State
 from orchestrator.identity.auth import SignedNode
 from orchestrator.liveness import service
+from orchestrator.liveness.serving import leases_caught_up
 
 router = APIRouter(prefix="/v1", tags=["contributors"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute)
 
 
 @router.post(
     "/nodes/me/heartbeat",
+    dependencies=[Depends(leases_caught_up)],
     response_model=HeartbeatOut,
     summary="Report liveness (hot store only; no SQL write unless the status changes)",
 )

@@ -11,7 +11,9 @@ API process down or blocked). So an outage, however long, marks no node dead at 
 a node that does not beat again dies ``dead_after_s`` after it, as the reconciler treats a node
 the hot store lost. The mark that starts a run also gives the leases live when the outage began
 its length (``tasks.service.extend_leases_over_outage``), and the reaper expires none while the
-last mark is stale: a lease outlives an outage of any length.
+last mark is stale: a lease outlives an outage of any length. The requests that judge leases
+write a mark first when their process's own is stale (``caught_up``), so none answers by the
+deadlines of before the outage in the seconds before the marks loop's next tick.
 
 The processes' clocks must agree: beats and marks are timed by the API processes' clocks and
 judged by the sweeper's. On PostgreSQL each mark and each sweep also compares its process's
@@ -33,6 +35,7 @@ import datetime as dt
 from dataclasses import dataclass
 
 import structlog
+from fastapi import Request
 from sqlalchemy import Double, String, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
@@ -41,7 +44,7 @@ from orchestrator.core import metrics
 from orchestrator.core.clock import SystemClock
 from orchestrator.core.db import Base
 from orchestrator.core.sql import insert_ignore, is_postgres
-from orchestrator.core.state import AppState
+from orchestrator.core.state import AppState, app_state
 from orchestrator.tasks.service import extend_leases_over_outage
 
 __all__ = [
@@ -50,7 +53,9 @@ __all__ = [
     "STALL_S",
     "Serving",
     "ServingMark",
+    "caught_up",
     "check_clock",
+    "leases_caught_up",
     "mark_serving",
     "read_serving",
 ]
@@ -95,6 +100,7 @@ async def mark_serving(state: AppState) -> bool:
         last = (await session.execute(query)).scalar_one_or_none()
         if last is None:  # the first mark ever, unless another process's is just ahead of it
             if await insert_ignore(session, ServingMark, {"name": MARK, "at": now, "since": now}):
+                state.marked_at = now
                 return True
             last = (await session.execute(query)).scalar_one()
         if now - last > STALL_S:
@@ -111,7 +117,34 @@ async def mark_serving(state: AppState) -> bool:
         else:  # a process whose clock is slightly behind never moves ``at`` back
             values = {"at": max(last, now)}
         await session.execute(update(ServingMark).where(ServingMark.name == MARK).values(**values))
+    state.marked_at = now
     return True
+
+
+def _marked_lately(state: AppState) -> bool:
+    return state.marked_at is not None and state.clock.now() - state.marked_at <= STALL_S
+
+
+async def caught_up(state: AppState) -> None:
+    """Before a request judges leases by their deadlines (a claim's lease cap, a result, a
+    release, a beat's leases): in an API process whose own last mark is older than ``STALL_S``
+    (the database or Redis was down, or it has just started), write a mark first. A request
+    served at the return from an outage, before the marks loop's next tick, saw every lease
+    that had run out meanwhile as expired: a result refused with ``lease_expired``, a beat told
+    to drop a lease the mark then made live again, a claim past the lease cap. The first such
+    request of the process writes it; the others wait for it. Free while the marks are fresh; a
+    process that writes no marks (tests that drive them, ``serving_marks`` off) never does."""
+    if not state.marking or _marked_lately(state):
+        return
+    async with state.mark_lock:
+        if not _marked_lately(state):
+            await mark_serving(state)
+
+
+async def leases_caught_up(request: Request) -> None:
+    """``caught_up`` as a route's dependency: the route lists it first, so it runs before any
+    dependency opens the request's transaction (SQLite: the mark's own would wait for it)."""
+    await caught_up(app_state(request))
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from orchestrator.core.routing import GuardedRoute, before_body
 from orchestrator.core.signing import SignedRequest
 from orchestrator.core.state import Session, State, app_state
 from orchestrator.identity.auth import CurrentNode, Signed, node_signature
+from orchestrator.liveness.serving import leases_caught_up
 from orchestrator.pools.models import Pool, PoolMembership
 from orchestrator.tasks import evidence, service
 from orchestrator.tasks.access import pool_for
@@ -114,6 +115,7 @@ def task_out(t: Task) -> TaskOut:
 
 @router.post(
     "/assignments/claim",
+    dependencies=[Depends(leases_caught_up)],
     response_model=ClaimOut,
     summary="Lease up to max_tasks replicas; an empty list says why and when to retry",
 )
@@ -155,6 +157,7 @@ async def result_signature(signed: Signed) -> SignedRequest:
 
 @router.post(
     "/assignments/{assignment_id}/result",
+    dependencies=[Depends(leases_caught_up)],
     response_model=ResultOut,
     status_code=201,
     summary="Submit a lease's signed result (idempotent: the same body returns the first answer)",
@@ -184,6 +187,7 @@ async def submit_result(
 
 @router.post(
     "/assignments/{assignment_id}/release",
+    dependencies=[Depends(leases_caught_up)],
     response_model=NodeAssignmentOut,
     summary="Give a lease back so the replica is reissued at once; with an error, the task failed here",
 )

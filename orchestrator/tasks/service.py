@@ -1157,12 +1157,16 @@ async def extend_leases_over_outage(
     session: AsyncSession, *, began: dt.datetime, length: dt.timedelta
 ) -> int:
     """Push back by ``length`` the deadline of every live lease that had not run out when an
-    outage of that length began (``liveness.serving``): its node could neither beat nor answer
-    meanwhile. The rows are locked (PostgreSQL; on SQLite the write lock) so a concurrent beat's
-    extension is not overwritten. Returns the leases extended."""
+    outage of that length began and was taken before it (``liveness.serving``): its node could
+    neither beat nor answer meanwhile. The rows are locked (PostgreSQL; on SQLite the write
+    lock) so a concurrent beat's extension is not overwritten. Returns the leases extended."""
     stmt = (
         select(Assignment.id, Assignment.lease_expires_at)
-        .where(Assignment.status == "active", Assignment.lease_expires_at > began)
+        .where(
+            Assignment.status == "active",
+            Assignment.lease_expires_at > began,
+            Assignment.created_at <= began,
+        )
         .order_by(Assignment.id)
     )
     if is_postgres(session):
