@@ -210,10 +210,11 @@ RetakeExpiredAfter = Annotated[
         ge=0,
         le=30 * DAY_S,
         description="Seconds after a node's lease of a task expired (it ran out, or the node died) "
-        "before that node may lease the same replica again, with the same seed, if no other node "
-        "has taken it meanwhile; each expiry is still an attempt. null (the default): never, so one "
-        "node cannot use up a task's max_attempts alone. For pools of one or a few nodes, where a "
-        "worker down longer than lease_duration_s would otherwise strand the tasks it held",
+        "before that node may lease the same replica again, with the same seed, whenever it is "
+        "available (no other node holds or has answered it); each expiry is still an attempt. "
+        "null (the default): never, so one node cannot use up a task's max_attempts alone. For "
+        "pools of one or a few nodes, where a worker down longer than lease_duration_s would "
+        "otherwise strand the tasks it held",
     ),
 ]
 Replication = Annotated[
