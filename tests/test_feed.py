@@ -8,18 +8,17 @@ import json
 from typing import Any
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import update
 
 from orchestrator.admin.tokens import Role, create_token
 from orchestrator.core.pagination import encode_cursor
 from orchestrator.feed import service as feed_service
 from orchestrator.tasks.models import Submission
-from orchestrator.verification import service as verification
-from orchestrator.verification.models import Verdict, VerificationJob
+from orchestrator.verification.models import Verdict
 from tests.conftest import make_token, postgres_only, problem
 from tests.tasks_helpers import PoolSetup, Worker, pool_setup, task
 from tests.test_verification import ECON
-from tests.verification_helpers import answer_body, submit, verdicts, verify_all
+from tests.verification_helpers import accept_in_transaction, answer_body, submit, verdicts, verify_all
 from tests.waits import HANG_S, until_waiting
 
 pytestmark = pytest.mark.usefixtures("no_audits")
@@ -275,27 +274,6 @@ async def test_results_signed_with_an_older_policy_carry_their_own_step(app: Any
         await submit(w, new, ["4"])
         await verify_all(app_state)
         assert [i["policy_step"] for i in (await feed(s))["items"]] == [1, 2]
-
-
-async def accept_in_transaction(
-    app_state: Any, submission_id: int, decided: asyncio.Event, release: asyncio.Event | None
-) -> None:
-    """Accept a result in a transaction of its own, held open until ``release`` is set."""
-    async with app_state.sessionmaker() as session, session.begin():
-        job = (
-            await session.execute(
-                select(VerificationJob).where(VerificationJob.submission_id == submission_id)
-            )
-        ).scalar_one()
-        submission = await session.get(Submission, submission_id)
-        assert submission is not None
-        decision = verification.Decision(
-            "accepted", "valid", "verified", "test", {"per_sample_rewards": [1.0]}, paid_samples=1
-        )
-        await verification.decide(session, job, submission, decision, now=app_state.clock.utcnow())
-        decided.set()
-        if release is not None:
-            await release.wait()
 
 
 @postgres_only

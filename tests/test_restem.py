@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import select
 
 from orchestrator.admin.tokens import Role, create_token
 from orchestrator.core.clock import FakeClock
@@ -19,13 +18,10 @@ from orchestrator.restem import service as restem_service
 from orchestrator.restem.jobs import advance_once
 from orchestrator.tasks import retention
 from orchestrator.tasks.jobs import reap_once
-from orchestrator.tasks.models import Submission
-from orchestrator.verification import service as verification
-from orchestrator.verification.models import VerificationJob
 from tests.conftest import postgres_only, problem
 from tests.tasks_helpers import PoolSetup, Worker, pool_setup, task
 from tests.test_verification import ECON
-from tests.verification_helpers import FixedDraw, submit, verify_all
+from tests.verification_helpers import FixedDraw, accept_in_transaction, submit, verify_all
 from tests.waits import HANG_S, until_waiting
 
 QUESTIONS = {"p1": ("What is 2+2?", "4"), "p2": ("What is 3+3?", "6"), "p3": ("What is 5+5?", "10")}
@@ -298,33 +294,6 @@ async def test_the_barrier_loop_expires_iterations_without_a_read(
         assert (await get(s, it["id"]))["status"] == "expired"
 
 
-async def decide_accepted(
-    app_state: Any,
-    submission_id: int,
-    now: dt.datetime,
-    decided: asyncio.Event | None = None,
-    release: asyncio.Event | None = None,
-) -> None:
-    """What a verifier batch does with a result all of whose 4 samples are right: its verdict is
-    dated ``now`` (when the batch started) and, with ``release``, committed only once that is
-    set (``decided`` is set when the verdict is written)."""
-    async with app_state.sessionmaker() as session, session.begin():
-        job = (
-            await session.execute(
-                select(VerificationJob).where(VerificationJob.submission_id == submission_id)
-            )
-        ).scalar_one()
-        submission = await session.get(Submission, submission_id)
-        assert submission is not None
-        details = {"findings": [], "server_reward": 1.0, "per_sample_rewards": [1.0] * 4}
-        job.server_reward, job.correct_samples = 1.0, 4
-        decision = verification.Decision("accepted", "valid", "verified", "reward", details, paid_samples=4)
-        await verification.decide(session, job, submission, decision, now=now)
-        if decided is not None and release is not None:
-            decided.set()
-            await release.wait()
-
-
 async def test_a_verdict_written_after_the_iteration_expired_does_not_change_its_dataset(
     app: Any, app_state: Any, clock: FakeClock
 ) -> None:
@@ -347,7 +316,8 @@ async def test_a_verdict_written_after_the_iteration_expired_does_not_change_its
         before = await counted()
         assert before[0] == "" and before[1]["pending_results"] == 0, before
         assert before[1]["discarded_samples"] == 4  # its verdict will come after the expiry
-        await decide_accepted(app_state, submitted["submission_id"], deadline - dt.timedelta(seconds=5))
+        batch_began = deadline - dt.timedelta(seconds=5)
+        await accept_in_transaction(app_state, submitted["submission_id"], samples=4, now=batch_began)
         assert await counted() == before
 
 
@@ -365,7 +335,7 @@ async def test_an_iteration_expiring_while_a_verdict_is_written_counts_it_once_c
         clock.advance(55)
         decided, release = asyncio.Event(), asyncio.Event()
         batch = asyncio.create_task(
-            decide_accepted(app_state, submitted["submission_id"], clock.utcnow(), decided, release)
+            accept_in_transaction(app_state, submitted["submission_id"], decided, release, samples=4)
         )
         try:
             await asyncio.wait_for(decided.wait(), HANG_S)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import datetime as dt
 import random
 from typing import Any
 
 from sqlalchemy import func, select
 
 from orchestrator.ledger.models import LedgerAccount
+from orchestrator.tasks.models import Submission
+from orchestrator.verification import service as verification
 from orchestrator.verification.jobs import drain
+from orchestrator.verification.models import VerificationJob
 
 
 class FixedDraw(random.Random):
@@ -122,3 +127,34 @@ async def track_record(s: Any, worker: Any) -> dict[str, int]:
     assert r.status_code == 200, r.text
     [member] = [m for m in r.json()["items"] if m["node_id"] == worker.node_id]
     return dict(member["track_record"])
+
+
+async def accept_in_transaction(
+    app_state: Any,
+    submission_id: int,
+    decided: asyncio.Event | None = None,
+    release: asyncio.Event | None = None,
+    *,
+    samples: int = 1,
+    now: dt.datetime | None = None,
+) -> None:
+    """Accept a result (``samples`` right samples) in a transaction of its own, as a verifier
+    batch does: its verdict dated ``now`` (the app's clock by default: when the batch started),
+    ``decided`` set once it is written, and the transaction held open until ``release`` is set."""
+    async with app_state.sessionmaker() as session, session.begin():
+        job = (
+            await session.execute(
+                select(VerificationJob).where(VerificationJob.submission_id == submission_id)
+            )
+        ).scalar_one()
+        submission = await session.get(Submission, submission_id)
+        assert submission is not None
+        details = {"per_sample_rewards": [1.0] * samples}
+        decision = verification.Decision(
+            "accepted", "valid", "verified", "test", details, paid_samples=samples
+        )
+        await verification.decide(session, job, submission, decision, now=now or app_state.clock.utcnow())
+        if decided is not None:
+            decided.set()
+        if release is not None:
+            await release.wait()
