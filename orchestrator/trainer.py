@@ -137,7 +137,7 @@ class FeedFollower(Backoff):
     async def _read(self) -> tuple[list[tuple[Take | Drop, FollowState]], FollowState]:
         """The events of one feed page and one notices page, each with the state that includes
         it (and everything before it), and the state after both pages."""
-        state = replace(self.state)
+        state = self.state  # never changed in place: each step is a new state
         steps: list[tuple[Take | Drop, FollowState]] = []
         feed = await self._page("", state.feed_cursor)
         for item in feed["items"]:

@@ -45,6 +45,8 @@ from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from orchestrator.core.routing import JSONNumberTooLong
+
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 PROBLEM_TYPE_BASE = "/problems/"
 
@@ -206,10 +208,7 @@ def _body_refused(request: Request, msg: str, kind: str) -> JSONResponse:
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     cause = exc.__cause__
-    if exc.status_code == 400 and (
-        isinstance(cause, UnicodeDecodeError | RecursionError)
-        or (isinstance(cause, ValueError) and "integer string conversion" in str(cause))
-    ):
+    if exc.status_code == 400 and isinstance(cause, UnicodeDecodeError | RecursionError | JSONNumberTooLong):
         # FastAPI's 400 for a JSON body that is not UTF-8, nested deeper than Python's parser
         # goes (some 1,000 levels), or with an integer longer than it converts (4,300 digits):
         # a body that does not parse, as any other. (Other JSON syntax errors are FastAPI's 422.)

@@ -74,16 +74,25 @@ def guards_of(dependant: Dependant) -> list[Guard]:
     return found
 
 
+class JSONNumberTooLong(ValueError):
+    """A JSON integer with more digits than Python converts (``sys.get_int_max_str_digits``)."""
+
+
 def loads(body: bytes) -> Any:
     """``json.loads`` of the body as UTF-8 (RFC 8259 section 8.1), with the cyclic garbage
     collector paused (restored as it was). Bytes are decoded strictly first: ``json.loads`` of
     bytes would take UTF-16 and UTF-32 too, and encoded surrogates, none of them JSON; they raise
-    ``UnicodeDecodeError`` (a byte order mark stays in the text and does not parse)."""
+    ``UnicodeDecodeError`` (a byte order mark stays in the text and does not parse). An integer
+    too long to convert raises ``JSONNumberTooLong``."""
     text = body.decode("utf-8")
     enabled = gc.isenabled()
     gc.disable()
     try:
         return json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except ValueError as exc:  # the only other ValueError the parser raises: the digit limit
+        raise JSONNumberTooLong(str(exc)) from exc
     finally:
         if enabled:
             gc.enable()

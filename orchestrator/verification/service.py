@@ -1234,8 +1234,8 @@ async def _penalise(session: AsyncSession, verdict: Verdict, *, penalty: int, no
 async def _held(session: AsyncSession, verdict: Verdict) -> list[RewardHold]:
     """The verdict's node's rewards still on hold in its pool (held, and in their hold window at
     the verdict's time: one past its ``release_at`` is not taken, even while the release job has
-    yet to move it), oldest first, locked after the
-    accounts a forfeit moves money between. (The verifier's batches have locked those already;
+    yet to move it), oldest first, locked after the accounts a forfeit moves money between.
+    (The verifier's batches have locked those already;
     a verdict decided without them, such as one of a quorum wait that expired, takes them here,
     so that it never holds a hold while it waits for an account the reward release holds.)"""
     await ledger.lock_accounts(
