@@ -963,6 +963,41 @@ def test_0018_downgrade_refuses_to_drop_rejected_payouts_and_keeps_the_others(sc
     assert asyncio.run(_payouts_and_revision(scratch_url)) == (kept, "0018")
 
 
+def test_0028_downgrade_refuses_while_a_requested_payout_is_in_a_run(scratch_url: str) -> None:
+    # 0027 has no runs: a requested payout that a run took (its file may be being paid) would be
+    # in no run after the downgrade, and the next run would list it again.
+    upgrade(scratch_url, "0028")
+    asyncio.run(_seed_payouts(scratch_url))
+    everything = [(1, "requested", 10, None), (2, "paid", 20, "wire-2"), (3, "rejected", 30, None)]
+    run = (
+        "INSERT INTO payout_runs (id, idempotency_key, max_payouts, payouts, amount, created_at, created_by)"
+        " VALUES (1, 'run-1', 1000, 2, 30, '2026-12-01 12:00:00', 'tok-admin');"
+    )
+    asyncio.run(_payouts_and_revision(scratch_url, run))
+    assert asyncio.run(
+        _payouts_and_revision(scratch_url, "UPDATE payouts SET run_id = 1 WHERE id IN (1, 2)")
+    ) == (
+        everything,
+        "0028",
+    )
+    with pytest.raises(RuntimeError, match="1 requested payouts are in a payout run"):
+        downgrade(scratch_url, "0027")
+    assert asyncio.run(_payouts_and_revision(scratch_url, "SELECT 1")) == (everything, "0028")
+
+    # Once that payout is settled (here: paid), only the paid one is in the run; losing a paid
+    # payout's run costs no money, so the downgrade goes ahead.
+    paid = (
+        "UPDATE payouts SET status = 'paid', paid_at = '2026-12-01 13:00:00', paid_by = 'tok-admin',"
+        " external_reference = 'wire-1' WHERE id = 1"
+    )
+    asyncio.run(_payouts_and_revision(scratch_url, paid))
+    downgrade(scratch_url, "0027")
+    settled = [(1, "paid", 10, "wire-1"), *everything[1:]]
+    assert asyncio.run(_payouts_and_revision(scratch_url)) == (settled, "0027")
+    upgrade(scratch_url, "0028")
+    assert asyncio.run(_payouts_and_revision(scratch_url)) == (settled, "0028")
+
+
 async def _max_leases(url: str) -> list[tuple[str, int]]:
     engine = create_async_engine(url)
     try:
