@@ -7,8 +7,10 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import update
 
 from orchestrator.core.clock import FakeClock
+from orchestrator.pools.models import Pool
 from tests.conftest import problem
 from tests.pools_helpers import H100, active_pool, create_pool, invite, lifecycle, new_token
 
@@ -437,3 +439,32 @@ async def test_every_pool_field_is_documented_in_the_openapi_schema(client: http
     assert set(names) <= schemas.keys(), set(names) - schemas.keys()
     missing = [m for n in names for m in _undocumented(schemas[n], n)]
     assert missing == []
+
+
+async def test_a_pool_stored_before_the_reward_bound_is_still_listed_paused_and_fixed(
+    client: httpx.AsyncClient, app_state: Any, operator_headers: dict[str, str]
+) -> None:
+    """reward_per_sample is capped at 10^15 / 1024 since 76e6f0f; a pool stored before may pay
+    more (enqueue refuses its too-large tasks, 409 reward_exceeds_ledger_limit, and says to lower
+    it). Reading it back must not fail: the public listing (with the other pools on its page),
+    the admin view, a pause, and the PATCH that lowers it; a PATCH that leaves it too large is
+    refused naming it."""
+    pool = await active_pool(client, operator_headers)
+    other = await active_pool(client, operator_headers, name="unrelated")
+    async with app_state.sessionmaker() as session, session.begin():
+        await session.execute(update(Pool).where(Pool.id == pool["id"]).values(reward_per_sample=10**15 // 2))
+    listing = await client.get("/v1/pools")
+    assert listing.status_code == 200, listing.text
+    assert {p["id"] for p in listing.json()["items"]} == {pool["id"], other["id"]}
+    url = f"/v1/admin/pools/{pool['id']}"
+    view = await client.get(url, headers=operator_headers)
+    assert view.status_code == 200 and view.json()["economics"]["reward_per_sample"] == 10**15 // 2
+    paused = await client.post(f"{url}/pause", headers=operator_headers)
+    assert paused.status_code == 200 and paused.json()["status"] == "paused", paused.text
+    renamed = problem(
+        await client.patch(url, json={"name": "renamed"}, headers=operator_headers), 422, "validation_failed"
+    )
+    assert renamed["errors"][0]["loc"] == ["body", "economics", "reward_per_sample"]
+    fixed = await client.patch(url, json={"economics": {"reward_per_sample": 5}}, headers=operator_headers)
+    assert fixed.status_code == 200, fixed.text
+    assert fixed.json()["economics"]["reward_per_sample"] == 5

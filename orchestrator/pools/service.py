@@ -110,13 +110,17 @@ def hash_invite_code(code: str) -> str:
 
 
 def pool_settings(pool: Pool) -> PoolSettings:
+    """The pool's stored settings. They were validated when written; bounds added since (a pool
+    stored before ``reward_per_sample`` was capped may pay more) are not checked again here, so
+    every view of the pool, its lifecycle actions and the PATCH that brings it within them keep
+    working; ``update_pool`` validates the merged settings whole."""
     return PoolSettings(
         name=pool.name,
         description=pool.description,
         admission=Admission(pool.admission),
         requirements=Requirements.model_validate(pool.requirements),
         caps=Caps.model_validate({name: getattr(pool, name) for name in CAPS}),
-        economics=Economics.model_validate({name: getattr(pool, name) for name in ECONOMICS}),
+        economics=Economics.model_construct(**{name: getattr(pool, name) for name in ECONOMICS}),
         policy=Policy.model_validate({name: getattr(pool, name) for name in POLICY}, context=STORED),
     )
 
