@@ -201,6 +201,23 @@ async def test_math_answers_are_checked_for_equivalence(app: Any, app_state: Any
         assert (wrong["category"], wrong["reason"]) == ("invalid", "wrong_answer")
 
 
+async def test_an_honest_worker_is_paid_not_slashed_for_a_right_answer_to_a_bare_latex_gold(
+    app: Any, app_state: Any
+) -> None:
+    """A gold of ``2\\sqrt{2}`` was read as 2: the right answer scored 0, so the worker's honest
+    claimed reward of 1 was judged forged (fraud), and a bare 2 was paid."""
+    async with pool_setup(app, app_state, workers=1, reward_function="math") as s:
+        w = s.workers[0]
+        lease = await one_lease(s, w, prompt="sqrt(8)?", verification={"answer": "2\\sqrt{2}"})
+        await submit(w, lease, ["The answer is $\\boxed{2\\sqrt{2}}$"], claimed_reward=1.0)
+        lease = await one_lease(s, w, prompt="sqrt(8)?", verification={"answer": "2\\sqrt{2}"})
+        await submit(w, lease, ["The answer is $\\boxed{2}$"], claimed_reward=0.0)
+        await verify_all(app_state)
+        right, wrong = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (right["category"], right["server_reward"]) == ("valid", 1.0), right["reason"]
+        assert (wrong["category"], wrong["reason"]) == ("invalid", "wrong_answer")
+
+
 async def test_an_answer_too_costly_to_score_is_inconclusive_and_holds_up_nothing(
     app: Any, app_state: Any
 ) -> None:

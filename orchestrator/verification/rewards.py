@@ -4,10 +4,11 @@ A reward function takes one completion and the task's hidden verification spec a
 reward in [0, 1], or ``None`` when the spec gives it nothing to check against. It also names
 the completion's canonical answer, which quorum voting compares across replicas.
 
-Built in: ``exact_match`` (the stripped completion, or its last line, equals
-``spec["answer"]``) and ``math`` (final-answer equivalence of LaTeX / boxed answers with the
-``math-verify`` package). Others are plugins: an installed package declares an entry point in
-the group ``orchestrator.rewards`` whose object is a ``RewardFunction``.
+Built in: ``exact_match`` (the completion's last ``\\boxed{...}``, or else its last
+non-empty line, equals ``spec["answer"]``, both normalised) and ``math`` (final-answer
+equivalence of LaTeX / boxed answers with the ``math-verify`` package). Others are plugins:
+an installed package declares an entry point in the group ``orchestrator.rewards`` whose
+object is a ``RewardFunction``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ ENTRY_POINT_GROUP = "orchestrator.rewards"
 # bounded input bounds the parse time (math-verify's own timeouts need the main thread).
 MAX_PARSE_CHARS = 4000
 logging.getLogger("math_verify").setLevel(logging.ERROR)
-_BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
+_BOXED_OPEN = re.compile(r"\\boxed\{")
+# A gold answer already in math mode; any other (``\sqrt{2}``, ``2\sqrt{2}``, ``0.5``) is
+# wrapped in ``$...$``: math-verify reads bare LaTeX as nothing, or as its leading number only.
+_MATH_MODE = ("$", "\\(", "\\[", "\\boxed")
 
 
 class RewardFunction(Protocol):
@@ -36,6 +40,23 @@ class RewardFunction(Protocol):
     def reward(self, completion: str, spec: Mapping[str, Any]) -> float | None: ...
 
     def canonical(self, completion: str) -> str: ...
+
+
+def _last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` whose braces balance, at any depth (one linear
+    pass), or None."""
+    closes: dict[int, int] = {}
+    opens: list[int] = []
+    for i, ch in enumerate(text):
+        if ch == "{":
+            opens.append(i)
+        elif ch == "}" and opens:
+            closes[opens.pop()] = i
+    for match in reversed(list(_BOXED_OPEN.finditer(text))):
+        brace = match.end() - 1
+        if brace in closes:
+            return text[brace + 1 : closes[brace]]
+    return None
 
 
 def _normalise(text: str) -> str:
@@ -54,9 +75,9 @@ class ExactMatch:
     name: str = "exact_match"
 
     def canonical(self, completion: str) -> str:
-        boxed = _BOXED.findall(completion)
-        if boxed:
-            return _normalise(boxed[-1])
+        boxed = _last_boxed(completion)
+        if boxed is not None:
+            return _normalise(boxed)
         lines = [line for line in completion.strip().splitlines() if line.strip()]
         return _normalise(lines[-1]) if lines else ""
 
@@ -85,9 +106,8 @@ class MathAnswer:
         expected = _expected(spec)
         if expected is None:
             return None
-        gold = parse(
-            expected if "$" in expected or "\\" in expected else f"${expected}$", parsing_timeout=None
-        )
+        in_math_mode = any(mark in expected for mark in _MATH_MODE)
+        gold = parse(expected if in_math_mode else f"${expected}$", parsing_timeout=None)
         answer = parse(completion[-MAX_PARSE_CHARS:], parsing_timeout=None)
         if not gold or not answer:
             return 0.0

@@ -1,0 +1,49 @@
+"""The built-in reward functions' answer reading (orchestrator/verification/rewards.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.verification.rewards import ExactMatch, MathAnswer
+
+
+@pytest.mark.parametrize(
+    ("gold", "right"),
+    [
+        ("\\sqrt{2}", "\\sqrt{2}"),
+        ("\\pi", "\\pi"),
+        ("\\dfrac{3}{4}", "0.75"),
+        ("2\\sqrt{2}", "\\sqrt{8}"),
+        ("\\infty", "\\infty"),
+        ("\\frac{1}{2}", "0.5"),
+        ("$\\frac{1}{2}$", "0.5"),
+        ("\\(\\frac{1}{2}\\)", "0.5"),
+        ("10\\%", "0.1"),
+        ("42", "42"),
+    ],
+)
+def test_math_accepts_a_right_answer_to_a_gold_in_bare_or_delimited_latex(gold: str, right: str) -> None:
+    # A bare LaTeX gold was parsed as nothing (every answer scored 0) or as its leading number.
+    assert MathAnswer().reward(f"The answer is $\\boxed{{{right}}}$", {"answer": gold}) == 1.0
+
+
+@pytest.mark.parametrize(("gold", "wrong"), [("2\\sqrt{2}", "2"), ("3\\pi", "3"), ("\\sqrt{2}", "2")])
+def test_math_refuses_a_bare_latex_gold_s_leading_number(gold: str, wrong: str) -> None:
+    assert MathAnswer().reward(f"The answer is $\\boxed{{{wrong}}}$", {"answer": gold}) == 0.0
+
+
+def test_exact_match_reads_a_boxed_answer_nested_at_any_depth() -> None:
+    gold = "\\frac{\\sqrt{2}}{2}"
+    assert ExactMatch().reward(f"so \\boxed{{{gold}}}", {"answer": gold}) == 1.0
+    assert ExactMatch().canonical("\\boxed{a^{b^{c^{d}}}}") == "a^{b^{c^{d}}}"
+
+
+def test_exact_match_takes_the_last_boxed_answer_not_an_earlier_simpler_one() -> None:
+    completion = "First guess \\boxed{7}.\nNo: the answer is \\boxed{\\frac{\\sqrt{2}}{2}}"
+    assert ExactMatch().canonical(completion) == "\\frac{\\sqrt{2}}{2}"
+    assert ExactMatch().reward(completion, {"answer": "7"}) == 0.0
+
+
+def test_exact_match_skips_an_unclosed_box_for_the_last_whole_one_or_the_last_line() -> None:
+    assert ExactMatch().canonical("\\boxed{7} then \\boxed{8") == "7"
+    assert ExactMatch().canonical("no box here\n\\boxed{8\nAnswer: 8") == "answer: 8"
