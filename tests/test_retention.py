@@ -240,6 +240,50 @@ async def test_a_gzip_archive_of_a_run_killed_between_batches_reads_whole(
     assert gzip.decompress(path.read_bytes()).count(b"\n") == 2
 
 
+class ShortWriteThenFull:
+    """The archive's file, on a disk that fills during the second write: part of that write
+    lands (a short write), then ENOSPC."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw, self.writes = raw, 0
+
+    def write(self, data: bytes) -> int:
+        self.writes += 1
+        if self.writes == 2:
+            self.raw.write(bytes(data[: len(data) // 2]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return int(self.raw.write(data))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw, name)
+
+
+@pytest.mark.parametrize("name", ["evidence.jsonl.gz", "evidence.jsonl"])
+async def test_a_write_that_fills_the_disk_part_way_leaves_the_archive_whole(
+    app: Any, app_state: Any, tmp_path: Path, name: str
+) -> None:
+    """The first batch's bodies are emptied (they are only in the archive now); the second's
+    write fails part way: the file is cut back to the first batch, which still reads whole (a
+    torn gzip member was EOFError for every line; a plain file ended in half a line)."""
+    async with three_results(app, app_state):
+        path = tmp_path / name
+        archive = retention.Archive(path)
+        archive._raw = ShortWriteThenFull(archive._raw)  # type: ignore[assignment]
+        now = dt.datetime.now(dt.UTC)
+        try:
+            with pytest.raises(OSError, match="No space left"):
+                await retention.prune(
+                    app_state.sessionmaker, archive, cutoff=now - dt.timedelta(days=2), now=now, batch=1
+                )
+        finally:
+            archive.close()
+        emptied = sorted(i for i, (_, at) in (await stored(app_state)).items() if at is not None)
+    data = path.read_bytes()
+    lines = (gzip.decompress(data) if name.endswith(".gz") else data).splitlines(keepends=True)
+    assert [json.loads(line)["submission_id"] for line in lines] == emptied and len(emptied) == 1
+    assert lines[-1].endswith(b"\n")
+
+
 async def test_a_run_that_fails_midway_audits_what_it_pruned(
     app: Any, app_state: Any, settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -137,19 +137,30 @@ class Archive:
     Gzip'd, each write is a whole gzip member (header, data, trailer): a run killed between
     batches leaves a complete file that gunzip and ``gzip.decompress`` read whole. One stream
     for the run, finished only by ``close``, left every batch of a killed run in a file they
-    refused as truncated ("unexpected end of file")."""
+    refused as truncated ("unexpected end of file"). A write that fails part way (the disk
+    full) is cut off again before the error goes on, so the file still ends after the last
+    batch written whole: the batch's transaction rolls back and its bodies stay in the
+    database."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.lines = 0
-        self._raw: IO[bytes] = path.open("xb")
+        # Unbuffered: what a failed write left is all on disk, where the truncation reaches it.
+        self._raw: IO[bytes] = path.open("xb", buffering=0)
         self._gzip = path.suffix == ".gz"
+        self._end = 0
 
     def write(self, lines: list[bytes]) -> None:
-        data = b"".join(lines)
-        self._raw.write(gzip.compress(data) if self._gzip else data)
-        self._raw.flush()
-        os.fsync(self._raw.fileno())
+        data = memoryview(gzip.compress(b"".join(lines)) if self._gzip else b"".join(lines))
+        try:
+            while data:
+                data = data[self._raw.write(data) :]
+            os.fsync(self._raw.fileno())
+        except BaseException:
+            os.ftruncate(self._raw.fileno(), self._end)
+            self._raw.seek(self._end)
+            raise
+        self._end = self._raw.tell()
         self.lines += len(lines)
 
     def close(self) -> None:
