@@ -12,7 +12,9 @@ from sqlalchemy import select
 from orchestrator.admin.models import ApiToken
 from orchestrator.admin.tokens import revoke_token
 from orchestrator.audit.models import AuditEntry
+from orchestrator.pools.models import Pool
 from tests.conftest import Contributor, make_token, new_contributor, postgres_only, problem
+from tests.pools_helpers import active_pool, new_token
 from tests.waits import until_waiting
 
 
@@ -277,3 +279,56 @@ async def test_two_revocations_of_one_token_at_once_are_audited_once(
             await session.scalars(select(AuditEntry.action).where(AuditEntry.target_id == token_id))
         ).all()
     assert sorted(actions) == ["token.create", "token.revoke"]
+
+
+@postgres_only
+async def test_a_request_whose_token_is_revoked_while_it_waits_changes_nothing(
+    client: httpx.AsyncClient, app_state: Any, admin_headers: dict[str, str]
+) -> None:
+    """The request's token check (before its body, outside its transaction) passes while the
+    revocation is not yet committed; the request then reads the token again in its transaction,
+    waits for the revocation and is refused: nothing is changed by a revoked token."""
+    leaked, leaked_id = await new_token(app_state, "operator", "leaked")
+    pool = await active_pool(client, leaked)
+    url = f"/v1/admin/pools/{pool['id']}"
+    async with app_state.sessionmaker() as session, session.begin():
+        _, revoked = await revoke_token(session, leaked_id)
+        assert revoked
+        patch = asyncio.create_task(client.patch(url, json={"name": "hijacked"}, headers=leaked))
+        await until_waiting(app_state, 1, patch, on="row")
+        assert not patch.done()
+    problem(await patch, 401, "token_invalid")
+    assert (await client.get(url, headers=admin_headers)).json()["name"] == pool["name"]
+
+
+@postgres_only
+async def test_a_revocation_waits_for_the_requests_already_in_their_transactions(
+    client: httpx.AsyncClient, app_state: Any, admin_headers: dict[str, str]
+) -> None:
+    """A request in its transaction (here waiting for its pool) holds its token: the revocation
+    waits for it, so what the request did is committed before the token is revoked, never after,
+    and the next request is refused."""
+    leaked, leaked_id = await new_token(app_state, "operator", "leaked")
+    pool = await active_pool(client, leaked)
+    url = f"/v1/admin/pools/{pool['id']}"
+    async with app_state.sessionmaker() as session, session.begin():
+        await session.execute(select(Pool).where(Pool.id == pool["id"]).with_for_update())
+        patch = asyncio.create_task(client.patch(url, json={"name": "renamed"}, headers=leaked))
+        await until_waiting(app_state, 1, patch, on="row")
+        revoke = asyncio.create_task(
+            client.post(f"/v1/admin/tokens/{leaked_id}/revoke", headers=admin_headers)
+        )
+        await until_waiting(app_state, 2, patch, revoke, on="row")
+        assert not revoke.done()
+    assert (await patch).status_code == 200
+    assert (await revoke).status_code == 200
+    async with app_state.sessionmaker() as session:
+        order = (
+            await session.scalars(
+                select(AuditEntry.action)
+                .where(AuditEntry.action.in_(["pool.update", "token.revoke"]))
+                .order_by(AuditEntry.id)
+            )
+        ).all()
+    assert order == ["pool.update", "token.revoke"]
+    problem(await client.get(url, headers=leaked), 401, "token_invalid")

@@ -12,7 +12,7 @@ import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 import structlog
 from fastapi import Depends, Request, Security
@@ -24,7 +24,7 @@ from orchestrator.admin.models import ApiToken
 from orchestrator.core.db import utcnow
 from orchestrator.core.errors import Forbidden, Unauthorized, UnprocessableEntity
 from orchestrator.core.routing import before_body, guarded_answer
-from orchestrator.core.state import app_state
+from orchestrator.core.state import app_state, check_in_transaction
 from orchestrator.pools.models import Pool
 
 TOKEN_PREFIX = "orch_"  # noqa: S105 - a prefix, not a secret
@@ -136,10 +136,38 @@ _TOKEN_BY_HASH = select(
 ).where(ApiToken.token_hash == bindparam("digest"))
 
 
+# Read again first in the request's transaction, under a share lock: ``revoke_token`` takes the
+# row's update lock, so a revocation waits for the requests already in their transactions and
+# every one after it is refused.
+_TOKEN_STILL_VALID = (
+    select(ApiToken.revoked_at, ApiToken.expires_at)
+    .where(ApiToken.id == bindparam("token_id"))
+    .with_for_update(read=True)
+)
+
+
+def _token_invalid() -> Unauthorized:
+    return Unauthorized(
+        "the bearer token is not valid", code="token_invalid", headers={"WWW-Authenticate": "Bearer"}
+    )
+
+
+def _refuse_unusable(row: Any, now: dt.datetime) -> None:
+    """401 unless ``row`` (with ``revoked_at`` and ``expires_at``) is a live token's."""
+    if row is None or row.revoked_at is not None:
+        raise _token_invalid()
+    if row.expires_at is not None and row.expires_at <= now:
+        raise Unauthorized(
+            "the bearer token has expired", code="token_expired", headers={"WWW-Authenticate": "Bearer"}
+        )
+
+
 async def _principal(request: Request) -> Principal:
     """The bearer token's principal, read once per request outside its transaction (an
     autocommit read, as for a signed node): ``core.routing`` runs this before the body is
-    decoded, so a request without a valid token is refused before its body costs anything."""
+    decoded, so a request without a valid token is refused before its body costs anything.
+    A request that opens a transaction reads the token again first in it (``_TOKEN_STILL_VALID``):
+    one revoked while the request waited is refused then, and changes nothing."""
 
     async def read() -> Principal:
         credentials = await bearer_scheme(request)
@@ -151,14 +179,16 @@ async def _principal(request: Request) -> Principal:
         digest = hash_token(credentials.credentials)
         async with state.reader.connect() as conn:
             row = (await conn.execute(_TOKEN_BY_HASH, {"digest": digest})).first()
-        if row is None or row.revoked_at is not None or not hmac.compare_digest(row.token_hash, digest):
-            raise Unauthorized(
-                "the bearer token is not valid", code="token_invalid", headers={"WWW-Authenticate": "Bearer"}
-            )
-        if row.expires_at is not None and row.expires_at <= state.clock.utcnow():
-            raise Unauthorized(
-                "the bearer token has expired", code="token_expired", headers={"WWW-Authenticate": "Bearer"}
-            )
+        if row is None or not hmac.compare_digest(row.token_hash, digest):
+            raise _token_invalid()
+        _refuse_unusable(row, state.clock.utcnow())
+        token_id = row.id
+
+        async def still_valid(session: AsyncSession) -> None:
+            again = (await session.execute(_TOKEN_STILL_VALID, {"token_id": token_id})).first()
+            _refuse_unusable(again, state.clock.utcnow())
+
+        check_in_transaction(request, still_valid)
         structlog.contextvars.bind_contextvars(token_id=row.id)
         return Principal(
             token_id=row.id, name=row.name, role=Role(row.role), pool_ids=frozenset(row.pool_ids or ())

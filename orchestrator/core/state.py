@@ -6,7 +6,7 @@ import asyncio
 import os
 import random
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, cast
 
@@ -82,12 +82,26 @@ async def get_state(request: Request) -> AppState:
 State = Annotated[AppState, Depends(get_state)]
 
 
+_TRANSACTION_CHECKS = "orchestrator.transaction_checks"
+TransactionCheck = Callable[[AsyncSession], Awaitable[None]]
+
+
+def check_in_transaction(request: Request, check: TransactionCheck) -> None:
+    """Have ``check(session)`` run first in the request's transaction (``get_session``), if it
+    opens one: for what a guard read before it and a change committed since may have made
+    untrue (a bearer token revoked while the request waited for a lock)."""
+    request.scope.setdefault(_TRANSACTION_CHECKS, []).append(check)
+
+
 async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
-    """The request's one transaction: committed after the handler, rolled back on error; then
-    what the handler queued with ``db.after_commit``."""
+    """The request's one transaction: the checks ``check_in_transaction`` registered, then the
+    handler; committed after it, rolled back on error; then what the handler queued with
+    ``db.after_commit``."""
     state = app_state(request)
     async with state.sessionmaker() as session:
         async with session.begin():
+            for check in request.scope.get(_TRANSACTION_CHECKS, ()):
+                await check(session)
             yield session
         await run_after_commit(session)
 
