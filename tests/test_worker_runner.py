@@ -8,6 +8,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,9 +20,9 @@ from orchestrator.verification.jobs import drain
 from orchestrator.worker.backends import ArithmeticBackend, BackendError, registry
 from orchestrator.worker.client import WorkerClient
 from orchestrator.worker.problems import arithmetic_tasks
-from orchestrator.worker.runner import WorkerConfig, WorkerStats, run_worker
+from orchestrator.worker.runner import WorkerConfig, WorkerStats, _Worker, run_worker
 from tests.tasks_helpers import pool_setup, task
-from tests.waits import HANG_S
+from tests.waits import HANG_S, until
 from tests.worker_helpers import BASE_URL, ECON, SPECS, FaultyTransport, app_transport, requested
 
 pytestmark = pytest.mark.usefixtures("no_audits")
@@ -853,3 +854,48 @@ async def test_a_worker_without_the_provider_key_shows_its_verdicts(app: Any, ap
         await run.until(lambda st: st.accepted == 2)
         stats = await run.finish()
         assert (stats.accepted, stats.awaiting_verdict, stats.earnings) == (2, 0, None)
+
+
+async def test_a_stop_while_the_live_leases_are_read_ends_the_run_at_once(app: Any, app_state: Any) -> None:
+    """The worker reads its live leases at the start and after every failed claim, so during
+    outages; a stop while that read waits out a Retry-After ends the run at once (it waited
+    up to 5 x 300 s, the signal ignored and the grace counted late)."""
+    async with pool_setup(app, app_state) as s:
+        await s.enqueue(arithmetic_tasks(1, seed=2))
+        wire = FaultyTransport(app_transport(app))
+        wire.fail("/v1/nodes/me/leases", "429:300")
+        run = start(app, s.pool_id, transport=wire, concurrency=1)
+        await requested(wire, "/v1/nodes/me/leases")
+        run.stop.set()
+        stats = await asyncio.wait_for(run.task, 10)
+        assert stats.state == "stopped"
+        assert len(wire.to("/v1/nodes/me/leases")) == 1  # no attempt after the stop
+
+
+async def test_a_stop_while_the_claim_loop_beats_for_node_unhealthy_ends_the_run_at_once(
+    app: Any, app_state: Any
+) -> None:
+    """After a claim refused node_unhealthy the claim loop beats at once; that beat, waiting out
+    a Retry-After, ended only once the held leases were settled, which waits for the claim loop
+    itself: a stop was not seen for up to 5 x 300 s."""
+    async with pool_setup(app, app_state) as s:
+        wire = FaultyTransport(app_transport(app))
+        wire.fail("/v1/assignments/claim", "node_unhealthy")
+        wire.fail("/v1/nodes/me/heartbeat", "pass", "429:300")  # the start's beat, then the claim loop's
+        run = start(app, s.pool_id, transport=wire, concurrency=1)
+        await until(lambda: len(wire.to("/v1/nodes/me/heartbeat")) >= 2, "the claim loop's beat")
+        assert [x.status for x in wire.to("/v1/nodes/me/heartbeat")] == [200, 429]
+        run.stop.set()
+        stats = await asyncio.wait_for(run.task, 10)
+        assert stats.state == "stopped"
+
+
+@pytest.mark.parametrize("failures", [1, 10, 1024, 5000])
+def test_the_error_backoff_stays_bounded_through_an_outage_of_any_length(failures: int) -> None:
+    """0.5 * 2**failures was computed before the cap: from the 1024th failure in a row (some 8
+    hours of refused connections) it overflowed a float, which killed the claim loop (the worker
+    exited with a traceback) or a result's submission (its lease left to expire)."""
+    config = WorkerConfig(server=BASE_URL, pool_id="p", node_key_path=Path("node.key"))
+    worker = _Worker.__new__(_Worker)
+    worker.config = config
+    assert 0 <= worker._backoff(failures) <= config.max_error_backoff_s

@@ -266,12 +266,12 @@ class WorkerClient(Backoff):
             body = ReleaseIn(error=text or "error").model_dump()
         await self._call("POST", f"/v1/assignments/{_seg(assignment_id)}/release", body)
 
-    async def leases(self, pool_id: str | None = None) -> list[Lease]:
+    async def leases(self, pool_id: str | None = None, *, stop: asyncio.Event | None = None) -> list[Lease]:
         """The node's live leases (in ``pool_id`` only, if given), oldest first, as its claims
         gave them: after a claim whose answer was lost, or a restart, the leases the node holds
         on the server without knowing it."""
         params = {} if pool_id is None else {"pool_id": pool_id}
-        response = await self._call("GET", "/v1/nodes/me/leases", params=params)
+        response = await self._call("GET", "/v1/nodes/me/leases", params=params, interrupt=stop)
         return LeasesOut.model_validate_json(response.content).leases
 
     async def balance(self, *, stop: asyncio.Event | None = None) -> Balances:

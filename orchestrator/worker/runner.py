@@ -348,7 +348,7 @@ class _Worker:
                     # the node's last beats): beat now, and claim again at once if that made
                     # the node healthy, rather than wait out the Retry-After.
                     beat_for_claim = True
-                    beat = await self._beat()
+                    beat = await self._beat(stop=self.stop)  # the claim loop's: ends on stop
                     if beat is not None and beat.status == "healthy":
                         continue
                 if claim.reason == "lease_cap_reached":
@@ -387,7 +387,7 @@ class _Worker:
         # running, and would be generated and submitted again.
         known = set(self.running)
         try:
-            held = await self.client.leases(c.pool_id)
+            held = await self.client.leases(c.pool_id, stop=self.stop)
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
             # Tried again before the next claim (which backs off if the server is still away).
             log.warning("recover_failed", error=str(exc)[:200])
@@ -439,7 +439,8 @@ class _Worker:
         return max(0.0, self.config.grace_s - (now - self.stopped_at))
 
     def _backoff(self, failures: int) -> float:
-        ceiling = min(self.config.max_error_backoff_s, 0.5 * 2**failures)
+        # Capped before it is computed: 0.5 * 2**1024 overflows a float (an outage of hours).
+        ceiling = min(self.config.max_error_backoff_s, 0.5 * 2 ** min(failures, 64))
         return random.uniform(ceiling / 2, ceiling)  # noqa: S311 - jitter
 
     async def _pause(self, seconds: float) -> None:
@@ -620,13 +621,15 @@ class _Worker:
             beat = await self._beat()
             interval = min(interval, 5.0) if beat is None else beat.next_heartbeat_in_s
 
-    async def _beat(self) -> HeartbeatOut | None:
+    async def _beat(self, stop: asyncio.Event | None = None) -> HeartbeatOut | None:
         """One heartbeat with the leases in flight; abandons those the server names in
         ``drop_leases``. None if it failed (an error counted)."""
         try:
             metrics = {"in_flight": float(len(self.running)), "tasks_done": float(self.stats.tasks_done)}
             # Retried until the held leases are settled (closing): a beat keeps them alive.
-            beat = await self.client.heartbeat(leases=list(self.running), metrics=metrics, stop=self.closing)
+            beat = await self.client.heartbeat(
+                leases=list(self.running), metrics=metrics, stop=stop or self.closing
+            )
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
             self._error("heartbeat_failed", error=str(exc)[:200])
             return None
