@@ -30,6 +30,9 @@ def _configure(connection: Connection | None = None, url: str | None = None) -> 
         compare_type=True,
         compare_server_default=True,
         render_as_batch=is_sqlite,
+        # SQLite's DDL is transactional too (each run is one BEGIN IMMEDIATE): a downgrade that a
+        # revision refuses is rolled back whole, as on PostgreSQL.
+        transactional_ddl=True,
         literal_binds=connection is None,
     )
 

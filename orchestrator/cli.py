@@ -385,6 +385,13 @@ def migrate_cmd(
                 migrate.upgrade(url, target)
     except CommandError as exc:  # no such revision, or one on the wrong side of the current one
         raise typer.BadParameter(str(exc), param_hint="--revision") from None
+    except RuntimeError as exc:
+        if not downgrade or isinstance(exc, typer.Exit):  # typer.Exit is a RuntimeError too
+            raise
+        # A revision's downgrade refuses data the older schema cannot hold (a requested payout
+        # in a run...); the run is one transaction, rolled back whole.
+        console.print(f"[red]downgrade refused, the schema is unchanged:[/red] {exc}")
+        raise typer.Exit(1) from None
     console.print(f"[green]schema {'downgraded to' if downgrade else 'at'} {target}[/green]")
 
 

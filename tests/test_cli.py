@@ -426,6 +426,23 @@ def test_a_downgrade_needs_an_explicit_revision(tmp_path: Path) -> None:
     assert "api_tokens" not in _tables(url)
 
 
+def test_a_downgrade_a_revision_refuses_is_one_line_and_changes_nothing(tmp_path: Path) -> None:
+    """0018 cannot hold a rejected payout: the downgrade to 0017 stops there, exit 1 with the
+    reason (it was a traceback), and the revisions above it are not undone either."""
+    from orchestrator.core.migrate import current_revision, head_revision
+    from tests.test_migrations import _seed_payouts
+
+    url = f"sqlite+aiosqlite:///{tmp_path / 'refused.db'}"
+    assert runner.invoke(app, ["migrate"], env={"ORCH_DB__URL": url}).exit_code == 0
+    asyncio.run(_seed_payouts(url))
+    env = {"ORCH_DB__URL": url, "COLUMNS": "300"}
+    result = runner.invoke(app, ["migrate", "--downgrade", "--revision", "0017"], env=env)
+    assert result.exit_code == 1, (result.output, result.exception)
+    assert "downgrade refused, the schema is unchanged" in result.output
+    assert "1 payouts are rejected" in result.output and "Traceback" not in result.output
+    assert current_revision(url) == head_revision()
+
+
 @pytest.mark.parametrize(
     "args", [["--revision", "bogus"], ["--downgrade", "--revision", "9999"]], ids=" ".join
 )

@@ -1069,3 +1069,153 @@ def test_0031_downgrade_keeps_withdrawn_validation_jobs_as_decided(scratch_url: 
         (2, "done"),
         (3, "withdrawn"),
     ]
+
+
+async def _run_sql(url: str, *statements: str, **params: Any) -> str:
+    """Run ``statements`` (each with the ``params`` it names) in one transaction; the revision."""
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as conn:
+            for sql in statements:
+                clause = text(sql)
+                await conn.execute(clause, {k: v for k, v in params.items() if k in clause._bindparams})
+            revision = (await conn.execute(text("SELECT version_num FROM alembic_version"))).scalar_one()
+            return str(revision)
+    finally:
+        await engine.dispose()
+
+
+async def _rows(url: str, sql: str) -> list[tuple[Any, ...]]:
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            return [tuple(r) for r in await conn.execute(text(sql))]
+    finally:
+        await engine.dispose()
+
+
+AT = dt.datetime(2026, 11, 30, 12, tzinfo=dt.UTC)
+
+
+def test_0013_downgrade_refuses_while_a_soft_penalty_forfeit_is_in_force(scratch_url: str) -> None:
+    # 0012 knows no partial forfeit: v7, invalid, took 3 of the 7 that v6's hold keeps (the 3 are
+    # in the slashed account). Without forfeited_amount the release pays all 7 out of pending
+    # (the 3 paid twice: slashed and claimable), and without the forfeit row an appeal of v7 gives
+    # nothing back; the re-upgrade's backfill rebuilds only fraud verdicts' whole forfeits.
+    upgrade(scratch_url)
+    asyncio.run(_seed_ended_tasks(scratch_url))
+    asyncio.run(_seed_forfeited_holds(scratch_url))
+    penalty = (
+        "UPDATE verdicts SET outcome = 'rejected', category = 'invalid', reward_amount = 0,"
+        " slashed_amount = 3 WHERE id = 7",
+        "INSERT INTO reward_holds (id, verdict_id, pool_id, node_id, provider_id, amount, forfeited_amount,"
+        " release_at, status, created_at) VALUES (6, 6, 'pool-mig', :node, :provider, 7, 3, :later, 'held', :at)",
+        "INSERT INTO reward_forfeits (id, verdict_id, hold_id, amount, slashed_account_id, status, created_at)"
+        " VALUES (1, 7, 6, 3, 2, 'forfeited', :at)",
+    )
+    later = AT + dt.timedelta(days=1)
+    asyncio.run(_run_sql(scratch_url, *penalty, node="N" * 43, provider="P" * 43, at=AT, later=later))
+    holds = "SELECT id, amount, forfeited_amount, status FROM reward_holds ORDER BY id"
+    downgrade(scratch_url, "0013")
+    with pytest.raises(RuntimeError, match="1 reward forfeits"):
+        downgrade(scratch_url, "0012")
+    assert asyncio.run(_run_sql(scratch_url)) == "0013"
+    assert asyncio.run(_rows(scratch_url, holds)) == [(6, 7, 3, "held")]
+
+    # Once v7 is reversed on appeal (its forfeit restored), the hold is whole again: 0012 holds it.
+    restored = (
+        "UPDATE reward_forfeits SET status = 'restored' WHERE id = 1",
+        "UPDATE reward_holds SET forfeited_amount = 0 WHERE id = 6",
+    )
+    asyncio.run(_run_sql(scratch_url, *restored))
+    downgrade(scratch_url, "0012")
+    upgrade(scratch_url)
+    assert asyncio.run(_rows(scratch_url, holds)) == [(6, 7, 0, "held")]
+
+
+def test_0017_downgrade_refuses_while_a_live_token_has_an_expiry(scratch_url: str) -> None:
+    # 0016 has no expiry: an expired token would authenticate again (and, re-upgraded with
+    # expires_at NULL, never expire), and one that expires later would not.
+    upgrade(scratch_url, "0017")
+    tokens = (
+        "INSERT INTO api_tokens (id, name, role, token_hash, created_at, expires_at) VALUES"
+        " ('tok-old', 'o', 'admin', :h1, :at, :at), ('tok-forever', 'f', 'admin', :h2, :at, NULL)"
+    )
+    assert asyncio.run(_run_sql(scratch_url, tokens, h1="1" * 64, h2="2" * 64, at=AT)) == "0017"
+    with pytest.raises(RuntimeError, match="1 tokens"):
+        downgrade(scratch_url, "0016")
+    assert asyncio.run(_run_sql(scratch_url)) == "0017"
+
+    # A revoked token stays refused without its expiry: the downgrade goes ahead.
+    asyncio.run(_run_sql(scratch_url, "UPDATE api_tokens SET revoked_at = :at WHERE id = 'tok-old'", at=AT))
+    downgrade(scratch_url, "0016")
+    revoked = "SELECT id, revoked_at IS NOT NULL FROM api_tokens ORDER BY id"
+    assert asyncio.run(_rows(scratch_url, revoked)) == [("tok-forever", False), ("tok-old", True)]
+
+
+def test_0033_downgrade_refuses_while_a_result_has_its_evidence_pruned(scratch_url: str) -> None:
+    # 0032 cannot tell a pruned result from a stored one: its emptied body would be served (the
+    # feed, its export and ReST^EM parse b"" and fail, at every read from there on), and after a
+    # re-upgrade it is "stored" again (evidence_pruned_at NULL), with the same failures.
+    upgrade(scratch_url)
+    asyncio.run(_seed_ended_tasks(scratch_url))
+    asyncio.run(_seed_forfeited_holds(scratch_url))
+    prune = "UPDATE submissions SET body = :empty, evidence_pruned_at = :at WHERE id = 1"
+    asyncio.run(_run_sql(scratch_url, prune, empty=b"", at=AT))
+    downgrade(scratch_url, "0033")
+    with pytest.raises(RuntimeError, match="1 results"):
+        downgrade(scratch_url, "0032")
+    assert asyncio.run(_run_sql(scratch_url)) == "0033"
+    pruned = "SELECT id FROM submissions WHERE evidence_pruned_at IS NOT NULL"
+    assert asyncio.run(_rows(scratch_url, pruned)) == [(1,)]
+
+
+def test_0034_downgrade_refuses_while_a_fraud_verdict_withdraws_an_unrewarded_rollout(
+    scratch_url: str,
+) -> None:
+    # v1 and v2 were accepted with no reward (no correct sample, or a pool that pays nothing): no
+    # reward hold, but a hold window, in which fraud verdict v3 withdraws them from the feed. The
+    # re-upgrade rebuilds hold_until from reward holds only: they would be served again.
+    upgrade(scratch_url)
+    asyncio.run(_seed_ended_tasks(scratch_url))
+    asyncio.run(_seed_forfeited_holds(scratch_url))
+    windows = (
+        "UPDATE verdicts SET hold_until = :later WHERE outcome = 'accepted'",
+        "UPDATE verdicts SET reward_amount = 0, paid_samples = 0 WHERE id IN (1, 2)",
+    )
+    asyncio.run(_run_sql(scratch_url, *windows, later=AT + dt.timedelta(days=1)))
+    downgrade(scratch_url, "0034")
+    with pytest.raises(RuntimeError, match="2 accepted verdicts"):
+        downgrade(scratch_url, "0033")
+    assert asyncio.run(_run_sql(scratch_url)) == "0034"
+
+    # Once fraud verdict v3 is reversed, nothing withdraws them: the downgrade goes ahead.
+    asyncio.run(_run_sql(scratch_url, "UPDATE verdicts SET reversed_at = :at WHERE id = 3", at=AT))
+    downgrade(scratch_url, "0033")
+
+
+def test_0005_downgrade_refuses_while_a_payout_is_requested(scratch_url: str) -> None:
+    # 0004 has no payouts: a requested payout's money is in withdrawn (moved from claimable
+    # rewards), and with its row gone nobody is asked to pay it, nor can it be rejected: lost.
+    upgrade(scratch_url)
+    asyncio.run(_seed_payouts(scratch_url))
+    asyncio.run(_run_sql(scratch_url, "DELETE FROM payouts WHERE id = 3"))  # rejected: 0018 refuses
+    downgrade(scratch_url, "0005")
+    with pytest.raises(RuntimeError, match="1 payouts are requested"):
+        downgrade(scratch_url, "0004")
+    assert asyncio.run(_run_sql(scratch_url)) == "0005"
+    assert asyncio.run(_rows(scratch_url, "SELECT id, status FROM payouts ORDER BY id")) == [
+        (1, "requested"),
+        (2, "paid"),
+    ]
+
+
+def test_a_refused_downgrade_leaves_the_database_where_it_was(scratch_url: str) -> None:
+    # A downgrade of several revisions that one of them refuses (here 0018's, for a rejected
+    # payout) is undone as a whole: on SQLite, Alembic (no transactional DDL there by default)
+    # committed each revision's downgrade, leaving the database at 0018 with 0037..0019 undone.
+    upgrade(scratch_url)
+    asyncio.run(_seed_payouts(scratch_url))
+    with pytest.raises(RuntimeError, match="1 payouts are rejected"):
+        downgrade(scratch_url, "0017")
+    assert asyncio.run(_run_sql(scratch_url)) == head_revision()

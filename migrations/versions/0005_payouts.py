@@ -68,6 +68,13 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    requested = op.get_bind().execute(sa.text("SELECT count(*) FROM payouts WHERE status = 'requested'"))
+    count = requested.scalar_one()
+    if count:
+        raise RuntimeError(
+            f"{count} payouts are requested, which revision 0004 cannot hold (their money is in "
+            "withdrawn, and nobody would be asked to pay it or could give it back): not downgrading"
+        )
     with op.batch_alter_table("payouts", schema=None) as batch_op:
         batch_op.drop_index("ix_payouts_status_id")
         batch_op.drop_index("ix_payouts_provider_id_id")

@@ -105,7 +105,24 @@ def upgrade() -> None:
     )
 
 
+# Forfeits in force that 0012 cannot record: a soft-invalid penalty's (0012 knows no partial
+# forfeit, and the backfill above rebuilds only fraud verdicts'), or one of part of a hold.
+UNREPRESENTABLE = """
+SELECT count(*) FROM reward_forfeits f
+JOIN reward_holds h ON h.id = f.hold_id
+JOIN verdicts v ON v.id = f.verdict_id
+WHERE f.status = 'forfeited' AND (v.category <> 'fraud' OR f.amount <> h.amount)
+"""
+
+
 def downgrade() -> None:
+    count = op.get_bind().execute(sa.text(UNREPRESENTABLE)).scalar_one()
+    if count:
+        raise RuntimeError(
+            f"{count} reward forfeits in force took part of a hold or were a soft-invalid penalty, which "
+            "revision 0012 cannot record (the release would pay the forfeited part as well, and an "
+            "appeal would give nothing back): not downgrading"
+        )
     with op.batch_alter_table("reward_forfeits", schema=None) as batch_op:
         batch_op.drop_index("ix_reward_forfeits_hold_id")
     op.drop_table("reward_forfeits")

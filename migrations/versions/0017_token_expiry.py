@@ -30,4 +30,14 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    expiring = op.get_bind().execute(
+        sa.text("SELECT count(*) FROM api_tokens WHERE expires_at IS NOT NULL AND revoked_at IS NULL")
+    )
+    count = expiring.scalar_one()
+    if count:
+        raise RuntimeError(
+            f"{count} tokens have an expiry and are not revoked, which revision 0016 cannot hold (an "
+            "expired one would be accepted again, and none would ever expire): revoke them first; "
+            "not downgrading"
+        )
     op.drop_column("api_tokens", "expires_at")

@@ -36,5 +36,15 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    pruned = op.get_bind().execute(
+        sa.text("SELECT count(*) FROM submissions WHERE evidence_pruned_at IS NOT NULL")
+    )
+    count = pruned.scalar_one()
+    if count:
+        raise RuntimeError(
+            f"{count} results have their evidence pruned, which revision 0032 cannot record (their "
+            "empty bodies would be read as stored ones, and the feed, its export and ReST^EM fail on "
+            "them): not downgrading"
+        )
     with op.batch_alter_table("submissions", schema=None) as batch_op:
         batch_op.drop_column("evidence_pruned_at")

@@ -51,7 +51,28 @@ def upgrade() -> None:
     )
 
 
+# Accepted verdicts with no reward hold (hold_until is rebuilt from holds only) that a standing
+# fraud verdict withdraws now (verification.models.withdrawn_by).
+WITHDRAWN_UNREWARDED = """
+SELECT count(*) FROM verdicts v
+WHERE v.outcome = 'accepted' AND v.hold_until IS NOT NULL
+  AND NOT EXISTS (SELECT 1 FROM reward_holds h WHERE h.verdict_id = v.id)
+  AND EXISTS (
+      SELECT 1 FROM verdicts f
+      WHERE f.node_id = v.node_id AND f.pool_id = v.pool_id AND f.category = 'fraud'
+        AND f.reversed_at IS NULL AND f.id > v.id AND f.decided_at < v.hold_until
+  )
+"""
+
+
 def downgrade() -> None:
+    count = op.get_bind().execute(sa.text(WITHDRAWN_UNREWARDED)).scalar_one()
+    if count:
+        raise RuntimeError(
+            f"{count} accepted verdicts without a reward hold are withdrawn by a fraud verdict, which "
+            "revision 0033 cannot record (and the upgrade rebuilds hold_until from reward holds only): "
+            "the feed would serve their rollouts again; not downgrading"
+        )
     with op.batch_alter_table("verdicts", schema=None) as batch_op:
         batch_op.drop_index("ix_verdicts_fraud")
         batch_op.drop_column("hold_until")
