@@ -2,7 +2,7 @@
 
 from orchestrator.admin import models as admin_models
 from orchestrator.audit import models as audit_models
-from orchestrator.core import ticks
+from orchestrator.core import nonces, ticks
 from orchestrator.core.db import Base
 from orchestrator.identity import models as identity_models
 from orchestrator.ledger import models as ledger_models
@@ -20,6 +20,7 @@ __all__ = [
     "identity_models",
     "ledger_models",
     "liveness_serving",
+    "nonces",
     "payouts_models",
     "pools_models",
     "restem_models",

@@ -35,6 +35,17 @@ async def sql_log(app_state: Any) -> AsyncIterator[list[str]]:
         event.remove(engine, "before_cursor_execute", record)
 
 
+def spent_nonces(app_state: Any, statements: list[str]) -> list[str]:
+    """Take the statements on ``spent_nonces`` out of ``statements`` (they are the signed
+    request's nonce, not its work) and check them: with a hot store of the process's own, one
+    claim of the nonce (and perhaps one pruning of expired ones); with Redis, none."""
+    nonce = [st for st in statements if "spent_nonces" in st]
+    statements[:] = [st for st in statements if "spent_nonces" not in st]
+    claims = [st for st in nonce if st.lstrip().upper().startswith("INSERT")]
+    assert len(claims) == (0 if app_state.hot_store.shared_across_processes else 1), nonce
+    return nonce
+
+
 def writes(statements: list[str]) -> list[str]:
     return [s for s in statements if s.lstrip().split(None, 1)[0].upper() in ("INSERT", "UPDATE", "DELETE")]
 
@@ -46,9 +57,11 @@ async def test_a_claim_runs_the_same_few_statements_for_one_task_or_ten(app: Any
         async with sql_log(app_state) as single:
             r = await one.claim(s.pool_id, max_tasks=1)
         assert len(r.json()["leases"]) == 1
+        spent_nonces(app_state, single)
         async with sql_log(app_state) as batch:
             r = await ten.claim(s.pool_id, max_tasks=10)
         assert len(r.json()["leases"]) == 10
+        spent_nonces(app_state, batch)
         # One read of node, pool, membership, policy and held leases; one locked pick with the
         # replicas and payloads; INSERT assignments; UPDATE replicas; UPDATE tasks. PostgreSQL
         # first locks the signer's row (one node's claims queue up; its lease cap holds), picks
@@ -72,6 +85,7 @@ async def test_a_result_runs_one_read_and_five_writes(app: Any, app_state: Any) 
         async with sql_log(app_state) as statements:
             r = await w.submit(lease)
         assert r.status_code == 201, r.text
+        spent_nonces(app_state, statements)
         if app_state.engine.dialect.name == "postgresql":
             # The five writes are one statement of data-modifying CTEs: one round trip.
             assert len(statements) == 2, statements
@@ -91,15 +105,18 @@ async def test_a_result_runs_one_read_and_five_writes(app: Any, app_state: Any) 
         async with sql_log(app_state) as replay:
             again = await w.submit(lease)
         assert again.status_code == 200 and again.json() == r.json()
+        spent_nonces(app_state, replay)
         assert len(replay) == 1 and not writes(replay)
 
 
 async def test_a_steady_heartbeat_reads_one_row_and_writes_no_sql(app: Any, app_state: Any) -> None:
+    """No SQL written but, with a hot store of the process's own, the claim of its nonce."""
     async with pool_setup(app, app_state, workers=1) as s:
         w = s.workers[0]  # registered and already beating: healthy
         async with sql_log(app_state) as statements:
             r = await w.beat()
         assert r.status_code == 200 and r.json()["status"] == "healthy"
+        spent_nonces(app_state, statements)
         assert len(statements) == 1 and not writes(statements)
 
 

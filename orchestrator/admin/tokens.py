@@ -18,6 +18,7 @@ import structlog
 from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import bindparam, select
+from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from orchestrator.admin.models import ApiToken
@@ -184,8 +185,8 @@ async def _principal(request: Request) -> Principal:
         _refuse_unusable(row, state.clock.utcnow())
         token_id = row.id
 
-        async def still_valid(session: AsyncSession) -> None:
-            again = (await session.execute(_TOKEN_STILL_VALID, {"token_id": token_id})).first()
+        def still_valid(connection: Connection) -> None:
+            again = connection.execute(_TOKEN_STILL_VALID, {"token_id": token_id}).first()
             _refuse_unusable(again, state.clock.utcnow())
 
         check_in_transaction(request, still_valid)

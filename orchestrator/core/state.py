@@ -6,16 +6,19 @@ import asyncio
 import os
 import random
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, cast
 
 from fastapi import Depends, Request
+from sqlalchemy import event
+from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from orchestrator.core.clock import Clock, SystemClock
 from orchestrator.core.db import autocommit, make_engine, make_sessionmaker, run_after_commit
 from orchestrator.core.hotstore import HotStore, make_hot_store
+from orchestrator.core.nonces import NonceLedger
 from orchestrator.settings import Settings
 
 
@@ -41,9 +44,12 @@ class AppState:
     marking: bool = False
     marked_at: float | None = None
     mark_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Spent nonces in the database, when the hot store is this process's own (``core.nonces``).
+    spent_nonces: NonceLedger | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.reader = autocommit(self.engine)
+        self.spent_nonces = None if self.hot_store.shared_across_processes else NonceLedger(self.engine)
 
     def changed(self, condition: str, value: object) -> bool:
         """Whether ``condition`` now has another ``value`` than when this process last asked,
@@ -83,25 +89,33 @@ State = Annotated[AppState, Depends(get_state)]
 
 
 _TRANSACTION_CHECKS = "orchestrator.transaction_checks"
-TransactionCheck = Callable[[AsyncSession], Awaitable[None]]
+TransactionCheck = Callable[[Connection], None]
 
 
 def check_in_transaction(request: Request, check: TransactionCheck) -> None:
-    """Have ``check(session)`` run first in the request's transaction (``get_session``), if it
-    opens one: for what a guard read before it and a change committed since may have made
-    untrue (a bearer token revoked while the request waited for a lock)."""
+    """Have ``check(connection)`` run first in the request's transaction (``get_session``), once
+    it begins (on the session's first statement): for what a guard read before it and a change
+    committed since may have made untrue (a bearer token revoked while the request waited for a
+    lock). Lazily: a handler may first do work in transactions of its own (on SQLite the
+    request's transaction holds the database's one write lock from its start)."""
     request.scope.setdefault(_TRANSACTION_CHECKS, []).append(check)
 
 
 async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
     """The request's one transaction: the checks ``check_in_transaction`` registered, then the
-    handler; committed after it, rolled back on error; then what the handler queued with
-    ``db.after_commit``."""
+    handler's statements; committed after it, rolled back on error; then what the handler
+    queued with ``db.after_commit``."""
     state = app_state(request)
     async with state.sessionmaker() as session:
+        checks: list[TransactionCheck] = request.scope.get(_TRANSACTION_CHECKS, [])
+        if checks:
+
+            def run_checks(_session: object, _transaction: object, connection: Connection) -> None:
+                for check in checks:
+                    check(connection)
+
+            event.listen(session.sync_session, "after_begin", run_checks, once=True)
         async with session.begin():
-            for check in request.scope.get(_TRANSACTION_CHECKS, ()):
-                await check(session)
             yield session
         await run_after_commit(session)
 

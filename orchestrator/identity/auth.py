@@ -158,7 +158,12 @@ async def _verified(
         window_s,
         state.clock.now(),
     )
-    if decision is None:
+    if decision is None or (
+        state.spent_nonces is not None
+        and not await state.spent_nonces.claim(
+            signed.keyid, signed.nonce, state.settings.signature.effective_nonce_ttl_s, state.clock.utcnow()
+        )
+    ):
         raise Unauthorized(
             "this nonce was already used with this key",
             code="nonce_replayed",
