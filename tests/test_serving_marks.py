@@ -25,6 +25,7 @@ from orchestrator.core.hotstore import HotStore, RedisHotStore
 from orchestrator.identity.models import Node, NodeStatusChange
 from orchestrator.liveness.service import HELD_REPEAT_S, sweep_once
 from orchestrator.liveness.serving import (
+    ABANDONED_CONFIRM_S,
     ABANDONED_S,
     MARK_INTERVAL_S,
     STALL_S,
@@ -270,6 +271,27 @@ async def test_requests_at_the_return_from_an_outage_judge_leases_after_the_firs
         assert (await reap_once(app_state)).expired == 0
 
 
+async def test_the_live_leases_read_at_the_return_from_an_outage_are_those_after_the_first_mark(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A worker reads its live leases after a failed claim, so at the return from an outage: the
+    read left out every lease that had run out meanwhile, which the mark moments later made
+    live again; the worker never took them up, and they ran out as attempts."""
+    app_state.marking = True
+    async with pool_setup(app, app_state, workers=1, lease_duration_s=60) as s:
+        [w] = s.workers
+        await s.enqueue([task()])
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        await mark(app_state)
+        clock.advance(121)  # the outage, then back
+        r = await w.client.get("/v1/nodes/me/leases", auth=w.contributor.node_auth)
+        assert r.status_code == 200, r.text
+        assert [x["assignment_id"] for x in r.json()["leases"]] == [lease["assignment_id"]]
+        assert (await mark(app_state)).since == clock.now()  # the read wrote the first mark of the run
+        [deadline] = await lease_deadlines(app_state)
+        assert deadline > app_state.clock.utcnow()
+
+
 async def test_a_lease_taken_after_an_outage_began_does_not_get_its_length(
     app: Any, app_state: Any, clock: FakeClock
 ) -> None:
@@ -297,9 +319,10 @@ async def lease_deadlines(app_state: Any) -> list[dt.datetime]:
 async def test_marks_nobody_writes_for_an_hour_no_longer_hold_the_sweeper_and_the_reaper(
     app: Any, app_state: Any, clock: FakeClock
 ) -> None:
-    """Every API process stopped marking (turned off, or none left) while the loops run on: the
-    last mark must not hold liveness and lease expiry for ever. Past an hour they judge as
-    without marks."""
+    """Every API process stopped marking (of a version that writes none, or none left) while
+    the loops run on: the last mark must not hold liveness and lease expiry for ever. Past an
+    hour, once each loop has itself seen them missing for 5 minutes more, they judge as without
+    marks."""
     async with pool_setup(app, app_state, workers=1, lease_duration_s=60) as s:
         w = s.workers[0]
         await s.enqueue([task()])
@@ -308,7 +331,11 @@ async def test_marks_nobody_writes_for_an_hour_no_longer_hold_the_sweeper_and_th
         clock.advance(ABANDONED_S)
         assert (await sweep_once(app_state)).held == "not_serving"
         assert (await reap_once(app_state)).expired == 0
-        clock.advance(10)
+        for _ in range(int(ABANDONED_CONFIRM_S // 5)):
+            clock.advance(5)
+            assert (await sweep_once(app_state)).held == "not_serving"
+            assert (await reap_once(app_state)).expired == 0
+        clock.advance(5)
         with info_logs() as logs:
             report = await sweep_once(app_state)
             assert (report.held, report.to_unhealthy, report.to_dead) == (None, 1, 1)
@@ -327,6 +354,34 @@ async def test_marks_nobody_writes_for_an_hour_no_longer_hold_the_sweeper_and_th
         async with app_state.sessionmaker() as session:
             status = await session.scalar(select(Node.status).where(Node.id == w.node_id))
         assert status == "dead"
+
+
+@pytest.mark.parametrize("outage_s", [ABANDONED_S - 600, ABANDONED_S + 600])
+async def test_an_outage_of_the_database_of_any_length_marks_no_node_dead_at_the_return(
+    app: Any, app_state: Any, clock: FakeClock, outage_s: float
+) -> None:
+    """Nothing ticks or marks while the database is down. At the return the loops' first ticks
+    may come before the first mark: past an hour they took the marks as abandoned and judged
+    the node, silent through the outage, as stopped (dead, its lease expired)."""
+    async with pool_setup(app, app_state, workers=1, lease_duration_s=600) as s:
+        w = s.workers[0]
+        await s.enqueue([task()])
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        assert (await w.beat([lease["assignment_id"]])).status_code == 200
+        await mark(app_state)
+        clock.advance(outage_s)
+        for _ in range(3):  # the marks loop is late: 10 s of the other loops' ticks first
+            sweep, reap = await sweep_once(app_state), await reap_once(app_state)
+            assert (sweep.held, sweep.to_dead, reap.expired) == ("not_serving", 0, 0)
+            clock.advance(5)
+        await mark(app_state)
+        assert (await sweep_once(app_state)).to_dead == 0
+        async with app_state.sessionmaker() as session:
+            node = await session.scalar(select(Node.status).where(Node.id == w.node_id))
+            status = await session.scalar(
+                select(Assignment.status).where(Assignment.id == lease["assignment_id"])
+            )
+        assert (node, status) == ("healthy", "active")
 
 
 class OffsetClock(SystemClock):

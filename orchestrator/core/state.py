@@ -44,6 +44,9 @@ class AppState:
     marking: bool = False
     marked_at: float | None = None
     mark_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Per loop, the first and the last time it read the serving marks as abandoned, in an
+    # unbroken series of reads (``liveness.serving.read_serving``).
+    marks_missing: dict[str, tuple[float, float]] = field(default_factory=dict)
     # Spent nonces in the database, when the hot store is this process's own (``core.nonces``).
     spent_nonces: NonceLedger | None = field(init=False)
 

@@ -65,12 +65,17 @@ MARK_INTERVAL_S = 5.0
 # an outage; one that does only delays the sweeper (the safe side).
 STALL_S = 3 * MARK_INTERVAL_S
 MARK = "beats"
-# Marks older than this are taken as abandoned: every API process stopped marking (turned off
-# with ORCH_SERVER__SERVING_MARKS=false, or no API process left), and silence is judged as
-# without marks, so a row nobody writes any more never holds the sweeper and the reaper for
-# ever. An outage of every API process this long, with the loops still running elsewhere, is
-# then judged as nodes that all stopped.
+# Marks older than this are taken as abandoned (every API process gone, or of a version that
+# writes none, while the loops run on): silence is then judged as without marks, so a row
+# nobody writes any more never holds the sweeper and the reaper for ever. But only by a loop
+# that has itself seen them missing for ``ABANDONED_CONFIRM_S``, in reads at most
+# ``MISSING_READ_GAP_S`` apart with the hot store answering: after an outage of the database
+# (or of everything) longer than an hour, the loops' first ticks at the return found marks as
+# old before any API process was back to write one, and judged every node silent through the
+# outage as stopped (all dead, their leases expired).
 ABANDONED_S = 3600.0
+ABANDONED_CONFIRM_S = 300.0
+MISSING_READ_GAP_S = 60.0
 
 # Past this difference from the database server's clock a process says so. A sweeper whose clock
 # runs ``STALL_S`` ahead of the API processes' sees every mark as stale and holds for ever.
@@ -165,15 +170,16 @@ class Serving:
         return not self.down and self.now - self.since >= silence_s
 
 
-async def read_serving(state: AppState, session: AsyncSession, now: float) -> Serving | None:
-    """What the marks say at ``now``; None without marks, or with marks so old that no API
-    process marks any more (``ABANDONED_S``: logged once as this process first reads them so,
-    and once as marks come again)."""
+async def read_serving(state: AppState, session: AsyncSession, now: float, loop: str) -> Serving | None:
+    """What the marks say at ``now`` to ``loop``; None without marks, or with marks so old that
+    no API process marks any more (``ABANDONED_S``, once ``loop`` has seen them missing for
+    ``ABANDONED_CONFIRM_S``: logged once as this process first reads them so, and once as marks
+    come again)."""
     query = select(ServingMark.at, ServingMark.since).where(ServingMark.name == MARK)
     row = (await session.execute(query)).first()
     if row is None:
         return None
-    abandoned = now - row.at > ABANDONED_S
+    abandoned = now - row.at > ABANDONED_S and await _missing_for(state, loop, now) >= ABANDONED_CONFIRM_S
     if state.changed("serving_marks_abandoned", True if abandoned else None):
         if abandoned:
             log.error("serving_marks_abandoned", last_mark_age_s=round(now - row.at, 1))
@@ -182,6 +188,18 @@ async def read_serving(state: AppState, session: AsyncSession, now: float) -> Se
     if abandoned:
         return None
     return Serving(at=row.at, since=row.since, now=now)
+
+
+async def _missing_for(state: AppState, loop: str, now: float) -> float:
+    """How long ``loop`` has read the marks as abandoned in this process, in reads at most
+    ``MISSING_READ_GAP_S`` apart with the hot store answering (a longer gap, which an outage of
+    the database leaves, or a hot store down starts the count again)."""
+    seen = state.marks_missing.get(loop)
+    first = seen[0] if seen is not None and now - seen[1] <= MISSING_READ_GAP_S else now
+    if not await state.hot_store.ping():
+        first = now
+    state.marks_missing[loop] = (first, now)
+    return now - first
 
 
 async def check_clock(state: AppState, session: AsyncSession) -> float | None:

@@ -207,6 +207,7 @@ async def release(
     "/nodes/me/leases",
     response_model=LeasesOut,
     summary="The signing node's live leases: what a lost claim answer or a restart left it",
+    dependencies=[Depends(leases_caught_up)],
 )
 async def my_leases(
     node: CurrentNode,
