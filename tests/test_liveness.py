@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 from typing import Any
 
@@ -17,6 +18,7 @@ from orchestrator.core.ticks import tick_runs
 from orchestrator.identity.models import Node, NodeStatusChange
 from orchestrator.liveness.service import SWEEPER, sweep_once
 from orchestrator.settings import Settings
+from orchestrator.tasks.jobs import reap_once
 from tests.conftest import Contributor, new_contributor, problem
 
 
@@ -304,3 +306,21 @@ async def test_the_sweeper_goes_on_after_its_interval_is_raised(
         assert not (await sweep_once(state)).ran  # still once per tick
         clock.advance(10)
         assert (await sweep_once(state)).ran
+
+
+async def test_one_process_whose_clock_ran_ahead_does_not_stop_the_loops_everywhere(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A host whose clock ran a day ahead for one tick (then set right) recorded a tick a day
+    ahead: every other process's claim failed until the clocks caught up with it (no lease
+    expired, no node was judged, for a day). A recorded tick over a minute ahead is claimed."""
+    ahead = dataclasses.replace(app_state, clock=FakeClock(clock.now() + 86400))
+    assert (await sweep_once(ahead)).ran and (await reap_once(ahead)).ran
+    clock.advance(5)
+    assert (await sweep_once(app_state)).ran and (await reap_once(app_state)).ran
+    assert not (await sweep_once(app_state)).ran  # still once per tick
+    # A process whose clock is a few seconds ahead (within the minute) does not run a tick twice.
+    slightly = dataclasses.replace(app_state, clock=FakeClock(clock.now() + 20))
+    assert (await sweep_once(slightly)).ran
+    clock.advance(5)
+    assert not (await sweep_once(app_state)).ran

@@ -139,6 +139,16 @@ async def test_each_background_loop_shows_how_long_ago_it_last_ran(
     m = await scrape(client)
     assert 3600 <= value(m, "orchestrator_loop_last_run_age_seconds", loop=task_jobs.LEASE_REAPER) < 3605
 
+    # A run recorded a day ahead (a clock that ran ahead): not an age of 0, which hid it.
+    async with app_state.sessionmaker() as session, session.begin():
+        await session.execute(
+            update(BackgroundTick)
+            .where(BackgroundTick.name == task_jobs.LEASE_REAPER)
+            .values(last_run_at=utcnow() + dt.timedelta(days=1))
+        )
+    m = await scrape(client)
+    assert 86395 <= value(m, "orchestrator_loop_last_run_age_seconds", loop=task_jobs.LEASE_REAPER) <= 86400
+
 
 async def test_a_result_waiting_for_a_validator_shows_its_age_until_one_decides_it(
     app: Any, app_state: Any, client: httpx.AsyncClient, clock: FakeClock

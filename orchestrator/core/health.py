@@ -94,10 +94,12 @@ async def prometheus_metrics(state: State) -> Response:
     # The wall clock, as claim_tick writes last_run_at with it.
     now = utcnow()
     # The loops this version runs only: a row a removed or renamed loop left behind is not one.
+    # A run recorded in the future (a clock that ran ahead) counts by how far ahead it is: as 0
+    # it hid a loop that was stopped until the clocks caught up with it.
     for name in background.TICK_NAMES:
         last = last_runs.get(name)
         metrics.LOOP_LAST_RUN_AGE.labels(name).set(
-            math.inf if last is None else max(0.0, (now - last).total_seconds())
+            math.inf if last is None else abs((now - last).total_seconds())
         )
     payload, content_type = metrics.render()
     return Response(payload, media_type=content_type)

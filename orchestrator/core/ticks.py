@@ -9,6 +9,7 @@ the claim commits together with the tick's work.
 from __future__ import annotations
 
 import datetime as dt
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -34,19 +35,26 @@ class BackgroundTick(Base):
     last_runner: Mapped[str | None] = mapped_column(String(100))
 
 
-async def claim_tick(
-    session: AsyncSession, name: str, tick: int, runner: str, *, foreign_after: int | None = None
-) -> bool:
-    """True if this caller owns tick ``tick`` of loop ``name`` (call inside a transaction).
+# A recorded tick more than this far ahead of a claimant's own (and more than three of its
+# intervals) is claimed over: only a clock that ran ahead (a host set wrong, then corrected)
+# or another interval (a longer one numbers ticks lower) leaves one, and it stopped the loop in
+# every process until their clocks caught up with it (a day ahead: no lease expired for a day).
+FOREIGN_AHEAD_S = 60.0
 
-    ``foreign_after``, for a loop whose interval is a setting: a recorded tick more than that
-    many ticks ahead of ``tick`` was numbered in another interval (a longer one gives smaller
-    numbers) and is claimed over, where it would have stopped the loop until the clock caught
-    up with it (a sweep interval raised from 5 to 10 s: some 50 years)."""
+
+def foreign_after(interval_s: float) -> int:
+    """How many ticks of ``interval_s`` ahead a recorded tick is claimed over (``claim_tick``)."""
+    return math.ceil(max(FOREIGN_AHEAD_S, 3 * interval_s) / interval_s)
+
+
+async def claim_tick(session: AsyncSession, name: str, tick: int, runner: str, *, interval_s: float) -> bool:
+    """True if this caller owns tick ``tick`` (of ``interval_s`` seconds) of loop ``name`` (call
+    inside a transaction): the recorded tick is lower, or too far ahead to be of this interval
+    and a clock that agrees (``FOREIGN_AHEAD_S``)."""
     await insert_ignore(session, BackgroundTick, {"name": name, "last_tick": -1, "runs": 0})
-    claimable = BackgroundTick.last_tick < tick
-    if foreign_after is not None:
-        claimable = or_(claimable, BackgroundTick.last_tick > tick + foreign_after)
+    claimable = or_(
+        BackgroundTick.last_tick < tick, BackgroundTick.last_tick > tick + foreign_after(interval_s)
+    )
     result = await session.execute(
         update(BackgroundTick)
         .where(BackgroundTick.name == name, claimable)
@@ -88,7 +96,7 @@ async def tick_in_batches(
     results: list[T] = []
     while True:
         async with sessionmaker() as session, session.begin():
-            if not results and not await claim_tick(session, name, tick, runner):
+            if not results and not await claim_tick(session, name, tick, runner, interval_s=budget_s):
                 return None
             result = await batch(session)
         results.append(result)

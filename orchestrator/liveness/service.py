@@ -45,9 +45,6 @@ SWEEP_BATCH = 5000
 RECONCILER = "liveness_reconciler"
 RECONCILE_INTERVAL_S = 60.0
 RECONCILE_PAGE = 1000
-# A recorded sweeper tick more than this far ahead of now was numbered with another sweep
-# interval (``claim_tick``'s ``foreign_after``); processes' clocks never differ by as much.
-FOREIGN_TICK_S = 3600.0
 # A dead node's leases run out this many heartbeat intervals after the sweeper marks it dead.
 DEAD_LEASE_GRACE_BEATS = 2
 REVIVABLE = (NodeStatus.waiting.value, NodeStatus.unhealthy.value, NodeStatus.dead.value)
@@ -123,8 +120,7 @@ async def sweep_once(state: AppState) -> SweepReport:
     now = state.clock.now()
     tick = int(now // hb.sweep_interval_s)
     async with state.sessionmaker() as session, session.begin():
-        foreign_after = math.ceil(FOREIGN_TICK_S / hb.sweep_interval_s)
-        if not await claim_tick(session, SWEEPER, tick, state.instance_id, foreign_after=foreign_after):
+        if not await claim_tick(session, SWEEPER, tick, state.instance_id, interval_s=hb.sweep_interval_s):
             return SweepReport(tick=tick, ran=False)
         store = state.hot_store
         # Silence counts only while some API process could take beats (``serving``): after an
@@ -221,7 +217,9 @@ async def reconcile_once(state: AppState) -> ReconcileReport:
     now = state.clock.now()
     tick = int(now // RECONCILE_INTERVAL_S)
     async with state.sessionmaker() as session, session.begin():
-        if not await claim_tick(session, RECONCILER, tick, state.instance_id):
+        if not await claim_tick(
+            session, RECONCILER, tick, state.instance_id, interval_s=RECONCILE_INTERVAL_S
+        ):
             return ReconcileReport(tick=tick, ran=False)
     changed_before = state.clock.utcnow() - dt.timedelta(seconds=hb.dead_after_s)
     watched: list[str] = []
