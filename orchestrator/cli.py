@@ -392,7 +392,8 @@ def migrate_cmd(
         # in a run...); the run is one transaction, rolled back whole.
         console.print(f"[red]downgrade refused, the schema is unchanged:[/red] {exc}")
         raise typer.Exit(1) from None
-    console.print(f"[green]schema {'downgraded to' if downgrade else 'at'} {target}[/green]")
+    reached = migrate.current_revision(url) if downgrade else target  # -1 names no revision
+    console.print(f"[green]schema {'downgraded to' if downgrade else 'at'} {reached or 'base'}[/green]")
 
 
 class NoSchema(Exception):

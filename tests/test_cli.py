@@ -421,9 +421,14 @@ def test_a_downgrade_needs_an_explicit_revision(tmp_path: Path) -> None:
     result = runner.invoke(app, ["migrate", "--downgrade", "--revision", "-1"], env={"ORCH_DB__URL": url})
     assert result.exit_code == 0, result.output
     assert "api_tokens" in _tables(url)
+    # The revision reached, not the relative target ("downgraded to -1").
+    from orchestrator.core.migrate import current_revision
+
+    reached = current_revision(url)
+    assert reached is not None and f"schema downgraded to {reached}" in result.output, result.output
     result = runner.invoke(app, ["migrate", "--downgrade", "--revision", "base"], env={"ORCH_DB__URL": url})
     assert result.exit_code == 0, result.output
-    assert "api_tokens" not in _tables(url)
+    assert "api_tokens" not in _tables(url) and "schema downgraded to base" in result.output
 
 
 def test_a_downgrade_a_revision_refuses_is_one_line_and_changes_nothing(tmp_path: Path) -> None:
