@@ -111,10 +111,12 @@ def create_app(
     clock: Clock | None = None,
     hot_store: HotStore | None = None,
     serving_marks: bool = True,
+    close_scoring: bool = True,
 ) -> FastAPI:
-    """The application. ``clock``, ``hot_store`` and ``serving_marks`` are for tests: a test that
-    drives the clock itself writes the serving marks itself (``liveness.serving``), or the
-    sweeper would find them stale whenever it moves the clock."""
+    """The application. ``clock``, ``hot_store``, ``serving_marks`` and ``close_scoring`` are for
+    tests: a test that drives the clock itself writes the serving marks itself
+    (``liveness.serving``), or the sweeper would find them stale whenever it moves the clock; and
+    tests keep the scoring processes (process-wide) from one app to the next."""
     settings = settings or get_settings()
     configure_logging(settings.log_level, json=settings.log_json)
 
@@ -149,9 +151,11 @@ def create_app(
         try:
             yield
         finally:
-            if await stop_loops(tasks, stop):
-                # A cancelled verifier may have left a scoring process busy with a result: stop
-                # them now, as at exit (a SIGTERM ends uvicorn with the signal: no atexit).
+            if await stop_loops(tasks, stop) or close_scoring:
+                # The scoring processes (the verifier's, a validator verdict's), one a cancelled
+                # verifier may have left busy with a result among them: stopped now, not at exit:
+                # uvicorn ends a SIGTERM'd process with the signal, so no atexit handler runs, and
+                # they were left to the resource tracker ("leaked semaphore objects").
                 await asyncio.to_thread(scoring.close_pools)
             if hot_store is None:
                 await store.aclose()

@@ -272,7 +272,9 @@ def _clean_database(database_url: str) -> Iterator[None]:
 @pytest.fixture
 async def app(settings: Settings, clock: FakeClock, hot_store: HotStore) -> AsyncIterator[Any]:
     # Tests drive the loops and the clock themselves; test_serving_marks writes the marks.
-    application = create_app(settings, clock=clock, hot_store=hot_store, serving_marks=False)
+    application = create_app(
+        settings, clock=clock, hot_store=hot_store, serving_marks=False, close_scoring=False
+    )
     async with LifespanManager(application):
         yield application
 

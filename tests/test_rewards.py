@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+import os
+from typing import Any
 
+import pytest
+from asgi_lifespan import LifespanManager
+
+from orchestrator.app import create_app
+from orchestrator.verification import scoring
 from orchestrator.verification.rewards import ExactMatch, MathAnswer
 
 
@@ -47,3 +54,27 @@ def test_exact_match_takes_the_last_boxed_answer_not_an_earlier_simpler_one() ->
 def test_exact_match_skips_an_unclosed_box_for_the_last_whole_one_or_the_last_line() -> None:
     assert ExactMatch().canonical("\\boxed{7} then \\boxed{8") == "7"
     assert ExactMatch().canonical("no box here\n\\boxed{8\nAnswer: 8") == "answer: 8"
+
+
+async def test_an_app_stops_its_scoring_processes_when_it_shuts_down(settings: Any, hot_store: Any) -> None:
+    """uvicorn ends a SIGTERM'd process with the signal, so atexit never stopped them: the
+    processes outlived the server, and the resource tracker warned of leaked semaphores."""
+    app = create_app(settings, hot_store=hot_store, serving_marks=False)
+    async with LifespanManager(app):
+        pool = scoring._pool("requests", 1, 512)
+        pid = await asyncio.wrap_future(pool.schedule(os.getpid))
+        assert pid != os.getpid()
+    assert scoring._pools == {}
+    for _ in range(100):  # joined within close_pools; allow the OS a moment to reap it
+        if not _alive(pid):
+            break
+        await asyncio.sleep(0.05)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
