@@ -255,3 +255,29 @@ async def test_agreeing_results_of_a_task_that_ends_are_decided_by_the_quorum_ru
         for worker in s.workers[:2]:
             b = await balances(client, worker)
             assert b["rewards_pending"] + b["rewards_claimable"] == 7
+
+
+async def test_a_tie_break_asked_for_by_a_late_rejected_sibling_gets_a_full_wait(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """The audit replica was leased past the wait (left to finish) and its answer failed its
+    checks, so a tie-break replica is added. The wait counts from the newest waiting result,
+    here the first, older than the wait: the tie-break was withdrawn at the next tick, before any
+    node could take it, and the honest first result was inconclusive (quorum_timeout)."""
+    async with pool_setup(app, app_state, workers=3, economics=ECON) as s:
+        first, sibling, third = s.workers
+        await s.enqueue([TASK], key="audit")
+        await _answer(app_state, s, [first], ["Paris"])
+        audit = (await sibling.claim(s.pool_id)).json()["leases"][0]
+        await _tick(app_state, clock, WAIT_S + 5)  # leased: left to finish
+        await submit(sibling, audit, ["Paris"], seed=12345)  # the wrong seed: refused by its checks
+        await verify_all(app_state)
+        assert (await _task_detail(s))["replication"] == 3  # the tie-break replica
+        assert (await _tick(app_state, clock, 1)).quorum_waits_expired == 0
+        lease = (await third.claim(s.pool_id)).json()["leases"][0]
+        await submit(third, lease, ["Paris"])
+        await verify_all(app_state)
+        decided = {
+            v["node_id"]: (v["category"], v["reason"]) for v in await verdicts(s.admin, s.headers, s.pool_id)
+        }
+        assert decided[first.node_id][0] == decided[third.node_id][0] == "valid", decided

@@ -274,6 +274,24 @@ async def test_unknown_reward_functions_are_refused(app: Any, app_state: Any) ->
         assert r.status_code == 422 and "vibes" in r.text
 
 
+async def test_a_canary_with_one_wrong_sample_of_several_is_not_fraud_and_none_right_is(
+    app: Any, app_state: Any
+) -> None:
+    """Honest sampling at a temperature misses some samples of a problem the policy solves: one
+    wrong sample of four on a canary was fraud (stake slashed, a strike). It is judged as on any
+    task; a canary with no sample right is fraud."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        lease = await one_lease(s, w, canary=True, n=4)
+        await submit(w, lease, ["4", "4", "5", "4"])
+        lease = await one_lease(s, w, canary=True, n=4)
+        await submit(w, lease, ["5", "6", "5", "3"])
+        await verify_all(app_state)
+        mostly, none = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (mostly["category"], mostly["reward_amount"]) == ("valid", 3 * ECON["reward_per_sample"])
+        assert (none["category"], none["reason"]) == ("fraud", "canary_failed")
+
+
 async def test_a_wrong_canary_answer_is_fraud(app: Any, app_state: Any) -> None:
     async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
         w = s.workers[0]

@@ -538,8 +538,10 @@ async def _run_checks(
     forged = checks.forged_claim(result.get("claimed_reward"), server_reward)
     if forged is not None:
         findings.append(forged)
-    if task.is_canary and checkable and correct < len(per_sample):
-        findings.append(checks.Finding("canary_failed", "fraud", "wrong answer on a canary task"))
+    # No sample right: honest sampling (n > 1, at a temperature) misses some of a problem the
+    # policy solves, so one wrong sample of several was fraud for an honest node.
+    if task.is_canary and checkable and correct == 0:
+        findings.append(checks.Finding("canary_failed", "fraud", "no right answer on a canary task"))
 
     job.server_reward = server_reward
     job.correct_samples = correct
@@ -729,6 +731,11 @@ async def try_quorum(
         and pool.status != "completed"  # no node will ever lease a replica there
         and task.replication < task.min_quorum + MAX_EXTRA_REPLICAS
     ):
+        # The tie-break's wait starts now (``expire_quorum_waits`` counts from the newest waiting
+        # result): asked for by a sibling that failed its checks, and so is not waiting, it was
+        # withdrawn at the next tick when the waiting result was older than the wait.
+        for job in waiting:
+            job.updated_at = now
         await _add_replica(session, task, secret=secret, now=now)
         return
     reason = "no_quorum" if timeout_note is None else "quorum_timeout"
