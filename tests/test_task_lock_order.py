@@ -120,3 +120,26 @@ async def test_a_failure_reported_while_another_commits_counts_both(
         await asyncio.wait_for(other, timeout=HANG_S)
         detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
         assert (detail["status"], detail["end_reason"]) == ("failed", "max_failures")
+
+
+async def test_two_failure_reports_of_one_task_sent_at_once_do_not_deadlock(app: Any, app_state: Any) -> None:
+    """A task that crashes every engine: both nodes give its replicas back failed at the same
+    moment. Each release locked its own lease, then its sibling's: each waited for the other,
+    and PostgreSQL failed one of them (503 deadlock_detected). Now both take the task's live
+    leases in id order. Three tasks, three rounds: the interleaving is not left to one try."""
+    async with pool_setup(app, app_state, workers=2, max_failures=2, max_leases_per_node=3) as s:
+        await s.enqueue([task(f"broken {i}", replication=2) for i in range(3)])
+        first, second = s.workers
+        leases_1 = (await first.claim(s.pool_id, max_tasks=3)).json()["leases"]
+        leases_2 = (await second.claim(s.pool_id, max_tasks=3)).json()["leases"]
+        by_task_2 = {await s.task_of(lease): lease for lease in leases_2}
+        for lease_1 in leases_1:
+            task_id = await s.task_of(lease_1)
+            r1, r2 = await asyncio.gather(
+                first.release(lease_1, error="engine crashed"),
+                second.release(by_task_2[task_id], error="engine crashed"),
+            )
+            assert (r1.status_code, r2.status_code) == (200, 200), (r1.text, r2.text)
+            url = f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}"
+            detail = (await s.admin.get(url, headers=s.headers)).json()
+            assert (detail["status"], detail["end_reason"]) == ("failed", "max_failures")

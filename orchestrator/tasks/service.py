@@ -998,22 +998,27 @@ async def release(
     if error is not None:
         # The node's membership of the lease's pool before the lease: the lock order of an
         # ejection or a leave, which lock the membership and then the node's leases.
-        pool_id = await session.scalar(
-            select(Assignment.pool_id).where(Assignment.id == assignment_id, Assignment.node_id == node_id)
-        )
-        if pool_id is not None:
+        owned = (
+            await session.execute(
+                select(Assignment.pool_id, Assignment.task_id).where(
+                    Assignment.id == assignment_id, Assignment.node_id == node_id
+                )
+            )
+        ).first()
+        if owned is not None:
             membership = await session.scalar(
                 select(PoolMembership)
-                .where(PoolMembership.pool_id == pool_id, PoolMembership.node_id == node_id)
+                .where(PoolMembership.pool_id == owned.pool_id, PoolMembership.node_id == node_id)
                 .with_for_update()
             )
+            # Then the task's live leases, this one among them, in id order (``lock_live_leases``:
+            # the task may be failed below, which writes them). Locking this lease first and its
+            # siblings after deadlocked two failure reports of one task sent at once.
+            await lock_live_leases(session, [owned.task_id])
     assignment = await _own_assignment(session, node_id, assignment_id)
     if assignment.status != "active":
         return assignment
     if error is not None:
-        # Its sibling leases before the task (the lock order of ``lock_live_leases``): the task
-        # may be failed below, which writes them.
-        await lock_live_leases(session, [assignment.task_id])
         assignment.error = error
     if assignment.lease_expires_at <= now:
         await _expire(session, [assignment], now=now)
