@@ -899,3 +899,20 @@ def test_the_error_backoff_stays_bounded_through_an_outage_of_any_length(failure
     worker = _Worker.__new__(_Worker)
     worker.config = config
     assert 0 <= worker._backoff(failures) <= config.max_error_backoff_s
+
+
+async def test_a_stop_while_the_start_waits_out_a_retry_ends_the_run_at_once(
+    app: Any, app_state: Any
+) -> None:
+    """The registration (or the join, or the first beat) waited out its Retry-After, up to 5 x
+    300 s, with the stop ignored; then the run failed with the server's error (exit 1). Nothing
+    is held yet: the run ends at once, stopped."""
+    async with pool_setup(app, app_state) as s:
+        wire = FaultyTransport(app_transport(app))
+        wire.fail("/v1/pools/" + s.pool_id + "/join", "429:300")
+        run = start(app, s.pool_id, transport=wire, concurrency=1)
+        await requested(wire, "/v1/pools/" + s.pool_id + "/join")
+        run.stop.set()
+        stats = await asyncio.wait_for(run.task, 10)
+        assert stats.state == "stopped" and stats.claimed == 0
+        assert len(wire.to("/v1/pools/" + s.pool_id + "/join")) == 1  # no attempt after the stop

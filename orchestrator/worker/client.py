@@ -168,6 +168,7 @@ class WorkerClient(Backoff):
         display_name: str | None = None,
         provider_id: str | None = None,
         attestation: str | None = None,
+        stop: asyncio.Event | None = None,
     ) -> NodeOut:
         """Register the provider (when this client has its key) and then the node.
 
@@ -178,7 +179,7 @@ class WorkerClient(Backoff):
         node_specs = specs if isinstance(specs, NodeSpecs) else NodeSpecs.model_validate(specs)
         if self._provider_key is not None:
             provider_body = {"display_name": display_name} if display_name is not None else {}
-            await self._call("POST", "/v1/providers", provider_body, provider=True)
+            await self._call("POST", "/v1/providers", provider_body, provider=True, interrupt=stop)
             provider_id = key_id_of(self._provider_key)
             attestation = attest_node(self._provider_key, self.node_id)
         elif provider_id is None or attestation is None:
@@ -188,18 +189,24 @@ class WorkerClient(Backoff):
         body = NodeRegister(
             provider_id=provider_id, attestation=attestation, specs=node_specs, version=version
         )
-        node = await self._call_model(NodeOut, "POST", "/v1/nodes", body.model_dump(mode="json"))
+        node = await self._call_model(
+            NodeOut, "POST", "/v1/nodes", body.model_dump(mode="json"), interrupt=stop
+        )
         self._provider_id = node.provider_id
         return node
 
-    async def me(self) -> NodeOut:
+    async def me(self, *, stop: asyncio.Event | None = None) -> NodeOut:
         """The node's own record: status and pool memberships."""
-        return await self._call_model(NodeOut, "GET", "/v1/nodes/me")
+        return await self._call_model(NodeOut, "GET", "/v1/nodes/me", interrupt=stop)
 
-    async def join(self, pool_id: str, invite_code: str | None = None) -> MembershipOut:
+    async def join(
+        self, pool_id: str, invite_code: str | None = None, *, stop: asyncio.Event | None = None
+    ) -> MembershipOut:
         """Join a pool (or ask to: the membership may come back ``pending``); idempotent."""
         body = JoinIn(invite_code=invite_code).model_dump(mode="json", exclude_none=True)
-        return await self._call_model(MembershipOut, "POST", f"/v1/pools/{_seg(pool_id)}/join", body)
+        return await self._call_model(
+            MembershipOut, "POST", f"/v1/pools/{_seg(pool_id)}/join", body, interrupt=stop
+        )
 
     async def leave(self, pool_id: str) -> None:
         """Leave a pool, or withdraw a pending join (idempotent). The membership's stake goes

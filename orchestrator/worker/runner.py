@@ -253,7 +253,16 @@ class _Worker:
 
     async def run(self) -> WorkerStats:
         self._emit()
-        interval = await self._start()
+        try:
+            interval = await self._start()
+        except (OrchestratorAPIError, httpx.HTTPError):
+            if not self.stop.is_set():
+                raise
+            # Stopped while the start waited out a retry (the server away or busy): nothing is
+            # held yet, so the run ends at once, as a stop.
+            self._set_state("stopped")
+            log.info("worker_stopped", **_summary(self.stats))
+            return dataclasses.replace(self.stats)
         background = [
             asyncio.create_task(self._heartbeat_loop(interval), name="worker-heartbeat"),
             asyncio.create_task(self._stats_loop(), name="worker-stats"),
@@ -279,10 +288,10 @@ class _Worker:
         c = self.config
         if self.has_provider_key:
             specs = c.specs if c.specs is not None else local_specs()
-            node = await self.client.register(specs, c.version)
+            node = await self.client.register(specs, c.version, stop=self.stop)
         else:
-            node = await self.client.me()  # registered by its provider beforehand
-        membership = await self.client.join(c.pool_id, c.invite_code)
+            node = await self.client.me(stop=self.stop)  # registered by its provider beforehand
+        membership = await self.client.join(c.pool_id, c.invite_code, stop=self.stop)
         log.info(
             "worker_joined",
             node_status=node.status,
@@ -292,7 +301,7 @@ class _Worker:
         )
         if membership.status.value == "pending":
             log.warning("membership_pending", detail="the pool's operator must approve this node")
-        beat = await self.client.heartbeat(metrics={"in_flight": 0.0})
+        beat = await self.client.heartbeat(metrics={"in_flight": 0.0}, stop=self.stop)
         self._set_state("running")
         return beat.next_heartbeat_in_s
 
