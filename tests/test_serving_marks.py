@@ -345,15 +345,38 @@ async def test_marks_nobody_writes_for_an_hour_no_longer_hold_the_sweeper_and_th
             clock.advance(5)
             await mark(app_state)  # an API process marks again
             assert (await sweep_once(app_state)).held == "resumed"
-        # Said once by the process, however many reads find the marks abandoned, and once as
-        # they are recent again.
-        assert [e["event"] for e in logs if e["event"].startswith("serving_marks")] == [
-            "serving_marks_abandoned",
-            "serving_marks_recent",
+        # Said once per loop by the process, however many reads find the marks abandoned, and
+        # once as they are recent again (here the sweeper's read; the reaper reads no more).
+        assert [(e["event"], e["loop"]) for e in logs if e["event"].startswith("serving_marks")] == [
+            ("serving_marks_abandoned", "liveness_sweeper"),
+            ("serving_marks_abandoned", "lease_reaper"),
+            ("serving_marks_recent", "liveness_sweeper"),
         ]
         async with app_state.sessionmaker() as session:
             status = await session.scalar(select(Node.status).where(Node.id == w.node_id))
         assert status == "dead"
+
+
+async def test_abandoned_marks_stop_holding_a_sweeper_whose_interval_is_over_a_minute(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """The confirmation counted only reads at most a minute apart: a sweeper ticking every 2
+    minutes started it again at every read and held for ever."""
+    hb = app_state.settings.heartbeat.model_copy(update={"sweep_interval_s": 120.0})
+    slow = dataclasses.replace(app_state, settings=app_state.settings.model_copy(update={"heartbeat": hb}))
+    async with pool_setup(app, slow, workers=1, lease_duration_s=60) as s:
+        w = s.workers[0]
+        await s.enqueue([task()])
+        await w.claim(s.pool_id)
+        await mark(slow)
+        clock.advance(ABANDONED_S + 1)
+        held = []
+        for _ in range(8):  # 16 minutes of sweeps past the hour
+            clock.advance(120)
+            held.append((await sweep_once(slow)).held)
+        assert held[:2] == ["not_serving"] * 2 and held[-1] is None, held
+        async with slow.sessionmaker() as session:
+            assert await session.scalar(select(Node.status).where(Node.id == w.node_id)) == "dead"
 
 
 @pytest.mark.parametrize("outage_s", [ABANDONED_S - 600, ABANDONED_S + 600])

@@ -125,7 +125,7 @@ async def sweep_once(state: AppState) -> SweepReport:
         store = state.hot_store
         # Silence counts only while some API process could take beats (``serving``): after an
         # outage, a node last seen before it is judged as if seen at the return.
-        serving = await read_serving(state, session, now, SWEEPER)
+        serving = await read_serving(state, session, now, SWEEPER, hb.sweep_interval_s)
         await check_clock(state, session)  # the sweeper's clock is the one that judges
         held = _held(serving, hb.dead_after_s)
         stale: list[str] = []

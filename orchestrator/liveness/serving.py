@@ -170,36 +170,44 @@ class Serving:
         return not self.down and self.now - self.since >= silence_s
 
 
-async def read_serving(state: AppState, session: AsyncSession, now: float, loop: str) -> Serving | None:
-    """What the marks say at ``now`` to ``loop``; None without marks, or with marks so old that
-    no API process marks any more (``ABANDONED_S``, once ``loop`` has seen them missing for
-    ``ABANDONED_CONFIRM_S``: logged once as this process first reads them so, and once as marks
-    come again)."""
+async def read_serving(
+    state: AppState, session: AsyncSession, now: float, loop: str, interval_s: float
+) -> Serving | None:
+    """What the marks say at ``now`` to ``loop`` (which ticks every ``interval_s``); None
+    without marks, or with marks so old that no API process marks any more (``ABANDONED_S``,
+    once ``loop`` has seen them missing for ``ABANDONED_CONFIRM_S``: logged once per loop as
+    this process first reads them so, and once as marks come again)."""
     query = select(ServingMark.at, ServingMark.since).where(ServingMark.name == MARK)
     row = (await session.execute(query)).first()
     if row is None:
         return None
-    abandoned = now - row.at > ABANDONED_S and await _missing_for(state, loop, now) >= ABANDONED_CONFIRM_S
-    if state.changed("serving_marks_abandoned", True if abandoned else None):
+    abandoned = now - row.at > ABANDONED_S and await _missing_long_enough(state, loop, now, interval_s)
+    if state.changed(f"serving_marks_abandoned:{loop}", True if abandoned else None):
         if abandoned:
-            log.error("serving_marks_abandoned", last_mark_age_s=round(now - row.at, 1))
+            log.error("serving_marks_abandoned", loop=loop, last_mark_age_s=round(now - row.at, 1))
         else:
-            log.info("serving_marks_recent", last_mark_age_s=round(max(0.0, now - row.at), 1))
+            log.info("serving_marks_recent", loop=loop, last_mark_age_s=round(max(0.0, now - row.at), 1))
     if abandoned:
         return None
     return Serving(at=row.at, since=row.since, now=now)
 
 
-async def _missing_for(state: AppState, loop: str, now: float) -> float:
-    """How long ``loop`` has read the marks as abandoned in this process, in reads at most
-    ``MISSING_READ_GAP_S`` apart with the hot store answering (a longer gap, which an outage of
-    the database leaves, or a hot store down starts the count again)."""
+async def _missing_long_enough(state: AppState, loop: str, now: float, interval_s: float) -> bool:
+    """Whether ``loop`` has read the marks as abandoned in this process for
+    ``ABANDONED_CONFIRM_S`` (at least three of its intervals), in reads at most
+    ``MISSING_READ_GAP_S`` (or three intervals) apart with the hot store answering: a longer
+    gap, which an outage of the database leaves, or a hot store down starts the count again."""
     seen = state.marks_missing.get(loop)
-    first = seen[0] if seen is not None and now - seen[1] <= MISSING_READ_GAP_S else now
-    if not await state.hot_store.ping():
+    gap = max(MISSING_READ_GAP_S, 3 * interval_s)
+    first = seen[0] if seen is not None and now - seen[1] <= gap else now
+    try:
+        answering = await state.hot_store.ping()
+    except Exception:  # Redis down raises: the count starts again, as for a False
+        answering = False
+    if not answering:
         first = now
     state.marks_missing[loop] = (first, now)
-    return now - first
+    return now - first >= max(ABANDONED_CONFIRM_S, 3 * interval_s)
 
 
 async def check_clock(state: AppState, session: AsyncSession) -> float | None:

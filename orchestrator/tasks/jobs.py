@@ -44,7 +44,7 @@ async def reap_once(state: AppState) -> ReapReport:
         utcnow = state.clock.utcnow()
         # While no API process can take beats or results, a lease running out is the outage's
         # doing: the first mark after it gives the live leases its length back.
-        serving = await read_serving(state, session, state.clock.now(), LEASE_REAPER)
+        serving = await read_serving(state, session, state.clock.now(), LEASE_REAPER, INTERVAL_S)
         expired, failed = (
             (0, 0)
             if serving is not None and serving.down
