@@ -21,7 +21,7 @@ from sqlalchemy import select
 
 from orchestrator.app import create_app
 from orchestrator.core.clock import FakeClock, SystemClock
-from orchestrator.core.hotstore import HotStore, RedisHotStore
+from orchestrator.core.hotstore import HotStore, MemoryHotStore, RedisHotStore
 from orchestrator.identity.models import Node, NodeStatusChange
 from orchestrator.liveness.service import HELD_REPEAT_S, sweep_once
 from orchestrator.liveness.serving import (
@@ -405,6 +405,39 @@ async def test_an_outage_of_the_database_of_any_length_marks_no_node_dead_at_the
                 select(Assignment.status).where(Assignment.id == lease["assignment_id"])
             )
         assert (node, status) == ("healthy", "active")
+
+
+async def test_a_node_that_dies_after_an_outage_keeps_its_last_heartbeat(
+    settings: Settings, clock: FakeClock
+) -> None:
+    """After a 150 s outage a silent node dies the dead threshold after the return, over three
+    minutes after its last beat: its hash in the hot store (kept twice the dead threshold) had
+    expired, nothing was copied into SQL, and its view said last_heartbeat_at null for good."""
+    store = MemoryHotStore(monotonic=clock.monotonic)  # TTLs on the test's clock, as Redis's
+    app = create_app(settings, clock=clock, hot_store=store, serving_marks=False, close_scoring=False)
+    gone = new_contributor()
+    async with (
+        LifespanManager(app) as manager,
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=manager.app), base_url="http://testserver"
+        ) as client,
+    ):
+        state = app.state.orch
+        await gone.register(client)
+        await gone.beat(client)
+        beat_at = clock.utcnow()
+        await mark(state)
+        clock.advance(150)  # the outage
+        for _ in range(21):  # 105 s of service after the return
+            await mark(state)
+            await sweep_once(state)
+            clock.advance(5)
+        async with state.sessionmaker() as session:
+            node = (await session.execute(select(Node).where(Node.id == gone.node_id))).scalar_one()
+        assert node.status == "dead"
+        assert (
+            node.last_heartbeat_at is not None and abs((node.last_heartbeat_at - beat_at).total_seconds()) < 1
+        )
 
 
 class OffsetClock(SystemClock):

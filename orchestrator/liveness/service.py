@@ -50,13 +50,24 @@ DEAD_LEASE_GRACE_BEATS = 2
 REVIVABLE = (NodeStatus.waiting.value, NodeStatus.unhealthy.value, NodeStatus.dead.value)
 
 
+# How long a node's last beat (and metrics) stays in the hot store: until the sweeper has
+# copied it into SQL as it marks the node dead, even when that is long after the beat: after an
+# outage the node is judged from the return (``serving``), so at twice the dead threshold (3
+# minutes) the hash had expired, and a node that died through an outage kept no last beat.
+BEAT_KEPT_S = 86400
+
+
+def beat_ttl_s(dead_after_s: float) -> int:
+    return max(BEAT_KEPT_S, math.ceil(dead_after_s * 2))
+
+
 async def heartbeat(state: AppState, node: NodeRef, body: HeartbeatIn) -> HeartbeatOut:
     """A steady heartbeat of a healthy node with no leases touches only the hot store; a
     transaction is opened only to revive the node or to extend leases."""
     hb = state.settings.heartbeat
     now = state.clock.now()
     fields = {name: repr(value) for name, value in body.metrics.items()}
-    await state.hot_store.record_beat(node.id, now, fields, ttl_s=math.ceil(hb.dead_after_s * 2))
+    await state.hot_store.record_beat(node.id, now, fields, ttl_s=beat_ttl_s(hb.dead_after_s))
     metrics.HEARTBEATS.inc()
     status = node.status
     drop: list[str] = []
