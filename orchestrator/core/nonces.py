@@ -20,11 +20,11 @@ import hashlib
 import time
 
 from sqlalchemy import LargeBinary, delete, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.orm import Mapped, mapped_column
 
 from orchestrator.core.db import Base, UTCDateTime
+from orchestrator.core.sql import dialect_insert
 
 PRUNE_EVERY_S = 1.0
 PRUNE_BATCH = 2000
@@ -46,7 +46,7 @@ class NonceLedger:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
-        self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+        self._insert = dialect_insert(engine.dialect.name)
         self._pruned_at = float("-inf")
 
     async def claim(self, keyid: str, nonce: str, ttl_s: int, now: dt.datetime) -> bool:
@@ -61,8 +61,8 @@ class NonceLedger:
         )
         async with self._engine.begin() as conn:
             claimed = (await conn.execute(stmt)).rowcount == 1
-            if time.monotonic() - self._pruned_at >= PRUNE_EVERY_S:
-                self._pruned_at = time.monotonic()
+            if (started := time.monotonic()) - self._pruned_at >= PRUNE_EVERY_S:
+                self._pruned_at = started
                 expired = select(SpentNonce.digest).where(SpentNonce.expires_at <= now).limit(PRUNE_BATCH)
                 await conn.execute(delete(SpentNonce).where(SpentNonce.digest.in_(expired)))
         return claimed

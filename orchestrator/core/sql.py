@@ -15,10 +15,14 @@ def dialect_of(session: AsyncSession) -> str:
     return bind.dialect.name
 
 
+def dialect_insert(dialect: str) -> Any:
+    """The INSERT construct with ON CONFLICT of ``dialect`` (PostgreSQL's or SQLite's)."""
+    return pg_insert if dialect == "postgresql" else sqlite_insert
+
+
 async def insert_ignore(session: AsyncSession, model: type[DeclarativeBase], values: dict[str, Any]) -> bool:
     """INSERT ... ON CONFLICT DO NOTHING; True if a row was inserted."""
-    insert = pg_insert if dialect_of(session) == "postgresql" else sqlite_insert
-    stmt = insert(model).values(**values).on_conflict_do_nothing()
+    stmt = dialect_insert(dialect_of(session))(model).values(**values).on_conflict_do_nothing()
     result = await session.execute(stmt)
     return bool(getattr(result, "rowcount", 0))
 
