@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from alembic import op
 
 import orchestrator.core.db
+from migrations.guards import refuse_downgrade_while
 
 revision: str = "0005"
 down_revision: str | None = "0004"
@@ -68,13 +69,11 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    requested = op.get_bind().execute(sa.text("SELECT count(*) FROM payouts WHERE status = 'requested'"))
-    count = requested.scalar_one()
-    if count:
-        raise RuntimeError(
-            f"{count} payouts are requested, which revision 0004 cannot hold (their money is in "
-            "withdrawn, and nobody would be asked to pay it or could give it back): not downgrading"
-        )
+    refuse_downgrade_while(
+        "SELECT count(*) FROM payouts WHERE status = 'requested'",
+        "payouts are requested, which revision 0004 cannot hold (their money is in "
+        "withdrawn, and nobody would be asked to pay it or could give it back): not downgrading",
+    )
     with op.batch_alter_table("payouts", schema=None) as batch_op:
         batch_op.drop_index("ix_payouts_status_id")
         batch_op.drop_index("ix_payouts_provider_id_id")

@@ -27,6 +27,7 @@ import sqlalchemy as sa
 from alembic import op
 
 import orchestrator.core.db
+from migrations.guards import refuse_downgrade_while
 
 revision: str = "0013"
 down_revision: str | None = "0012"
@@ -116,13 +117,12 @@ WHERE f.status = 'forfeited' AND (v.category <> 'fraud' OR f.amount <> h.amount)
 
 
 def downgrade() -> None:
-    count = op.get_bind().execute(sa.text(UNREPRESENTABLE)).scalar_one()
-    if count:
-        raise RuntimeError(
-            f"{count} reward forfeits in force took part of a hold or were a soft-invalid penalty, which "
-            "revision 0012 cannot record (the release would pay the forfeited part as well, and an "
-            "appeal would give nothing back): not downgrading"
-        )
+    refuse_downgrade_while(
+        UNREPRESENTABLE,
+        "reward forfeits in force took part of a hold or were a soft-invalid penalty, which "
+        "revision 0012 cannot record (the release would pay the forfeited part as well, and an "
+        "appeal would give nothing back): not downgrading",
+    )
     with op.batch_alter_table("reward_forfeits", schema=None) as batch_op:
         batch_op.drop_index("ix_reward_forfeits_hold_id")
     op.drop_table("reward_forfeits")

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from migrations.guards import refuse_downgrade_while
 from orchestrator.core.db import UTCDateTime
 
 revision: str = "0017"
@@ -30,14 +31,10 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    expiring = op.get_bind().execute(
-        sa.text("SELECT count(*) FROM api_tokens WHERE expires_at IS NOT NULL AND revoked_at IS NULL")
+    refuse_downgrade_while(
+        "SELECT count(*) FROM api_tokens WHERE expires_at IS NOT NULL AND revoked_at IS NULL",
+        "tokens have an expiry and are not revoked, which revision 0016 cannot hold (an "
+        "expired one would be accepted again, and none would ever expire): revoke them first; "
+        "not downgrading",
     )
-    count = expiring.scalar_one()
-    if count:
-        raise RuntimeError(
-            f"{count} tokens have an expiry and are not revoked, which revision 0016 cannot hold (an "
-            "expired one would be accepted again, and none would ever expire): revoke them first; "
-            "not downgrading"
-        )
     op.drop_column("api_tokens", "expires_at")

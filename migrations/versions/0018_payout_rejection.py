@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from migrations.guards import refuse_downgrade_while
 from orchestrator.core.db import UTCDateTime
 
 revision: str = "0018"
@@ -64,13 +65,11 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    rejected = op.get_bind().execute(sa.text("SELECT count(*) FROM payouts WHERE status = 'rejected'"))
-    count = rejected.scalar_one()
-    if count:
-        raise RuntimeError(
-            f"{count} payouts are rejected, which revision 0017 cannot hold (their money went back "
-            "to claimable rewards; as requested payouts they would be paid again): not downgrading"
-        )
+    refuse_downgrade_while(
+        "SELECT count(*) FROM payouts WHERE status = 'rejected'",
+        "payouts are rejected, which revision 0017 cannot hold (their money went back "
+        "to claimable rewards; as requested payouts they would be paid again): not downgrading",
+    )
     with op.batch_alter_table("payouts", schema=None) as batch_op:
         batch_op.drop_constraint("fields_match_status", type_="check")
         batch_op.drop_constraint("status_known", type_="check")

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from migrations.guards import refuse_downgrade_while
 from orchestrator.core.db import UTCDateTime
 
 revision: str = "0028"
@@ -54,15 +55,11 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    taken = op.get_bind().execute(
-        sa.text("SELECT count(*) FROM payouts WHERE status = 'requested' AND run_id IS NOT NULL")
+    refuse_downgrade_while(
+        "SELECT count(*) FROM payouts WHERE status = 'requested' AND run_id IS NOT NULL",
+        "requested payouts are in a payout run, which revision 0027 cannot record (the "
+        "next run would take them again and two settlement files would list them): not downgrading",
     )
-    count = taken.scalar_one()
-    if count:
-        raise RuntimeError(
-            f"{count} requested payouts are in a payout run, which revision 0027 cannot record (the "
-            "next run would take them again and two settlement files would list them): not downgrading"
-        )
     with op.batch_alter_table("payouts", schema=None) as batch_op:
         batch_op.drop_index("ix_payouts_run_id_id")
         batch_op.drop_constraint(batch_op.f("fk_payouts_run_id_payout_runs"), type_="foreignkey")

@@ -21,6 +21,7 @@ import sqlalchemy as sa
 from alembic import op
 
 import orchestrator.core.db
+from migrations.guards import refuse_downgrade_while
 
 revision: str = "0033"
 down_revision: str | None = "0032"
@@ -36,15 +37,11 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    pruned = op.get_bind().execute(
-        sa.text("SELECT count(*) FROM submissions WHERE evidence_pruned_at IS NOT NULL")
+    refuse_downgrade_while(
+        "SELECT count(*) FROM submissions WHERE evidence_pruned_at IS NOT NULL",
+        "results have their evidence pruned, which revision 0032 cannot record (their "
+        "empty bodies would be read as stored ones, and the feed, its export and ReST^EM fail on "
+        "them): not downgrading",
     )
-    count = pruned.scalar_one()
-    if count:
-        raise RuntimeError(
-            f"{count} results have their evidence pruned, which revision 0032 cannot record (their "
-            "empty bodies would be read as stored ones, and the feed, its export and ReST^EM fail on "
-            "them): not downgrading"
-        )
     with op.batch_alter_table("submissions", schema=None) as batch_op:
         batch_op.drop_column("evidence_pruned_at")

@@ -25,6 +25,7 @@ import sqlalchemy as sa
 from alembic import op
 
 import orchestrator.core.db
+from migrations.guards import refuse_downgrade_while
 
 revision: str = "0034"
 down_revision: str | None = "0033"
@@ -66,13 +67,12 @@ WHERE v.outcome = 'accepted' AND v.hold_until IS NOT NULL
 
 
 def downgrade() -> None:
-    count = op.get_bind().execute(sa.text(WITHDRAWN_UNREWARDED)).scalar_one()
-    if count:
-        raise RuntimeError(
-            f"{count} accepted verdicts without a reward hold are withdrawn by a fraud verdict, which "
-            "revision 0033 cannot record (and the upgrade rebuilds hold_until from reward holds only): "
-            "the feed would serve their rollouts again; not downgrading"
-        )
+    refuse_downgrade_while(
+        WITHDRAWN_UNREWARDED,
+        "accepted verdicts without a reward hold are withdrawn by a fraud verdict, which "
+        "revision 0033 cannot record (and the upgrade rebuilds hold_until from reward holds only): "
+        "the feed would serve their rollouts again; not downgrading",
+    )
     with op.batch_alter_table("verdicts", schema=None) as batch_op:
         batch_op.drop_index("ix_verdicts_fraud")
         batch_op.drop_column("hold_until")
