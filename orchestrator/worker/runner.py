@@ -260,9 +260,7 @@ class _Worker:
                 raise
             # Stopped while the start waited out a retry (the server away or busy): nothing is
             # held yet, so the run ends at once, as a stop.
-            self._set_state("stopped")
-            log.info("worker_stopped", **_summary(self.stats))
-            return dataclasses.replace(self.stats)
+            return self._stopped()
         background = [
             asyncio.create_task(self._heartbeat_loop(interval), name="worker-heartbeat"),
             asyncio.create_task(self._stats_loop(), name="worker-stats"),
@@ -279,6 +277,9 @@ class _Worker:
                 self.closing.set()
                 await asyncio.gather(*background, return_exceptions=True)
         await self._refresh()
+        return self._stopped()
+
+    def _stopped(self) -> WorkerStats:
         self._set_state("stopped")
         log.info("worker_stopped", **_summary(self.stats))
         return dataclasses.replace(self.stats)
