@@ -16,6 +16,8 @@ import asyncio
 import datetime as dt
 from typing import Any
 
+from sqlalchemy import text
+
 from orchestrator.core.clock import FakeClock
 from orchestrator.tasks import service
 from orchestrator.tasks.jobs import reap_once
@@ -143,3 +145,58 @@ async def test_two_failure_reports_of_one_task_sent_at_once_do_not_deadlock(app:
             url = f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}"
             detail = (await s.admin.get(url, headers=s.headers)).json()
             assert (detail["status"], detail["end_reason"]) == ("failed", "max_failures")
+
+
+async def test_max_attempts_and_a_failure_report_of_the_same_task_do_not_deadlock(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """The reaper expires a task's last attempt (max attempts 1) while the node holding the
+    task's other replica reports it failed. The reaper locked the expired lease, then (to fail
+    the task) its live siblings; the failure report locks the task's live leases in id order.
+    With the sibling's id below the expired lease's, each held what the other wanted next, and
+    PostgreSQL failed one of them (the report got 503). Now the reaper too takes the live
+    leases of its tasks in id order before anything else.
+
+    The interleaving is made, not hoped for: a third transaction holds the expired lease's
+    replica, so that the reaper stops there with whatever it has taken; the failure report then
+    starts, and the replica is let go once both wait. Eight tasks, so that one of them has its
+    ids in the order that deadlocked (ids are random: all eight the other way is 1 in 256)."""
+    async with pool_setup(
+        app, app_state, workers=2, lease_duration_s=60, max_attempts=1, max_leases_per_node=8
+    ) as s:
+        await s.enqueue([task(f"broken {i}", replication=2) for i in range(8)])
+        first, second = s.workers
+        expiring = (await first.claim(s.pool_id, max_tasks=8)).json()["leases"]
+        clock.advance(31)
+        await second.beat()
+        live = (await second.claim(s.pool_id, max_tasks=8)).json()["leases"]
+        clock.advance(31)  # the first node's leases ran out; the second's have 29 s left
+        by_task = {await s.task_of(lease): lease for lease in expiring}
+        pairs = [(by_task[await s.task_of(lease)], lease) for lease in live]
+        async with app_state.sessionmaker() as session:  # in the database's order of ids
+            before = text("SELECT CAST(:sibling AS varchar) < CAST(:expired AS varchar)")
+            order = [
+                await session.scalar(before, {"sibling": lv["assignment_id"], "expired": e["assignment_id"]})
+                for e, lv in pairs
+            ]
+        expired, sibling = pairs[order.index(True)]
+        task_id = await s.task_of(expired)
+        async with app_state.sessionmaker() as holder, holder.begin():
+            await holder.execute(
+                text(
+                    "SELECT r.id FROM task_replicas r JOIN assignments a ON a.replica_id = r.id"
+                    " WHERE a.id = :id FOR UPDATE OF r"
+                ),
+                {"id": expired["assignment_id"]},
+            )
+            reaping = asyncio.ensure_future(reap_once(app_state))
+            await until_waiting(app_state, 1, reaping)
+            report = asyncio.ensure_future(second.release(sibling, error="engine crashed"))
+            await until_waiting(app_state, 2, reaping, report)
+            assert not reaping.done() and not report.done()
+        reaped = await asyncio.wait_for(reaping, timeout=HANG_S)
+        released = await asyncio.wait_for(report, timeout=HANG_S)
+        assert released.status_code == 200, released.text
+        assert (reaped.expired, reaped.failed_tasks) == (8, 8)
+        detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
+        assert (detail["status"], detail["end_reason"]) == ("failed", "max_attempts")

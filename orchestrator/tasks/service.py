@@ -1185,15 +1185,22 @@ async def extend_leases_over_outage(
 
 async def reap_expired(session: AsyncSession, *, now: dt.datetime, limit: int = 1000) -> tuple[int, int]:
     """Expire leases past their deadline; reissue their replicas, or fail the task after the
-    pool's max attempts. Returns (expired, tasks failed). Reads only expired leases."""
-    stmt = (
-        select(Assignment)
-        .where(Assignment.status == "active", Assignment.lease_expires_at <= now)
-        .order_by(Assignment.lease_expires_at)
-        .limit(limit)
-    )
+    pool's max attempts. Returns (expired, tasks failed). Reads only expired leases.
+
+    On PostgreSQL the live leases of their tasks, the expired ones among them, are locked
+    first, in id order (``lock_live_leases``), as a failure report and every end of a task lock
+    them: failing a task writes its siblings. Locking the expired leases first and the siblings
+    after deadlocked with a failure report of a sibling whose id came first."""
+    due = (Assignment.status == "active", Assignment.lease_expires_at <= now)
+    stmt = select(Assignment).where(*due).order_by(Assignment.lease_expires_at).limit(limit)
     if is_postgres(session):
-        stmt = stmt.with_for_update(skip_locked=True)
+        picked = select(Assignment.id, Assignment.task_id).where(*due).order_by(Assignment.lease_expires_at)
+        candidates = (await session.execute(picked.limit(limit))).all()
+        await lock_live_leases(session, sorted({task_id for _, task_id in candidates}))
+        # Those still due once locked: a result, release or beat may have ended or extended one.
+        stmt = stmt.where(Assignment.id.in_([ident for ident, _ in candidates])).execution_options(
+            populate_existing=True
+        )
     expired = list((await session.execute(stmt)).scalars())
     if not expired:
         return 0, 0
