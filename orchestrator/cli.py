@@ -135,10 +135,14 @@ def serve(
     bind = (host or settings.server.host, port or settings.server.port)
     _require_free_port(*bind)
     if migrate if migrate is not None else settings.server.migrate_on_start:
-        from orchestrator.core.migrate import upgrade
+        from orchestrator.core.migrate import current_revision, known_revision, upgrade
 
         with _database_errors(settings.db.url):
-            upgrade(settings.db.url)
+            current = current_revision(settings.db.url)
+            if current is not None and not known_revision(current):
+                _require_current_schema(settings.db.url)  # the warning, as with --no-migrate
+            else:
+                upgrade(settings.db.url)
     else:
         _require_current_schema(settings.db.url)
     if settings.redis_url is None:
@@ -337,7 +341,7 @@ def alive_cmd(
     so a blocked event loop or a dead process fails the probe; a database outage does not."""
     from orchestrator.core.alive import ALIVE_INTERVAL_S, alive_age
 
-    if max_age < 2 * ALIVE_INTERVAL_S:
+    if not max_age >= 2 * ALIVE_INTERVAL_S:  # NaN too
         # Below that a healthy process, which writes every ALIVE_INTERVAL_S, fails some probes.
         raise typer.BadParameter(
             f"must be at least {2 * ALIVE_INTERVAL_S:g} s: the file is rewritten every "
@@ -384,6 +388,16 @@ def migrate_cmd(
             else:
                 migrate.upgrade(url, target)
     except CommandError as exc:  # no such revision, or one on the wrong side of the current one
+        if revision is None:  # no --revision to blame: the schema is at one this version lacks
+            current = migrate.current_revision(url)
+            reason = (
+                f"the database has the schema of revision {current}, which this version (at "
+                f"{migrate.head_revision()}) does not know: a newer version migrated it. Nothing was changed"
+                if current is not None and not migrate.known_revision(current)
+                else f"cannot migrate: {exc}"
+            )
+            console.print(escape(reason), style="red")
+            raise typer.Exit(2) from None
         raise typer.BadParameter(str(exc), param_hint="--revision") from None
     except RuntimeError as exc:
         if not downgrade or isinstance(exc, typer.Exit):  # typer.Exit is a RuntimeError too
@@ -392,7 +406,14 @@ def migrate_cmd(
         # in a run...); the run is one transaction, rolled back whole.
         console.print(f"[red]downgrade refused, the schema is unchanged:[/red] {exc}")
         raise typer.Exit(1) from None
-    reached = migrate.current_revision(url) if downgrade else target  # -1 names no revision
+    reached = migrate.current_revision(url)
+    if not downgrade and revision is not None and migrate.known_revision(revision) and reached != revision:
+        # Alembic's upgrade to a revision below the current one does nothing, successfully.
+        console.print(
+            f"[red]schema left at {reached}: {revision} is below it, and an upgrade does not go "
+            "down (pass --downgrade to go down to it)[/red]"
+        )
+        raise typer.Exit(2)
     console.print(f"[green]schema {'downgraded to' if downgrade else 'at'} {reached or 'base'}[/green]")
 
 
@@ -472,11 +493,14 @@ def _database_errors(url: str) -> Iterator[None]:
 
 async def _with_schema(work: Callable[[async_sessionmaker[AsyncSession]], Awaitable[T]]) -> T:
     """Run ``work`` with sessions of the configured database, once it is known to hold the
-    schema (``NoSchema`` otherwise: an empty database is not changed)."""
+    schema this version needs, or a newer one (``NoSchema`` otherwise: an empty database is not
+    changed, and an older schema, as after a package upgrade before ``migrate``, is not read)."""
+    from alembic.runtime.migration import MigrationContext
     from sqlalchemy import inspect
     from sqlalchemy.engine import make_url
 
     from orchestrator.core.db import make_engine, make_sessionmaker
+    from orchestrator.core.migrate import head_revision, known_revision
 
     settings = _settings().db
     engine = make_engine(settings)
@@ -484,6 +508,15 @@ async def _with_schema(work: Callable[[async_sessionmaker[AsyncSession]], Awaita
         async with engine.connect() as conn:
             if not await conn.run_sync(lambda sync: inspect(sync).has_table("api_tokens")):
                 raise NoSchema(f"the database {make_url(settings.url)!r} has no orchestrator schema")
+            current = await conn.run_sync(
+                lambda sync: MigrationContext.configure(sync).get_current_revision()
+            )
+            head = head_revision()
+            if current != head and (current is None or known_revision(current)):
+                raise NoSchema(
+                    f"the database {make_url(settings.url)!r} has the schema of revision {current}, "
+                    f"older than this version's {head}"
+                )
         return await work(make_sessionmaker(engine))
     finally:
         await engine.dispose()
@@ -521,7 +554,7 @@ def _run_on_database(work: Callable[[], Coroutine[Any, Any, T]]) -> T:
         console.print(
             f"[red]{exc}.[/red] Run this where `orchestrator serve` runs (the embedded default is "
             "./orchestrator.db, relative to the current directory), set ORCH_DB__URL to the "
-            "server's database, or create the schema with `orchestrator migrate`."
+            "server's database, or create (or upgrade) the schema with `orchestrator migrate`."
         )
         raise typer.Exit(2) from None
     except OrchestratorError as exc:
@@ -681,7 +714,9 @@ def prune_evidence_cmd(
     older_than_days: Annotated[
         int,
         typer.Option(
-            min=1, help="Prune results whose verdict was decided more than this many days ago (at least 1)"
+            min=1,
+            max=36_500,
+            help="Prune results whose verdict was decided more than this many days ago (1 to 36500)",
         ),
     ],
     archive: Annotated[
@@ -1128,7 +1163,8 @@ def provider_withdraw(
     idempotency_key: Annotated[
         str,
         typer.Option(
-            help="8 to 100 characters, your own (e.g. a date and a counter): running the command "
+            help="8 to 100 letters, digits, '.', '_', ':' and '-', your own (e.g. a date and a "
+            "counter, 2026-12-04.1): running the command "
             "again with the same key answers the first withdrawal and moves nothing"
         ),
     ],
@@ -1137,8 +1173,15 @@ def provider_withdraw(
     """Withdraw claimable rewards into a payout, which an admin settles off-chain; prints the
     payout and the balances after it as JSON. A command that failed or timed out is safe to
     run again with the same `--idempotency-key`."""
-    if not 8 <= len(idempotency_key) <= 100:
-        raise typer.BadParameter("must be 8 to 100 characters", param_hint="--idempotency-key")
+    import re
+
+    from orchestrator.ledger import IDEMPOTENCY_KEY_CHARS, IDEMPOTENCY_KEY_PATTERN
+
+    if not 8 <= len(idempotency_key) <= 100 or not re.match(IDEMPOTENCY_KEY_PATTERN, idempotency_key):
+        # As the API checks it: a key it refuses is a bad argument here, before anything is sent.
+        raise typer.BadParameter(
+            f"must be 8 to 100 characters, {IDEMPOTENCY_KEY_CHARS} only", param_hint="--idempotency-key"
+        )
     key = _key_file(provider_key, "--provider-key")
     with _worker_errors():
         out = asyncio.run(_as_provider(server, key, lambda c: c.withdraw(amount, idempotency_key)))
@@ -1327,6 +1370,7 @@ def demo_cmd(
     if json_path is not None and (json_path.is_dir() or not json_path.parent.is_dir()):
         raise typer.BadParameter(f"{json_path} is not a file in an existing directory", param_hint="--json")
 
+    _settings()  # the demo's Settings() read ORCH_* too: one that does not parse is a line, exit 2
     demo(duration=duration, honest=honest, dishonest=dishonest, seed=seed, tasks=tasks, json_path=json_path)
 
 

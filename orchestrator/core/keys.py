@@ -78,13 +78,13 @@ def generate_key() -> SigningKey:
 
 def write_key_file(path: Path, key: SigningKey, *, force: bool = False) -> None:
     """Write the 32-byte seed as base64url text, readable by the owner only (0600)."""
-    if path.exists() and not force:
+    if (path.exists() or path.is_symlink()) and not force:
         raise FileExistsError(
             f"{path} exists and was left as it is: if its key is registered, overwriting it loses "
             "that identity (and what is owed to it). Choose another file, or pass --force to "
             "replace it"
         )
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if force else os.O_EXCL | os.O_NOFOLLOW)
     fd = os.open(path, flags, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write(b64u_encode(bytes(key)) + "\n")

@@ -15,7 +15,7 @@ from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import Session
 from orchestrator.identity import repository as identity_repo
 from orchestrator.identity.auth import CurrentProvider
-from orchestrator.ledger import service
+from orchestrator.ledger import IDEMPOTENCY_KEY_PATTERN, service
 
 router = APIRouter(prefix="/v1", tags=["ledger"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute)
 
@@ -28,7 +28,7 @@ async def _idempotency_key(
             alias="Idempotency-Key",
             min_length=8,
             max_length=100,
-            pattern=r"^[A-Za-z0-9._:-]+$",
+            pattern=IDEMPOTENCY_KEY_PATTERN,
             description="Unique per intended operation; a retry with the same key has no further effect",
         ),
     ],
