@@ -27,6 +27,11 @@ from orchestrator.verification.rewards import ExactMatch, MathAnswer
         ("\\(\\frac{1}{2}\\)", "0.5"),
         ("10\\%", "0.1"),
         ("42", "42"),
+        # MATH's money answers: an escaped dollar was taken for math mode, and the gold, not
+        # wrapped, parsed as nothing (every answer scored 0; a right canary answer was fraud).
+        ("\\$18.90", "18.90"),
+        ("\\$18.90", "\\$18.90"),
+        ("\\$1,000", "1000"),
     ],
 )
 def test_math_accepts_a_right_answer_to_a_gold_in_bare_or_delimited_latex(gold: str, right: str) -> None:
@@ -34,7 +39,9 @@ def test_math_accepts_a_right_answer_to_a_gold_in_bare_or_delimited_latex(gold: 
     assert MathAnswer().reward(f"The answer is $\\boxed{{{right}}}$", {"answer": gold}) == 1.0
 
 
-@pytest.mark.parametrize(("gold", "wrong"), [("2\\sqrt{2}", "2"), ("3\\pi", "3"), ("\\sqrt{2}", "2")])
+@pytest.mark.parametrize(
+    ("gold", "wrong"), [("2\\sqrt{2}", "2"), ("3\\pi", "3"), ("\\sqrt{2}", "2"), ("\\$18.90", "19.90")]
+)
 def test_math_refuses_a_bare_latex_gold_s_leading_number(gold: str, wrong: str) -> None:
     assert MathAnswer().reward(f"The answer is $\\boxed{{{wrong}}}$", {"answer": gold}) == 0.0
 

@@ -106,7 +106,8 @@ class MathAnswer:
         expected = _expected(spec)
         if expected is None:
             return None
-        in_math_mode = any(mark in expected for mark in _MATH_MODE)
+        # An escaped dollar (``\$18.90``, MATH's money answers) is text, not a math delimiter.
+        in_math_mode = any(mark in expected.replace("\\$", "") for mark in _MATH_MODE)
         gold = parse(expected if in_math_mode else f"${expected}$", parsing_timeout=None)
         answer = parse(completion[-MAX_PARSE_CHARS:], parsing_timeout=None)
         if not gold or not answer:
