@@ -1097,6 +1097,51 @@ async def _rows(url: str, sql: str) -> list[tuple[Any, ...]]:
 AT = dt.datetime(2026, 11, 30, 12, tzinfo=dt.UTC)
 
 
+def test_0013_downgrade_refuses_a_hold_forfeited_by_a_later_fraud_verdict_than_its_first(
+    scratch_url: str,
+) -> None:
+    """Fraud verdict f5 forfeited v4's hold and was reversed on appeal (forfeit restored, the
+    hold held again); fraud verdict f7 then forfeited the hold for good. 0012 records only
+    "forfeited", and the re-upgrade's backfill gives every forfeited hold to the node's first
+    fraud verdict after it: f5, reversed, so the forfeit came back 'restored' and the hold
+    'held', and the release loop paid out the 7 that f7 slashed. The guard counted only
+    partial and non-fraud forfeits, so the downgrade went ahead."""
+    upgrade(scratch_url)
+    asyncio.run(_seed_ended_tasks(scratch_url))
+    asyncio.run(_seed_forfeited_holds(scratch_url))
+    state = (
+        "UPDATE verdicts SET outcome = 'rejected', category = 'fraud', reward_amount = 0 WHERE id = 7",
+        "INSERT INTO reward_holds (id, verdict_id, pool_id, node_id, provider_id, amount, forfeited_amount,"
+        " release_at, status, created_at) VALUES"
+        " (1, 1, 'pool-mig', :node, :provider, 7, 7, :later, 'forfeited', :at),"
+        " (2, 2, 'pool-mig', :node, :provider, 7, 7, :later, 'forfeited', :at),"
+        " (4, 4, 'pool-mig', :node, :provider, 7, 7, :later, 'forfeited', :at)",
+        "INSERT INTO reward_forfeits (id, verdict_id, hold_id, amount, slashed_account_id, status, created_at)"
+        " VALUES (1, 3, 1, 7, 2, 'forfeited', :at), (2, 3, 2, 7, 2, 'forfeited', :at),"
+        " (3, 5, 4, 7, 2, 'restored', :at), (4, 7, 4, 7, 2, 'forfeited', :at)",
+    )
+    later = AT + dt.timedelta(days=1)
+    asyncio.run(_run_sql(scratch_url, *state, node="N" * 43, provider="P" * 43, at=AT, later=later))
+    downgrade(scratch_url, "0013")
+    with pytest.raises(RuntimeError, match="1 reward forfeits.*later fraud verdict"):
+        downgrade(scratch_url, "0012")
+    assert asyncio.run(_run_sql(scratch_url)) == "0013"
+    holds = "SELECT id, status, forfeited_amount FROM reward_holds ORDER BY id"
+    assert asyncio.run(_rows(scratch_url, holds)) == [
+        (1, "forfeited", 7),
+        (2, "forfeited", 7),
+        (4, "forfeited", 7),
+    ]
+
+    # f3's forfeits of v1 and v2 (the node's first fraud verdict after each) are 0012's own.
+    asyncio.run(_run_sql(scratch_url, "DELETE FROM reward_forfeits WHERE id = 4"))
+    asyncio.run(
+        _run_sql(scratch_url, "UPDATE reward_holds SET status = 'held', forfeited_amount = 0 WHERE id = 4")
+    )
+    downgrade(scratch_url, "0012")
+    assert asyncio.run(_run_sql(scratch_url)) == "0012"
+
+
 def test_0013_downgrade_refuses_while_a_soft_penalty_forfeit_is_in_force(scratch_url: str) -> None:
     # 0012 knows no partial forfeit: v7, invalid, took 3 of the 7 that v6's hold keeps (the 3 are
     # in the slashed account). Without forfeited_amount the release pays all 7 out of pending

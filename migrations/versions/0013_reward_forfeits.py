@@ -107,21 +107,32 @@ def upgrade() -> None:
 
 
 # Forfeits in force that 0012 cannot record: a soft-invalid penalty's (0012 knows no partial
-# forfeit, and the backfill above rebuilds only fraud verdicts'), or one of part of a hold.
+# forfeit, and the backfill above rebuilds only fraud verdicts'), one of part of a hold, or one
+# by a fraud verdict other than the node's first after the hold's verdict (that one was
+# reversed and a later one forfeited the hold again): the backfill would give the forfeit to
+# the first, reversed, and the hold, ``held`` again, would be paid out as well as slashed.
 UNREPRESENTABLE = """
 SELECT count(*) FROM reward_forfeits f
 JOIN reward_holds h ON h.id = f.hold_id
 JOIN verdicts v ON v.id = f.verdict_id
-WHERE f.status = 'forfeited' AND (v.category <> 'fraud' OR f.amount <> h.amount)
+WHERE f.status = 'forfeited' AND (
+    v.category <> 'fraud' OR f.amount <> h.amount
+    OR f.verdict_id <> (
+        SELECT min(f2.id) FROM verdicts f2
+        WHERE f2.pool_id = h.pool_id AND f2.node_id = h.node_id
+          AND f2.category = 'fraud' AND f2.id > h.verdict_id
+    )
+)
 """
 
 
 def downgrade() -> None:
     refuse_downgrade_while(
         UNREPRESENTABLE,
-        "reward forfeits in force took part of a hold or were a soft-invalid penalty, which "
-        "revision 0012 cannot record (the release would pay the forfeited part as well, and an "
-        "appeal would give nothing back): not downgrading",
+        "reward forfeits in force took part of a hold, were a soft-invalid penalty, or were a "
+        "later fraud verdict's after an appeal reversed the first, which revision 0012 cannot "
+        "record (the release would pay the forfeited part as well, and an appeal would give "
+        "nothing back): not downgrading",
     )
     with op.batch_alter_table("reward_forfeits", schema=None) as batch_op:
         batch_op.drop_index("ix_reward_forfeits_hold_id")
