@@ -286,7 +286,8 @@ async def test_the_sweeper_goes_on_after_its_interval_is_raised(
 ) -> None:
     """A tick's number is the time over the sweep interval: with ORCH_HEARTBEAT__SWEEP_INTERVAL_S
     raised from 5 to 10 s, every later tick's number was half the one recorded, so no tick could
-    be claimed again (for decades) and a node that stopped beating stayed healthy for good."""
+    be claimed again (for decades) and a node that stopped beating stayed healthy for good. The
+    tick recorded ahead is taken over once it has stood still for a minute."""
     silent = new_contributor()
     await silent.register(client)
     await silent.beat(client)
@@ -299,7 +300,9 @@ async def test_the_sweeper_goes_on_after_its_interval_is_raised(
     restarted = create_app(slower, clock=clock, hot_store=hot_store, serving_marks=False)
     async with LifespanManager(restarted):
         state = restarted.state.orch
-        clock.advance(31)
+        clock.advance(1)
+        assert not (await sweep_once(state)).ran  # the tick recorded ahead, first seen
+        clock.advance(60)
         report = await sweep_once(state)
         assert report.ran and report.to_unhealthy == 1
         assert await status_of(client, silent) == "unhealthy"
@@ -308,14 +311,36 @@ async def test_the_sweeper_goes_on_after_its_interval_is_raised(
         assert (await sweep_once(state)).ran
 
 
+async def test_a_process_whose_clock_is_behind_does_not_run_every_tick_again(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A second process two minutes slow (a host without NTP) sees every tick the process on
+    time records as more than a minute ahead of its own. It claimed over each of them, and the
+    one on time claimed its next tick as usual: every loop ran twice per interval, half of its
+    runs judged on the slow clock. The recorded tick keeps moving, so it is not taken over."""
+    slow_clock = FakeClock(clock.now() - 120)
+    slow = dataclasses.replace(app_state, clock=slow_clock)
+    for _ in range(24):  # two minutes of both processes ticking every 5 s
+        assert (await sweep_once(app_state)).ran and (await reap_once(app_state)).ran
+        assert not (await sweep_once(slow)).ran and not (await reap_once(slow)).ran
+        clock.advance(5)
+        slow_clock.advance(5)
+    async with app_state.sessionmaker() as session:
+        assert await tick_runs(session, SWEEPER) == 24
+
+
 async def test_one_process_whose_clock_ran_ahead_does_not_stop_the_loops_everywhere(
     app: Any, app_state: Any, clock: FakeClock
 ) -> None:
     """A host whose clock ran a day ahead for one tick (then set right) recorded a tick a day
     ahead: every other process's claim failed until the clocks caught up with it (no lease
-    expired, no node was judged, for a day). A recorded tick over a minute ahead is claimed."""
+    expired, no node was judged, for a day). A recorded tick over a minute ahead, that no claim
+    has moved for a minute, is claimed."""
     ahead = dataclasses.replace(app_state, clock=FakeClock(clock.now() + 86400))
     assert (await sweep_once(ahead)).ran and (await reap_once(ahead)).ran
+    for _ in range(12):  # a minute of ticks, the recorded one standing still a day ahead
+        clock.advance(5)
+        assert not (await sweep_once(app_state)).ran and not (await reap_once(app_state)).ran
     clock.advance(5)
     assert (await sweep_once(app_state)).ran and (await reap_once(app_state)).ran
     assert not (await sweep_once(app_state)).ran  # still once per tick

@@ -1123,7 +1123,7 @@ def test_0013_downgrade_refuses_a_hold_forfeited_by_a_later_fraud_verdict_than_i
     later = AT + dt.timedelta(days=1)
     asyncio.run(_run_sql(scratch_url, *state, node="N" * 43, provider="P" * 43, at=AT, later=later))
     downgrade(scratch_url, "0013")
-    with pytest.raises(RuntimeError, match="1 reward forfeits.*later fraud verdict"):
+    with pytest.raises(RuntimeError, match=r"1 reward forfeits.*later fraud verdict"):
         downgrade(scratch_url, "0012")
     assert asyncio.run(_run_sql(scratch_url)) == "0013"
     holds = "SELECT id, status, forfeited_amount FROM reward_holds ORDER BY id"

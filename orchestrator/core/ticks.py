@@ -36,10 +36,17 @@ class BackgroundTick(Base):
 
 
 # A recorded tick more than this far ahead of a claimant's own (and more than three of its
-# intervals) is claimed over: only a clock that ran ahead (a host set wrong, then corrected)
-# or another interval (a longer one numbers ticks lower) leaves one, and it stopped the loop in
-# every process until their clocks caught up with it (a day ahead: no lease expired for a day).
+# intervals) is claimed over once no claim has moved it for as long: only a clock that ran
+# ahead (a host set wrong, then corrected) or another interval (a longer one numbers ticks
+# lower) leaves one, and it stopped the loop in every process until their clocks caught up with
+# it (a day ahead: no lease expired for a day). A claimant whose own clock is behind sees every
+# tick recorded ahead too, but those keep moving (the processes on time claim them), so it does
+# not take over: it claimed over each of them, and every loop ran twice per interval.
 FOREIGN_AHEAD_S = 60.0
+
+# Per (runner, loop): the recorded tick's run count this process last saw ahead, and since when
+# (monotonic) it has seen that count unchanged.
+_SEEN_AHEAD: dict[tuple[str, str], tuple[int, float]] = {}
 
 
 def foreign_after(interval_s: float) -> int:
@@ -47,14 +54,29 @@ def foreign_after(interval_s: float) -> int:
     return math.ceil(max(FOREIGN_AHEAD_S, 3 * interval_s) / interval_s)
 
 
-async def claim_tick(session: AsyncSession, name: str, tick: int, runner: str, *, interval_s: float) -> bool:
+async def claim_tick(
+    session: AsyncSession, name: str, tick: int, runner: str, *, interval_s: float, clock: Clock
+) -> bool:
     """True if this caller owns tick ``tick`` (of ``interval_s`` seconds) of loop ``name`` (call
     inside a transaction): the recorded tick is lower, or too far ahead to be of this interval
-    and a clock that agrees (``FOREIGN_AHEAD_S``)."""
+    and a clock that agrees and has stayed so, unclaimed, for as long (``FOREIGN_AHEAD_S``)."""
     await insert_ignore(session, BackgroundTick, {"name": name, "last_tick": -1, "runs": 0})
-    claimable = or_(
-        BackgroundTick.last_tick < tick, BackgroundTick.last_tick > tick + foreign_after(interval_s)
-    )
+    claimable: ColumnElement[bool] = BackgroundTick.last_tick < tick
+    recorded = (
+        await session.execute(
+            select(BackgroundTick.last_tick, BackgroundTick.runs).where(BackgroundTick.name == name)
+        )
+    ).one()
+    if recorded.last_tick > tick + foreign_after(interval_s):
+        key, now = (runner, name), clock.monotonic()
+        seen = _SEEN_AHEAD.get(key)
+        if seen is None or seen[0] != recorded.runs:
+            _SEEN_AHEAD[key] = (recorded.runs, now)
+            return False
+        if now - seen[1] < max(FOREIGN_AHEAD_S, 3 * interval_s):
+            return False
+        claimable = BackgroundTick.runs == recorded.runs  # unless a claim moved it meanwhile
+    _SEEN_AHEAD.pop((runner, name), None)
     result = await session.execute(
         update(BackgroundTick)
         .where(BackgroundTick.name == name, claimable)
@@ -96,7 +118,10 @@ async def tick_in_batches(
     results: list[T] = []
     while True:
         async with sessionmaker() as session, session.begin():
-            if not results and not await claim_tick(session, name, tick, runner, interval_s=budget_s):
+            claimed = results or await claim_tick(
+                session, name, tick, runner, interval_s=budget_s, clock=clock
+            )
+            if not claimed:
                 return None
             result = await batch(session)
         results.append(result)

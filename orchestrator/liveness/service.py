@@ -131,7 +131,9 @@ async def sweep_once(state: AppState) -> SweepReport:
     now = state.clock.now()
     tick = int(now // hb.sweep_interval_s)
     async with state.sessionmaker() as session, session.begin():
-        if not await claim_tick(session, SWEEPER, tick, state.instance_id, interval_s=hb.sweep_interval_s):
+        if not await claim_tick(
+            session, SWEEPER, tick, state.instance_id, interval_s=hb.sweep_interval_s, clock=state.clock
+        ):
             return SweepReport(tick=tick, ran=False)
         store = state.hot_store
         # Silence counts only while some API process could take beats (``serving``): after an
@@ -229,7 +231,7 @@ async def reconcile_once(state: AppState) -> ReconcileReport:
     tick = int(now // RECONCILE_INTERVAL_S)
     async with state.sessionmaker() as session, session.begin():
         if not await claim_tick(
-            session, RECONCILER, tick, state.instance_id, interval_s=RECONCILE_INTERVAL_S
+            session, RECONCILER, tick, state.instance_id, interval_s=RECONCILE_INTERVAL_S, clock=state.clock
         ):
             return ReconcileReport(tick=tick, ran=False)
     changed_before = state.clock.utcnow() - dt.timedelta(seconds=hb.dead_after_s)

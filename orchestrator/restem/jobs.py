@@ -32,7 +32,9 @@ async def advance_once(state: AppState) -> AdvanceReport:
     now = state.clock.now()
     tick = int(now // INTERVAL_S)
     async with state.sessionmaker() as session, session.begin():
-        if not await claim_tick(session, RESTEM_BARRIER, tick, state.instance_id, interval_s=INTERVAL_S):
+        if not await claim_tick(
+            session, RESTEM_BARRIER, tick, state.instance_id, interval_s=INTERVAL_S, clock=state.clock
+        ):
             return AdvanceReport(tick=tick, ran=False)
         changed = await service.advance(session, now=state.clock.utcnow(), skip_locked=True)
     completed = sum(1 for it in changed if it.status == "complete")

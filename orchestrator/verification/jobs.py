@@ -90,7 +90,9 @@ async def verify_once(state: AppState) -> VerifyReport:
 async def _housekeeping(state: AppState, tick: int) -> tuple[bool, int, int]:
     now = state.clock.utcnow()
     async with state.sessionmaker() as session, session.begin():
-        if not await claim_tick(session, VERIFIER, tick, state.instance_id, interval_s=VERIFY_INTERVAL_S):
+        if not await claim_tick(
+            session, VERIFIER, tick, state.instance_id, interval_s=VERIFY_INTERVAL_S, clock=state.clock
+        ):
             return False, 0, 0
         expired = await validators.expire_leases(session, now=now)
         secret = state.settings.seed_key
