@@ -6,23 +6,32 @@ lease and replica of the task. It used to lock the task first and then wait for 
 the result held, while the result waited for the task: a deadlock, which PostgreSQL breaks
 after a second by failing one of them (the cancel or the result got a 503). Each test holds a
 result's locks with the result path's own statements, at the point where it has read its lease
-and is about to write, and checks that the other side waits and then finishes. The last test
-holds one failure report's locks while another is made.
+and is about to write, and checks that the other side waits and then finishes. Others hold one
+failure report's locks while another is made, pace a pool's completion against a cancel, and
+hold a cancel while another settles the same node's results.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import types
 from typing import Any
 
-from sqlalchemy import text
+import structlog
+from sqlalchemy import select, text
 
 from orchestrator.core.clock import FakeClock
+from orchestrator.core.keys import generate_key, key_id_of
 from orchestrator.tasks import service
 from orchestrator.tasks.jobs import reap_once
+from orchestrator.tasks.models import Task
+from orchestrator.verification.jobs import drain
+from orchestrator.verification.models import NodeTrust, Verdict
+from orchestrator.verification.service import partition_of
 from tests.conftest import postgres_only
 from tests.tasks_helpers import pool_setup, task
+from tests.verification_helpers import FixedDraw, submit, verify_all
 from tests.waits import HANG_S, until_waiting
 
 pytestmark = postgres_only
@@ -200,3 +209,151 @@ async def test_max_attempts_and_a_failure_report_of_the_same_task_do_not_deadloc
         assert (reaped.expired, reaped.failed_tasks) == (8, 8)
         detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
         assert (detail["status"], detail["end_reason"]) == ("failed", "max_attempts")
+
+
+COLOUR = {"prompt": "Name a colour.", "sampling": {"max_tokens": 8}}  # nothing to check: a quorum
+
+
+async def test_two_cancels_settling_one_nodes_first_results_both_succeed(app: Any, app_state: Any) -> None:
+    """Node A's first two results in the pool wait for their quorum (two replicated tasks whose
+    answers the server cannot check; node B holds both siblings). The operator cancels both
+    tasks at once: each cancel decides A's lone waiting result ``task_abandoned`` and so creates
+    A's track record (``verification.service._trust``). With a plain INSERT the second waited on
+    the first's uncommitted row and then failed with a unique violation: a 500, nothing
+    cancelled. Now it is INSERT ... ON CONFLICT DO NOTHING, then a locked read."""
+    async with pool_setup(app, app_state, workers=2, replication_factor=2) as s:
+        first_id = (await s.enqueue([dict(COLOUR), dict(COLOUR)])).json()["first_task_id"]
+        a, b = s.workers
+        leases = (await a.claim(s.pool_id, max_tasks=2)).json()["leases"]
+        assert len(leases) == 2
+        assert len((await b.claim(s.pool_id, max_tasks=2)).json()["leases"]) == 2  # never answers
+        for lease in leases:
+            await submit(a, lease, ["red"])
+        await verify_all(app_state)  # both wait for their siblings: no verdict, no track record
+        task_ids = [await s.task_of(lease) for lease in leases]
+        assert sorted(task_ids) == [first_id, first_id + 1]
+
+        # The first cancel, as the route makes it, held open until the second waits on it.
+        async with app_state.sessionmaker() as session, session.begin():
+            await service.lock_live_leases(session, [task_ids[0]])
+            task = await session.get(Task, task_ids[0], with_for_update=True)
+            assert task is not None
+            await service.cancel_task(session, task, "cancelled by the test")
+            second = asyncio.ensure_future(
+                s.admin.post(f"/v1/admin/pools/{s.pool_id}/tasks/{task_ids[1]}/cancel", headers=s.headers)
+            )
+            await until_waiting(app_state, 1, second)
+        r = await asyncio.wait_for(second, timeout=HANG_S)
+        assert r.status_code == 200, r.text
+        assert r.json()["status"] == "cancelled"
+        async with app_state.sessionmaker() as session:
+            reasons = (await session.execute(select(Verdict.reason))).scalars().all()
+            trust = await session.get(NodeTrust, (s.pool_id, a.node_id))
+        assert sorted(reasons) == ["task_abandoned", "task_abandoned"]
+        assert trust is not None and trust.invalid == 2
+
+
+async def test_a_fraud_ejection_and_the_nodes_result_in_flight_do_not_deadlock(
+    app: Any, app_state: Any, clock: Any
+) -> None:
+    """One verifier batch holds a replicated task (``_lock_replicated_tasks``, taken before any
+    verdict) and then ejects a node for fraud, which locks that node's live leases
+    (``release_member_leases``). The node meanwhile sends its result for its replica of that very
+    task: the result holds its lease and replica and waits for the task. Lease -> task on one
+    side, task -> lease on the other was a deadlock that PostgreSQL broke by failing one side
+    (the verdict's savepoint, or the result's 503). The batch now locks the tasks' live leases
+    first, in id order, as every ending of a task does."""
+    app_state.rng = FixedDraw(1.0)
+    econ = {"strikes_before_ejection": 1, "strikes_before_provider_ban": 10}
+    # Two providers of one verifier partition (one in 16 of any two; a large pool has many):
+    # their results are checked in one batch.
+    a_key = generate_key()
+    n_key = generate_key()
+    while partition_of(key_id_of(n_key)) != partition_of(key_id_of(a_key)):
+        n_key = generate_key()
+    async with pool_setup(app, app_state, economics=econ) as s:
+        a = await s.add_worker(provider_key=a_key)
+        n = await s.add_worker(provider_key=n_key)
+        await s.enqueue([task(canary=True), task(replication=2)])
+        canary, shared = (await n.claim(s.pool_id, max_tasks=2)).json()["leases"]
+        [a_lease] = (await a.claim(s.pool_id)).json()["leases"]
+        await submit(a, a_lease, ["4"])  # A's result on the replicated task: in the same batch
+        await submit(n, canary, ["5"])  # N fails the canary: fraud, one strike, ejected
+        failures: list[str] = []
+        with structlog.testing.capture_logs() as logs:
+            async with app_state.sessionmaker() as session, session.begin():
+                conn = await session.connection()
+                context = {"assignment_id": shared["assignment_id"], "node_id": n.node_id, "policy_step": 1}
+                read = (await conn.execute(service._result_context(True), context)).first()
+                assert read is not None
+                verifier = asyncio.ensure_future(drain(app_state))
+                await until_waiting(app_state, 1, verifier)
+                assert not verifier.done(), "the verifier did not wait for the result's lease"
+                try:
+                    await asyncio.wait_for(
+                        conn.execute(
+                            service._TASK_SUBMITTED, {"b_task": read.task_id, "b_now": clock.utcnow()}
+                        ),
+                        timeout=HANG_S,
+                    )
+                except Exception as exc:  # the deadlock, if PostgreSQL failed this side
+                    failures.append(repr(exc))
+                    raise
+            await asyncio.wait_for(verifier, timeout=HANG_S)
+        failures += [
+            f"{e['event']} {e.get('submission_id')}: {e.get('exc_info')!r}"[:300]
+            for e in logs
+            if e["log_level"] == "error"
+        ]
+        async with app_state.sessionmaker() as session:
+            fraud = (
+                (await session.execute(select(Verdict.reason).where(Verdict.node_id == n.node_id)))
+                .scalars()
+                .all()
+            )
+        assert failures == [] and fraud == ["canary_failed"], (failures, fraud)
+
+
+async def test_a_pool_completion_and_a_task_cancel_do_not_deadlock(
+    app: Any, app_state: Any, monkeypatch: Any
+) -> None:
+    """Completing a pool gives back its members' leases node by node (``release_member_leases``,
+    in ``live_members`` order: by provider), each node's leases locked as it comes, and only then
+    cancels the open tasks. A cancel of one task locks that task's live leases in lease id order
+    (``lock_live_leases``). With node X's lease of a task first in the completion's order but
+    second by id, and node Y's the other way round, each held one lease the other needed (503
+    for one side). The completion now locks all of the pool's live leases in id order first."""
+    ids = iter(f"{i:04d}" for i in range(1, 100))
+    # The leases' ids in claim order (asg_0001, ...), for the test to know which sorts first.
+    monkeypatch.setattr(service, "secrets", types.SimpleNamespace(token_urlsafe=lambda _n: next(ids)))
+    async with pool_setup(app, app_state, workers=2) as s:
+        x, y = sorted(s.workers, key=lambda w: w.contributor.provider_id)  # completion order: X, Y
+        task_id = (await s.enqueue([task(replication=2)])).json()["first_task_id"]
+        [y_lease] = (await y.claim(s.pool_id)).json()["leases"]  # asg_0001: the cancel's first
+        [x_lease] = (await x.claim(s.pool_id)).json()["leases"]  # asg_0002: the completion's first
+        assert y_lease["assignment_id"] < x_lease["assignment_id"]
+        r = await s.admin.post(f"/v1/admin/pools/{s.pool_id}/pause", headers=s.headers)
+        assert r.status_code == 200, r.text
+
+        real = service.release_member_leases
+        first_done, go_on = asyncio.Event(), asyncio.Event()
+
+        async def paced(session: Any, pool_id: str, node_id: str, *, now: Any) -> int:
+            given_back = await real(session, pool_id, node_id, now=now)
+            if node_id == x.node_id:  # X's leases are held: let the cancel start
+                first_done.set()
+                await go_on.wait()
+            return given_back
+
+        monkeypatch.setattr(service, "release_member_leases", paced)
+        complete = asyncio.ensure_future(
+            s.admin.post(f"/v1/admin/pools/{s.pool_id}/complete", headers=s.headers)
+        )
+        await asyncio.wait_for(first_done.wait(), timeout=HANG_S)
+        cancel = asyncio.ensure_future(
+            s.admin.post(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}/cancel", headers=s.headers)
+        )
+        await until_waiting(app_state, 1, cancel)  # the cancel holds Y's lease, waits for X's
+        go_on.set()
+        done, cancelled = await asyncio.wait_for(asyncio.gather(complete, cancel), timeout=HANG_S)
+        assert (done.status_code, cancelled.status_code) == (200, 200), (done.text, cancelled.text)

@@ -381,10 +381,15 @@ async def change_status(
     ended: list[str] = []
     cancelled = 0
     if target == PoolStatus.completed.value:
+        members = await repo.live_members(session, pool.id)
+        # The global order: memberships, their accounts, then every live lease of the pool (in
+        # id order, as a cancel of one of its tasks takes them), before giving them back.
+        await _lock_stake(session, members)
+        await lock_pool_leases(session, pool.id)
         ended = await _end_memberships(
             session,
             pool,
-            await repo.live_members(session, pool.id),
+            members,
             to_status=MembershipStatus.left.value,
             reason="pool completed",
             actor=principal.token_id,
@@ -429,6 +434,13 @@ async def release_member_leases(
     from orchestrator.tasks.service import release_member_leases as release
 
     return await release(session, pool_id, node_id, now=now)
+
+
+async def lock_pool_leases(session: AsyncSession, pool_id: str) -> None:
+    """Hook: lock the pool's live leases before it is completed (``tasks.service``)."""
+    from orchestrator.tasks.service import lock_pool_live_leases
+
+    await lock_pool_live_leases(session, pool_id)
 
 
 async def end_pool_tasks(session: AsyncSession, pool_id: str, *, now: dt.datetime) -> int:

@@ -360,6 +360,24 @@ async def lock_live_leases(session: AsyncSession, task_ids: Sequence[int]) -> No
         await session.execute(_LOCK_LIVE_LEASES, {"task_ids": list(task_ids)})
 
 
+_LOCK_POOL_LIVE_LEASES = text(
+    """
+    SELECT a.id FROM assignments a JOIN task_replicas r ON r.id = a.replica_id
+     WHERE a.pool_id = :pool_id AND a.status = 'active'
+     ORDER BY a.id FOR UPDATE OF a, r
+    """
+)
+
+
+async def lock_pool_live_leases(session: AsyncSession, pool_id: str) -> None:
+    """Before completing a pool: lock every live lease of the pool, and their replicas, in id
+    order (``lock_live_leases``' order), before its memberships give their nodes' leases back
+    node by node. Taken node by node, they deadlocked with a cancel of a task whose leases' ids
+    came in the other order (PostgreSQL; SQLite's single writer has no lock order)."""
+    if is_postgres(session):
+        await session.execute(_LOCK_POOL_LIVE_LEASES, {"pool_id": pool_id})
+
+
 async def cancel_task(
     session: AsyncSession, task: Task, reason: str, *, end_reason: str = "cancelled"
 ) -> Task:

@@ -73,7 +73,7 @@ from sqlalchemy.orm import aliased
 from orchestrator.admin.tokens import Principal
 from orchestrator.core import metrics
 from orchestrator.core.db import UTCDateTime
-from orchestrator.core.sql import is_postgres
+from orchestrator.core.sql import insert_ignore, is_postgres
 from orchestrator.core.ticks import Keyset
 from orchestrator.identity.models import Node
 from orchestrator.ledger import service as ledger
@@ -435,7 +435,16 @@ async def _lock_replicated_tasks(session: AsyncSession, task_ids: set[int]) -> l
     still waiting for its checks and both leave the quorum undecided: with the task locked the
     second waits for the first to commit and decides on the task and results it committed.
     (The system accounts in ``lock_for_verdicts`` serialise verifier batches as well; this
-    does not depend on it, and refreshes the task rows read before the lock.)"""
+    does not depend on it, and refreshes the task rows read before the lock.)
+
+    Their live leases are locked first, in id order, as every ending of a task locks them
+    (``tasks.service.lock_live_leases``): a fraud verdict's ejection gives back the node's
+    leases, and a result of that node in flight on one of these tasks holds its lease while it
+    waits for the task. Locking the task first deadlocked with it."""
+    from orchestrator.tasks.service import lock_live_leases
+
+    replicated = select(Task.id).where(Task.id.in_(task_ids), Task.replication > 1).order_by(Task.id)
+    await lock_live_leases(session, list((await session.execute(replicated)).scalars()))
     stmt = (
         select(Task)
         .where(Task.id.in_(task_ids), Task.replication > 1)
@@ -1091,21 +1100,29 @@ def _verified(decision: Decision, job: VerificationJob) -> bool:
 
 
 async def _trust(session: AsyncSession, pool_id: str, node_id: str, provider_id: str) -> NodeTrust:
+    """The node's track record in the pool, locked; created if missing. Created with INSERT ...
+    ON CONFLICT DO NOTHING and then read: two transactions deciding a node's first verdicts at
+    once (two cancels settling its waiting results) each inserted it, and the second failed on
+    the primary key (a 500, nothing done)."""
     trust = await session.get(NodeTrust, (pool_id, node_id), with_for_update=True)
     if trust is None:
-        trust = NodeTrust(
-            pool_id=pool_id,
-            node_id=node_id,
-            provider_id=provider_id,
-            consecutive_valid=0,
-            valid=0,
-            invalid=0,
-            fraud=0,
-            strikes=0,
-            updated_at=dt.datetime.now(dt.UTC),
+        await insert_ignore(
+            session,
+            NodeTrust,
+            {
+                "pool_id": pool_id,
+                "node_id": node_id,
+                "provider_id": provider_id,
+                "consecutive_valid": 0,
+                "valid": 0,
+                "invalid": 0,
+                "fraud": 0,
+                "strikes": 0,
+                "updated_at": dt.datetime.now(dt.UTC),
+            },
         )
-        session.add(trust)
-        await session.flush()
+        trust = await session.get(NodeTrust, (pool_id, node_id), with_for_update=True, populate_existing=True)
+        assert trust is not None
     return trust
 
 
