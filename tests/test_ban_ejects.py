@@ -372,3 +372,21 @@ async def test_a_join_racing_the_verifiers_provider_ban_is_refused_not_left_live
             joined = await joining
         problem(joined, 403, "provider_blacklisted")
         assert await statuses(s, s.pool_id) == {w.node_id: "left"}
+
+
+async def test_a_ban_keeps_the_nodes_last_heartbeat(app: Any, app_state: Any) -> None:
+    """The ban's after-commit ``forget_node`` deleted the node's beat hash from the hot store
+    without copying the last beat into ``nodes.last_heartbeat_at`` (as the sweeper does when it
+    marks a node dead), so the admin view of a banned node, the one an operator investigates,
+    said it never beat, even after an unban until the node beat again."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        [w] = s.workers
+        await w.beat()
+        url = f"/v1/admin/nodes/{w.node_id}"
+        seen = (await s.admin.get(url, headers=s.admin_headers)).json()["last_heartbeat_at"]
+        assert seen is not None
+        r = await s.admin.post(f"{url}/ban", json={"reason": "forged rewards"}, headers=s.admin_headers)
+        assert r.status_code == 200 and r.json()["last_heartbeat_at"] == seen, r.text
+        assert (await s.admin.get(url, headers=s.admin_headers)).json()["last_heartbeat_at"] == seen
+        assert (await s.admin.post(f"{url}/unban", headers=s.admin_headers)).status_code == 200
+        assert (await s.admin.get(url, headers=s.admin_headers)).json()["last_heartbeat_at"] == seen

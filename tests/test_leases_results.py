@@ -1205,7 +1205,8 @@ async def test_leaving_a_pool_with_a_lease_that_ran_out_counts_its_expiry(
     app: Any, app_state: Any, clock: FakeClock
 ) -> None:
     """As for a release: a lease past its deadline when its node leaves the pool is over, and
-    the reaper expires it (an attempt, seen in lease-stats): it is not one given back in time."""
+    it expires then (an attempt, seen in lease-stats): it is not one given back in time. (It
+    was left live for the reaper, and the first mark after an outage brought it back to life.)"""
     async with pool_setup(app, app_state, workers=1, lease_duration_s=60) as s:
         w = s.workers[0]
         task_id = (await s.enqueue([task()])).json()["first_task_id"]
@@ -1213,7 +1214,7 @@ async def test_leaving_a_pool_with_a_lease_that_ran_out_counts_its_expiry(
         clock.advance(61)
         r = await w.client.post(f"/v1/pools/{s.pool_id}/leave", json={}, auth=w.contributor.node_auth)
         assert r.status_code == 200, r.text
-        assert (await reap_once(app_state)).expired == 1
+        assert (await reap_once(app_state)).expired == 0  # nothing left for the reaper
         detail = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)).json()
         assert [a["status"] for a in detail["assignments"]] == ["expired"]
         assert detail["replicas"][0]["expirations"] == 1

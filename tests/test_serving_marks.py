@@ -481,3 +481,54 @@ async def test_a_clock_is_compared_only_with_a_database_on_another_host(
         pytest.skip("the PostgreSQL case is the test above")
     async with app_state.sessionmaker() as session:
         assert await check_clock(dataclasses.replace(app_state, clock=OffsetClock(30.0)), session) is None
+
+
+async def _lease_status(app_state: Any, assignment_id: str) -> str:
+    async with app_state.sessionmaker() as session:
+        row = await session.get(Assignment, assignment_id)
+        assert row is not None
+        return row.status
+
+
+@pytest.mark.parametrize(
+    ("marking", "ended_as"),
+    [(True, "released"), (False, "expired")],
+    ids=["the route marks first", "a process that does not mark"],
+)
+@pytest.mark.parametrize("action", ["eject", "ban", "leave"])
+async def test_a_node_that_leaves_at_the_return_from_an_outage_keeps_no_live_lease(
+    app: Any, app_state: Any, clock: FakeClock, action: str, marking: bool, ended_as: str
+) -> None:
+    """A 60 s lease, a 120 s outage (no API process marked; the reaper held off), and at the
+    return the node is ejected, banned or leaves before the marks loop's next tick. Ending the
+    membership gave back only the leases whose deadline was still ahead and left this one
+    active "for the reaper"; the mark then gave it the outage's length back, and the node, no
+    longer in the pool, held a live lease: its result was taken and paid, and after an unban its
+    beats kept the lease. Now the routes that end memberships write the mark first (the lease,
+    live again, is given back), and a lease still overdue when a membership ends (the verifier's
+    ejection, in a process that writes no marks) expires then."""
+    app_state.marking = marking
+    async with pool_setup(app, app_state, workers=1, lease_duration_s=60) as s:
+        [w] = s.workers
+        await s.enqueue([task()])
+        [lease] = (await w.claim(s.pool_id)).json()["leases"]
+        await mark(app_state)
+        clock.advance(121)  # the outage, then back
+        if action == "eject":
+            url = f"/v1/admin/pools/{s.pool_id}/members/{w.node_id}/eject"
+            r = await s.admin.post(url, json={"reason": "cheating"}, headers=s.headers)
+        elif action == "ban":
+            url = f"/v1/admin/nodes/{w.node_id}/ban"
+            r = await s.admin.post(url, json={"reason": "sybil"}, headers=s.admin_headers)
+        else:
+            r = await w.client.post(f"/v1/pools/{s.pool_id}/leave", auth=w.contributor.node_auth)
+        assert r.status_code == 200, r.text
+        await mark(app_state)  # the marks loop's next tick
+        assert await _lease_status(app_state, lease["assignment_id"]) == ended_as
+        if action == "ban":
+            r = await s.admin.post(f"/v1/admin/nodes/{w.node_id}/unban", headers=s.admin_headers)
+            assert r.status_code == 200, r.text
+            assert (await w.beat([lease["assignment_id"]])).json()["drop_leases"] == [lease["assignment_id"]]
+        r = await w.submit(lease)
+        assert r.status_code in (403, 409), r.text
+        assert await _lease_status(app_state, lease["assignment_id"]) == ended_as

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Depends, Path, Query
 from sqlalchemy import select
 
 from api_schemas.admin import BanIn, NodeDetailOut, StatusChangeOut, TokenCreatedOut, TokenIn, TokenOut
@@ -22,6 +22,7 @@ from orchestrator.core.state import Session, State
 from orchestrator.identity import repository as repo
 from orchestrator.identity.models import NODE_STATUSES, Node
 from orchestrator.identity.service import node_out
+from orchestrator.liveness.serving import leases_caught_up
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute)
 
@@ -63,6 +64,7 @@ async def get_node(node_id: KeyId, _: AdminOnly, session: Session, state: State)
         "Ban a node: it is ejected from every pool it is a member of (leases released, stake "
         "unbonding) and every contributor endpoint then answers 403 node_banned"
     ),
+    dependencies=[Depends(leases_caught_up)],
 )
 async def ban_node(
     node_id: KeyId, body: BanIn, principal: AdminOnly, session: Session, state: State

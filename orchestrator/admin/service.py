@@ -5,6 +5,7 @@ ejections, and only those (``pools.service.lift_ban_ejections``)."""
 
 from __future__ import annotations
 
+import datetime as dt
 from functools import partial
 
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -45,6 +46,11 @@ async def ban(
     )
     if moved:
         node.ban_reason = reason
+        # The last beat is kept, as the sweeper keeps a dead node's: the hot store forgets the
+        # node once the ban commits, and the admin view of the banned node said it never beat.
+        last = await state.hot_store.last_beat(node_id)
+        if last is not None:
+            node.last_heartbeat_at = dt.datetime.fromtimestamp(last, dt.UTC)
         await session.flush()
         ejected = await pools_service.eject_node(
             session,

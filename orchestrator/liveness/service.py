@@ -114,7 +114,8 @@ class SweepReport:
 
 async def _keep_last_beats(session: AsyncSession, store: HotStore, node_ids: Sequence[str]) -> None:
     """The last beat of each node just marked dead, into SQL: the hot store's entry expires
-    (at twice the dead threshold) and the node views then fall back on this."""
+    (``beat_ttl_s``: a day, or twice the dead threshold if longer) and the node views then fall
+    back on this."""
     beats = await asyncio.gather(*(store.last_beat(node_id) for node_id in node_ids))
     rows = [
         {"id": node_id, "last_heartbeat_at": dt.datetime.fromtimestamp(at, dt.UTC)}

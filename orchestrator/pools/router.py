@@ -32,6 +32,7 @@ from orchestrator.core.pagination import CursorScope
 from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import AppState, Session, State
 from orchestrator.identity.auth import CurrentNode
+from orchestrator.liveness.serving import leases_caught_up
 from orchestrator.pools import service
 
 router = APIRouter(prefix="/v1", tags=["pools"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute)
@@ -125,6 +126,7 @@ async def join_pool(
     "/pools/{pool_id}/leave",
     response_model=MembershipOut,
     summary="Leave a pool or withdraw a pending join (signed by the node; idempotent)",
+    dependencies=[Depends(leases_caught_up)],
 )
 async def leave_pool(pool_id: PoolId, node: CurrentNode, session: Session, state: State) -> MembershipOut:
     membership = await service.leave(session, pool_id, node, now=state.clock.utcnow())
@@ -243,6 +245,7 @@ async def resume_pool(
     "/pools/{pool_id}/complete",
     response_model=PoolOut,
     summary="paused -> completed (final; every member leaves, its stake unbonds; open tasks are cancelled)",
+    dependencies=[Depends(leases_caught_up)],
 )
 async def complete_pool(
     pool_id: ScopedPoolId, principal: OperatorOrAdmin, session: Session, state: State
@@ -315,6 +318,7 @@ async def reject_member(
     "/pools/{pool_id}/members/{node_id}/eject",
     response_model=MembershipOut,
     summary="Eject a node: it leaves, its stake unbonds, its leases are released; it cannot rejoin",
+    dependencies=[Depends(leases_caught_up)],
 )
 async def eject_member(
     pool_id: ScopedPoolId,
@@ -353,6 +357,7 @@ async def create_invite(
     status_code=201,
     summary="Blacklist a provider from the pool: its nodes leave and cannot rejoin",
     responses={200: {"model": BlacklistOut, "description": "Already blacklisted; nothing changed"}},
+    dependencies=[Depends(leases_caught_up)],
 )
 async def blacklist_provider(
     pool_id: ScopedPoolId,

@@ -1117,8 +1117,8 @@ async def release_member_leases(
     session: AsyncSession, pool_id: str, node_id: str, *, now: dt.datetime
 ) -> int:
     """A node left the pool (leave, ejection, blacklist, completion): give back its live leases
-    there so their replicas are reissued at once (those past their deadline expire at the
-    reaper's next tick instead). Returns how many were given back.
+    there so their replicas are reissued at once (those past their deadline expire, as the
+    reaper would have them). Returns how many were given back.
 
     Called after the membership row was updated. On PostgreSQL it first takes the node's row
     lock, as every claim does before reading the membership: a claim that read the membership
@@ -1142,12 +1142,19 @@ async def release_member_leases(
         ).scalars()
     )
     given_back = 0
+    overdue = []
     for assignment in active:
-        # A lease already past its deadline is over: it is left to the reaper, whose next tick
-        # expires it (an attempt, as for any lease that ran out), not given back in time.
         if assignment.lease_expires_at > now:
             await _give_back(session, assignment, now)
             given_back += 1
+        else:
+            overdue.append(assignment)
+    if overdue:
+        # A lease already past its deadline is over: it expires now (an attempt, as for any lease
+        # that ran out), rather than be given back in time. Left live for the reaper, it came
+        # back to life at the return from an outage (the first mark gives the leases it finds
+        # live the outage's length back), held by a node no longer in the pool.
+        await _expire(session, overdue, now=now)
     await session.flush()
     return given_back
 
