@@ -172,6 +172,25 @@ def _json_number(value: Any) -> Any:
 _JSON_NUMBER = BeforeValidator(_json_number)
 
 
+def _is_bool(annotation: Any) -> bool:
+    """Whether a field's type is bool (possibly optional or annotated)."""
+    while get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    if get_origin(annotation) in (Union, types.UnionType):
+        kinds = [a for a in get_args(annotation) if a is not type(None)]
+        return bool(kinds) and all(_is_bool(a) for a in kinds)
+    return annotation is bool
+
+
+def _json_bool(value: Any) -> Any:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError("must be true or false")
+    return value
+
+
+_JSON_BOOL = BeforeValidator(_json_bool)
+
+
 def _is_collection(annotation: Any) -> bool:
     """Whether a field's type is a plain list or dict, possibly optional (an annotated one, such
     as ``JsonObject``, carries validators of its own, which the constraint cannot wrap)."""
@@ -193,9 +212,10 @@ MAX_UNKNOWN_FIELDS = 10
 
 class StrictModel(BaseModel):
     """Request bodies: unknown fields are refused, so typos do not pass silently; a number field
-    takes a JSON number only (pydantic alone reads true as 1 and "5" as 5). The check is given
-    to the number fields alone, once, when each body model is defined: validating a body runs it
-    for those fields only.
+    takes a JSON number only (pydantic alone reads true as 1 and "5" as 5), and a boolean field
+    true or false only (pydantic alone reads "yes", "on", 1 and 0.0 as booleans: "canary": "yes"
+    made a canary task). The checks are given to those fields alone, once, when each body model
+    is defined: validating a body runs them for those fields only.
 
     The errors of a body are bounded, whatever its size: a list or dict field reports its first
     item that does not validate, not every one (``FailFast``, given to those fields the same
@@ -220,6 +240,9 @@ class StrictModel(BaseModel):
         for field in cls.model_fields.values():
             if _is_number(field.annotation) and _JSON_NUMBER not in field.metadata:
                 field.metadata.append(_JSON_NUMBER)
+                changed = True
+            if _is_bool(field.annotation) and _JSON_BOOL not in field.metadata:
+                field.metadata.append(_JSON_BOOL)
                 changed = True
             if (
                 _is_collection(field.annotation)

@@ -20,7 +20,10 @@ from pydantic import (
 from api_schemas.common import JsonFloat, JsonInt, JsonObject, NoNul, StrictModel, Text, UtcTime
 
 SHA256 = r"^[0-9a-f]{64}$"
-MAX_PROOF_BYTES = 8 * 1024 * 1024
+# A proof's decoded size: its base64 (4/3 of it) and the rest of the result must fit the result
+# route's default body limit (ORCH_LIMITS__MAX_RESULT_BODY_BYTES, 10 MiB): at 8 MiB the base64
+# alone was 11.2 MB, so a proof the schema took was refused 413.
+MAX_PROOF_BYTES = 7 * 1024 * 1024
 SAMPLES_MAX = 1024  # samples per replica (Sampling.n)
 CLAIM_MAX_TASKS = 100  # leases one claim may ask for (ClaimIn.max_tasks)
 
@@ -397,7 +400,7 @@ class Sample(StrictModel):
 
 
 class ResultIn(StrictModel):
-    fencing_token: int = Field(ge=1)
+    fencing_token: int = Field(ge=1, lt=INT64_END, description="The lease's, as the claim gave it")
     policy_step: int = Field(
         ge=0, lt=INT64_END, description="The policy step the samples were generated with"
     )

@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field
 
 from api_schemas.common import StrictModel, Text
 from api_schemas.pools import MembershipStatus
+from api_schemas.tasks import INT64_END
 
 
 class VerdictOut(BaseModel):
@@ -114,7 +115,7 @@ class ValidationClaimIn(StrictModel):
 
 
 class ValidationExtendIn(StrictModel):
-    fencing_token: int = Field(ge=1, description="The lease's, as the claim gave it")
+    fencing_token: int = Field(ge=1, lt=INT64_END, description="The lease's, as the claim gave it")
     lease_s: int = Field(
         default=300,
         ge=30,
@@ -158,7 +159,7 @@ class ToplocEvidence(StrictModel):
 
 
 class ValidatorVerdictIn(StrictModel):
-    fencing_token: int = Field(ge=1)
+    fencing_token: int = Field(ge=1, lt=INT64_END, description="The lease's, as the claim gave it")
     outcome: Literal["valid", "invalid", "fraud"]
     reason: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9_]+$")
     evidence: ToplocEvidence = Field(default_factory=ToplocEvidence)

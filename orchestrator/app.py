@@ -57,9 +57,11 @@ carry an RFC 9530 Content-Digest with any body (scheme `HttpMessageSignature`).
 Every error is RFC 9457 `application/problem+json` with a stable `code`.
 """
 
-# Result submissions (proofs), task batches and ReST^EM problem sets get the larger body limit.
+# Result submissions (proofs), task batches, policies (a manifest of up to 10,000 shards) and
+# ReST^EM problem sets get the larger body limit.
 LARGE_BODY_PATHS = (
-    r"/v1/assignments/[^/]+/result|/v1/admin/pools/[^/]+/tasks|/v1/admin/pools/[^/]+/restem/iterations"
+    r"/v1/assignments/[^/]+/result|/v1/admin/pools/[^/]+/tasks|/v1/admin/pools/[^/]+/policies"
+    r"|/v1/admin/pools/[^/]+/restem/iterations"
 )
 
 
