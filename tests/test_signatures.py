@@ -220,6 +220,20 @@ async def test_hand_built_signature_base_is_accepted(
     assert r.status_code == 200, r.text
 
 
+async def test_a_target_uri_ending_in_an_empty_query_verifies(
+    client: httpx.AsyncClient, contributor: Contributor
+) -> None:
+    """A client that builds its URL as path + "?" + its (here empty) query sends `GET
+    /v1/nodes/me?` and signs "http://testserver/v1/nodes/me?" as @target-uri (RFC 9421, section
+    2.2.2: the target URI as sent). The server rebuilt the URL from the ASGI query string, empty
+    with a "?" and without alike, and refused a valid signature as signature_invalid."""
+    r = await send(client, "GET", ME + "?", hand_signed(contributor.node_key, "GET", ME + "?"))
+    assert r.status_code == 200, r.text
+    # Another path is still another path, "?" or not.
+    r = await send(client, "GET", ME + "?", hand_signed(contributor.node_key, "GET", "/v1/nodes/you?"))
+    problem(r, 401, "signature_invalid")
+
+
 async def test_a_json_body_not_sent_as_json_is_refused_saying_so(
     client: httpx.AsyncClient, contributor: Contributor
 ) -> None:

@@ -137,15 +137,31 @@ async def _verified(
             f"signed requests must address one of {', '.join(allowed)} (ORCH_SERVER__ALLOWED_HOSTS)",
             code="host_not_allowed",
         )
-    signed = verify_request(
-        method=request.method,
-        url=target_uri(request.scope, host, scheme=state.settings.server.public_scheme),
-        query=request.url.query,
-        headers=request.headers.items(),
-        body=body,
-        now=state.clock.now(),
-        window_s=state.settings.signature.window_s,
-    )
+    url = target_uri(request.scope, host, scheme=state.settings.server.public_scheme)
+
+    def verify(signed_url: str) -> SignedRequest:
+        return verify_request(
+            method=request.method,
+            url=signed_url,
+            query=request.url.query,
+            headers=request.headers.items(),
+            body=body,
+            now=state.clock.now(),
+            window_s=state.settings.signature.window_s,
+        )
+
+    try:
+        signed = verify(url)
+    except Unauthorized as refused:
+        # A URL sent with an empty query ("/v1/nodes/me?") was signed with its "?" as
+        # @target-uri (RFC 9421, 2.2.2: the target URI as sent), which ASGI does not keep (an
+        # empty query string either way): the same resource, checked once more with it.
+        if request.url.query or refused.code != "signature_invalid":
+            raise
+        try:
+            signed = verify(url + "?")
+        except Unauthorized:
+            raise refused from None
     # The signature holds: the request's log line names its key, a refusal's below included.
     structlog.contextvars.bind_contextvars(keyid=signed.keyid)
     await admission(signed.keyid)
