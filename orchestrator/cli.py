@@ -388,7 +388,7 @@ def migrate_cmd(
             else:
                 migrate.upgrade(url, target)
     except CommandError as exc:  # no such revision, or one on the wrong side of the current one
-        if revision is None:  # no --revision to blame: the schema is at one this version lacks
+        if revision in (None, "head"):  # not the argument's fault: the schema is at one this version lacks
             current = migrate.current_revision(url)
             reason = (
                 f"the database has the schema of revision {current}, which this version (at "
@@ -1177,7 +1177,7 @@ def provider_withdraw(
 
     from orchestrator.ledger import IDEMPOTENCY_KEY_CHARS, IDEMPOTENCY_KEY_PATTERN
 
-    if not 8 <= len(idempotency_key) <= 100 or not re.match(IDEMPOTENCY_KEY_PATTERN, idempotency_key):
+    if not 8 <= len(idempotency_key) <= 100 or not re.fullmatch(IDEMPOTENCY_KEY_PATTERN, idempotency_key):
         # As the API checks it: a key it refuses is a bad argument here, before anything is sent.
         raise typer.BadParameter(
             f"must be 8 to 100 characters, {IDEMPOTENCY_KEY_CHARS} only", param_hint="--idempotency-key"

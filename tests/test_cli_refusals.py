@@ -194,3 +194,38 @@ def test_keys_generate_does_not_write_the_secret_through_a_dangling_symlink(tmp_
     result = runner.invoke(app, ["keys", "generate", str(link)])
     assert not target.exists(), "the secret was written through the symlink"
     assert result.exit_code == 1, result.output
+
+
+def test_provider_withdraw_refuses_a_key_with_a_trailing_newline_before_sending(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CLI checked the key with re.match(r"^[A-Za-z0-9._:-]+$"), whose '$' also matches
+    before a final newline: 'payday-2024-05\\n' passed, where the API's pattern (whose '$' is
+    the end of the text) refuses it, and was sent."""
+    import orchestrator.cli
+
+    sent: list[object] = []
+
+    def no_request(*args: object) -> object:
+        sent.append(args)
+        raise AssertionError("sent to the server")
+
+    monkeypatch.setattr(orchestrator.cli, "_as_provider", no_request)
+    key = tmp_path / "provider.key"
+    assert runner.invoke(app, ["keys", "generate", str(key)]).exit_code == 0
+    result = runner.invoke(
+        app,
+        [
+            "provider",
+            "withdraw",
+            "--provider-key",
+            str(key),
+            "--server",
+            "http://127.0.0.1:9",
+            "--amount",
+            "5",
+            "--idempotency-key",
+            "payday-2024-05\n",
+        ],
+    )
+    assert not sent and result.exit_code == 2, (result.exit_code, result.output)

@@ -23,6 +23,7 @@ from sqlalchemy import select, text
 
 from orchestrator.core.clock import FakeClock
 from orchestrator.core.keys import generate_key, key_id_of
+from orchestrator.liveness.service import sweep_once
 from orchestrator.tasks import service
 from orchestrator.tasks.jobs import reap_once
 from orchestrator.tasks.models import Task
@@ -357,3 +358,90 @@ async def test_a_pool_completion_and_a_task_cancel_do_not_deadlock(
         go_on.set()
         done, cancelled = await asyncio.wait_for(asyncio.gather(complete, cancel), timeout=HANG_S)
         assert (done.status_code, cancelled.status_code) == (200, 200), (done.text, cancelled.text)
+
+
+async def test_reaper_and_a_leave_of_a_node_with_two_leases_do_not_deadlock(
+    app: Any, app_state: Any, clock: FakeClock, monkeypatch: Any
+) -> None:
+    """The reaper locks every live lease of its expired leases' tasks, in id order, and waits
+    for them. A leave gave back the node's leases in the pool with one SELECT ... FOR UPDATE and
+    no ORDER BY, so in the order of the rows (claim order). Node N's two leases, of two tasks
+    that each have an expired lease, claimed in the order opposite to their ids: the leave held
+    N's first and waited for N's second, which the reaper took first and held while it waited
+    for the leave's (503 for the leave). The leave now locks them in id order too."""
+    ids = iter(f"{i:04d}" for i in range(99, 0, -1))  # a later claim has a lower id
+    monkeypatch.setattr(service, "secrets", types.SimpleNamespace(token_urlsafe=lambda _n: next(ids)))
+    async with pool_setup(app, app_state, lease_duration_s=60, max_leases_per_node=4) as s:
+        m = await s.add_worker()
+        n = await s.add_worker()
+        p = await s.add_worker()
+        await s.enqueue([task("one", replication=2), task("two", replication=3)])
+        assert len((await m.claim(s.pool_id, max_tasks=2)).json()["leases"]) == 2  # 0099, 0098
+        clock.advance(31)
+        for w in (n, p):
+            assert (await w.beat()).status_code == 200
+        [n_first] = (await n.claim(s.pool_id)).json()["leases"]  # 0097, task one
+        [p_lease] = (await p.claim(s.pool_id)).json()["leases"]  # 0096, task two
+        [n_second] = (await n.claim(s.pool_id)).json()["leases"]  # 0095, task two
+        assert n_second["assignment_id"] < p_lease["assignment_id"] < n_first["assignment_id"]
+        clock.advance(31)  # M's leases ran out; N's and P's have 29 s left
+        for w in (n, p):
+            assert (await w.beat()).status_code == 200
+
+        failures: list[str] = []
+        with structlog.testing.capture_logs() as logs:
+            async with app_state.sessionmaker() as holder, holder.begin():
+                # P's lease, between N's two in id order: the reaper takes N's second, then waits.
+                await holder.execute(
+                    text("SELECT id FROM assignments WHERE id = :id FOR UPDATE"),
+                    {"id": p_lease["assignment_id"]},
+                )
+                reaping = asyncio.ensure_future(reap_once(app_state))
+                await until_waiting(app_state, 1, reaping)
+                leaving = asyncio.ensure_future(
+                    n.client.post(f"/v1/pools/{s.pool_id}/leave", auth=n.contributor.node_auth)
+                )
+                await until_waiting(app_state, 2, reaping, leaving)
+            try:
+                reaped = await asyncio.wait_for(reaping, timeout=HANG_S)
+            except Exception as exc:
+                failures.append(f"reaper: {exc!r}"[:300])
+                reaped = None
+            left = await asyncio.wait_for(leaving, timeout=HANG_S)
+        if left.status_code != 200:
+            failures.append(f"leave: {left.status_code} {left.text[:200]}")
+        failures += [f"{e['event']}: {e.get('exc_info')!r}"[:300] for e in logs if e["log_level"] == "error"]
+        if reaped is not None and not reaped.ran:
+            failures.append("reaper tick did not run")
+        assert failures == [], failures
+
+
+async def test_a_pool_completion_and_a_reviving_beat_of_a_member_do_not_deadlock(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A completion locks all of the pool's live leases first; it took, member by member, the
+    node's row only after them (``release_member_leases``: to wait for its claims in flight). A
+    beat of an unhealthy node revives it (the node's row) and then extends the leases it lists.
+    Node, then lease on one side; lease, then node on the other (503 for the beat). The
+    completion now locks the members' nodes before the leases."""
+    async with pool_setup(app, app_state, workers=1, lease_duration_s=60) as s:
+        [n] = s.workers
+        await s.enqueue([task()])
+        [lease] = (await n.claim(s.pool_id)).json()["leases"]
+        clock.advance(31)
+        assert (await sweep_once(app_state)).to_unhealthy == 1  # silent for 31 s; 29 s of lease left
+        r = await s.admin.post(f"/v1/admin/pools/{s.pool_id}/pause", headers=s.headers)
+        assert r.status_code == 200, r.text
+        async with app_state.sessionmaker() as holder, holder.begin():
+            await holder.execute(
+                text("SELECT id FROM assignments WHERE id = :id FOR UPDATE"), {"id": lease["assignment_id"]}
+            )
+            complete = asyncio.ensure_future(
+                s.admin.post(f"/v1/admin/pools/{s.pool_id}/complete", headers=s.headers)
+            )
+            await until_waiting(app_state, 1, complete)
+            beat = asyncio.ensure_future(n.beat([lease["assignment_id"]]))
+            await until_waiting(app_state, 2, complete, beat)
+            assert not complete.done() and not beat.done()
+        done, beaten = await asyncio.wait_for(asyncio.gather(complete, beat), timeout=HANG_S)
+        assert (done.status_code, beaten.status_code) == (200, 200), (done.text[:300], beaten.text[:300])

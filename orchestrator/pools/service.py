@@ -382,10 +382,11 @@ async def change_status(
     cancelled = 0
     if target == PoolStatus.completed.value:
         members = await repo.live_members(session, pool.id)
-        # The global order: memberships, their accounts, then every live lease of the pool (in
-        # id order, as a cancel of one of its tasks takes them), before giving them back.
+        # The global order: memberships, their accounts, the members' nodes (as a claim, a
+        # reviving beat and a leave take a node before its leases), then every live lease of the
+        # pool (in id order, as a cancel of one of its tasks takes them), before giving them back.
         await _lock_stake(session, members)
-        await lock_pool_leases(session, pool.id)
+        await lock_pool_leases(session, pool.id, sorted({m.node_id for m in members}))
         ended = await _end_memberships(
             session,
             pool,
@@ -436,11 +437,12 @@ async def release_member_leases(
     return await release(session, pool_id, node_id, now=now)
 
 
-async def lock_pool_leases(session: AsyncSession, pool_id: str) -> None:
-    """Hook: lock the pool's live leases before it is completed (``tasks.service``)."""
+async def lock_pool_leases(session: AsyncSession, pool_id: str, node_ids: list[str]) -> None:
+    """Hook: lock the members' nodes, then the pool's live leases, before it is completed
+    (``tasks.service``)."""
     from orchestrator.tasks.service import lock_pool_live_leases
 
-    await lock_pool_live_leases(session, pool_id)
+    await lock_pool_live_leases(session, pool_id, node_ids)
 
 
 async def end_pool_tasks(session: AsyncSession, pool_id: str, *, now: dt.datetime) -> int:

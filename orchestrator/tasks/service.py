@@ -369,12 +369,21 @@ _LOCK_POOL_LIVE_LEASES = text(
 )
 
 
-async def lock_pool_live_leases(session: AsyncSession, pool_id: str) -> None:
-    """Before completing a pool: lock every live lease of the pool, and their replicas, in id
-    order (``lock_live_leases``' order), before its memberships give their nodes' leases back
-    node by node. Taken node by node, they deadlocked with a cancel of a task whose leases' ids
-    came in the other order (PostgreSQL; SQLite's single writer has no lock order)."""
+_LOCK_NODES = text(
+    "SELECT id FROM nodes WHERE id = ANY(CAST(:ids AS varchar[])) ORDER BY id FOR NO KEY UPDATE"
+)
+
+
+async def lock_pool_live_leases(session: AsyncSession, pool_id: str, node_ids: Sequence[str]) -> None:
+    """Before completing a pool: lock its members' nodes (``node_ids``, in id order: a claim, a
+    reviving beat and a leave lock a node before its leases), then every live lease of the pool
+    and their replicas, in id order (``lock_live_leases``' order), before its memberships give
+    their nodes' leases back node by node. Taken node by node, the leases deadlocked with a
+    cancel of a task whose leases' ids came in the other order (PostgreSQL; SQLite's single
+    writer has no lock order)."""
     if is_postgres(session):
+        if node_ids:
+            await session.execute(_LOCK_NODES, {"ids": sorted(node_ids)})
         await session.execute(_LOCK_POOL_LIVE_LEASES, {"pool_id": pool_id})
 
 
@@ -957,6 +966,13 @@ async def extend_leases(
         )
         if deadline > row.lease_expires_at:
             by_deadline.setdefault(deadline, []).append(row.id)
+    if is_postgres(session) and sum(len(ids) for ids in by_deadline.values()) > 1:
+        # The leases to write, locked in id order first, as every locker of several leases takes
+        # them (the reaper, an ending): each UPDATE locks its rows in the order it finds them.
+        to_write = sorted(lease_id for ids in by_deadline.values() for lease_id in ids)
+        await session.execute(
+            select(Assignment.id).where(Assignment.id.in_(to_write)).order_by(Assignment.id).with_for_update()
+        )
     for deadline, ids in by_deadline.items():
         extended = await session.execute(
             update(Assignment)
@@ -1137,6 +1153,7 @@ async def release_member_leases(
                     Assignment.node_id == node_id,
                     Assignment.status == "active",
                 )
+                .order_by(Assignment.id)  # id order, as every locker of several leases
                 .with_for_update()
             )
         ).scalars()
@@ -1170,13 +1187,18 @@ async def end_leases_of_dead(
     if not node_ids:
         return 0
     until = now + dt.timedelta(seconds=grace_s)
+    due = (
+        Assignment.node_id.in_(node_ids),
+        Assignment.status == "active",
+        Assignment.lease_expires_at > until,
+    )
+    if is_postgres(session):
+        # Locked in id order first, as every locker of several leases takes them (the reaper,
+        # an ending): the UPDATE locks its rows in the order it finds them.
+        await session.execute(select(Assignment.id).where(*due).order_by(Assignment.id).with_for_update())
     result = await session.execute(
         update(Assignment)
-        .where(
-            Assignment.node_id.in_(node_ids),
-            Assignment.status == "active",
-            Assignment.lease_expires_at > until,
-        )
+        .where(*due)
         .values(lease_expires_at=until)
         .execution_options(synchronize_session=False)
     )
