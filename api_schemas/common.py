@@ -152,14 +152,19 @@ JsonFloat = Annotated[float, Strict()]
 FiniteJsonFloat = Annotated[float, Strict(), AllowInfNan(False)]
 
 
-def _is_number(annotation: Any) -> bool:
-    """Whether a field's type is int or float (possibly optional or annotated), not bool."""
+def _is_of(annotation: Any, kinds: tuple[type, ...]) -> bool:
+    """Whether a field's type is one of ``kinds`` (possibly optional or annotated; bool is not
+    int here)."""
     while get_origin(annotation) is Annotated:
         annotation = get_args(annotation)[0]
     if get_origin(annotation) in (Union, types.UnionType):
-        kinds = [a for a in get_args(annotation) if a is not type(None)]
-        return bool(kinds) and all(_is_number(a) for a in kinds)
-    return annotation in (int, float)
+        members = [a for a in get_args(annotation) if a is not type(None)]
+        return bool(members) and all(_is_of(a, kinds) for a in members)
+    return annotation in kinds
+
+
+def _is_number(annotation: Any) -> bool:
+    return _is_of(annotation, (int, float))
 
 
 def _json_number(value: Any) -> Any:
@@ -170,16 +175,6 @@ def _json_number(value: Any) -> Any:
 
 
 _JSON_NUMBER = BeforeValidator(_json_number)
-
-
-def _is_bool(annotation: Any) -> bool:
-    """Whether a field's type is bool (possibly optional or annotated)."""
-    while get_origin(annotation) is Annotated:
-        annotation = get_args(annotation)[0]
-    if get_origin(annotation) in (Union, types.UnionType):
-        kinds = [a for a in get_args(annotation) if a is not type(None)]
-        return bool(kinds) and all(_is_bool(a) for a in kinds)
-    return annotation is bool
 
 
 def _json_bool(value: Any) -> Any:
@@ -241,7 +236,7 @@ class StrictModel(BaseModel):
             if _is_number(field.annotation) and _JSON_NUMBER not in field.metadata:
                 field.metadata.append(_JSON_NUMBER)
                 changed = True
-            if _is_bool(field.annotation) and _JSON_BOOL not in field.metadata:
+            if _is_of(field.annotation, (bool,)) and _JSON_BOOL not in field.metadata:
                 field.metadata.append(_JSON_BOOL)
                 changed = True
             if (
