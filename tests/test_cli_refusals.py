@@ -8,28 +8,20 @@ import os
 from pathlib import Path
 
 import pytest
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import create_async_engine
 from typer.testing import CliRunner
 
 from orchestrator.cli import app
 from orchestrator.settings import get_settings
-from tests.test_cli import _fresh_settings  # noqa: F401 - autouse: a free port, settings read anew
+from tests.test_cli import (
+    _execute,
+    _fresh_settings,  # noqa: F401 - autouse: a free port, settings read anew
+)
 
 runner = CliRunner()
 
 
 def _sqlite(tmp_path: Path, name: str = "r.db") -> dict[str, str]:
     return {"ORCH_DB__URL": f"sqlite+aiosqlite:///{tmp_path / name}", "COLUMNS": "300"}
-
-
-async def _execute(url: str, sql: str) -> None:
-    engine = create_async_engine(url)
-    try:
-        async with engine.begin() as conn:
-            await conn.execute(text(sql))
-    finally:
-        await engine.dispose()
 
 
 @pytest.mark.parametrize(
