@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from orchestrator import __version__, background
 from orchestrator.admin.router import router as admin_router
 from orchestrator.audit.router import router as audit_router
+from orchestrator.core import metrics
 from orchestrator.core.clock import Clock
 from orchestrator.core.errors import PROBLEM_MEDIA_TYPE, install_error_handlers
 from orchestrator.core.health import router as health_router
@@ -163,6 +164,7 @@ def create_app(
                 await store.aclose()
             await lock.release()
             await engine.dispose()
+            metrics.process_ended()
 
     app = FastAPI(
         title="orchestrator",

@@ -149,6 +149,10 @@ def serve(
         _refuse_a_second_instance(settings)
     from orchestrator.core.http_protocol import BoundedHeadProtocol
 
+    if n > 1:  # this process only supervises: no series of its own (its clock offset stayed 0)
+        from orchestrator.core import metrics
+
+        metrics.process_ended()
     uvicorn.run(
         "orchestrator.app:create_app",
         factory=True,

@@ -73,7 +73,9 @@ def _sqlite_pragmas(engine: AsyncEngine) -> None:
 
     @event.listens_for(sync_engine, "begin")
     def _on_begin(conn: Any) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        # A connection marked ``sqlite_deferred`` (the readiness probe) reads without the lock.
+        deferred = conn.get_execution_options().get("sqlite_deferred")
+        conn.exec_driver_sql("BEGIN" if deferred else "BEGIN IMMEDIATE")
 
 
 def make_engine(settings: DatabaseSettings) -> AsyncEngine:

@@ -42,6 +42,7 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
@@ -378,8 +379,13 @@ UNAVAILABLE_RETRY_AFTER_S = 5
 
 def database_unavailable(exc: BaseException) -> bool:
     """Whether ``exc`` says the database could not be reached or dropped the connection: a
-    refused or reset connection (raised as the OS error when connecting), a connection
-    SQLAlchemy found dead, or one of ``UNAVAILABLE_SQLSTATES``."""
+    refused or reset connection (raised as the OS error when connecting), a connection that
+    timed out (a server that accepts and never answers: a black-holed address, a hung server
+    or pooler), every pooled connection busy past the pool's timeout, a connection SQLAlchemy
+    found dead, or one of ``UNAVAILABLE_SQLSTATES``. The request did nothing, and can be sent
+    again (the timeouts were a 500, after which a worker gave its result up)."""
+    if isinstance(exc, PoolTimeout):
+        return True
     if isinstance(exc, DBAPIError):
         if exc.connection_invalidated:
             return True
@@ -387,7 +393,7 @@ def database_unavailable(exc: BaseException) -> bool:
     sqlstate = getattr(exc, "sqlstate", None)
     if isinstance(sqlstate, str) and sqlstate.startswith(UNAVAILABLE_SQLSTATES):
         return True
-    return isinstance(exc, ConnectionError)
+    return isinstance(exc, ConnectionError | TimeoutError)
 
 
 async def _database_unavailable(request: Request, exc: Exception) -> JSONResponse:
@@ -452,6 +458,8 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(DBAPIError, _database_error)
     # Raised as they are (not as a DBAPIError) when a new connection cannot be opened.
     app.add_exception_handler(ConnectionError, _database_unavailable)
+    app.add_exception_handler(TimeoutError, _database_unavailable)  # connecting timed out
+    app.add_exception_handler(PoolTimeout, _database_unavailable)  # every connection busy
     app.add_exception_handler(asyncpg.PostgresError, _database_unavailable)
     app.add_exception_handler(RedisConnectionError, _hot_store_error)
     app.add_exception_handler(RedisTimeoutError, _hot_store_error)

@@ -6,6 +6,7 @@ import asyncio
 import datetime as dt
 import math
 
+import structlog
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from sqlalchemy import Integer, text
@@ -13,10 +14,13 @@ from sqlalchemy import Integer, text
 from orchestrator import background
 from orchestrator.core import metrics
 from orchestrator.core.db import UTCDateTime, utcnow
+from orchestrator.core.errors import database_unavailable
 from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import State
 from orchestrator.identity import repository as identity_repo
 from orchestrator.identity.models import NODE_STATUSES
+
+log = structlog.get_logger(__name__)
 
 router = APIRouter(tags=["operations"], route_class=GuardedRoute)
 
@@ -27,7 +31,11 @@ async def healthz() -> dict[str, str]:
 
 
 async def _check_db(state: State) -> None:
+    # A deferred transaction on SQLite, which takes no lock: the engine's own BEGIN IMMEDIATE
+    # made the probe wait behind any writer for the 30 s busy timeout, and then say the database
+    # was unavailable while it was serving.
     async with state.engine.connect() as conn:
+        await conn.execution_options(sqlite_deferred=True)
         await conn.execute(text("SELECT 1"))
 
 
@@ -74,8 +82,29 @@ _LOOP_RUNS = text("SELECT name, last_run_at FROM background_ticks").columns(last
 WAITING_STAGES = ("checks", "quorum", "validator")
 
 
+# How long a scrape waits for the database's gauges before it serves the process's own metrics
+# without them.
+DB_GAUGES_TIMEOUT_S = 3.0
+
+
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
 async def prometheus_metrics(state: State) -> Response:
+    try:
+        await asyncio.wait_for(_read_db_gauges(state), timeout=DB_GAUGES_TIMEOUT_S)
+    except Exception as exc:
+        # The request counters need no database: a scrape that failed with it (503) took them
+        # away for the whole outage, and the 5xx alert had no data in the very outage that makes
+        # every request a 503. The database's gauges keep their last values meanwhile.
+        if not (isinstance(exc, asyncio.TimeoutError) or database_unavailable(exc)):
+            raise
+        metrics.DB_GAUGES_READ.set(0)
+        log.warning("metrics_database_unavailable", error=type(exc).__name__)
+    payload, content_type = metrics.render()
+    return Response(payload, media_type=content_type)
+
+
+async def _read_db_gauges(state: State) -> None:
+    """Set the gauges read from the database at scrape time (nodes, the queue, the loops)."""
     async with state.sessionmaker() as session:
         counts = await identity_repo.count_by_status(session)
         claimable, leases, oldest, oldest_validator = (await session.execute(_QUEUE)).one()
@@ -83,6 +112,7 @@ async def prometheus_metrics(state: State) -> Response:
         last_runs: dict[str, dt.datetime | None] = {
             str(name): last for name, last in (await session.execute(_LOOP_RUNS)).all()
         }
+    metrics.DB_GAUGES_READ.set(1)
     for status in NODE_STATUSES:
         metrics.NODES.labels(status).set(counts.get(status, 0))
     metrics.TASKS_CLAIMABLE.set(claimable)
@@ -101,5 +131,3 @@ async def prometheus_metrics(state: State) -> Response:
         metrics.LOOP_LAST_RUN_AGE.labels(name).set(
             math.inf if last is None else abs((now - last).total_seconds())
         )
-    payload, content_type = metrics.render()
-    return Response(payload, media_type=content_type)

@@ -80,6 +80,13 @@ VALIDATION_LAG = Gauge(
     multiprocess_mode="mostrecent",
 )
 
+DB_GAUGES_READ = Gauge(
+    "orchestrator_metrics_database_read",
+    "1 when the last scrape read the gauges that come from the database (nodes, the queue, the "
+    "loops' ages), 0 when it could not (the database down or slow): those then keep their last values",
+    multiprocess_mode="mostrecent",
+)
+
 LOOP_LAST_RUN_AGE = Gauge(
     "orchestrator_loop_last_run_age_seconds",
     "Seconds since a background loop last completed a tick in any process (+Inf: never); it grows "
@@ -188,6 +195,15 @@ def serve_background(host: str, port: int) -> tuple[WSGIServer, threading.Thread
     """/metrics of ``orchestrator background`` on ``host:port``, in a thread of its own (so a
     scrape is answered while a tick holds the event loop). OSError if the address is taken."""
     return start_http_server(port, addr=host, registry=background_registry())
+
+
+def process_ended() -> None:
+    """With ``PROMETHEUS_MULTIPROC_DIR``: this process's per-process series (the clock offset's,
+    ``liveall``) stop being reported. Called as an app ends (a worker that stops, as at a
+    SIGHUP's restart of every worker) and by ``serve``'s supervisor before it starts its
+    workers: the series of ended workers stayed, at their last values, for the container's life."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
 
 
 def render() -> tuple[bytes, str]:

@@ -132,6 +132,9 @@ async def sweep_once(state: AppState) -> SweepReport:
     now = state.clock.now()
     tick = int(now // hb.sweep_interval_s)
     async with state.sessionmaker() as session, session.begin():
+        # Measured at every attempt, the tick's or not: a process whose clock is behind never
+        # claims a tick, and its offset (the skew alert's) stayed at 0.
+        await check_clock(state, session)  # the sweeper's clock is the one that judges
         if not await claim_tick(
             session, SWEEPER, tick, state.instance_id, interval_s=hb.sweep_interval_s, clock=state.clock
         ):
@@ -140,7 +143,6 @@ async def sweep_once(state: AppState) -> SweepReport:
         # Silence counts only while some API process could take beats (``serving``): after an
         # outage, a node last seen before it is judged as if seen at the return.
         serving = await read_serving(state, session, now, SWEEPER, hb.sweep_interval_s)
-        await check_clock(state, session)  # the sweeper's clock is the one that judges
         held = _held(serving, hb.dead_after_s)
         stale: list[str] = []
         if serving is None or serving.judges(hb.unhealthy_after_s):

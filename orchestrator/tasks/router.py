@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import datetime as dt
+from functools import partial
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
@@ -133,9 +134,14 @@ async def claim(
     )
     if out.retry_after_s is not None:
         response.headers["Retry-After"] = str(out.retry_after_s)
-    metrics.CLAIMS.labels(out.reason or "leased").inc()
-    metrics.LEASES_GRANTED.inc(len(out.leases))
+    # Counted once the claim commits: a commit that fails (503, sent again) counted it twice.
+    metrics.on_commit(session, partial(_count_claim, out.reason or "leased", len(out.leases)))
     return out
+
+
+def _count_claim(outcome: str, leases: int) -> None:
+    metrics.CLAIMS.labels(outcome).inc()
+    metrics.LEASES_GRANTED.inc(leases)
 
 
 async def _large_result_holder(request: Request) -> None:
@@ -181,7 +187,9 @@ async def submit_result(
     )
     if not result.created:
         response.status_code = 200
-    metrics.RESULTS.labels("accepted" if result.created else "replayed").inc()
+    # Counted once the result commits: a commit that fails (503) and the worker's retry counted one
+    # recorded result twice as accepted.
+    metrics.on_commit(session, metrics.RESULTS.labels("accepted" if result.created else "replayed").inc)
     return result.out
 
 
