@@ -9,6 +9,7 @@ import dataclasses
 import datetime as dt
 from typing import Any
 
+import pytest
 from prometheus_client import REGISTRY
 
 from orchestrator.core import metrics
@@ -256,13 +257,17 @@ async def test_a_request_that_finds_every_database_connection_busy_is_a_503_not_
         _retryable_503(r)
 
 
-async def test_readyz_on_sqlite_does_not_wait_behind_a_writer(client: Any, database_url: str) -> None:
-    """/readyz probes the database with ``SELECT 1`` on a connection of the app's engine, whose
-    every transaction on SQLite began with BEGIN IMMEDIATE (the database's one write lock). While
-    any write transaction ran (a verifier batch, a task batch, prune-evidence) the probe waited
-    for that lock: not the 3 s its wait_for promises but the 30 s busy timeout, then answered
-    503 "database: unavailable: TimeoutError" of a database that is reachable and serving. The
-    probe's transaction is deferred now: it takes no lock."""
+@pytest.mark.parametrize("path", ["/readyz", "/metrics"])
+async def test_probes_on_sqlite_do_not_wait_behind_a_writer(
+    client: Any, database_url: str, path: str
+) -> None:
+    """/readyz probes the database with ``SELECT 1`` on a connection of the app's engine, and
+    /metrics reads its gauges in a session of it; on SQLite their every transaction began with
+    BEGIN IMMEDIATE (the database's one write lock). While any write transaction ran (a verifier
+    batch, a task batch, prune-evidence) each waited for that lock: not the 3 s their wait_for
+    promises but the 30 s busy timeout (past Prometheus's 10 s scrape timeout), then /readyz
+    answered 503 "database: unavailable: TimeoutError" of a database that is reachable and
+    serving. Their transactions are deferred now: they take no lock (WAL readers need none)."""
     import time
 
     import pytest
@@ -278,8 +283,10 @@ async def test_readyz_on_sqlite_does_not_wait_behind_a_writer(client: Any, datab
         async with writer.connect() as conn:
             await conn.execute(text("SELECT 1"))  # a write transaction in progress (BEGIN IMMEDIATE)
             started = time.monotonic()
-            r = await client.get("/readyz")
+            r = await client.get(path)
             took = time.monotonic() - started
     finally:
         await writer.dispose()
-    assert took < 5 and r.status_code == 200, (round(took, 1), r.status_code, r.text)
+    assert took < 5 and r.status_code == 200, (round(took, 1), r.status_code, r.text[:300])
+    if path == "/metrics":
+        assert "orchestrator_metrics_database_read 1.0" in r.text

@@ -104,8 +104,11 @@ async def prometheus_metrics(state: State) -> Response:
 
 
 async def _read_db_gauges(state: State) -> None:
-    """Set the gauges read from the database at scrape time (nodes, the queue, the loops)."""
+    """Set the gauges read from the database at scrape time (nodes, the queue, the loops). On
+    SQLite in a deferred transaction, which takes no lock: behind a writer the engine's BEGIN
+    IMMEDIATE waited for its 30 s busy timeout, which the 3 s bound cannot cut short."""
     async with state.sessionmaker() as session:
+        await session.connection(execution_options={"sqlite_deferred": True})
         counts = await identity_repo.count_by_status(session)
         claimable, leases, oldest, oldest_validator = (await session.execute(_QUEUE)).one()
         waiting = {str(stage): int(n) for stage, n in (await session.execute(_WAITING_JOBS)).all()}
