@@ -6,7 +6,6 @@ count committed work, every process exports its clock offset, ended workers' ser
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 from typing import Any
 
 import pytest
@@ -16,19 +15,7 @@ from orchestrator.core import metrics
 from orchestrator.core.clock import SystemClock
 from orchestrator.liveness.service import sweep_once
 from tests.conftest import postgres_only
-
-
-class OffsetClock(SystemClock):
-    """The system's clock, set ``offset`` seconds off."""
-
-    def __init__(self, offset: float) -> None:
-        self.offset = offset
-
-    def now(self) -> float:
-        return super().now() + self.offset
-
-    def utcnow(self) -> dt.datetime:
-        return super().utcnow() + dt.timedelta(seconds=self.offset)
+from tests.test_serving_marks import OffsetClock
 
 
 @postgres_only
