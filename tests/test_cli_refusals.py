@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import stat
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from orchestrator.cli import app
+from orchestrator.core.keys import key_id_of, read_key_file
 from orchestrator.settings import get_settings
 from tests.test_cli import (
     _execute,
@@ -179,3 +181,20 @@ def test_keys_generate_does_not_write_the_secret_through_a_dangling_symlink(tmp_
     result = runner.invoke(app, ["keys", "generate", str(link)])
     assert not target.exists(), "the secret was written through the symlink"
     assert result.exit_code == 1, result.output
+
+
+def test_keys_generate_force_replaces_a_symlink_not_the_file_it_points_to(tmp_path: Path) -> None:
+    """With --force the new secret was written through a symlink (O_TRUNC on the link's
+    target), into whatever file it pointed to. Now the replacement is written beside the path
+    and renamed over it: the link is replaced, the file it pointed to is left as it was, and
+    the new key file is the owner's only."""
+    elsewhere = tmp_path / "elsewhere.txt"
+    elsewhere.write_text("not a key\n")
+    link = tmp_path / "node.key"
+    os.symlink(elsewhere, link)
+    result = runner.invoke(app, ["keys", "generate", str(link), "--force"])
+    assert result.exit_code == 0, result.output
+    assert elsewhere.read_text() == "not a key\n"
+    assert not link.is_symlink() and stat.S_IMODE(link.stat().st_mode) == 0o600
+    assert key_id_of(read_key_file(link)) == result.stdout.strip()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere.txt", "node.key"]  # no temporary left

@@ -10,6 +10,7 @@ import base64
 import binascii
 import os
 import re
+import secrets
 from pathlib import Path
 
 from nacl.exceptions import BadSignatureError
@@ -84,11 +85,23 @@ def write_key_file(path: Path, key: SigningKey, *, force: bool = False) -> None:
             "that identity (and what is owed to it). Choose another file, or pass --force to "
             "replace it"
         )
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if force else os.O_EXCL | os.O_NOFOLLOW)
-    fd = os.open(path, flags, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(b64u_encode(bytes(key)) + "\n")
-    os.chmod(path, 0o600)
+    # Never through a symlink, nor into a file another run creates meanwhile (O_EXCL); a
+    # replacement (--force) is written beside the file and renamed over it, so it replaces a
+    # symlink itself rather than the file it points to, and is never a readable or torn file.
+    target = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp") if force else path
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            os.fchmod(fh.fileno(), 0o600)
+            fh.write(b64u_encode(bytes(key)) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        if force:
+            os.replace(target, path)
+    except BaseException:
+        if force:
+            target.unlink(missing_ok=True)
+        raise
 
 
 def read_key_file(path: Path) -> SigningKey:

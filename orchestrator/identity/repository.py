@@ -81,6 +81,7 @@ async def transition(
         await session.execute(
             select(Node.id, Node.status)
             .where(Node.id.in_(node_ids), Node.status.in_(from_statuses))
+            .order_by(Node.id)  # id order, as a pool's completion locks its members' nodes
             .with_for_update()
         )
     ).all()
