@@ -381,16 +381,10 @@ async def change_status(
     ended: list[str] = []
     cancelled = 0
     if target == PoolStatus.completed.value:
-        members = await repo.live_members(session, pool.id)
-        # The global order: memberships, their accounts, the members' nodes (as a claim, a
-        # reviving beat and a leave take a node before its leases), then every live lease of the
-        # pool (in id order, as a cancel of one of its tasks takes them), before giving them back.
-        await _lock_stake(session, members)
-        await lock_pool_leases(session, pool.id, sorted({m.node_id for m in members}))
         ended = await _end_memberships(
             session,
             pool,
-            members,
+            await repo.live_members(session, pool.id),
             to_status=MembershipStatus.left.value,
             reason="pool completed",
             actor=principal.token_id,
@@ -437,12 +431,12 @@ async def release_member_leases(
     return await release(session, pool_id, node_id, now=now)
 
 
-async def lock_pool_leases(session: AsyncSession, pool_id: str, node_ids: list[str]) -> None:
-    """Hook: lock the members' nodes, then the pool's live leases, before it is completed
-    (``tasks.service``)."""
-    from orchestrator.tasks.service import lock_pool_live_leases
+async def lock_member_leases(session: AsyncSession, pool_id: str, node_ids: list[str]) -> None:
+    """Hook: lock the members' nodes, then their live leases in the pool, before their
+    memberships end (``tasks.service``)."""
+    from orchestrator.tasks.service import lock_member_live_leases
 
-    await lock_pool_live_leases(session, pool_id, node_ids)
+    await lock_member_live_leases(session, pool_id, node_ids)
 
 
 async def end_pool_tasks(session: AsyncSession, pool_id: str, *, now: dt.datetime) -> int:
@@ -530,8 +524,14 @@ async def _end_memberships(
     actor: str,
     now: dt.datetime,
 ) -> list[str]:
-    """End several (locked) memberships of ``pool`` in one transaction. Returns the nodes."""
+    """End several (locked) memberships of ``pool`` in one transaction. Returns the nodes.
+
+    The global order: memberships, their accounts, the members' nodes (as a claim, a reviving
+    beat and a leave take a node before its leases), then all their live leases in the pool in
+    id order (as a cancel of one of their tasks takes them), before giving them back node by
+    node: taken node by node, they deadlocked with such a cancel."""
     await _lock_stake(session, members)
+    await lock_member_leases(session, pool.id, sorted({m.node_id for m in members}))
     for m in members:
         await _end_membership(session, pool, m, to_status=to_status, reason=reason, actor=actor, now=now)
     return [m.node_id for m in members]

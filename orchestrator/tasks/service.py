@@ -360,31 +360,28 @@ async def lock_live_leases(session: AsyncSession, task_ids: Sequence[int]) -> No
         await session.execute(_LOCK_LIVE_LEASES, {"task_ids": list(task_ids)})
 
 
-_LOCK_POOL_LIVE_LEASES = text(
+_LOCK_MEMBER_LIVE_LEASES = text(
     """
     SELECT a.id FROM assignments a JOIN task_replicas r ON r.id = a.replica_id
-     WHERE a.pool_id = :pool_id AND a.status = 'active'
+     WHERE a.pool_id = :pool_id AND a.node_id = ANY(CAST(:node_ids AS varchar[])) AND a.status = 'active'
      ORDER BY a.id FOR UPDATE OF a, r
     """
 )
-
-
 _LOCK_NODES = text(
     "SELECT id FROM nodes WHERE id = ANY(CAST(:ids AS varchar[])) ORDER BY id FOR NO KEY UPDATE"
 )
 
 
-async def lock_pool_live_leases(session: AsyncSession, pool_id: str, node_ids: Sequence[str]) -> None:
-    """Before completing a pool: lock its members' nodes (``node_ids``, in id order: a claim, a
-    reviving beat and a leave lock a node before its leases), then every live lease of the pool
-    and their replicas, in id order (``lock_live_leases``' order), before its memberships give
-    their nodes' leases back node by node. Taken node by node, the leases deadlocked with a
-    cancel of a task whose leases' ids came in the other order (PostgreSQL; SQLite's single
-    writer has no lock order)."""
-    if is_postgres(session):
-        if node_ids:
-            await session.execute(_LOCK_NODES, {"ids": sorted(node_ids)})
-        await session.execute(_LOCK_POOL_LIVE_LEASES, {"pool_id": pool_id})
+async def lock_member_live_leases(session: AsyncSession, pool_id: str, node_ids: Sequence[str]) -> None:
+    """Before several memberships of a pool end (a completion, a blacklisting): lock their nodes
+    (``node_ids``, in id order: a claim, a reviving beat and a leave lock a node before its
+    leases), then the nodes' live leases in the pool and their replicas, in id order
+    (``lock_live_leases``' order), before each membership gives its node's leases back. Taken
+    node by node, the leases deadlocked with a cancel of a task whose leases' ids came in the
+    other order (PostgreSQL; SQLite's single writer has no lock order)."""
+    if node_ids and is_postgres(session):
+        await session.execute(_LOCK_NODES, {"ids": sorted(node_ids)})
+        await session.execute(_LOCK_MEMBER_LIVE_LEASES, {"pool_id": pool_id, "node_ids": sorted(node_ids)})
 
 
 async def cancel_task(
