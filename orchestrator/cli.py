@@ -499,12 +499,11 @@ async def _with_schema(work: Callable[[async_sessionmaker[AsyncSession]], Awaita
     """Run ``work`` with sessions of the configured database, once it is known to hold the
     schema this version needs, or a newer one (``NoSchema`` otherwise: an empty database is not
     changed, and an older schema, as after a package upgrade before ``migrate``, is not read)."""
-    from alembic.runtime.migration import MigrationContext
     from sqlalchemy import inspect
     from sqlalchemy.engine import make_url
 
     from orchestrator.core.db import make_engine, make_sessionmaker
-    from orchestrator.core.migrate import head_revision, known_revision
+    from orchestrator.core.migrate import head_revision, known_revision, revision_of
 
     settings = _settings().db
     engine = make_engine(settings)
@@ -512,9 +511,7 @@ async def _with_schema(work: Callable[[async_sessionmaker[AsyncSession]], Awaita
         async with engine.connect() as conn:
             if not await conn.run_sync(lambda sync: inspect(sync).has_table("api_tokens")):
                 raise NoSchema(f"the database {make_url(settings.url)!r} has no orchestrator schema")
-            current = await conn.run_sync(
-                lambda sync: MigrationContext.configure(sync).get_current_revision()
-            )
+            current = await conn.run_sync(revision_of)
             head = head_revision()
             if current != head and (current is None or known_revision(current)):
                 raise NoSchema(

@@ -9,7 +9,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import make_url
+from sqlalchemy import Connection, make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
 import migrations
@@ -60,11 +60,16 @@ def current_revision(url: str) -> str | None:
     return asyncio.run(_read_revision(url))
 
 
+def revision_of(sync_conn: Connection) -> str | None:
+    """The revision of the schema on this connection: Alembic's own reading of alembic_version
+    (None when the table is missing or empty)."""
+    return MigrationContext.configure(sync_conn).get_current_revision()
+
+
 async def _read_revision(url: str) -> str | None:
     engine = create_async_engine(url)
     try:
         async with engine.connect() as conn:
-            # Alembic's own reading of alembic_version (None when the table is missing or empty).
-            return await conn.run_sync(lambda sync: MigrationContext.configure(sync).get_current_revision())
+            return await conn.run_sync(revision_of)
     finally:
         await engine.dispose()

@@ -59,24 +59,36 @@ async def claim_tick(
 ) -> bool:
     """True if this caller owns tick ``tick`` (of ``interval_s`` seconds) of loop ``name`` (call
     inside a transaction): the recorded tick is lower, or too far ahead to be of this interval
-    and a clock that agrees and has stayed so, unclaimed, for as long (``FOREIGN_AHEAD_S``)."""
+    and a clock that agrees and has stayed so, unclaimed, for as long (``FOREIGN_AHEAD_S``). The
+    usual claim is one UPDATE; the recorded tick is read only when it fails."""
     await insert_ignore(session, BackgroundTick, {"name": name, "last_tick": -1, "runs": 0})
-    claimable: ColumnElement[bool] = BackgroundTick.last_tick < tick
+    key = (runner, name)
+    if await _claim(session, name, tick, runner, BackgroundTick.last_tick < tick):
+        _SEEN_AHEAD.pop(key, None)
+        return True
     recorded = (
         await session.execute(
             select(BackgroundTick.last_tick, BackgroundTick.runs).where(BackgroundTick.name == name)
         )
     ).one()
-    if recorded.last_tick > tick + foreign_after(interval_s):
-        key, now = (runner, name), clock.monotonic()
-        seen = _SEEN_AHEAD.get(key)
-        if seen is None or seen[0] != recorded.runs:
-            _SEEN_AHEAD[key] = (recorded.runs, now)
-            return False
-        if now - seen[1] < max(FOREIGN_AHEAD_S, 3 * interval_s):
-            return False
-        claimable = BackgroundTick.runs == recorded.runs  # unless a claim moved it meanwhile
-    _SEEN_AHEAD.pop((runner, name), None)
+    if recorded.last_tick <= tick + foreign_after(interval_s):  # this tick's, or just ahead
+        _SEEN_AHEAD.pop(key, None)
+        return False
+    now = clock.monotonic()
+    seen = _SEEN_AHEAD.get(key)
+    if seen is None or seen[0] != recorded.runs:
+        _SEEN_AHEAD[key] = (recorded.runs, now)
+        return False
+    if now - seen[1] < max(FOREIGN_AHEAD_S, 3 * interval_s):
+        return False
+    _SEEN_AHEAD.pop(key, None)
+    # Unless a claim moved it meanwhile.
+    return await _claim(session, name, tick, runner, BackgroundTick.runs == recorded.runs)
+
+
+async def _claim(
+    session: AsyncSession, name: str, tick: int, runner: str, claimable: ColumnElement[bool]
+) -> bool:
     result = await session.execute(
         update(BackgroundTick)
         .where(BackgroundTick.name == name, claimable)

@@ -443,8 +443,9 @@ async def _lock_replicated_tasks(session: AsyncSession, task_ids: set[int]) -> l
     waits for the task. Locking the task first deadlocked with it."""
     from orchestrator.tasks.service import lock_live_leases
 
-    replicated = select(Task.id).where(Task.id.in_(task_ids), Task.replication > 1).order_by(Task.id)
-    await lock_live_leases(session, list((await session.execute(replicated)).scalars()))
+    if is_postgres(session):  # SQLite's single writer has no lock order
+        replicated = select(Task.id).where(Task.id.in_(task_ids), Task.replication > 1).order_by(Task.id)
+        await lock_live_leases(session, list((await session.execute(replicated)).scalars()))
     stmt = (
         select(Task)
         .where(Task.id.in_(task_ids), Task.replication > 1)
