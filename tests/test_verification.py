@@ -303,11 +303,15 @@ async def test_a_wrong_canary_answer_is_fraud(app: Any, app_state: Any) -> None:
         assert (v["category"], v["reason"]) == ("fraud", "canary_failed")
 
 
-async def _quorum(s: Any, answers: list[str], verification: dict[str, Any] | None) -> list[dict[str, Any]]:
+async def _quorum(
+    s: Any, answers: list[str], verification: dict[str, Any] | None, sampling: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """One task answered by the first len(answers) workers; greedy decoding unless ``sampling``
+    says otherwise (replicas decoding greedily must agree)."""
     tasks = [
         {
             "prompt": "Name the capital of France.",
-            "sampling": {"max_tokens": 64},
+            "sampling": sampling or {"max_tokens": 64, "temperature": 0},
             **({"verification": verification} if verification else {}),
         }
     ]
@@ -326,14 +330,44 @@ async def test_quorum_of_three_that_agrees_accepts_all(app: Any, app_state: Any)
         assert [(v["category"], v["verifier"]) for v in vs] == [("valid", "quorum")] * 3
 
 
-async def test_quorum_minority_is_fraud_when_the_server_cannot_check(app: Any, app_state: Any) -> None:
+@pytest.mark.parametrize("greedy", [{"temperature": 0}, {"top_k": 1}], ids=["temperature-0", "top-k-1"])
+async def test_quorum_minority_is_fraud_when_the_server_cannot_check(
+    app: Any, app_state: Any, greedy: dict[str, Any]
+) -> None:
+    """Replicas decoding greedily must agree whatever their seeds: an answer outvoted is made up."""
     async with pool_setup(app, app_state, workers=3, replication_factor=3, economics=ECON, stake=1000) as s:
-        await _quorum(s, ["Paris", "Lyon", "Paris"], None)
+        await _quorum(s, ["Paris", "Lyon", "Paris"], None, {"max_tokens": 64, **greedy})
         await verify_all(app_state)
         vs = {v["node_id"]: v for v in await verdicts(s.admin, s.headers, s.pool_id)}
         liar = s.workers[1].node_id
         assert (vs[liar]["category"], vs[liar]["reason"]) == ("fraud", "quorum_minority")
         assert all(v["category"] == "valid" for n, v in vs.items() if n != liar)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [{"max_tokens": 64}, {"max_tokens": 64, "temperature": 0.7, "top_k": 40}, {"max_tokens": 64, "top_k": 2}],
+    ids=["default-temperature", "restem-sampling", "top-k-2"],
+)
+async def test_a_sampled_replica_outvoted_is_unpaid_but_not_slashed(
+    app: Any, app_state: Any, client: Any, sampling: dict[str, Any]
+) -> None:
+    """Replicas sample with seeds of their own: at a temperature an honest node may rightly answer
+    otherwise than the two others. Outvoted, it is not paid (``invalid``, ``quorum_minority``),
+    but nothing shows it cheated: it was slashed as fraud, struck, and in the end ejected."""
+    async with pool_setup(app, app_state, workers=3, replication_factor=3, economics=ECON, stake=1000) as s:
+        await _quorum(s, ["Paris", "Lyon", "Paris"], None, sampling)
+        await verify_all(app_state)
+        vs = {v["node_id"]: v for v in await verdicts(s.admin, s.headers, s.pool_id)}
+        outvoted = s.workers[1]
+        assert (vs[outvoted.node_id]["category"], vs[outvoted.node_id]["reason"]) == (
+            "invalid",
+            "quorum_minority",
+        )
+        assert all(v["category"] == "valid" for n, v in vs.items() if n != outvoted.node_id)
+        assert vs[outvoted.node_id]["slashed_amount"] == 0
+        assert (await balances(client, outvoted))["stake_locked"] == 1000
+        assert (await track_record(s, outvoted))["strikes"] == 0
 
 
 async def test_a_replicas_long_answer_is_not_copied_into_the_other_replicas_verdicts(

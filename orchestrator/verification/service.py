@@ -14,9 +14,11 @@ the server's own reward function, then either decides at once or waits for more 
   record; the pool's ``soft_invalid_penalty`` is forfeited from the node's rewards still in the
   hold window, oldest first, up to what is there;
 * a replicated task, or an audit drawn for this node -> quorum: when every replica has
-  reported, a strict majority of canonical answers decides; the minority is fraud when the
-  server cannot check answers itself, and an undecided vote adds a replica (BOINC semantics,
-  up to a cap) before the task is called inconclusive;
+  reported, a strict majority of canonical answers decides; where the server cannot check
+  answers itself the minority is fraud when the task decodes greedily (replicas must agree) and
+  invalid when it samples at a temperature (an honest replica may answer otherwise), and an
+  undecided vote adds a replica (BOINC semantics, up to a cap) before the task is called
+  inconclusive;
 * a pool that routes audits to trusted validators -> a ``ValidationJob`` (see validators.py);
   one that no validator decides within ``verifier.validator_wait_s`` is withdrawn and the
   result decided on its checks, as a skipped audit (``validators.expire_waits``);
@@ -731,8 +733,13 @@ async def try_quorum(
             elif checkable:
                 # The server checks answers itself: disagreeing is an honest mistake, not fraud.
                 decision = by_reward(checkable, job.correct_samples or 0, details, "quorum")
-            else:
+            elif greedy(task.sampling):
+                # Replicas decoding greedily must agree: a different answer is made up.
                 decision = Decision("rejected", "fraud", "quorum_minority", "quorum", details)
+            else:
+                # Sampled at a temperature, with its own seed, an honest replica may rightly
+                # answer otherwise: outvoted, it is not paid, but nothing proves it cheated.
+                decision = Decision("rejected", "invalid", "quorum_minority", "quorum", details)
             await decide(session, job, submission, decision, now=now)
         return
     if (
@@ -928,6 +935,12 @@ async def settle_abandoned(session: AsyncSession, task_id: int, *, now: dt.datet
         )
         await decide(session, job, submission, decision, now=now)
     return len(waiting)
+
+
+def greedy(sampling: dict[str, Any]) -> bool:
+    """Whether a task's sampling is greedy decoding (temperature 0, or top-k 1), where replicas
+    of one task give the same answers whatever their seeds. The defaults are the schema's."""
+    return float(sampling.get("temperature", 1.0)) == 0 or int(sampling.get("top_k", -1)) == 1
 
 
 # The longest answers a vote names as they are; a longer one is named by its SHA-256.
