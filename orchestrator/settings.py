@@ -196,6 +196,7 @@ class VerifierSettings(BaseModel):
         description=(
             "How long results wait for a node to take the replicas they are compared with (an "
             "audit, a tie-break, or the rest of an operator's replicas once two results are in). "
+            "The wait runs only while the pool is active (a resume starts it afresh). "
             "Past that a replica no node holds is withdrawn: an audited result still alone is "
             "decided on its own checks (verdict details: audit_skipped); two or more results go to "
             "the quorum rule without it, and an undecided vote is inconclusive (quorum_timeout)."

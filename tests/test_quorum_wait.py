@@ -281,3 +281,33 @@ async def test_a_tie_break_asked_for_by_a_late_rejected_sibling_gets_a_full_wait
             v["node_id"]: (v["category"], v["reason"]) for v in await verdicts(s.admin, s.headers, s.pool_id)
         }
         assert decided[first.node_id][0] == decided[third.node_id][0] == "valid", decided
+
+
+async def test_the_wait_does_not_run_while_the_pool_is_paused(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A paused pool grants no claims, so no node can take an audit replica there: past the wait
+    the audit was skipped and the unchecked answer paid (a cheater's garbage, submitted on a lease
+    still out at the pause). The wait counts only while the pool is active, from its resume."""
+    async with pool_setup(app, app_state, workers=3, economics=ECON) as s:
+        first, sibling, third = s.workers
+        await s.enqueue([TASK], key="audit")
+        await _answer(app_state, s, [first], ["Lyon"])
+        r = await s.admin.post(f"/v1/admin/pools/{s.pool_id}/pause", headers=s.headers)
+        assert r.status_code == 200, r.text
+
+        assert (await _tick(app_state, clock, 10 * WAIT_S)).quorum_waits_expired == 0
+        assert await verdicts(s.admin, s.headers, s.pool_id) == []
+
+        r = await s.admin.post(f"/v1/admin/pools/{s.pool_id}/resume", headers=s.headers)
+        assert r.status_code == 200, r.text
+        for worker in (sibling, third):
+            assert (await worker.beat()).status_code == 200
+        # A full wait from the resume: the replica is still offered.
+        assert (await _tick(app_state, clock, WAIT_S - 1)).quorum_waits_expired == 0
+        await _answer(app_state, s, [sibling], ["Paris"])
+        await _answer(app_state, s, [third], ["Paris"])  # the tie-break
+        vs = {v["node_id"]: v for v in await verdicts(s.admin, s.headers, s.pool_id)}
+        assert (vs[first.node_id]["category"], vs[first.node_id]["reason"]) == ("invalid", "quorum_minority")
+        assert vs[first.node_id]["reward_amount"] == 0
+        assert [vs[w.node_id]["category"] for w in (sibling, third)] == ["valid", "valid"]

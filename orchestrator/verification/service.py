@@ -792,7 +792,9 @@ async def expire_quorum_waits(
     deadline bounds that wait). A replica under lease is left to finish (its expiry brings it
     back here), and a task another transaction holds is skipped until the next tick (SKIP
     LOCKED: claims and results lock the task too). The wait is counted from the task's newest
-    waiting result, so a tie-break replica gets a full wait of its own."""
+    waiting result, so a tie-break replica gets a full wait of its own, and only while the pool
+    is active (from its resume, after a pause: a paused pool grants no claims, and its audits
+    would otherwise be skipped for want of a node that could not claim)."""
     cutoff = now - dt.timedelta(seconds=wait_s)
     job, other = aliased(VerificationJob), aliased(VerificationJob)
     replica = aliased(TaskReplica)
@@ -805,6 +807,11 @@ async def expire_quorum_waits(
                     other.task_id == job.task_id, other.stage == "quorum", other.updated_at >= cutoff
                 ),
                 or_(job.audited.is_(True), exists().where(other.task_id == job.task_id, other.id != job.id)),
+                # Nodes could claim the replica for the whole wait: the pool has been active
+                # since before it began (a paused pool grants no claims; its resume starts it).
+                exists().where(
+                    Pool.id == job.pool_id, Pool.status == "active", Pool.status_changed_at < cutoff
+                ),
                 exists().where(replica.task_id == job.task_id, replica.status == "available"),
                 ~exists().where(replica.task_id == job.task_id, replica.status == "leased"),
             )
