@@ -218,6 +218,26 @@ async def test_an_honest_worker_is_paid_not_slashed_for_a_right_answer_to_a_bare
         assert (wrong["category"], wrong["reason"]) == ("invalid", "wrong_answer")
 
 
+async def test_a_claim_below_the_server_reward_is_not_fraud(app: Any, app_state: Any, client: Any) -> None:
+    """A worker that grades its own answers with a stricter grader than the pool's claims less
+    than the server finds: ``0.5`` for a gold of ``\\frac{1}{2}`` is right by ``math`` and wrong
+    by an exact match. Such a claim gains nothing (the server pays by its own reward), yet it
+    was judged forged: the right answer went unpaid, the node slashed and struck. Only a claim
+    above the server's reward is a lie told for gain."""
+    async with pool_setup(app, app_state, workers=1, reward_function="math", economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        lease = await one_lease(s, w, n=2, prompt="What is 1/2?", verification={"answer": "\\frac{1}{2}"})
+        await submit(w, lease, ["\\boxed{0.5}", "\\boxed{\\frac{1}{2}}"], claimed_reward=0.5)
+        lease = await one_lease(s, w, n=2, prompt="What is 1/3?", verification={"answer": "\\frac{1}{3}"})
+        await submit(w, lease, ["\\boxed{0.5}", "\\boxed{\\frac{1}{3}}"], claimed_reward=1.0)
+        await verify_all(app_state)
+        under, over = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (under["category"], under["reason"], under["reward_amount"]) == ("valid", "verified", 14)
+        assert under["slashed_amount"] == 0
+        assert (over["category"], over["reason"]) == ("fraud", "reward_forged")  # claimed 1, is 0.5
+        assert (await track_record(s, w))["strikes"] == 1
+
+
 async def test_an_answer_too_costly_to_score_is_inconclusive_and_holds_up_nothing(
     app: Any, app_state: Any
 ) -> None:

@@ -99,10 +99,13 @@ def sanity(result: Mapping[str, Any], expect: Expectations) -> list[Finding]:
 
 
 def forged_claim(claimed: float | None, server_reward: float | None) -> Finding | None:
-    """A claimed reward that disagrees with the server's own is a fraud signal."""
+    """A claimed reward above the server's own is a fraud signal. One below it is not: it gains
+    the worker nothing (the server pays by its own reward), and an honest worker whose own
+    grader is stricter than the pool's (an exact match where the pool reads math) claims less
+    than the server finds for a right answer."""
     if claimed is None or server_reward is None:
         return None
-    if abs(claimed - server_reward) > REWARD_TOLERANCE:
+    if claimed - server_reward > REWARD_TOLERANCE:
         return Finding(
             "reward_forged", "fraud", f"claimed reward {claimed} but the server computed {server_reward}"
         )
