@@ -64,6 +64,20 @@ class Dies:
         return 1.0
 
 
+@dataclass(frozen=True)
+class Raises:
+    """A plugin with a bug: it raises on a completion it does not expect (one with no digit)."""
+
+    name: str = "raises"
+
+    def canonical(self, completion: str) -> str:
+        return completion.strip()
+
+    def reward(self, completion: str, spec: Mapping[str, Any]) -> float | None:
+        digits = [c for c in completion if c.isdigit()]
+        return 1.0 if digits[-1] == str(spec["answer"]) else 0.0  # IndexError without a digit
+
+
 @pytest.fixture
 def plugin_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A package that declares ``short_answer`` in ``orchestrator.rewards``, installed on the
@@ -73,7 +87,7 @@ def plugin_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: short-answer-plugin\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text(
         f"[{rewards.ENTRY_POINT_GROUP}]\nshort_answer = {__name__}:ShortAnswer\nbroken = {__name__}:Broken\n"
-        f"dies = {__name__}:Dies\n"
+        f"dies = {__name__}:Dies\nraises = {__name__}:Raises\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     rewards._plugins.cache_clear()
@@ -178,3 +192,31 @@ async def test_a_result_whose_scoring_process_is_killed_once_is_scored_again(
     with pytest.raises(scoring.Unscorable, match="died 2 times"):
         await scorer.score("dies", ["42"], {"marker": str(always), "deaths": 5})
     assert always.read_text() == "xx"
+
+
+async def test_a_reward_function_that_raises_makes_the_result_inconclusive(
+    plugin_installed: None, app: Any, app_state: Any
+) -> None:
+    """A plugin that raises on some completion raised the same at every tick: the result was
+    never decided (its node never paid or told, the task never completed, a ReST^EM iteration
+    running for ever), and was scored again at every tick. Like a reward outside the contract,
+    it is the operator's bug, not the worker's: inconclusive (``reward_invalid``), no penalty."""
+    from tests.tasks_helpers import pool_setup
+    from tests.verification_helpers import FixedDraw, submit, verdicts, verify_all
+
+    app_state.rng = FixedDraw(1.0)
+    econ = {"reward_per_sample": 7, "soft_invalid_penalty": 5}
+    async with pool_setup(app, app_state, workers=1, reward_function="raises", economics=econ) as s:
+        task = {"prompt": "What is 3 + 4?", "sampling": {"max_tokens": 8}, "verification": {"answer": "7"}}
+        await s.enqueue([task, {**task, "prompt": "What is 4 + 3?"}])
+        leases = (await s.workers[0].claim(s.pool_id, max_tasks=2)).json()["leases"]
+        await submit(s.workers[0], leases[0], ["seven"])
+        await submit(s.workers[0], leases[1], ["7"])
+        await verify_all(app_state)
+        vs = await verdicts(s.admin, s.headers, s.pool_id)
+        assert sorted((v["category"], v["reason"], v["reward_amount"], v["slashed_amount"]) for v in vs) == [
+            ("inconclusive", "reward_invalid", 0, 0),
+            ("valid", "verified", 7, 0),
+        ]
+        [odd] = [v for v in vs if v["category"] == "inconclusive"]
+        assert "'raises' raised IndexError" in odd["details"]["findings"][0]["detail"]

@@ -45,6 +45,11 @@ class Unscorable(Exception):
     """The reward function ran out of time or memory on a result, or its process died."""
 
 
+class RewardFunctionFailed(Exception):
+    """The reward function raised on a result (a bug of the operator's plugin): it would raise
+    the same at every attempt, so the result is judged without a score rather than retried."""
+
+
 def _start_worker(memory_mb: int) -> None:
     """Cap the worker's memory, then import what the reward functions use (math-verify, SymPy,
     plugins), so that a worker's start does not count against a result's time limit."""
@@ -55,8 +60,15 @@ def _start_worker(memory_mb: int) -> None:
 
 def _score(reward_function: str, completions: Sequence[str], spec: Mapping[str, Any]) -> Scores:
     """In a worker: each completion's reward and canonical answer."""
-    fn = rewards.get(reward_function)
-    return [fn.reward(c, spec) for c in completions], [fn.canonical(c) for c in completions]
+    fn = rewards.get(reward_function)  # not installed: a KeyError, tried again later
+    try:
+        return [fn.reward(c, spec) for c in completions], [fn.canonical(c) for c in completions]
+    except MemoryError:
+        raise  # its memory cap: Unscorable
+    except Exception as exc:
+        raise RewardFunctionFailed(
+            f"reward function {reward_function!r} raised {type(exc).__name__}: {exc}"[:500]
+        ) from None
 
 
 _pools: dict[tuple[str, int, int], ProcessPool] = {}

@@ -94,7 +94,7 @@ from orchestrator.verification.models import (
     Verdict,
     VerificationJob,
 )
-from orchestrator.verification.scoring import Scorer, Unscorable
+from orchestrator.verification.scoring import RewardFunctionFailed, Scorer, Unscorable
 
 log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
@@ -316,7 +316,10 @@ async def score_result(given: ScoreInput, scorer: Scorer) -> Scored:
         n = len(completions)
         unscorable = checks.Finding("reward_unscorable", "inconclusive", str(exc))
         return Scored(given.result, [None] * n, [""] * n, unscorable)
-    invalid = _invalid_output(given.reward_function, per_sample, canonical)
+    except RewardFunctionFailed as exc:
+        invalid: str | None = str(exc)
+    else:
+        invalid = _invalid_output(given.reward_function, per_sample, canonical)
     if invalid is not None:
         # The operator's reward function is at fault, not the worker: no reward, no penalty.
         log.error("reward_function_invalid", job_id=given.job_id, detail=invalid)
@@ -367,8 +370,9 @@ async def _inputs(session: AsyncSession, jobs: list[VerificationJob]) -> list[Sc
 async def _score_inputs(inputs: list[ScoreInput], scorer: Scorer) -> dict[int, Scored]:
     """Every result through its pool's reward function at once: the scoring processes
     (``reward_processes``) take them in parallel, each within its own time limit (counted from
-    when a process takes it). A job whose reward function failed is logged and left for a
-    later tick."""
+    when a process takes it). A job whose scoring failed otherwise (its reward function is not
+    installed in this process, say) is logged and left for a later tick; one whose reward
+    function raised is judged inconclusive (``score_result``)."""
     outcomes = await asyncio.gather(*(score_result(i, scorer) for i in inputs), return_exceptions=True)
     scored: dict[int, Scored] = {}
     for given, outcome in zip(inputs, outcomes, strict=True):
