@@ -23,6 +23,7 @@ from orchestrator.worker.backends import (
     create_backend,
     registry,
 )
+from orchestrator.worker.backends.openai_compat import samples_from
 from orchestrator.worker.problems import arithmetic_tasks, parse_problem
 
 POLICY = PolicyRef(step=3, uri="s3://ckpt/step-3", sha256="a" * 64)
@@ -241,7 +242,8 @@ def fake_openai() -> Iterator[FakeCompletions]:
 
 def completion_reply(request: dict[str, Any]) -> dict[str, Any]:
     n = request["n"]
-    # Out of index order on purpose; usage only as a total.
+    # Out of index order on purpose; usage only as a total (choice 0 was cut at max_tokens, the
+    # others had 3 tokens each).
     choices = [
         {"index": i, "text": f" answer {i}\n{i}", "finish_reason": "length" if i == 0 else "stop"}
         for i in reversed(range(n))
@@ -251,7 +253,11 @@ def completion_reply(request: dict[str, Any]) -> dict[str, Any]:
         "object": "text_completion",
         "model": request["model"],
         "choices": choices,
-        "usage": {"prompt_tokens": 11, "completion_tokens": 10, "total_tokens": 21},
+        "usage": {
+            "prompt_tokens": 11,
+            "completion_tokens": request["max_tokens"] + 3 * (n - 1),
+            "total_tokens": 11 + request["max_tokens"] + 3 * (n - 1),
+        },
     }
 
 
@@ -287,9 +293,30 @@ async def test_openai_backend_sends_the_lease_seed_and_sampling(
     assert fake_openai.headers[0]["authorization"] == "Bearer sk-test-123"
     assert [s.completion for s in samples] == [" answer 0\n0", " answer 1\n1", " answer 2\n2"]
     assert [s.finish_reason for s in samples] == ["length", "stop", "stop"]
-    assert [s.completion_tokens for s in samples] == [4, 3, 3]  # 10 reported, split across choices
+    # The cut choice had max_tokens; the others share the rest of the total reported.
+    assert [s.completion_tokens for s in samples] == [64, 3, 3]
     assert {s.prompt_tokens for s in samples} == {11}
     assert len(untopped) == 1
+
+
+def test_token_counts_never_add_up_to_more_than_the_server_reported() -> None:
+    task = leased("Q", n=2, max_tokens=100)
+    choices = [
+        {"index": 0, "text": "a b c", "finish_reason": "length"},
+        {"index": 1, "text": "d", "finish_reason": "stop"},
+    ]
+    counts = [
+        s.completion_tokens
+        for s in samples_from({"choices": choices, "usage": {"completion_tokens": 102}}, task)
+    ]
+    assert counts == [100, 2]
+    # The server cut the first shorter than max_tokens (its own limit): its total says so, and
+    # the sample says what the server reported, not max_tokens.
+    counts = [
+        s.completion_tokens
+        for s in samples_from({"choices": choices, "usage": {"completion_tokens": 60}}, task)
+    ]
+    assert counts == [30, 30]
 
 
 async def test_openai_per_choice_tokens_and_logprob_summary(fake_openai: FakeCompletions) -> None:

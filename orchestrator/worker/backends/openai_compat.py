@@ -128,40 +128,65 @@ class OpenAIBackend:
 
 
 def samples_from(payload: Any, task: LeasedTask) -> list[Sample]:
-    """Map an OpenAI completions response to ``task.sampling.n`` samples."""
+    """Map an OpenAI completions response to ``task.sampling.n`` samples.
+
+    A choice's completion tokens are its own count where the server gives one (a per-choice
+    ``usage``, its ``token_ids``, its logprobs' ``tokens``); a choice cut at ``max_tokens``
+    (``finish_reason`` ``length``) has ``max_tokens``, unless the reported total is smaller than
+    that makes (a server that cut it shorter than asked); the rest share what is left of the
+    request's ``usage.completion_tokens``, which vLLM and others give only as the sum over the
+    choices."""
     n = task.sampling.n
+    max_tokens = task.sampling.max_tokens
     choices = payload.get("choices") if isinstance(payload, dict) else None
     if not isinstance(choices, list) or len(choices) != n:
         got = len(choices) if isinstance(choices, list) else "no"
         raise BackendError(f"completions endpoint returned {got} choices, {n} were asked for")
     choices = sorted(choices, key=lambda c: int(c.get("index", 0)))
     usage = payload.get("usage") or {}
-    total_completion = usage.get("completion_tokens")
-    shares = _split(int(total_completion), n) if isinstance(total_completion, int) else None
+    total = usage.get("completion_tokens") if isinstance(usage.get("completion_tokens"), int) else None
+    counts = [_own_tokens(choice) for choice in choices]
+    known = sum(count for count in counts if count is not None)
+    cut = [
+        i for i, count in enumerate(counts) if count is None and choices[i].get("finish_reason") == "length"
+    ]
+    if total is None or total >= known + max_tokens * len(cut):
+        for i in cut:
+            counts[i] = max_tokens
+        known += max_tokens * len(cut)
+    unknown = [i for i, count in enumerate(counts) if count is None]
+    if unknown and total is not None and total >= known:
+        for i, share in zip(unknown, _split(total - known, len(unknown)), strict=True):
+            counts[i] = min(share, max_tokens)
     samples = []
-    for i, choice in enumerate(choices):
+    for choice, count in zip(choices, counts, strict=True):
         text = str(choice.get("text") or "")
         logprobs = choice.get("logprobs") or {}
         own = choice.get("usage") or {}
-        if isinstance(own.get("completion_tokens"), int):
-            completion_tokens = int(own["completion_tokens"])
-        elif isinstance(logprobs.get("tokens"), list):
-            completion_tokens = len(logprobs["tokens"])
-        elif shares is not None:
-            completion_tokens = shares[i]
-        else:
-            completion_tokens = min(len(text.split()), task.sampling.max_tokens)
         prompt_tokens = own.get("prompt_tokens", usage.get("prompt_tokens"))
         samples.append(
             Sample(
                 completion=text,
                 finish_reason=str(choice.get("finish_reason") or "unknown"),
                 prompt_tokens=int(prompt_tokens) if isinstance(prompt_tokens, int) else 0,
-                completion_tokens=completion_tokens,
+                completion_tokens=count if count is not None else min(len(text.split()), max_tokens),
                 logprob_summary=_summary(logprobs.get("token_logprobs")),
             )
         )
     return samples
+
+
+def _own_tokens(choice: dict[str, Any]) -> int | None:
+    """A choice's completion tokens, if the choice itself tells them."""
+    own = choice.get("usage") or {}
+    if isinstance(own.get("completion_tokens"), int):
+        return int(own["completion_tokens"])
+    if isinstance(choice.get("token_ids"), list):
+        return len(choice["token_ids"])
+    logprobs = choice.get("logprobs") or {}
+    if isinstance(logprobs.get("tokens"), list):
+        return len(logprobs["tokens"])
+    return None
 
 
 def _split(total: int, parts: int) -> list[int]:

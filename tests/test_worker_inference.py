@@ -1,0 +1,43 @@
+"""The worker's ``openai`` backend end to end: a real coordinator (the tests' app) and a fake
+inference server on 127.0.0.1 that answers as vLLM's OpenAI server does
+(``tests.inference_helpers``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from orchestrator.verification.jobs import drain
+from orchestrator.worker.problems import arithmetic_tasks
+from tests.inference_helpers import fake_vllm, right_answer
+from tests.tasks_helpers import pool_setup
+from tests.test_worker_runner import start
+from tests.worker_helpers import ECON
+
+pytestmark = pytest.mark.usefixtures("no_audits")
+
+
+def rambles_first(request: dict[str, Any], index: int) -> str:
+    """Choice 0 thinks aloud past ``max_tokens``; the others answer at once."""
+    if index == 0:
+        return " Let me think about this step by step, carefully, one digit at a time." * 4
+    return right_answer(request, index)
+
+
+async def test_n_choices_from_vllm_one_cut_at_max_tokens_are_accepted(app: Any, app_state: Any) -> None:
+    # vLLM reports usage for the whole request only. A choice cut at max_tokens ("length") had
+    # max_tokens tokens; the worker must not report fewer, or the verifier rejects the result
+    # ('length' with fewer tokens than max_tokens) and the honest node earns nothing.
+    with fake_vllm(text=rambles_first) as server:
+        async with pool_setup(app, app_state, economics=ECON) as s:
+            await s.enqueue(arithmetic_tasks(2, seed=5, n=3, max_tokens=12))
+            run = start(
+                app, s.pool_id, backend="openai", backend_options={"base_url": server.url, "model": "m"}
+            )
+            await run.until(lambda st: st.submitted == 2)
+            assert await drain(app_state) == 2
+            await run.until(lambda st: st.accepted + st.rejected == 2)
+            stats = await run.finish()
+    assert (stats.accepted, stats.rejected, stats.errors) == (2, 0, 0)
+    assert stats.earnings == 2 * 2 * 7  # the two right samples of each
