@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -354,9 +355,14 @@ async def test_openai_failures_are_backend_errors(fake_openai: FakeCompletions) 
             await backend.generate(leased(ref="arith:1+1"), seed=1, policy=POLICY)
     finally:
         await backend.aclose()
-    dead = OpenAIBackend("http://127.0.0.1:9", "m", connect_timeout_s=2)
+    # A server that is not there is waited for, retry_s long, then the generation fails.
+    dead = OpenAIBackend("http://127.0.0.1:9", "m", connect_timeout_s=2, retry_s=1.5)
     try:
-        with pytest.raises(BackendError, match="ConnectError"):
+        started = time.monotonic()
+        with pytest.raises(BackendError, match=r"unavailable for 1.5 s \(retry_s\): ConnectError"):
             await dead.generate(leased("Q"), seed=1, policy=POLICY)
+        assert 1.5 <= time.monotonic() - started < 15
     finally:
         await dead.aclose()
+    with pytest.raises(ValueError, match="retry_s"):
+        create_backend("openai", {"base_url": "http://x", "model": "m", "retry_s": "-1"})

@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.verification.jobs import drain
 from orchestrator.worker.problems import arithmetic_tasks
-from tests.inference_helpers import fake_vllm, right_answer
+from tests.inference_helpers import LOADING, fake_vllm, right_answer
 from tests.tasks_helpers import pool_setup
 from tests.test_worker_runner import start
 from tests.worker_helpers import ECON
@@ -41,3 +41,32 @@ async def test_n_choices_from_vllm_one_cut_at_max_tokens_are_accepted(app: Any, 
             stats = await run.finish()
     assert (stats.accepted, stats.rejected, stats.errors) == (2, 0, 0)
     assert stats.earnings == 2 * 2 * 7  # the two right samples of each
+
+
+@pytest.mark.parametrize(
+    "faults",
+    [
+        pytest.param([LOADING, LOADING], id="llama.cpp-loading-503"),
+        pytest.param([("status", 429, {"Retry-After": "1"}, {"error": "rate limited"})], id="proxy-429"),
+        pytest.param([("status", 502, {}, {"error": "bad gateway"})], id="proxy-502"),
+        pytest.param([("cut",)], id="connection-cut-mid-answer"),
+    ],
+)
+async def test_an_inference_server_briefly_unavailable_is_waited_for_not_a_task_failure(
+    app: Any, app_state: Any, faults: list[tuple[Any, ...]]
+) -> None:
+    # The model still loading, a proxy's 429/502, a server restarting mid-answer: the task is
+    # fine and so is the node, a moment later. The generation is tried again, not given back
+    # as failed (which counts towards the task's max_failures, keeps this node from ever
+    # taking the task again, and after three makes the server refuse the node's claims).
+    with fake_vllm(plan=list(faults)) as server:
+        async with pool_setup(app, app_state, economics=ECON) as s:
+            await s.enqueue(arithmetic_tasks(1, seed=9, n=2))
+            run = start(
+                app, s.pool_id, backend="openai", backend_options={"base_url": server.url, "model": "m"}
+            )
+            await run.until(lambda st: st.submitted == 1 or st.released > 0, within=30)
+            stats = await run.finish()
+            assert (stats.submitted, stats.released) == (1, 0)
+            assert len(server.requests) == len(faults) + 1
+            assert await drain(app_state) == 1

@@ -12,6 +12,10 @@ Options (``--backend-opt key=value``):
 * ``api_key_env``: the name of an environment variable that holds the API key (sent as a
   bearer token; the key itself is never an option, never logged);
 * ``timeout_s`` (default 600) and ``connect_timeout_s`` (default 10);
+* ``retry_s`` (default 300): how long one generation waits for a server that is not there or
+  not ready (connection refused or cut, 429, 502, 503, 504: a model still loading, a server
+  restarting, a proxy), trying again with a backoff that honours ``Retry-After``, before it
+  fails; 0 tries once;
 * ``logprobs``: ask for this many top logprobs per token and send a summary (sum, mean,
   min, count of the sampled tokens' logprobs) with each sample.
 """
@@ -20,16 +24,39 @@ from __future__ import annotations
 
 import math
 import os
+import random
 from collections.abc import Mapping
 from typing import Any
 
 import httpx
+import structlog
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_delay
 
 from api_schemas.tasks import LeasedTask, PolicyRef, Sample
 from orchestrator.worker.backends.base import option_float, option_int
-from orchestrator.worker.errors import BackendError
+from orchestrator.worker.errors import BackendError, parse_retry_after
 
-OPTIONS = frozenset({"base_url", "model", "api_key_env", "timeout_s", "connect_timeout_s", "logprobs"})
+log = structlog.get_logger(__name__)
+
+OPTIONS = frozenset(
+    {"base_url", "model", "api_key_env", "timeout_s", "connect_timeout_s", "logprobs", "retry_s"}
+)
+#: Answers of a server that is not ready yet (loading the model, restarting) or of a proxy in
+#: front of one: tried again. Any other error answer is the task's failure.
+UNAVAILABLE_STATUSES = frozenset({429, 502, 503, 504})
+#: Transport failures that say the server is away or went away mid-answer (restarted, crashed):
+#: tried again. A read timeout is not: the generation took longer than ``timeout_s``.
+UNAVAILABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError)
+BACKOFF_BASE_S = 0.5
+BACKOFF_MAX_S = 10.0
+RETRY_AFTER_CAP_S = 60.0
+
+
+class _Unavailable(Exception):
+    def __init__(self, reason: str, retry_after: float | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after = retry_after
 
 
 def completions_url(base_url: str) -> str:
@@ -49,9 +76,13 @@ class OpenAIBackend:
         timeout_s: float = 600.0,
         connect_timeout_s: float = 10.0,
         logprobs: int | None = None,
+        retry_s: float = 300.0,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError("base_url must be an http:// or https:// URL")
+        if not retry_s >= 0:
+            raise ValueError("retry_s must be 0 or more")
+        self.retry_s = retry_s
         self.url = completions_url(base_url)
         self.model = model
         self.logprobs = logprobs
@@ -84,6 +115,7 @@ class OpenAIBackend:
             timeout_s=option_float(options, "timeout_s", 600.0),
             connect_timeout_s=option_float(options, "connect_timeout_s", 10.0),
             logprobs=option_int(options, "logprobs", None),
+            retry_s=option_float(options, "retry_s", 300.0),
         )
 
     async def aclose(self) -> None:
@@ -112,19 +144,64 @@ class OpenAIBackend:
 
     async def generate(self, task: LeasedTask, seed: int, policy: PolicyRef) -> list[Sample]:
         body = self.request_body(task, seed)
+        retrying = AsyncRetrying(
+            stop=stop_after_delay(self.retry_s),
+            wait=_wait,
+            retry=retry_if_exception_type(_Unavailable),
+            before_sleep=_log_retry,
+            reraise=True,
+        )
         try:
-            response = await self._http.post(self.url, json=body)
-        except httpx.HTTPError as exc:
-            raise BackendError(f"completions request to {self.url} failed: {type(exc).__name__}") from exc
-        if response.is_error:
+            async for attempt in retrying:
+                with attempt:
+                    response = await self._post(body)
+        except _Unavailable as exc:
             raise BackendError(
-                f"completions endpoint answered {response.status_code}: {response.text[:200]!r}"
-            )
+                f"completions endpoint {self.url} unavailable for {self.retry_s:g} s (retry_s): {exc.reason}"
+            ) from exc
         try:
             payload = response.json()
         except ValueError as exc:
             raise BackendError("completions endpoint answered something that is not JSON") from exc
         return samples_from(payload, task)
+
+    async def _post(self, body: dict[str, Any]) -> httpx.Response:
+        try:
+            response = await self._http.post(self.url, json=body)
+        except UNAVAILABLE_ERRORS as exc:
+            raise _Unavailable(type(exc).__name__) from exc
+        except httpx.HTTPError as exc:
+            raise BackendError(f"completions request to {self.url} failed: {type(exc).__name__}") from exc
+        if response.status_code in UNAVAILABLE_STATUSES:
+            raise _Unavailable(
+                f"answered {response.status_code}: {response.text[:200]!r}",
+                parse_retry_after(response.headers.get("retry-after")),
+            )
+        if response.is_error:
+            raise BackendError(
+                f"completions endpoint answered {response.status_code}: {response.text[:200]!r}"
+            )
+        return response
+
+
+def _wait(state: RetryCallState) -> float:
+    """The server's ``Retry-After`` (capped), else exponential backoff with full jitter."""
+    exc = state.outcome.exception() if state.outcome is not None else None
+    if isinstance(exc, _Unavailable) and exc.retry_after is not None:
+        return min(exc.retry_after, RETRY_AFTER_CAP_S)
+    ceiling = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** min(state.attempt_number - 1, 32))
+    return random.uniform(0, ceiling)  # noqa: S311 - jitter, not a secret
+
+
+def _log_retry(state: RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome is not None else None
+    wait = state.next_action.sleep if state.next_action is not None else 0.0
+    log.warning(
+        "inference_unavailable",
+        reason=getattr(exc, "reason", repr(exc)),
+        attempt=state.attempt_number,
+        wait_s=round(wait, 1),
+    )
 
 
 def samples_from(payload: Any, task: LeasedTask) -> list[Sample]:
