@@ -11,7 +11,9 @@ What the model says is ``text(request, index)``; the arithmetic prompts get a ri
 default. ``plan`` holds faults for the next requests, one a request, as real servers have them:
 ``("status", 503, {"Retry-After": "1"}, body)`` (llama.cpp's answer while it loads the model, a
 proxy's 429 or 502), ``("cut",)`` (the connection closed half way through the answer: the
-server died), ``("delay", seconds)`` (a slow generation, then the answer).
+server died), ``("delay", seconds)`` (a slow generation, then the answer). With ``gather``
+set, each request waits (up to ``gather_s``) until that many are being served at once, as a
+batching server holds them while it generates; ``most_at_once`` is how many it served at once.
 """
 
 from __future__ import annotations
@@ -61,7 +63,22 @@ class FakeVLLM:
     requests: list[dict[str, Any]] = field(default_factory=list)
     #: Requests answered with a completion (not a planned fault).
     completed: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    gather: int = 0
+    gather_s: float = 10.0
+    in_flight: int = 0
+    most_at_once: int = 0
+    lock: threading.Condition = field(default_factory=threading.Condition)
+
+    def _gather(self) -> None:
+        with self.lock:
+            self.in_flight += 1
+            self.most_at_once = max(self.most_at_once, self.in_flight)
+            self.lock.notify_all()
+            self.lock.wait_for(lambda: self.most_at_once >= self.gather, timeout=self.gather_s)
+
+    def _done(self) -> None:
+        with self.lock:
+            self.in_flight -= 1
 
     def answer(self, request: dict[str, Any]) -> dict[str, Any]:
         choices = []
@@ -108,6 +125,13 @@ def fake_vllm(**kwargs: Any) -> Iterator[FakeVLLM]:
             with fake.lock:
                 fake.requests.append(request)
                 fault = fake.plan.pop(0) if fake.plan else None
+            fake._gather()
+            try:
+                self._answer(request, fault)
+            finally:
+                fake._done()
+
+        def _answer(self, request: dict[str, Any], fault: tuple[Any, ...] | None) -> None:
             if fault is not None and fault[0] == "delay":
                 time.sleep(fault[1])
                 fault = None
@@ -141,7 +165,10 @@ def fake_vllm(**kwargs: Any) -> Iterator[FakeVLLM]:
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 1024  # many connections at once, as a worker's leases open them
+
+    server = Server(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -4,18 +4,34 @@ inference server on 127.0.0.1 that answers as vLLM's OpenAI server does
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 
+from api_schemas.tasks import LeasedTask, PolicyRef, Sampling
 from orchestrator.verification.jobs import drain
+from orchestrator.worker.backends import OpenAIBackend
 from orchestrator.worker.problems import arithmetic_tasks
 from tests.inference_helpers import LOADING, fake_vllm, right_answer
 from tests.tasks_helpers import pool_setup
 from tests.test_worker_runner import start
+from tests.waits import HANG_S
 from tests.worker_helpers import ECON
 
 pytestmark = pytest.mark.usefixtures("no_audits")
+
+POLICY = PolicyRef(step=1, uri="file:///policy-1", sha256="a" * 64)
+
+
+def leased(task_id: int, *, n: int = 1, max_tokens: int = 16) -> LeasedTask:
+    return LeasedTask(
+        task_id=task_id + 1,
+        prompt=f"What is {task_id} + 1?",
+        problem_ref=None,
+        sampling=Sampling(max_tokens=max_tokens, n=n),
+        metadata=None,
+    )
 
 
 def rambles_first(request: dict[str, Any], index: int) -> str:
@@ -70,3 +86,25 @@ async def test_an_inference_server_briefly_unavailable_is_waited_for_not_a_task_
             assert (stats.submitted, stats.released) == (1, 0)
             assert len(server.requests) == len(faults) + 1
             assert await drain(app_state) == 1
+
+
+async def test_every_lease_of_a_large_concurrency_reaches_the_server_at_once() -> None:
+    # --concurrency goes up to 1024 and vLLM batches hundreds of requests: each lease's
+    # generation is one request, and none of them may wait for another's connection (an
+    # HTTP client's default pool of 100 connections held the rest back, and failed them with a
+    # pool timeout once timeout_s passed).
+    leases = 150
+    with fake_vllm(gather=leases) as server:
+        backend = OpenAIBackend(server.url, "m", timeout_s=30)
+        try:
+            done = await asyncio.wait_for(
+                asyncio.gather(
+                    *(backend.generate(leased(seed), seed, POLICY) for seed in range(leases)),
+                    return_exceptions=True,
+                ),
+                HANG_S,
+            )
+        finally:
+            await backend.aclose()
+    assert [d for d in done if isinstance(d, BaseException)] == []
+    assert server.most_at_once == leases

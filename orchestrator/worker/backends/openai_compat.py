@@ -87,8 +87,13 @@ class OpenAIBackend:
         self.model = model
         self.logprobs = logprobs
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # No cap on connections: the worker's --concurrency bounds the requests in flight, one a
+        # lease, and a batching server (vLLM) runs hundreds at once. httpx's default pool of 100
+        # held the rest back, and failed them with a PoolTimeout once timeout_s had passed.
         self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s), headers=headers
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            headers=headers,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
         )
 
     def __repr__(self) -> str:  # never shows the key
