@@ -181,6 +181,31 @@ async def test_backends_are_found_by_name_including_plugins(echo_plugin: None) -
         create_backend("nope")
 
 
+def test_a_plugin_that_cannot_be_imported_breaks_only_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An installed plugin whose import fails on this machine (it needs a GPU library that is
+    # missing, say) made every backend name fail, the built-ins too: `worker run --backend
+    # openai` ended in that plugin's ModuleNotFoundError.
+    group = registry.ENTRY_POINT_GROUP
+    plugins = [
+        EntryPoint(name="echo", value="tests.test_worker_backends:EchoBackend.from_options", group=group),
+        EntryPoint(name="needs-cuda", value="tests.no_such_module:Backend", group=group),
+    ]
+
+    def fake_entry_points(*, group: str) -> list[EntryPoint]:
+        return plugins if group == registry.ENTRY_POINT_GROUP else []
+
+    registry._plugins.cache_clear()
+    monkeypatch.setattr(registry, "entry_points", fake_entry_points)
+    try:
+        assert {"arithmetic", "openai", "echo", "needs-cuda"} <= set(available())
+        assert isinstance(create_backend("arithmetic"), ArithmeticBackend)
+        assert create_backend("echo", {"word": "pong"}).name == "echo"
+        with pytest.raises(ModuleNotFoundError, match=r"tests\.no_such_module"):
+            create_backend("needs-cuda")  # the one asked for still says why it cannot be built
+    finally:
+        registry._plugins.cache_clear()
+
+
 def test_bad_backend_options_are_refused() -> None:
     with pytest.raises(ValueError, match="not a number"):
         create_backend("arithmetic", {"error_rate": "lots"})

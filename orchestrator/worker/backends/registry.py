@@ -8,14 +8,15 @@ For example, in the plugin's ``pyproject.toml``::
     [project.entry-points."orchestrator.backends"]
     my-vllm = "my_package.backend:MyBackend.from_options"
 
-Built-in names win over a plugin of the same name.
+Built-in names win over a plugin of the same name. A plugin is imported only when it is
+asked for by name: one that cannot be imported on this machine breaks only itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from functools import cache
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import cast
 
 from orchestrator.worker.backends.arithmetic import ArithmeticBackend
@@ -31,8 +32,9 @@ BUILT_IN: dict[str, BackendFactory] = {
 
 
 @cache
-def _plugins() -> dict[str, BackendFactory]:
-    return {ep.name: cast(BackendFactory, ep.load()) for ep in entry_points(group=ENTRY_POINT_GROUP)}
+def _plugins() -> dict[str, EntryPoint]:
+    """The installed plugins' entry points by name, not loaded."""
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
 def available() -> list[str]:
@@ -42,10 +44,13 @@ def available() -> list[str]:
 
 def create_backend(name: str, options: Mapping[str, str] | None = None) -> Backend:
     """Build the backend called ``name``; ``KeyError`` for an unknown one, ``ValueError`` for
-    bad options."""
-    factory = BUILT_IN.get(name) or _plugins().get(name)
+    bad options (a plugin that cannot be imported raises what its import raised)."""
+    factory = BUILT_IN.get(name)
     if factory is None:
-        raise KeyError(f"no backend {name!r}; available: {', '.join(available())}")
+        plugin = _plugins().get(name)
+        if plugin is None:
+            raise KeyError(f"no backend {name!r}; available: {', '.join(available())}")
+        factory = cast(BackendFactory, plugin.load())
     backend = factory(dict(options or {}))
     if not isinstance(backend, Backend):
         raise TypeError(f"backend factory {name!r} returned {type(backend).__name__}, not a Backend")
