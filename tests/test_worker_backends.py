@@ -325,6 +325,26 @@ async def test_openai_backend_sends_the_lease_seed_and_sampling(
     assert len(untopped) == 1
 
 
+async def test_a_long_generation_is_bounded_by_generate_timeout_not_a_600_s_read_timeout() -> None:
+    # vLLM answers a non-streaming request only when every choice is done: a reasoning rollout
+    # of 32k tokens on a busy server takes 10 to 20 minutes. The backend's own read timeout of
+    # 600 s failed each such generation (ReadTimeout, released as a task failure; after three
+    # the node was refused claims) though the worker allows --generate-timeout-s 3600 for one.
+    backend = create_backend("openai", {"base_url": "http://127.0.0.1:1", "model": "m"})
+    assert isinstance(backend, OpenAIBackend)
+    try:
+        timeout = backend._http.timeout
+        assert (timeout.connect, timeout.read, timeout.write) == (10.0, None, None)
+    finally:
+        await backend.aclose()
+    backend = create_backend("openai", {"base_url": "http://127.0.0.1:1", "model": "m", "timeout_s": "30"})
+    assert isinstance(backend, OpenAIBackend)
+    try:
+        assert backend._http.timeout.read == 30.0
+    finally:
+        await backend.aclose()
+
+
 def test_token_counts_never_add_up_to_more_than_the_server_reported() -> None:
     task = leased("Q", n=2, max_tokens=100)
     choices = [

@@ -11,7 +11,8 @@ Options (``--backend-opt key=value``):
 * ``model`` (required): the served model name;
 * ``api_key_env``: the name of an environment variable that holds the API key (sent as a
   bearer token; the key itself is never an option, never logged);
-* ``timeout_s`` (default 600) and ``connect_timeout_s`` (default 10);
+* ``timeout_s`` (default none: the worker's ``--generate-timeout-s`` bounds a generation; a
+  long one sends nothing until it is done) and ``connect_timeout_s`` (default 10);
 * ``retry_s`` (default 300): how long one generation waits for a server that is not there or
   not ready (connection refused or cut, 429, 502, 503, 504: a model still loading, a server
   restarting, a proxy), trying again with a backoff that honours ``Retry-After``, before it
@@ -73,7 +74,7 @@ class OpenAIBackend:
         model: str,
         *,
         api_key: str | None = None,
-        timeout_s: float = 600.0,
+        timeout_s: float | None = None,
         connect_timeout_s: float = 10.0,
         logprobs: int | None = None,
         retry_s: float = 300.0,
@@ -82,6 +83,8 @@ class OpenAIBackend:
             raise ValueError("base_url must be an http:// or https:// URL")
         if not retry_s >= 0:
             raise ValueError("retry_s must be 0 or more")
+        if timeout_s is not None and not timeout_s >= 0:
+            raise ValueError("timeout_s must be 0 (none) or more")
         self.retry_s = retry_s
         self.url = completions_url(base_url)
         self.model = model
@@ -89,9 +92,10 @@ class OpenAIBackend:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # No cap on connections: the worker's --concurrency bounds the requests in flight, one a
         # lease, and a batching server (vLLM) runs hundreds at once. httpx's default pool of 100
-        # held the rest back, and failed them with a PoolTimeout once timeout_s had passed.
+        # held the rest back, and failed them with a PoolTimeout once timeout_s had passed. No
+        # read timeout unless asked for: the worker's --generate-timeout-s bounds a generation.
         self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            timeout=httpx.Timeout(timeout_s or None, connect=connect_timeout_s),
             headers=headers,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
         )
@@ -117,7 +121,7 @@ class OpenAIBackend:
             options["base_url"],
             options["model"],
             api_key=api_key,
-            timeout_s=option_float(options, "timeout_s", 600.0),
+            timeout_s=option_float(options, "timeout_s", 0.0) or None,
             connect_timeout_s=option_float(options, "connect_timeout_s", 10.0),
             logprobs=option_int(options, "logprobs", None),
             retry_s=option_float(options, "retry_s", 300.0),
