@@ -63,6 +63,9 @@ class FakeVLLM:
     requests: list[dict[str, Any]] = field(default_factory=list)
     #: Requests answered with a completion (not a planned fault).
     completed: int = 0
+    #: The most choices one request may ask for, as llama.cpp's server (which refused any n
+    #: but 1 until late 2025, and since then more than its --parallel slots): more is a 500.
+    max_n: int | None = None
     gather: int = 0
     gather_s: float = 10.0
     in_flight: int = 0
@@ -135,6 +138,13 @@ def fake_vllm(**kwargs: Any) -> Iterator[FakeVLLM]:
             if fault is not None and fault[0] == "delay":
                 time.sleep(fault[1])
                 fault = None
+            if fault is None and fake.max_n is not None and int(request.get("n", 1)) > fake.max_n:
+                error = {
+                    "code": 500,
+                    "message": "Only one completion choice is allowed",
+                    "type": "server_error",
+                }
+                fault = ("status", 500, {}, {"error": error})
             if fault is not None and fault[0] == "status":
                 _, status, headers, body = fault
                 self._send(status, json.dumps(body).encode(), headers)

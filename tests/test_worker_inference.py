@@ -11,7 +11,7 @@ import pytest
 
 from api_schemas.tasks import LeasedTask, PolicyRef, Sampling
 from orchestrator.verification.jobs import drain
-from orchestrator.worker.backends import OpenAIBackend
+from orchestrator.worker.backends import BackendError, OpenAIBackend
 from orchestrator.worker.problems import arithmetic_tasks
 from tests.inference_helpers import LOADING, fake_vllm, right_answer
 from tests.tasks_helpers import pool_setup
@@ -108,3 +108,45 @@ async def test_every_lease_of_a_large_concurrency_reaches_the_server_at_once() -
             await backend.aclose()
     assert [d for d in done if isinstance(d, BaseException)] == []
     assert server.most_at_once == leases
+
+
+async def test_a_server_that_gives_one_choice_a_request_is_asked_n_times(app: Any, app_state: Any) -> None:
+    # llama.cpp's server refuses n > 1 ("Only one completion choice is allowed"; recent builds,
+    # n above their --parallel slots): with max_n=1 each of the task's n samples is its own
+    # request, with its own seed (the lease's, then the next ones), not a failed lease.
+    with fake_vllm(max_n=1) as server:
+        async with pool_setup(app, app_state, economics=ECON) as s:
+            await s.enqueue(arithmetic_tasks(1, seed=3, n=3))
+            run = start(
+                app,
+                s.pool_id,
+                backend="openai",
+                backend_options={"base_url": server.url, "model": "m", "max_n": "1"},
+            )
+            await run.until(lambda st: st.submitted == 1 or st.released > 0)
+            stats = await run.finish()
+            assert (stats.submitted, stats.released, stats.errors) == (1, 0, 0)
+            assert await drain(app_state) == 1
+            [lease] = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)).json()[
+                "items"
+            ]
+            assert lease["status"] == "completed"
+    assert [r["n"] for r in server.requests] == [1, 1, 1]
+    seeds = [r["seed"] for r in server.requests]
+    assert sorted(seeds) == list(range(min(seeds), min(seeds) + 3))
+
+
+async def test_a_part_of_n_that_fails_fails_the_generation_with_its_own_error() -> None:
+    refused = (
+        "status",
+        400,
+        {},
+        {"error": {"code": 400, "message": "prompt too long", "type": "invalid_request_error"}},
+    )
+    with fake_vllm(max_n=1, plan=[refused]) as server:
+        backend = OpenAIBackend(server.url, "m", max_n=1)
+        try:
+            with pytest.raises(BackendError, match=r"answered 400: .*prompt too long"):
+                await backend.generate(leased(1, n=3), 11, POLICY)
+        finally:
+            await backend.aclose()

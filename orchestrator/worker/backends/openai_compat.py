@@ -18,11 +18,15 @@ Options (``--backend-opt key=value``):
   restarting, a proxy), trying again with a backoff that honours ``Retry-After``, before it
   fails; 0 tries once;
 * ``logprobs``: ask for this many top logprobs per token and send a summary (sum, mean,
-  min, count of the sampled tokens' logprobs) with each sample.
+  min, count of the sampled tokens' logprobs) with each sample;
+* ``max_n``: the most choices the server gives in one request (llama.cpp's refused ``n`` > 1
+  until late 2025, and since then ``n`` above its ``--parallel`` slots): a task's ``n``
+  above it is asked in several requests at once, the k-th (from 0) with the lease's seed + k.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import random
@@ -40,7 +44,7 @@ from orchestrator.worker.errors import BackendError, parse_retry_after
 log = structlog.get_logger(__name__)
 
 OPTIONS = frozenset(
-    {"base_url", "model", "api_key_env", "timeout_s", "connect_timeout_s", "logprobs", "retry_s"}
+    {"base_url", "model", "api_key_env", "timeout_s", "connect_timeout_s", "logprobs", "retry_s", "max_n"}
 )
 #: Answers of a server that is not ready yet (loading the model, restarting) or of a proxy in
 #: front of one: tried again. Any other error answer is the task's failure.
@@ -78,6 +82,7 @@ class OpenAIBackend:
         connect_timeout_s: float = 10.0,
         logprobs: int | None = None,
         retry_s: float = 300.0,
+        max_n: int | None = None,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError("base_url must be an http:// or https:// URL")
@@ -85,6 +90,9 @@ class OpenAIBackend:
             raise ValueError("retry_s must be 0 or more")
         if timeout_s is not None and not timeout_s >= 0:
             raise ValueError("timeout_s must be 0 (none) or more")
+        if max_n is not None and max_n < 1:
+            raise ValueError("max_n must be at least 1")
+        self.max_n = max_n
         self.retry_s = retry_s
         self.url = completions_url(base_url)
         self.model = model
@@ -125,6 +133,7 @@ class OpenAIBackend:
             connect_timeout_s=option_float(options, "connect_timeout_s", 10.0),
             logprobs=option_int(options, "logprobs", None),
             retry_s=option_float(options, "retry_s", 300.0),
+            max_n=option_int(options, "max_n", None),
         )
 
     async def aclose(self) -> None:
@@ -152,6 +161,30 @@ class OpenAIBackend:
         return body
 
     async def generate(self, task: LeasedTask, seed: int, policy: PolicyRef) -> list[Sample]:
+        n, most = task.sampling.n, self.max_n
+        if most is None or n <= most:
+            return await self._complete(task, seed)
+        # In parts of at most max_n choices, asked at once; one failing fails (and stops) all.
+        sizes = [min(most, n - start) for start in range(0, n, most)]
+        try:
+            async with asyncio.TaskGroup() as group:
+                parts = [
+                    group.create_task(
+                        self._complete(
+                            task.model_copy(
+                                update={"sampling": task.sampling.model_copy(update={"n": size})}
+                            ),
+                            seed + k,
+                        )
+                    )
+                    for k, size in enumerate(sizes)
+                ]
+        except ExceptionGroup as failed:
+            raise failed.exceptions[0] from None  # the BackendError itself, for the release
+        return [sample for part in parts for sample in part.result()]
+
+    async def _complete(self, task: LeasedTask, seed: int) -> list[Sample]:
+        """One completions request for ``task.sampling.n`` choices."""
         body = self.request_body(task, seed)
         retrying = AsyncRetrying(
             stop=stop_after_delay(self.retry_s),
