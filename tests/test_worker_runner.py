@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+import structlog
 
 from api_schemas.tasks import LeasedTask, PolicyRef, Sample
 from orchestrator.core.keys import generate_key
@@ -446,6 +447,24 @@ async def test_a_stop_during_an_outage_does_not_wait_out_the_clients_retries(
         stats = await run.finish(within=8)
         assert stats.state == "stopped"
         assert wire.to("/v1/providers/me/balance")[-1].status is None  # tried, the server down
+
+
+async def test_a_failure_without_a_message_is_logged_by_its_name(app: Any, app_state: Any) -> None:
+    """httpx's timeouts carry no message: a failed stats read (or heartbeat, or read of the
+    live leases) logged ``error=`` and nothing else (seen under load), so the worker's log did
+    not say what had failed."""
+    async with pool_setup(app, app_state) as s:
+        wire = FaultyTransport(app_transport(app))
+        wire.fail("/v1/providers/me/balance", *(["timeout"] * 1000))
+        with structlog.testing.capture_logs() as logs:
+            run = start(app, s.pool_id, transport=wire, concurrency=1, max_retries=0)
+            await run.until(
+                lambda st: st.idle_reason == "no_tasks" and len(wire.to("/v1/providers/me/balance")) > 1
+            )
+            await run.finish()
+        failed = [e for e in logs if e["event"] == "stats_refresh_failed"]
+        assert failed
+        assert all(e["error"] == "ReadTimeout" for e in failed), failed
 
 
 async def test_a_refused_submission_releases_the_lease_at_once(

@@ -42,6 +42,8 @@ class FaultyTransport(httpx.AsyncBaseTransport):
     ``"forward+502"``: the app handles it, then the answer is lost and a 502 returned;
     ``"forward+timeout"``: the app handles it, then the client gets a read timeout;
     ``"connect"``: a connection error before anything is sent;
+    ``"timeout"``: a read timeout without a message, as httpx raises one (the app never sees
+    the request);
     ``"node_unhealthy"``: a claim answered here as the server answers a node it has not heard
     from lately (no leases, ``Retry-After: 3600``).
     """
@@ -66,6 +68,8 @@ class FaultyTransport(httpx.AsyncBaseTransport):
         fault = plan.pop(0) if plan else None
         if fault == "connect" or self.down:
             raise httpx.ConnectError("connection refused (injected)", request=request)
+        if fault == "timeout":
+            raise httpx.ReadTimeout("", request=request)
         if fault == "503":
             seen.status = 503
             return _problem(503, "not_ready", {})

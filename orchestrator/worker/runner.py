@@ -215,6 +215,12 @@ async def run_worker(
             await close()
 
 
+def _why(exc: BaseException) -> str:
+    """What a failed request logs: its message, or the exception's name when it has none (an
+    httpx timeout's message is empty, and the line said ``error=`` alone)."""
+    return str(exc)[:200] or type(exc).__name__
+
+
 class _Worker:
     def __init__(
         self,
@@ -400,7 +406,7 @@ class _Worker:
             held = await self.client.leases(c.pool_id, stop=self.stop)
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
             # Tried again before the next claim (which backs off if the server is still away).
-            log.warning("recover_failed", error=str(exc)[:200])
+            log.warning("recover_failed", error=_why(exc))
             return False
         self.recover = False
         known.update(self.running)
@@ -587,7 +593,7 @@ class _Worker:
         try:
             await self.client.release(assignment_id, error=error)
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
-            self._error("release_failed", assignment_id=assignment_id, error=str(exc)[:200])
+            self._error("release_failed", assignment_id=assignment_id, error=_why(exc))
             return
         self.stats.released += 1
         self._emit()
@@ -641,7 +647,7 @@ class _Worker:
                 leases=list(self.running), metrics=metrics, stop=stop or self.closing
             )
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
-            self._error("heartbeat_failed", error=str(exc)[:200])
+            self._error("heartbeat_failed", error=_why(exc))
             return None
         for aid in beat.drop_leases:
             task = self.running.get(aid)
@@ -685,7 +691,7 @@ class _Worker:
                 balance = await self.client.balance(stop=self.stop)
                 self.stats.earnings = balance.rewards_pending + balance.rewards_claimable + balance.withdrawn
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
-            log.warning("stats_refresh_failed", error=str(exc)[:200])
+            log.warning("stats_refresh_failed", error=_why(exc))
             return
         self._emit()
 
