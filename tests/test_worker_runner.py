@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime as dt
 import json
 import time
@@ -14,11 +15,13 @@ from typing import Any
 import httpx
 import pytest
 import structlog
+from sqlalchemy import select
 
 from api_schemas.tasks import LeasedTask, PolicyRef, Sample
 from orchestrator.core.keys import generate_key
+from orchestrator.tasks.models import Submission
 from orchestrator.verification.jobs import drain
-from orchestrator.worker.backends import ArithmeticBackend, BackendError, registry
+from orchestrator.worker.backends import ArithmeticBackend, BackendError, Generation, registry
 from orchestrator.worker.client import WorkerClient
 from orchestrator.worker.problems import arithmetic_tasks
 from orchestrator.worker.runner import WorkerConfig, WorkerStats, _Worker, run_worker
@@ -116,6 +119,40 @@ async def test_a_worker_completes_tasks_and_earns_once_verified(app: Any, app_st
         assert max(r.in_flight for r in run.reports) > 1  # it really ran leases concurrently
         tasks = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)).json()
         assert {t["status"] for t in tasks["items"]} == {"completed"}
+
+
+class ProvingBackend(ArithmeticBackend):
+    """The arithmetic policy, with a proof of each generation and its own reward claim, as a
+    TOPLOC backend would send them."""
+
+    name = "proving"
+
+    async def generate(self, task: LeasedTask, seed: int, policy: PolicyRef) -> Generation:
+        samples = await super().generate(task, seed, policy)
+        return Generation(
+            samples, proof=b"\x00toploc\xff" + seed.to_bytes(8, "big", signed=True), claimed_reward=1.0
+        )
+
+
+async def test_a_backend_sends_its_proof_and_claimed_reward_with_the_result(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a pool that requires proofs a result without one is invalid: a backend had no way to
+    give the worker its proof (nor a claimed reward), so no node running the stock worker could
+    earn anything there. A backend now returns a ``Generation`` with them."""
+    monkeypatch.setitem(registry.BUILT_IN, "proving", lambda options: ProvingBackend())
+    async with pool_setup(app, app_state, economics=ECON, require_proof=True) as s:
+        await s.enqueue(arithmetic_tasks(2, seed=21))
+        run = start(app, s.pool_id, backend="proving", concurrency=2)
+        await run.until(lambda st: st.submitted == 2)
+        assert await drain(app_state) == 2
+        await run.until(lambda st: st.accepted == 2)
+        stats = await run.finish()
+        assert (stats.accepted, stats.rejected, stats.errors, stats.earnings) == (2, 0, 0, 14)
+        async with app_state.sessionmaker() as session:
+            sent = [json.loads(b) for b in (await session.execute(select(Submission.body))).scalars()]
+        assert sorted(base64.b64decode(r["proof"])[:8] for r in sent) == [b"\x00toploc\xff"] * 2
+        assert {r["claimed_reward"] for r in sent} == {1.0}
 
 
 async def test_wrong_answers_are_rejected_and_earn_nothing(app: Any, app_state: Any) -> None:

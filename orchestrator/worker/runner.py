@@ -27,6 +27,7 @@ Signal handling belongs to the caller (the CLI installs SIGINT/SIGTERM handlers 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import functools
@@ -44,10 +45,10 @@ import structlog
 from nacl.signing import SigningKey
 
 from api_schemas.identity import HeartbeatOut, NodeSpecs
-from api_schemas.tasks import CLAIM_MAX_TASKS, ClaimOut, Lease, ResultIn, ResultOut, Sample
+from api_schemas.tasks import CLAIM_MAX_TASKS, ClaimOut, Lease, ResultIn, ResultOut
 from orchestrator import __version__
 from orchestrator.core.keys import read_key_file
-from orchestrator.worker.backends import Backend, BackendError, create_backend
+from orchestrator.worker.backends import Backend, BackendError, Generation, create_backend
 from orchestrator.worker.client import WorkerClient
 from orchestrator.worker.errors import OrchestratorAPIError
 
@@ -478,32 +479,34 @@ class _Worker:
 
     # ------------------------------------------------------------------ one lease
 
-    async def _generate(self, lease: Lease) -> list[Sample]:
+    async def _generate(self, lease: Lease) -> Generation:
         limit = self.config.generate_timeout_s
         generation = self.backend.generate(lease.task, lease.seed, lease.policy)
-        if not limit:
-            return await generation
         try:
-            return await asyncio.wait_for(generation, timeout=limit)
+            made = await (asyncio.wait_for(generation, timeout=limit) if limit else generation)
         except TimeoutError:
             detail = f"the generation took longer than {limit:g} s (--generate-timeout-s)"
             raise BackendError(detail) from None
+        return made if isinstance(made, Generation) else Generation(samples=made)
 
     async def _work(self, lease: Lease) -> None:
         aid = lease.assignment_id
         try:
-            samples = await self._generate(lease)
-            if len(samples) != lease.task.sampling.n:
+            made = await self._generate(lease)
+            if len(made.samples) != lease.task.sampling.n:
                 raise BackendError(
-                    f"backend {self.backend.name} made {len(samples)} samples, {lease.task.sampling.n} asked"
+                    f"backend {self.backend.name} made {len(made.samples)} samples, "
+                    f"{lease.task.sampling.n} asked"
                 )
-            # Samples that do not make a valid result (wrong types, negative counts, ...) are
-            # the backend's failure too.
+            # Samples (or a proof, a claimed reward) that do not make a valid result (wrong
+            # types, negative counts, a proof too large, ...) are the backend's failure too.
             result = ResultIn(
                 fencing_token=lease.fencing_token,
                 policy_step=lease.policy.step,
                 seed=lease.seed,
-                samples=samples,
+                samples=made.samples,
+                claimed_reward=made.claimed_reward,
+                proof=None if made.proof is None else base64.b64encode(made.proof).decode("ascii"),
             )
         except asyncio.CancelledError:
             raise

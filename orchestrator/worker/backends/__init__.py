@@ -1,7 +1,7 @@
 """Rollout backends: the ``Backend`` protocol, the built-ins and the plugin registry."""
 
 from orchestrator.worker.backends.arithmetic import ArithmeticBackend
-from orchestrator.worker.backends.base import Backend, BackendError, BackendFactory
+from orchestrator.worker.backends.base import Backend, BackendError, BackendFactory, Generation
 from orchestrator.worker.backends.openai_compat import OpenAIBackend
 from orchestrator.worker.backends.registry import ENTRY_POINT_GROUP, available, create_backend
 
@@ -11,6 +11,7 @@ __all__ = [
     "Backend",
     "BackendError",
     "BackendFactory",
+    "Generation",
     "OpenAIBackend",
     "available",
     "create_backend",

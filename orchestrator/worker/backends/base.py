@@ -2,19 +2,35 @@
 
 A backend is built from string options (``--backend-opt key=value`` on the command line) by
 a factory, and then asked to ``generate`` exactly ``task.sampling.n`` samples for a lease,
-with the lease's seed and policy. A backend that holds resources (an HTTP client, a model)
-may also have ``async def aclose()``; the worker calls it when it stops.
+with the lease's seed and policy. It returns the samples, or a ``Generation``: the samples with
+the result's proof (a pool with ``require_proof`` judges a result without one invalid; TOPLOC's
+proofs, say) and the reward the backend claims for them. A backend that holds resources (an
+HTTP client, a model) may also have ``async def aclose()``; the worker calls it when it stops.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from api_schemas.tasks import LeasedTask, PolicyRef, Sample
 from orchestrator.worker.errors import BackendError
 
-__all__ = ["Backend", "BackendError", "BackendFactory", "option_float", "option_int"]
+__all__ = ["Backend", "BackendError", "BackendFactory", "Generation", "option_float", "option_int"]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A backend's samples with what the result may carry besides them: ``proof``, the raw
+    bytes of a proof of the generation (sent as the result's base64 ``proof``; at most
+    ``api_schemas.tasks.MAX_PROOF_BYTES``), and ``claimed_reward``, the mean reward over the
+    samples by the backend's own grading (the server recomputes it; a claim above the server's
+    is fraud)."""
+
+    samples: list[Sample]
+    proof: bytes | None = None
+    claimed_reward: float | None = None
 
 
 @runtime_checkable
@@ -22,9 +38,10 @@ class Backend(Protocol):
     @property
     def name(self) -> str: ...
 
-    async def generate(self, task: LeasedTask, seed: int, policy: PolicyRef) -> list[Sample]:
-        """Exactly ``task.sampling.n`` samples. Raise ``BackendError`` when the task cannot be
-        run; the worker then gives the lease back."""
+    async def generate(self, task: LeasedTask, seed: int, policy: PolicyRef) -> list[Sample] | Generation:
+        """Exactly ``task.sampling.n`` samples, alone or in a ``Generation`` with a proof and a
+        claimed reward. Raise ``BackendError`` when the task cannot be run; the worker then
+        gives the lease back."""
         ...
 
 
