@@ -166,7 +166,17 @@ def serve(
         else None,
         access_log=False,
         log_level=settings.log_level.lower(),
+        timeout_worker_healthcheck=WORKER_HEALTHCHECK_TIMEOUT_S,
     )
+
+
+# How long uvicorn's supervisor waits for a worker to answer its ping (every half second) before it
+# kills the worker as hung and starts another. A worker answers only once it has started, which
+# takes seconds of imports, and more on a busy host or under a container's CPU limit: at uvicorn's
+# 5 s the supervisor killed its own workers as they started, and with starts slower than that
+# never served. The answer comes from a thread of its own, not the event loop, so only a process
+# that is wholly stuck misses it.
+WORKER_HEALTHCHECK_TIMEOUT_S = 60
 
 
 def _require_free_port(host: str, port: int, option: str = "--port or ORCH_SERVER__PORT") -> None:

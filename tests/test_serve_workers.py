@@ -86,3 +86,42 @@ def test_the_workers_end_when_serve_is_killed(tmp_path: Path) -> None:
         for pid in workers:
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+# Imported by every Python process started with its folder on PYTHONPATH: a uvicorn worker (a
+# multiprocessing child running ``spawn_main``) takes this long to start, as its imports take on
+# a busy host or under a container's CPU limit.
+_SLOW_START = """
+from pathlib import Path
+import time
+
+if b"spawn_main" in Path("/proc/self/cmdline").read_bytes():
+    time.sleep({delay})
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_slow_to_start_are_not_killed_as_hung(tmp_path: Path) -> None:
+    """uvicorn's supervisor pings each worker every half second and kills one that has not
+    answered within its health-check timeout (5 s by default), taking it for hung, then starts
+    another. A worker still starting has not answered yet: on a busy host (its imports took
+    6 s here at a load of 20) or under a container's CPU limit, `serve --workers 2` killed its own
+    workers as they started ("Child process [...] died"), at every start and after every crash,
+    and with starts slower than the timeout it never served at all."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_SLOW_START.format(delay=7))
+    env = embedded_env(
+        ORCH_DB__URL=f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}",
+        ORCH_REDIS__URL=REDIS_URL or "",
+        ORCH_REDIS__PREFIX=f"t{uuid.uuid4().hex[:12]}:",
+        ORCH_SERVER__BACKGROUND_LOOPS="false",
+        ORCH_LOG_LEVEL="WARNING",
+        PYTHONPATH=os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
+    log = tmp_path / "serve.log"
+    with serving(tmp_path, env, "--workers", "2", timeout=60) as (server, _port):
+        first = sorted(_workers_of(server.pid))
+        time.sleep(2)
+        assert "died" not in log.read_text(), log.read_text()
+        assert sorted(_workers_of(server.pid)) == first and len(first) == 2, log.read_text()
