@@ -308,6 +308,33 @@ async def test_a_lease_taken_after_an_outage_began_does_not_get_its_length(
         assert await lease_deadlines(app_state) == [deadline]
 
 
+async def test_a_lease_taken_after_the_last_mark_before_an_outage_outlives_it(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """Marks come every 5 s, so an outage begins up to 5 s (``STALL_S`` at most) after the last
+    one, and leases are claimed in between (a busy pool claims many a second). Those were left
+    out of the extension at the return, as if claimed during the outage: a 60 s lease claimed 3 s
+    after the last mark, then a 120 s outage, and the lease had run out at the return (the
+    reaper expired it, the node's result was refused 409 lease_expired and the work was lost).
+    Such a lease now gets back the part of the outage it lived through."""
+    async with pool_setup(app, app_state, workers=1, lease_duration_s=60) as s:
+        [w] = s.workers
+        await s.enqueue([task()])
+        await mark(app_state)
+        began = clock.now()
+        clock.advance(3)
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        [deadline] = await lease_deadlines(app_state)
+        clock.advance(2)  # the database or Redis goes down
+        for _ in range(24):  # 120 s without a mark
+            clock.advance(5)
+            assert (await reap_once(app_state)).expired == 0
+        assert (await mark(app_state)).since == clock.now()
+        assert await lease_deadlines(app_state) == [deadline + dt.timedelta(seconds=clock.now() - began - 3)]
+        assert (await reap_once(app_state)).expired == 0
+        assert (await w.submit(lease)).status_code == 201
+
+
 async def lease_deadlines(app_state: Any) -> list[dt.datetime]:
     async with app_state.sessionmaker() as session:
         query = (

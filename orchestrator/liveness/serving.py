@@ -10,8 +10,9 @@ mark is older than ``STALL_S`` (nothing could take a beat: the database or Redis
 API process down or blocked). So an outage, however long, marks no node dead at the return;
 a node that does not beat again dies ``dead_after_s`` after it, as the reconciler treats a node
 the hot store lost. The mark that starts a run also gives the leases live when the outage began
-its length (``tasks.service.extend_leases_over_outage``), and the reaper expires none while the
-last mark is stale: a lease outlives an outage of any length. The requests that judge leases
+its length (``tasks.service.extend_leases_over_outage``; those claimed after the last mark
+before it, the part after their claim), and the reaper expires none while the last mark is
+stale: a lease outlives an outage of any length. The requests that judge leases
 write a mark first when their process's own is stale (``caught_up``), so none answers by the
 deadlines of before the outage in the seconds before the marks loop's next tick.
 
@@ -112,10 +113,13 @@ async def mark_serving(state: AppState) -> bool:
             # The first mark after an outage: the leases that were live when it began get its
             # length back, in the same transaction, so no lease runs out for want of beats that
             # could not be taken (the reaper held off meanwhile: ``tasks.jobs``).
+            # The outage began within ``STALL_S`` of the last mark (the next one did not come):
+            # leases taken in between lived through it too.
             extended = await extend_leases_over_outage(
                 session,
                 began=dt.datetime.fromtimestamp(last, dt.UTC),
                 length=dt.timedelta(seconds=now - last),
+                taken_by=dt.datetime.fromtimestamp(last + STALL_S, dt.UTC),
             )
             log.warning("serving_resumed", outage_s=round(now - last, 1), leases_extended=extended)
             values = {"at": now, "since": now}

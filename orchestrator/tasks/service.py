@@ -1203,25 +1203,32 @@ async def end_leases_of_dead(
 
 
 async def extend_leases_over_outage(
-    session: AsyncSession, *, began: dt.datetime, length: dt.timedelta
+    session: AsyncSession, *, began: dt.datetime, length: dt.timedelta, taken_by: dt.datetime
 ) -> int:
-    """Push back by ``length`` the deadline of every live lease that had not run out when an
-    outage of that length began and was taken before it (``liveness.serving``): its node could
-    neither beat nor answer meanwhile. The rows are locked (PostgreSQL; on SQLite the write
-    lock) so a concurrent beat's extension is not overwritten. Returns the leases extended."""
+    """Push back the deadline of every live lease that had not run out when an outage of
+    ``length`` began (``liveness.serving``) and was taken by ``taken_by``: its node could neither
+    beat nor answer meanwhile. ``began`` is the last mark before it, and the outage itself began
+    up to ``taken_by`` later, so a lease taken in between lived through all of it but the part
+    before its claim: a lease taken before ``began`` gets ``length``, one taken after it as much
+    less as it was taken later. The rows are locked (PostgreSQL; on SQLite the write lock) so a
+    concurrent beat's extension is not overwritten. Returns the leases extended."""
     stmt = (
-        select(Assignment.id, Assignment.lease_expires_at)
+        select(Assignment.id, Assignment.lease_expires_at, Assignment.created_at)
         .where(
             Assignment.status == "active",
             Assignment.lease_expires_at > began,
-            Assignment.created_at <= began,
+            Assignment.created_at <= taken_by,
         )
         .order_by(Assignment.id)
     )
     if is_postgres(session):
         stmt = stmt.with_for_update()
     live = (await session.execute(stmt)).all()
-    rows = [{"id": ident, "lease_expires_at": deadline + length} for ident, deadline in live]
+    ended = began + length
+    rows = [
+        {"id": ident, "lease_expires_at": deadline + (ended - max(began, taken))}
+        for ident, deadline, taken in live
+    ]
     if rows:
         await session.execute(update(Assignment), rows)  # bulk UPDATE by primary key
     return len(rows)
