@@ -40,6 +40,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import MasterDownError, OutOfMemoryError, ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
@@ -425,15 +426,27 @@ async def _database_error(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+# Redis answers but takes no writes: out of memory under ``noeviction``, a primary demoted to a
+# read-only replica by a failover while this process still talks to it, a replica cut off from
+# its primary. Nothing was written: an outage of the hot store, as when it does not answer.
+REDIS_REFUSALS: tuple[type[Exception], ...] = (OutOfMemoryError, ReadOnlyError, MasterDownError)
+HOT_STORE_UNAVAILABLE: tuple[type[Exception], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    *REDIS_REFUSALS,
+)
+
+
 async def _hot_store_error(request: Request, exc: Exception) -> JSONResponse:
     """Redis did not answer (all of this process's connections busy past the pool's timeout,
-    or the server unreachable): the request is refused at the step that needed it."""
+    or the server unreachable) or refused to write: the request is refused at the step that
+    needed it."""
     log.warning("hot_store_unavailable", path=request.url.path, error=type(exc).__name__)
     return _unavailable(
         request,
         "hot_store_unavailable",
-        "The hot store (Redis) did not answer in time; the request was not completed. "
-        "Send the same request again.",
+        "The hot store (Redis) did not answer in time or refused the write; the request was not "
+        "completed. Send the same request again.",
         TRANSIENT_RETRY_AFTER_S,
     )
 
@@ -461,8 +474,8 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(TimeoutError, _database_unavailable)  # connecting timed out
     app.add_exception_handler(PoolTimeout, _database_unavailable)  # every connection busy
     app.add_exception_handler(asyncpg.PostgresError, _database_unavailable)
-    app.add_exception_handler(RedisConnectionError, _hot_store_error)
-    app.add_exception_handler(RedisTimeoutError, _hot_store_error)
+    for refused in HOT_STORE_UNAVAILABLE:
+        app.add_exception_handler(refused, _hot_store_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _unhandled)

@@ -7,11 +7,9 @@ import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 
 import structlog
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from orchestrator.core import metrics
-from orchestrator.core.errors import database_unavailable
+from orchestrator.core.errors import HOT_STORE_UNAVAILABLE, database_unavailable
 from orchestrator.core.state import AppState
 
 log = structlog.get_logger(__name__)
@@ -54,8 +52,9 @@ def tick_failed(loop: str, exc: Exception, **fields: str) -> None:
 
 
 def _unreachable(exc: BaseException) -> bool:
-    """Whether the tick failed because Redis or the database could not be reached."""
-    return isinstance(exc, RedisConnectionError | RedisTimeoutError) or database_unavailable(exc)
+    """Whether the tick failed because Redis or the database could not be reached (or Redis
+    refused to write)."""
+    return isinstance(exc, HOT_STORE_UNAVAILABLE) or database_unavailable(exc)
 
 
 #: How long a stopping process lets a tick under way finish before it cancels it.
