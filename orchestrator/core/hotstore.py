@@ -44,7 +44,8 @@ class RateDecision:
 class HotStore(Protocol):
     shared_across_processes: bool
 
-    async def ping(self) -> bool: ...
+    async def ping(self) -> bool:
+        """Whether the store answers and takes writes (raises, or False, if not)."""
 
     async def claim_nonce(self, keyid: str, nonce: str, ttl_s: int) -> bool:
         """Atomically remember (keyid, nonce); False if it was already seen."""
@@ -163,7 +164,10 @@ class RedisHotStore:
         return self._p + ":".join(parts)
 
     async def ping(self) -> bool:
-        return bool(await self._r.ping())
+        # A write, not PING: a Redis out of memory (noeviction) or a read-only replica (a primary
+        # a failover demoted) answers PING while it refuses every nonce and beat; taken as up,
+        # it let the serving marks go on, and the sweeper marked the fleet dead meanwhile.
+        return bool(await self._r.set(self._k("alive"), "1", ex=60))
 
     async def claim_nonce(self, keyid: str, nonce: str, ttl_s: int) -> bool:
         return bool(await self._r.set(self._k("nonce", keyid, nonce), "1", nx=True, ex=ttl_s))

@@ -1,20 +1,20 @@
 """When the service could take heartbeats: the sweeper judges a node's silence only by then.
 
 Every API process (``orchestrator serve``, whatever its ``background_loops``) writes, every
-``MARK_INTERVAL_S``, once it has reached both the hot store and the database, the time into
-one row of ``serving_marks``: ``at``, the last such mark of any process, and ``since``, when
-the current unbroken run of marks began (a mark later than ``STALL_S`` after the one before it
-starts a new run). A node's silence then counts only from ``since``: the sweeper treats a node
-last seen before ``since`` as last seen at ``since``, and moves no node at all while the last
-mark is older than ``STALL_S`` (nothing could take a beat: the database or Redis down, every
-API process down or blocked). So an outage, however long, marks no node dead at the return;
-a node that does not beat again dies ``dead_after_s`` after it, as the reconciler treats a node
-the hot store lost. The mark that starts a run also gives the leases live when the outage began
-its length (``tasks.service.extend_leases_over_outage``; those claimed after the last mark
-before it, the part after their claim), and the reaper expires none while the last mark is
-stale: a lease outlives an outage of any length. The requests that judge leases
-write a mark first when their process's own is stale (``caught_up``), so none answers by the
-deadlines of before the outage in the seconds before the marks loop's next tick.
+``MARK_INTERVAL_S``, once it has reached both the hot store (taking a write) and the database,
+the time into one row of ``serving_marks``: ``at``, the last such mark of any process, and
+``since``, when the current unbroken run of marks began (a mark later than ``STALL_S`` after the
+one before it starts a new run). A node's silence then counts only from ``since``: the sweeper
+treats a node last seen before ``since`` as last seen at ``since``, and moves no node at all
+while the last mark is older than ``STALL_S`` (nothing could take a beat: the database or Redis
+down or refusing writes, every API process down or blocked). So an outage, however long, marks
+no node dead at the return; a node that does not beat again dies ``dead_after_s`` after it, as
+the reconciler treats a node the hot store lost. The mark that starts a run also gives the
+leases live when the outage began its length (``tasks.service.extend_leases_over_outage``; those
+claimed after the last mark before it, the part after their claim), and the reaper expires none
+while the last mark is stale: a lease outlives an outage of any length. The requests that judge
+leases write a mark first when their process's own is stale (``caught_up``), so none answers by
+the deadlines of before the outage in the seconds before the marks loop's next tick.
 
 The processes' clocks must agree: beats and marks are timed by the API processes' clocks and
 judged by the sweeper's. On PostgreSQL each mark and each sweep also compares its process's
