@@ -45,6 +45,16 @@ class TokenIn(StrictModel):
     )
 
 
+class TokenRotateIn(StrictModel):
+    expires_in_s: int | None = Field(
+        default=None,
+        ge=60,
+        le=10 * 365 * 86_400,
+        description="A new lifetime from now; null: until revoked. Left out: the expiry stays as it "
+        "was (an expired token needs one)",
+    )
+
+
 class TokenOut(BaseModel):
     id: str
     name: str

@@ -720,6 +720,64 @@ def revoke_token_cmd(
     console.print(f"token {token_id} revoked (at {revoked_at:%Y-%m-%d %H:%M:%S} UTC)")
 
 
+@admin_app.command("rotate-token")
+def rotate_token_cmd(
+    token: Annotated[
+        str,
+        typer.Argument(
+            help="The token's id (tok_..., as list-tokens shows it), or its current secret (orch_...)"
+        ),
+    ],
+    expires_in_days: Annotated[
+        float | None,
+        typer.Option(min=0.001, max=3650, help="A new lifetime in days from now; default: the expiry stays"),
+    ] = None,
+    no_expiry: Annotated[bool, typer.Option("--no-expiry", help="Valid until revoked from now on")] = False,
+) -> None:
+    """Give an API token a new secret and print it once: the token keeps its id, role, scope and
+    the pools it owns, and its old secret is refused at once (a leaked secret, a rotation policy)."""
+    from sqlalchemy import select
+
+    from orchestrator.admin.models import ApiToken
+    from orchestrator.admin.tokens import KEEP_EXPIRY, TOKEN_PREFIX, hash_token, rotate_token
+    from orchestrator.core.db import utcnow
+
+    if no_expiry and expires_in_days is not None:
+        raise typer.BadParameter("give --expires-in-days or --no-expiry, not both", param_hint="--no-expiry")
+    by_secret = token.startswith(TOKEN_PREFIX)
+    named = "with this secret" if by_secret else token
+
+    async def work(session: AsyncSession) -> tuple[str, str, Any] | None:
+        token_id: str | None = token
+        if by_secret:
+            token_id = await session.scalar(
+                select(ApiToken.id).where(ApiToken.token_hash == hash_token(token))
+            )
+        if token_id is None:
+            return None
+        now = utcnow()
+        expires_at: Any = KEEP_EXPIRY
+        if no_expiry:
+            expires_at = None
+        elif expires_in_days is not None:
+            expires_at = now + dt.timedelta(days=expires_in_days)
+        rotated = await rotate_token(session, token_id, expires_at=expires_at, now=now)
+        if rotated is None:
+            return None
+        secret, row = rotated
+        await _audit_token(session, "token.rotate", row)
+        return secret, row.id, row.expires_at
+
+    done = _run_on_tokens(work)
+    if done is None:
+        console.print(f"[red]no token {named}[/red] (see `orchestrator admin list-tokens`)")
+        raise typer.Exit(1)
+    secret, token_id, expires_at = done
+    until = f", valid until {expires_at:%Y-%m-%d %H:%M} UTC" if expires_at is not None else ""
+    console.print(f"token {token_id} has a new secret{until}; the old one is refused; it is shown only now:")
+    typer.echo(secret)
+
+
 @admin_app.command("prune-evidence")
 def prune_evidence_cmd(
     older_than_days: Annotated[

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import select
 
 from orchestrator.admin.models import ApiToken
-from orchestrator.admin.tokens import revoke_token
+from orchestrator.admin.tokens import revoke_token, rotate_token
 from orchestrator.audit.models import AuditEntry
 from orchestrator.pools.models import Pool
 from tests.conftest import Contributor, make_token, new_contributor, postgres_only, problem
@@ -332,3 +332,83 @@ async def test_a_revocation_waits_for_the_requests_already_in_their_transactions
         ).all()
     assert order == ["pool.update", "token.revoke"]
     problem(await client.get(url, headers=leaked), 401, "token_invalid")
+
+
+async def test_a_rotated_token_keeps_its_pools_and_its_old_secret_is_refused(
+    client: httpx.AsyncClient, app_state: Any, admin_headers: dict[str, str]
+) -> None:
+    """An operator's secret leaks: revoking the token would orphan its pools (an operator acts on
+    the pools its token created). A rotation gives the same token a new secret instead."""
+    leaked, token_id = await new_token(app_state, "operator", "lab operator")
+    pool = await active_pool(client, leaked)
+    r = await client.post(f"/v1/admin/tokens/{token_id}/rotate", headers=admin_headers)
+    assert r.status_code == 200, r.text
+    rotated = r.json()
+    assert (rotated["id"], rotated["role"], rotated["name"]) == (token_id, "operator", "lab operator")
+    fresh = {"Authorization": f"Bearer {rotated['token']}"}
+    problem(await client.get(f"/v1/admin/pools/{pool['id']}", headers=leaked), 401, "token_invalid")
+    r = await client.patch(f"/v1/admin/pools/{pool['id']}", json={"name": "still mine"}, headers=fresh)
+    assert r.status_code == 200, r.text
+    audit = (await client.get("/v1/admin/audit", headers=admin_headers)).json()["items"]
+    assert [e["action"] for e in audit if e["target_id"] == token_id] == ["token.rotate"]
+    assert rotated["token"] not in str(audit)
+    problem(
+        await client.post("/v1/admin/tokens/tok_0000/rotate", headers=admin_headers), 404, "token_not_found"
+    )
+
+
+async def test_a_revoked_token_is_not_rotated_and_an_expired_one_only_with_a_new_lifetime(
+    client: httpx.AsyncClient, app_state: Any, admin_headers: dict[str, str]
+) -> None:
+    _, revoked_id = await new_token(app_state, "operator", "gone")
+    assert (
+        await client.post(f"/v1/admin/tokens/{revoked_id}/revoke", headers=admin_headers)
+    ).status_code == 200
+    problem(
+        await client.post(f"/v1/admin/tokens/{revoked_id}/rotate", headers=admin_headers),
+        409,
+        "token_revoked",
+    )
+
+    r = await client.post(
+        "/v1/admin/tokens",
+        json={"role": "operator", "name": "short", "expires_in_s": 60},
+        headers=admin_headers,
+    )
+    assert r.status_code == 201, r.text
+    short_id = r.json()["id"]
+    app_state.clock.advance(61)
+    url = f"/v1/admin/tokens/{short_id}/rotate"
+    problem(await client.post(url, headers=admin_headers), 409, "token_expired")
+    problem(
+        await client.post(url, json={"expires_in_s": 30}, headers=admin_headers), 422, "validation_failed"
+    )
+    r = await client.post(url, json={"expires_in_s": None}, headers=admin_headers)
+    assert r.status_code == 200 and r.json()["expires_at"] is None, r.text
+    assert (
+        await client.get("/v1/admin/pools", headers={"Authorization": f"Bearer {r.json()['token']}"})
+    ).status_code == 200
+    r = await client.post(url, json={"expires_in_s": 3600}, headers=admin_headers)
+    assert r.status_code == 200 and r.json()["expires_at"] is not None, r.text
+    kept = r.json()["expires_at"]
+    r = await client.post(url, headers=admin_headers)  # no body: the expiry stays
+    assert r.status_code == 200 and r.json()["expires_at"] == kept, r.text
+
+
+@postgres_only
+async def test_a_request_with_the_old_secret_waiting_for_a_rotation_changes_nothing(
+    client: httpx.AsyncClient, app_state: Any, admin_headers: dict[str, str]
+) -> None:
+    """The request's token check (before its body, outside its transaction) passes with the old
+    secret while the rotation is not yet committed; the request then reads the token again in its
+    transaction, waits for the rotation and is refused: the old secret changes nothing."""
+    leaked, leaked_id = await new_token(app_state, "operator", "leaked")
+    pool = await active_pool(client, leaked)
+    url = f"/v1/admin/pools/{pool['id']}"
+    async with app_state.sessionmaker() as session, session.begin():
+        assert await rotate_token(session, leaked_id, now=app_state.clock.utcnow()) is not None
+        patch = asyncio.create_task(client.patch(url, json={"name": "hijacked"}, headers=leaked))
+        await until_waiting(app_state, 1, patch, on="row")
+        assert not patch.done()
+    problem(await patch, 401, "token_invalid")
+    assert (await client.get(url, headers=admin_headers)).json()["name"] == pool["name"]

@@ -352,6 +352,42 @@ def test_tokens_are_listed_and_revoked_from_the_command_line(database_url: str) 
     assert missing.exit_code == 1 and "no token tok_0000" in missing.output
 
 
+def test_a_token_is_rotated_from_the_command_line(database_url: str) -> None:
+    """rotate-token gives the token a new secret, printed once; the old one is refused (here:
+    rotating by the old secret again finds nothing), and the rotation is audited by the CLI."""
+    env = {"ORCH_DB__URL": database_url, "COLUMNS": "200"}
+    made = runner.invoke(app, ["admin", "create-token", "--role", "operator", "--name", "lab"], env=env)
+    assert made.exit_code == 0, made.output
+    old = made.stdout.strip().splitlines()[-1]
+    rotated = runner.invoke(app, ["admin", "rotate-token", old, "--expires-in-days", "30"], env=env)
+    assert rotated.exit_code == 0, rotated.output
+    new = rotated.stdout.strip().splitlines()[-1]
+    assert new.startswith("orch_") and new != old and "valid until" in rotated.output
+    assert old not in rotated.output
+    again = runner.invoke(app, ["admin", "rotate-token", old], env=env)
+    assert again.exit_code == 1 and "no token with this secret" in again.output
+
+    async def stored() -> tuple[str, list[str]]:
+        engine = create_async_engine(database_url)
+        try:
+            async with engine.connect() as conn:
+                row = (await conn.execute(select(ApiToken.id, ApiToken.token_hash))).one()
+                actions = await conn.scalars(
+                    select(AuditEntry.action).where(AuditEntry.target_id == row.id).order_by(AuditEntry.id)
+                )
+                return row.token_hash, list(actions)
+        finally:
+            await engine.dispose()
+
+    token_hash, actions = asyncio.run(stored())
+    assert token_hash == hash_token(new)
+    assert actions == ["token.create", "token.rotate"]
+    both = runner.invoke(
+        app, ["admin", "rotate-token", new, "--no-expiry", "--expires-in-days", "1"], env=env
+    )
+    assert both.exit_code == 2 and "not both" in both.output
+
+
 def test_a_leaked_secret_is_revoked_by_itself_and_never_printed(database_url: str) -> None:
     """An admin who holds only a leaked secret (not its id) revokes it with the secret, and no
     answer prints a secret back."""

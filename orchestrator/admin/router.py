@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query
 from sqlalchemy import select
 
-from api_schemas.admin import BanIn, NodeDetailOut, StatusChangeOut, TokenCreatedOut, TokenIn, TokenOut
+from api_schemas.admin import (
+    BanIn,
+    NodeDetailOut,
+    StatusChangeOut,
+    TokenCreatedOut,
+    TokenIn,
+    TokenOut,
+    TokenRotateIn,
+)
 from api_schemas.common import PROBLEM_RESPONSES, KeyId, Page
 from api_schemas.identity import NodeOut
 from orchestrator.admin import service, tokens
@@ -154,6 +162,30 @@ async def create_token(
     out = token_out(row)
     await record(
         session, principal, "token.create", target_type="token", target_id=row.id, after=out.model_dump()
+    )
+    return TokenCreatedOut(**out.model_dump(), token=secret)
+
+
+@router.post(
+    "/tokens/{token_id}/rotate",
+    response_model=TokenCreatedOut,
+    summary="Give an API token a new secret (in this answer only); the old one is refused at once",
+)
+async def rotate_token(
+    token_id: TokenId, principal: AdminOnly, session: Session, state: State, body: TokenRotateIn | None = None
+) -> TokenCreatedOut:
+    now = state.clock.utcnow()
+    expires_at: Any = tokens.KEEP_EXPIRY
+    if body is not None and "expires_in_s" in body.model_fields_set:
+        lifetime = body.expires_in_s
+        expires_at = now + dt.timedelta(seconds=lifetime) if lifetime is not None else None
+    rotated = await tokens.rotate_token(session, token_id, expires_at=expires_at, now=now)
+    if rotated is None:
+        raise NotFound("no token with this id", code="token_not_found")
+    secret, row = rotated
+    out = token_out(row)
+    await record(
+        session, principal, "token.rotate", target_type="token", target_id=row.id, after=out.model_dump()
     )
     return TokenCreatedOut(**out.model_dump(), token=secret)
 

@@ -23,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from orchestrator.admin.models import ApiToken
 from orchestrator.core.db import utcnow
-from orchestrator.core.errors import Forbidden, Unauthorized, UnprocessableEntity
+from orchestrator.core.errors import Conflict, Forbidden, Unauthorized, UnprocessableEntity
 from orchestrator.core.routing import before_body, guarded_answer
 from orchestrator.core.state import app_state, check_in_transaction
 from orchestrator.pools.models import Pool
@@ -96,14 +96,11 @@ async def create_token(
     return token, row
 
 
-async def revoke_token(
-    session: AsyncSession, token_id: str, *, now: dt.datetime | None = None
-) -> tuple[ApiToken | None, bool]:
-    """Revoke a token; returns (its row, None if there is none; whether this call revoked it).
-    A revoked token stays revoked: revoking it again changes nothing. Decided under the row's
-    lock, read afresh (``populate_existing``: a row read earlier in the session may be stale),
-    so of two revocations at once exactly one revokes it and records its time."""
-    row = (
+async def _locked(session: AsyncSession, token_id: str) -> ApiToken | None:
+    """The token's row under its update lock, read afresh (``populate_existing``: a row read
+    earlier in the session may be stale). The requests in their transactions with the token hold
+    its share lock (``_TOKEN_STILL_VALID``): this waits for them."""
+    return (
         await session.execute(
             select(ApiToken)
             .where(ApiToken.id == token_id)
@@ -111,6 +108,47 @@ async def revoke_token(
             .execution_options(populate_existing=True)
         )
     ).scalar_one_or_none()
+
+
+#: ``rotate_token``'s ``expires_at`` when the token keeps its expiry.
+KEEP_EXPIRY: Any = object()
+
+
+async def rotate_token(
+    session: AsyncSession, token_id: str, *, expires_at: dt.datetime | None = KEEP_EXPIRY, now: dt.datetime
+) -> tuple[str, ApiToken] | None:
+    """A new secret for the token, which keeps its id, role, scope, name and so whatever it owns
+    (an operator's pools): the old secret is refused from now on, by requests already
+    authenticated with it too (their transactions read the token's hash again). None if there is
+    no such token. A revoked token stays revoked (409 ``token_revoked``); an expired one is given
+    a new secret only with a new ``expires_at`` (None: no expiry), else 409 ``token_expired``."""
+    row = await _locked(session, token_id)
+    if row is None:
+        return None
+    if row.revoked_at is not None:
+        raise Conflict("the token is revoked, for good: create a new one", code="token_revoked")
+    expired = row.expires_at is not None and row.expires_at <= now
+    if expired and expires_at is KEEP_EXPIRY:
+        raise Conflict(
+            "the token has expired: give it a new lifetime (expires_in_s, or null for none) to rotate it",
+            code="token_expired",
+        )
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    row.token_hash = hash_token(token)
+    if expires_at is not KEEP_EXPIRY:
+        row.expires_at = expires_at
+    await session.flush()
+    return token, row
+
+
+async def revoke_token(
+    session: AsyncSession, token_id: str, *, now: dt.datetime | None = None
+) -> tuple[ApiToken | None, bool]:
+    """Revoke a token; returns (its row, None if there is none; whether this call revoked it).
+    A revoked token stays revoked: revoking it again changes nothing. Decided under the row's
+    lock, read afresh, so of two revocations at once exactly one revokes it and records its
+    time."""
+    row = await _locked(session, token_id)
     if row is None or row.revoked_at is not None:
         return row, False
     row.revoked_at = now or utcnow()
@@ -137,11 +175,11 @@ _TOKEN_BY_HASH = select(
 ).where(ApiToken.token_hash == bindparam("digest"))
 
 
-# Read again first in the request's transaction, under a share lock: ``revoke_token`` takes the
-# row's update lock, so a revocation waits for the requests already in their transactions and
-# every one after it is refused.
+# Read again first in the request's transaction, under a share lock: ``revoke_token`` and
+# ``rotate_token`` take the row's update lock, so a revocation or a rotation waits for the
+# requests already in their transactions and every one after it with the old secret is refused.
 _TOKEN_STILL_VALID = (
-    select(ApiToken.revoked_at, ApiToken.expires_at)
+    select(ApiToken.revoked_at, ApiToken.expires_at, ApiToken.token_hash)
     .where(ApiToken.id == bindparam("token_id"))
     .with_for_update(read=True)
 )
@@ -187,6 +225,8 @@ async def _principal(request: Request) -> Principal:
 
         def still_valid(connection: Connection) -> None:
             again = connection.execute(_TOKEN_STILL_VALID, {"token_id": token_id}).first()
+            if again is not None and not hmac.compare_digest(again.token_hash, digest):
+                raise _token_invalid()  # rotated since: the secret this request carries is dead
             _refuse_unusable(again, state.clock.utcnow())
 
         check_in_transaction(request, still_valid)
