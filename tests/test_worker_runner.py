@@ -972,3 +972,34 @@ async def test_a_stop_while_the_start_waits_out_a_retry_ends_the_run_at_once(
         stats = await asyncio.wait_for(run.task, 10)
         assert stats.state == "stopped" and stats.claimed == 0
         assert len(wire.to("/v1/pools/" + s.pool_id + "/join")) == 1  # no attempt after the stop
+
+
+async def test_a_long_running_worker_keeps_nothing_per_decided_result(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker kept every submission id it ever made, with its verdict, for the stats: a
+    worker that runs for weeks grew by every result it made, and each verdict read (every 5 s)
+    went over all of them. Once a result's verdict is counted it is forgotten."""
+    from orchestrator.worker import runner
+
+    workers: list[Any] = []
+
+    class Recorded(runner._Worker):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            workers.append(self)
+
+    monkeypatch.setattr(runner, "_Worker", Recorded)
+    n = 40
+    async with pool_setup(app, app_state, economics=ECON, max_leases_per_node=10) as s:
+        await s.enqueue(arithmetic_tasks(n, seed=31))
+        run = start(app, s.pool_id, concurrency=10, backend_options={"error_rate": "0.2"})
+        await run.until(lambda st: st.submitted == n)
+        assert await drain(app_state) == n
+        stats = await run.until(lambda st: st.accepted + st.rejected == n)
+        assert stats.awaiting_verdict == 0 and stats.rejected > 0
+        stats = await run.finish()
+        assert (stats.submitted, stats.accepted + stats.rejected, stats.awaiting_verdict) == (n, n, 0)
+        (worker,) = workers
+        kept = {k: len(v) for k, v in vars(worker).items() if isinstance(v, (set, dict, list))}
+        assert max(kept.values()) < 10, kept  # nothing per result: at most the leases in flight

@@ -246,8 +246,9 @@ class _Worker:
         #: Set once the held leases are settled: the background loops end.
         self.closing = asyncio.Event()
         self.dropped: set[str] = set()
-        self.submissions: set[int] = set()
-        self.outcomes: dict[int, str] = {}
+        #: Results recorded whose verdict this run has not counted yet; one is forgotten once
+        #: counted (in ``stats``), so a run of any length keeps nothing per decided result.
+        self.awaiting: set[int] = set()
         #: When the stop was first seen (loop time): the grace period runs from it.
         self.stopped_at: float | None = None
         #: Ask the server for the node's live leases before the next claim: at the start (a
@@ -550,7 +551,7 @@ class _Worker:
             return
         self.stats.tasks_done += 1
         self.stats.submitted += 1
-        self.submissions.add(out.submission_id)
+        self.awaiting.add(out.submission_id)
         self._count_awaiting()
         log.debug("result_submitted", assignment_id=aid, submission_id=out.submission_id)
         self._emit()
@@ -675,8 +676,8 @@ class _Worker:
         """This node's verdicts (node-signed) and, with ``earnings`` and the provider key, the
         provider's balance."""
         try:
-            if self.submissions.difference(self.outcomes):
-                pending = len(self.submissions) - len(self.outcomes)
+            if self.awaiting:
+                pending = len(self.awaiting)
                 # After a stop, one attempt each: the run's end does not wait out an outage.
                 # This node's only: among its provider's other machines', its own were past the
                 # newest few hundred as soon as the provider ran a few dozen.
@@ -684,11 +685,12 @@ class _Worker:
                     limit=min(5000, 100 + 2 * pending), node_only=True, stop=self.stop
                 )
                 for v in newest:
-                    if v.get("submission_id") in self.submissions:
-                        self.outcomes[int(v["submission_id"])] = str(v["outcome"])
-                outcomes = list(self.outcomes.values())
-                self.stats.accepted = outcomes.count("accepted")
-                self.stats.rejected = outcomes.count("rejected")
+                    if v.get("submission_id") in self.awaiting:
+                        self.awaiting.discard(v["submission_id"])
+                        if v.get("outcome") == "accepted":
+                            self.stats.accepted += 1
+                        elif v.get("outcome") == "rejected":
+                            self.stats.rejected += 1
             self._count_awaiting()
             if earnings and self.has_provider_key:
                 balance = await self.client.balance(stop=self.stop)
@@ -703,7 +705,7 @@ class _Worker:
     def _count_awaiting(self) -> None:
         """Results recorded without a verdict seen yet: counted as results are recorded too,
         not only when verdicts are read, so the count stays true while they cannot be."""
-        self.stats.awaiting_verdict = len(self.submissions) - len(self.outcomes)
+        self.stats.awaiting_verdict = len(self.awaiting)
 
     def _error(self, event: str, **fields: Any) -> None:
         self.stats.errors += 1
