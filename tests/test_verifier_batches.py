@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 from collections import Counter
 from typing import Any
 
@@ -283,6 +284,70 @@ async def test_a_partition_another_verifier_works_is_left_to_it(app: Any, app_st
         # That verifier is gone (its transaction ended): the rest is decided.
         assert await verify_batches(app_state, budget_s=math.inf) == 3
         assert await decided(app_state) == (6, Counter(done=6))
+
+
+@postgres_only
+async def test_a_tick_decides_the_oldest_results_first_whatever_their_partition(
+    app: Any, app_state: Any
+) -> None:
+    """Each tick tried the partitions with work in a random order, so every partition got the
+    same share of the batches whatever its backlog: the partition of two busy providers fell
+    ever further behind (results waiting many minutes, OrchestratorVerifierFallingBehind
+    firing) while the verifier spent most batches on partitions holding one or two new results.
+    A tick now takes the partition whose oldest result has waited longest first."""
+    batches_of(app_state, 5)
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=16) as s:
+        busy = s.workers[0]
+        taken = {service.partition_of(busy.contributor.provider_id)}
+        while len(s.workers) < 6:  # five more providers, each in a partition of its own
+            w = await s.add_worker()
+            if service.partition_of(w.contributor.provider_id) in taken:
+                s.workers.remove(w)
+            taken.add(service.partition_of(w.contributor.provider_id))
+        await s.enqueue([task() for _ in range(15)], key="backlog")
+        order = []  # submission ids, oldest first: ten of the busy provider's, then one each
+        for w in [busy] * 10 + s.workers[1:]:
+            lease = (await w.claim(s.pool_id)).json()["leases"][0]
+            order.append((await submit(w, lease, ["4"]))["submission_id"])
+        random.seed(7)  # the old random order, made repeatable
+        for done in (5, 10):
+            assert await verify_batches(app_state, budget_s=0) == 5  # one batch, then out of time
+            async with app_state.sessionmaker() as session:
+                decided_ids = set((await session.execute(select(Verdict.submission_id))).scalars())
+            assert decided_ids == set(order[:done])
+        assert await verify_batches(app_state, budget_s=math.inf) == 5
+        assert await decided(app_state) == (15, Counter(done=15))
+
+
+@postgres_only
+async def test_a_partition_whose_oldest_result_keeps_failing_does_not_hold_up_the_others(
+    app: Any, app_state: Any, monkeypatch: Any
+) -> None:
+    """Oldest first, a result that fails its checks at every try (it is tried again each tick)
+    would put its partition first in every tick for ever: with one batch a tick (a verifier
+    at its limit) no other partition would be worked. A partition in which a batch left a
+    result undecided goes last for a minute."""
+    batches_of(app_state, 5)
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=16) as s:
+        busy = s.workers[0]
+        while True:  # a second provider in another partition
+            other = await s.add_worker()
+            if service.partition_of(other.contributor.provider_id) != service.partition_of(
+                busy.contributor.provider_id
+            ):
+                break
+            s.workers.remove(other)
+        await s.enqueue([task() for _ in range(5)], key="backlog")
+        ids = []
+        for w in [busy, busy, busy, other, other]:
+            lease = (await w.claim(s.pool_id)).json()["leases"][0]
+            ids.append((await submit(w, lease, ["4"]))["submission_id"])
+        poison(monkeypatch, ids[0])  # the oldest result fails every time
+        assert await verify_batches(app_state, budget_s=0) == 2  # the busy partition, oldest
+        assert await verify_batches(app_state, budget_s=0) == 2  # then the other one
+        async with app_state.sessionmaker() as session:
+            decided_ids = set((await session.execute(select(Verdict.submission_id))).scalars())
+        assert decided_ids == set(ids[1:])
 
 
 def test_verifier_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,6 @@ right after."""
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass
 
 import structlog
@@ -26,6 +25,8 @@ log = structlog.get_logger(__name__)
 VERIFIER = "verifier"
 REWARD_RELEASE = "reward_release"
 VERIFY_INTERVAL_S = 1.0
+# How long a partition where a batch left a result undecided is worked after the others.
+FAILING_PARTITION_LAST_S = 60.0
 RELEASE_INTERVAL_S = 30.0
 #: Holds released per transaction. A tick goes on with further batches while they release
 #: something, for up to its interval: one batch of 1,000 per tick released at most 33 rewards
@@ -116,9 +117,10 @@ async def verify_batches(state: AppState, *, budget_s: float) -> int:
     """Verify waiting results, ``settings.verifier.batch_size`` per transaction, each batch
     committed before the next is taken, until none is left or ``budget_s`` has passed on
     ``state.clock.monotonic()``. Needs no tick claim. On PostgreSQL the backlog is worked
-    partition by partition (by provider, see ``service.PARTITIONS``), one batch per partition
-    at a time across processes, so processes share the backlog and each provider's results are
-    decided in order. A job that failed is not retried within the call (the next batch starts
+    partition by partition (by provider, see ``service.PARTITIONS``), the one whose oldest result
+    has waited longest first, one batch per partition at a time across processes, so processes
+    share the backlog, each provider's results are decided in order and no partition falls
+    behind the others. A job that failed is not retried within the call (the next batch starts
     after it). Returns how many jobs were processed."""
     size = state.settings.verifier.batch_size
     secret = state.settings.seed_key
@@ -127,8 +129,18 @@ async def verify_batches(state: AppState, *, budget_s: float) -> int:
     partitions: list[int | None] = [None]  # SQLite: one writer, one backlog
     if state.engine.dialect.name == "postgresql":
         async with state.sessionmaker() as session:
-            partitions = list(await service.partitions_with_work(session))
-        random.shuffle(partitions)  # verifiers starting together try different partitions first
+            # Oldest first; verifiers working at once each take the next partition whose
+            # advisory lock is free (a held one is passed over at once). A partition where a
+            # batch of this process left a result undecided lately goes last: a result that
+            # fails at every try stays its partition's oldest, which would otherwise come first
+            # in every tick and, with one batch a tick, keep the others waiting for ever.
+            oldest_first = await service.partitions_with_work(session)
+        now = state.clock.monotonic()
+        failing = {p for p, at in state.verifier_failed_at.items() if now - at < FAILING_PARTITION_LAST_S}
+        partitions = [
+            *(p for p in oldest_first if p not in failing),
+            *(p for p in oldest_first if p in failing),
+        ]
     total = 0
     for partition in partitions:
         after = 0
@@ -152,6 +164,8 @@ async def verify_batches(state: AppState, *, budget_s: float) -> int:
                 )
             total += batch.processed
             after = batch.last_id
+            if partition is not None and batch.processed < batch.picked:
+                state.verifier_failed_at[partition] = state.clock.monotonic()
             if state.clock.monotonic() >= deadline:
                 return total
             if batch.picked < size:

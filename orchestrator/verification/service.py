@@ -427,11 +427,19 @@ def _waiting(after_id: int, limit: int) -> Select[VerificationJob]:
 
 
 async def partitions_with_work(session: AsyncSession) -> list[int]:
-    """The partitions that have results waiting for their checks: one probe of the partition
-    index each, whatever the backlog (PostgreSQL)."""
+    """The partitions that have results waiting for their checks, the one whose oldest result
+    has waited longest first: one probe of the partition index each, whatever the backlog
+    (PostgreSQL). Taken in this order, the verifier works the backlog oldest first, so a
+    partition with more results coming in (more or busier providers) is not left behind while
+    batches go to partitions holding a result or two."""
     part = func.generate_series(0, PARTITIONS - 1).column_valued("part")
-    waiting = exists().where(VerificationJob.stage == "checks", VerificationJob.verifier_partition == part)
-    return [int(p) for p in (await session.execute(select(part).where(waiting))).scalars()]
+    oldest = (
+        select(func.min(VerificationJob.id))
+        .where(VerificationJob.stage == "checks", VerificationJob.verifier_partition == part)
+        .scalar_subquery()
+    )
+    query = select(part).where(oldest.isnot(None)).order_by(oldest)
+    return [int(p) for p in (await session.execute(query)).scalars()]
 
 
 async def _lock_replicated_tasks(session: AsyncSession, task_ids: set[int]) -> list[Task]:
