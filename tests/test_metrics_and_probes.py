@@ -100,6 +100,45 @@ def test_a_worker_that_ended_leaves_no_clock_offset_series_behind(tmp_path: Any,
     assert not [line for line in series if f'pid="{gone}"' in line], series
 
 
+_A_WORKER_KILLED = """
+import os, signal
+from orchestrator.core import metrics
+metrics.CLOCK_OFFSET.set(30.0)
+print(os.getpid(), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_worker_that_was_killed_leaves_no_clock_offset_series_behind(tmp_path: Any) -> None:
+    """A worker that cannot mark itself dead (SIGKILL, the OOM killer; uvicorn's supervisor
+    starts another in its place) left its liveall file, so its clock offset was reported at
+    its last value for the container's life, one more series for every such death: one killed
+    at 30 s kept OrchestratorClockSkew firing for ever. A scrape now forgets the per-process
+    series of processes that are gone."""
+    import os
+    import subprocess
+    import sys
+
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(prom)}
+    killed = subprocess.run(
+        [sys.executable, "-c", _A_WORKER_KILLED], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert killed.returncode == -9, killed.stderr
+    gone = killed.stdout.strip().splitlines()[-1]
+    scrape = subprocess.run(
+        [sys.executable, "-c", _THE_WORKER_LEFT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    series = [line for line in scrape.splitlines() if line.startswith("orchestrator_clock_offset_seconds{")]
+    assert len(series) == 1 and f'pid="{gone}"' not in series[0], series
+
+
 async def test_metrics_still_serve_the_request_counters_while_the_database_is_down(
     settings: Any, clock: Any
 ) -> None:

@@ -6,6 +6,7 @@ them (prometheus_client's multiprocess mode); otherwise each process reports its
 
 from __future__ import annotations
 
+import glob
 import os
 import threading
 from collections.abc import Callable
@@ -206,8 +207,28 @@ def process_ended() -> None:
         multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
 
 
+def _forget_ended_processes(directory: str) -> None:
+    """Drop the per-process (``live*``) series of processes that are gone without marking
+    themselves dead (SIGKILL, the OOM killer: uvicorn's supervisor starts another worker in
+    their place). prometheus_client keeps such a process's files until ``mark_process_dead``,
+    so its clock offset stayed, at its last value, for the life of the directory, one series
+    more per death. The directory is the process's own (a tmpfs or emptyDir of its container),
+    so the pids in it are this host's."""
+    for path in glob.glob(os.path.join(directory, "gauge_live*_*.db")):
+        try:
+            pid = int(os.path.basename(path).rsplit("_", 1)[1].removesuffix(".db"))
+            os.kill(pid, 0)
+        except ValueError:
+            continue
+        except ProcessLookupError:
+            multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+        except PermissionError:
+            continue  # someone else's process: alive
+
+
 def render() -> tuple[bytes, str]:
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    if directory := os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        _forget_ended_processes(directory)
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         return generate_latest(registry), CONTENT_TYPE_LATEST
