@@ -34,3 +34,44 @@ def test_console_lines_carry_no_colour_codes_when_stdout_is_not_a_terminal(
     out = capsys.readouterr().out
     assert "started" in out and "db=sqlite" in out
     assert "\x1b[" not in out, repr(out)
+
+
+_A_PROCESS_THAT_LOGS = """
+import structlog
+from orchestrator.core.logging import configure_logging
+configure_logging("INFO", json=True)
+log = structlog.get_logger("t")
+for i in range(3000):
+    log.info("request", route="/v1/assignments/{assignment_id}/result", status=201, i=i)
+"""
+
+
+def test_processes_sharing_stdout_write_whole_lines() -> None:
+    """The workers of ``serve --workers N`` share one stdout (a container's log pipe), and the
+    image runs Python unbuffered (PYTHONUNBUFFERED=1). structlog's PrintLogger wrote each record
+    and its newline as two writes, so another worker's record could come between them: two
+    records on one line and an empty one after, which a log shipper cannot read as JSON (in a
+    25-minute soak with two workers, 14 such lines; each lost both records). Each record is
+    now one write with its newline."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    read, write = os.pipe()
+    children = [
+        subprocess.Popen([sys.executable, "-c", _A_PROCESS_THAT_LOGS], stdout=write, env=env)
+        for _ in range(3)
+    ]
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        lines = pipe.read().splitlines()
+    for child in children:
+        assert child.wait(timeout=120) == 0
+    broken = []
+    for line in lines:
+        try:
+            json.loads(line)
+        except ValueError:
+            broken.append(line)
+    assert not broken and len(lines) == 9000, (len(broken), len(lines), broken[:2])

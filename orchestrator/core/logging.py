@@ -57,6 +57,9 @@ def configure_logging(level: str = "INFO", *, json: bool = True, colors: bool | 
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stdout),
+        # One write per record, its newline included (PrintLogger's print() wrote the two apart:
+        # with PYTHONUNBUFFERED, as the image runs, another worker's record on the same stdout
+        # could come between them, and neither line was JSON any more).
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stdout),
         cache_logger_on_first_use=False,
     )
