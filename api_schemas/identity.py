@@ -78,6 +78,29 @@ class NodeOut(BaseModel):
     memberships: list[NodeMembership] = Field(
         default_factory=list, description="The node's pool memberships, by pool id"
     )
+    revoked_at: dt.datetime | None = Field(
+        default=None,
+        description="When the node's provider revoked its key (POST "
+        "/v1/providers/me/nodes/{node_id}/revoke): the node is banned for good, and the key can "
+        "never register again. Null: not revoked.",
+    )
+
+
+class NodeRevokeIn(StrictModel):
+    reason: Text | None = Field(
+        default=None,
+        min_length=1,
+        max_length=500,
+        description="Why (a machine stolen, say); kept in the node's status history and audited",
+    )
+
+
+class NodeRevocationOut(NodeOut):
+    ejected_from: list[str] = Field(
+        description="The pools the revocation ejected the node from, by id (its leases there "
+        "released, its stake there unbonding); the same again when the node is revoked again; "
+        "empty for a node an admin had banned already (the ban ejected it)"
+    )
 
 
 RESERVED_METRICS = frozenset({"at"})

@@ -1264,3 +1264,67 @@ def test_a_refused_downgrade_leaves_the_database_where_it_was(scratch_url: str) 
     with pytest.raises(RuntimeError, match="1 payouts are rejected"):
         downgrade(scratch_url, "0017")
     assert asyncio.run(_run_sql(scratch_url)) == head_revision()
+
+
+async def _seed_revoked_node(url: str) -> None:
+    """A provider's two nodes, each a member of a pool: one revoked (banned), one healthy."""
+    from orchestrator.identity.models import Node, Provider
+    from orchestrator.pools.models import PoolMembership
+
+    provider, revoked, kept = "P" * 43, "R" * 43, "K" * 43
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as conn:
+            await _seed_pool(conn)
+            await conn.execute(Provider.__table__.insert(), [{"id": provider, "created_at": AT}])
+            await conn.execute(
+                Node.__table__.insert(),
+                [
+                    node_row(revoked, provider, AT, status="banned", revoked_at=AT),
+                    node_row(kept, provider, AT, revoked_at=None),
+                ],
+            )
+            await conn.execute(
+                PoolMembership.__table__.insert(),
+                [
+                    {
+                        "id": 1,
+                        "pool_id": "pool-mig",
+                        "node_id": revoked,
+                        "provider_id": provider,
+                        "status": "ejected",
+                    },
+                    {
+                        "id": 2,
+                        "pool_id": "pool-mig",
+                        "node_id": kept,
+                        "provider_id": provider,
+                        "status": "active",
+                    },
+                ],
+            )
+    finally:
+        await engine.dispose()
+
+
+def test_0039_downgrade_refuses_while_a_node_is_revoked(scratch_url: str) -> None:
+    # 0038 would see a plain ban, which an admin's unban lifts: the key of a stolen machine
+    # would work again.
+    upgrade(scratch_url, "0039")
+    asyncio.run(_seed_revoked_node(scratch_url))
+    with pytest.raises(RuntimeError, match="1 nodes were revoked"):
+        downgrade(scratch_url, "0038")
+    assert asyncio.run(_run_sql(scratch_url)) == "0039"
+    revoked = "SELECT id, status FROM nodes WHERE revoked_at IS NOT NULL"
+    assert asyncio.run(_rows(scratch_url, revoked)) == [("R" * 43, "banned")]
+
+    # Without a revocation the downgrade goes ahead, and the rebuilt table keeps its nodes and
+    # the rows that refer to them.
+    asyncio.run(_run_sql(scratch_url, "UPDATE nodes SET revoked_at = NULL"))
+    downgrade(scratch_url, "0038")
+    upgrade(scratch_url)
+    nodes = "SELECT n.id, n.status, n.revoked_at, m.status FROM nodes n JOIN pool_memberships m ON m.node_id = n.id"
+    assert sorted(asyncio.run(_rows(scratch_url, nodes))) == [
+        ("K" * 43, "healthy", None, "active"),
+        ("R" * 43, "banned", None, "ejected"),
+    ]

@@ -1,7 +1,9 @@
 """Admin rules for nodes: bans and unbans, recorded in the status history and the audit log.
 
 A ban also ejects the node from its pools (``pools.service.eject_node``); an unban lifts those
-ejections, and only those (``pools.service.lift_ban_ejections``)."""
+ejections, and only those (``pools.service.lift_ban_ejections``). A provider's revocation of its
+node (``identity.revocation``) bans it the same way (``take_out``), for good: an unban of a
+revoked node is refused (409 ``node_revoked``)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,9 @@ from functools import partial
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from orchestrator.admin.tokens import Principal
-from orchestrator.audit.service import record
+from orchestrator.audit.service import Actor, record
 from orchestrator.core.db import after_commit
-from orchestrator.core.errors import NotFound
+from orchestrator.core.errors import Conflict, NotFound
 from orchestrator.core.state import AppState
 from orchestrator.identity import repository as repo
 from orchestrator.identity.models import NODE_STATUSES, Node, NodeStatus
@@ -27,38 +29,64 @@ async def node_or_404(session: AsyncSession, node_id: str, *, for_update: bool =
     return node
 
 
-async def ban(
-    session: AsyncSession, state: AppState, node_id: str, reason: str, *, principal: Principal
-) -> Node:
-    """Ban the node and eject it from every pool it is a live member of, as an operator
-    ejection would (its leases released, its stake unbonding), all in this transaction.
-    Idempotent: banning a banned node changes nothing."""
-    node = await node_or_404(session, node_id, for_update=True)
-    before = {"status": node.status}
+async def take_out(
+    session: AsyncSession,
+    state: AppState,
+    node: Node,
+    actor: Actor,
+    *,
+    ban_reason: str,
+    history_reason: str,
+    ejection_reason: str,
+    now: dt.datetime,
+) -> list[str] | None:
+    """Ban the node (locked by the caller, first) and eject it from every pool it is a live
+    member of, as an operator ejection would (its leases released and their replicas reissued
+    at once, its stake unbonding), all in this transaction; the hot store forgets the node once
+    it commits. What a ban and a revocation (``identity.revocation``) share. Returns the pools
+    it was ejected from, or None if the node was banned already (nothing changes)."""
     not_banned = [s for s in NODE_STATUSES if s != NodeStatus.banned]
     moved = await repo.transition(
         session,
-        [node_id],
+        [node.id],
         from_statuses=not_banned,
         to_status=NodeStatus.banned.value,
-        reason=f"banned: {reason}",
-        actor=principal.token_id,
+        reason=history_reason,
+        actor=actor.actor_id,
     )
-    if moved:
-        node.ban_reason = reason
-        # The last beat is kept, as the sweeper keeps a dead node's: the hot store forgets the
-        # node once the ban commits, and the admin view of the banned node said it never beat.
-        last = await state.hot_store.last_beat(node_id)
-        if last is not None:
-            node.last_heartbeat_at = dt.datetime.fromtimestamp(last, dt.UTC)
-        await session.flush()
-        ejected = await pools_service.eject_node(
-            session,
-            principal,
-            node_id,
-            f"{pools_service.BAN_EJECTION_PREFIX}{reason}",
-            now=state.clock.utcnow(),
-        )
+    if not moved:
+        return None
+    node.ban_reason = ban_reason
+    # The last beat is kept, as the sweeper keeps a dead node's: the hot store forgets the
+    # node once the ban commits, and the admin view of the banned node said it never beat.
+    last = await state.hot_store.last_beat(node.id)
+    if last is not None:
+        node.last_heartbeat_at = dt.datetime.fromtimestamp(last, dt.UTC)
+    await session.flush()
+    ejected = await pools_service.eject_node(session, actor, node.id, ejection_reason, now=now)
+    # Once the ban has committed: a ban rolled back must leave the node watched.
+    after_commit(session, partial(state.hot_store.forget_node, node.id))
+    return ejected
+
+
+async def ban(
+    session: AsyncSession, state: AppState, node_id: str, reason: str, *, principal: Principal
+) -> Node:
+    """Ban the node and eject it from every pool it is a live member of (``take_out``).
+    Idempotent: banning a banned node changes nothing."""
+    node = await node_or_404(session, node_id, for_update=True)
+    before = {"status": node.status}
+    ejected = await take_out(
+        session,
+        state,
+        node,
+        principal,
+        ban_reason=reason,
+        history_reason=f"banned: {reason}",
+        ejection_reason=f"{pools_service.BAN_EJECTION_PREFIX}{reason}",
+        now=state.clock.utcnow(),
+    )
+    if ejected is not None:
         await record(
             session,
             principal,
@@ -68,8 +96,6 @@ async def ban(
             before=before,
             after={"status": NodeStatus.banned.value, "reason": reason, "ejected_from": ejected},
         )
-        # Once the ban has committed: a ban rolled back must leave the node watched.
-        after_commit(session, partial(state.hot_store.forget_node, node_id))
     await session.refresh(node)
     return node
 
@@ -78,6 +104,13 @@ async def unban(session: AsyncSession, state: AppState, node_id: str, *, princip
     """The node waits for a heartbeat again, and may rejoin the pools its ban ejected it from
     (their stake stays unbonding; a rejoin bonds anew). Idempotent."""
     node = await node_or_404(session, node_id, for_update=True)
+    if node.revoked_at is not None:
+        raise Conflict(
+            "this node's provider revoked its key, for good: the node cannot be unbanned; the "
+            "provider must register a new node key (`orchestrator keys generate`)",
+            code="node_revoked",
+            extra={"revoked_at": node.revoked_at.isoformat()},
+        )
     before = {"status": node.status, "reason": node.ban_reason}
     moved = await repo.transition(
         session,

@@ -49,6 +49,15 @@ class Principal:
         """For validator and trainer tokens: the pools the token was created for."""
         return pool_id in self.pool_ids
 
+    # As the audit log names the principal (``audit.service.Actor``).
+    @property
+    def actor_id(self) -> str:
+        return self.token_id
+
+    @property
+    def actor_role(self) -> str:
+        return self.role.value
+
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8")).hexdigest()

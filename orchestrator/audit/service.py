@@ -1,15 +1,50 @@
-"""Recording audit entries (append-only: there is no update or delete path)."""
+"""Recording audit entries (append-only: there is no update or delete path), and who acted.
+
+An entry names its actor by ``actor_id`` and ``actor_role``: a bearer token's ``Principal``
+(the token id and role; the verifier's ``system`` and the command line's ``cli`` are principals
+too), or a provider acting on its own nodes with its signing key (``ProviderActor``: its
+provider id, role ``provider``). A provider is no token role: nothing here lets a bearer token
+be one.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import structlog
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from orchestrator.admin.tokens import Principal
 from orchestrator.audit.models import AuditEntry
 from orchestrator.core.db import utcnow
+
+PROVIDER_ROLE = "provider"
+
+
+class Actor(Protocol):
+    """Whoever acted, as the audit log (and the ledger and status history) names them."""
+
+    @property
+    def actor_id(self) -> str: ...
+
+    @property
+    def actor_role(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class ProviderActor:
+    """A provider acting with its own signing key (a revocation of one of its nodes)."""
+
+    provider_id: str
+
+    @property
+    def actor_id(self) -> str:
+        return self.provider_id
+
+    @property
+    def actor_role(self) -> str:
+        return PROVIDER_ROLE
 
 
 def _jsonable(value: Any) -> Any:
@@ -26,7 +61,7 @@ def _jsonable(value: Any) -> Any:
 
 async def record(
     session: AsyncSession,
-    principal: Principal,
+    actor: Actor,
     action: str,
     *,
     target_type: str,
@@ -38,8 +73,8 @@ async def record(
     """Append one entry in the caller's transaction (so it commits with the action or not at all)."""
     request_id = structlog.contextvars.get_contextvars().get("request_id")
     entry = AuditEntry(
-        actor=principal.token_id,
-        actor_role=principal.role.value,
+        actor=actor.actor_id,
+        actor_role=actor.actor_role,
         action=action,
         target_type=target_type,
         target_id=target_id,
@@ -52,3 +87,22 @@ async def record(
     session.add(entry)
     await session.flush()
     return entry
+
+
+async def last_entry(
+    session: AsyncSession, actor: Actor, action: str, *, target_type: str, target_id: str
+) -> AuditEntry | None:
+    """The newest entry of ``actor``'s ``action`` on the target (read through the actor's index:
+    for what an action that happens once, such as a revocation, recorded when it happened)."""
+    stmt = (
+        select(AuditEntry)
+        .where(
+            AuditEntry.actor == actor.actor_id,
+            AuditEntry.action == action,
+            AuditEntry.target_type == target_type,
+            AuditEntry.target_id == target_id,
+        )
+        .order_by(AuditEntry.id.desc())
+        .limit(1)
+    )
+    return (await session.execute(stmt)).scalar_one_or_none()

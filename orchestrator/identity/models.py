@@ -39,6 +39,8 @@ class Node(Base):
         CheckConstraint(
             "status IN ('waiting', 'healthy', 'unhealthy', 'dead', 'banned')", name="status_known"
         ),
+        # A revocation is final: the node stays banned (no unban), whatever code comes later.
+        CheckConstraint("revoked_at IS NULL OR status = 'banned'", name="revoked_is_banned"),
         Index("ix_nodes_status_id", "status", "id"),
         Index("ix_nodes_provider_id_id", "provider_id", "id"),
     )
@@ -56,6 +58,9 @@ class Node(Base):
     status: Mapped[str] = mapped_column(String(16), default=NodeStatus.waiting.value)
     status_changed_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     ban_reason: Mapped[str | None] = mapped_column(Text)
+    #: When the node's provider revoked its key (``identity.revocation``): the node is banned for
+    #: good, and the key can never register again. NULL: not revoked.
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
     #: Copied from the hot store when the sweeper marks the node dead (the hot store's entry
     #: expires later); the live value of a node under watch is the hot store's.
     last_heartbeat_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())

@@ -49,10 +49,36 @@ async def insert_provider(
 
 
 async def get_node(session: AsyncSession, node_id: str, *, for_update: bool = False) -> Node | None:
+    """The node; with ``for_update`` locked and read afresh (``populate_existing``: a node read
+    earlier in the session, before a ban or revocation committed, would keep its old status)."""
     stmt = select(Node).where(Node.id == node_id)
     if for_update:
-        stmt = stmt.with_for_update()
+        stmt = stmt.with_for_update().execution_options(populate_existing=True)
     return (await session.execute(stmt)).scalar_one_or_none()
+
+
+async def get_provider_node_for_update(session: AsyncSession, provider_id: str, node_id: str) -> Node | None:
+    """``provider_id``'s node ``node_id``, locked and read afresh; None for another provider's
+    (whose row is then left unlocked) or an unknown one."""
+    stmt = (
+        select(Node)
+        .where(Node.id == node_id, Node.provider_id == provider_id)
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    )
+    return (await session.execute(stmt)).scalar_one_or_none()
+
+
+async def record_status_change(
+    session: AsyncSession, node: Node, *, reason: str, actor: str, at: dt.datetime
+) -> None:
+    """A history entry for a locked node whose status stays what it is (a banned node revoked)."""
+    session.add(
+        NodeStatusChange(
+            node_id=node.id, from_status=node.status, to_status=node.status, reason=reason, actor=actor, at=at
+        )
+    )
+    await session.flush()
 
 
 async def insert_node(session: AsyncSession, values: Mapping[str, object]) -> bool:

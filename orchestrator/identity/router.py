@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 
-from api_schemas.common import PROBLEM_RESPONSES
-from api_schemas.identity import NodeOut, NodeRegister, ProviderOut, ProviderRegister
+from api_schemas.common import PROBLEM_RESPONSES, KeyId
+from api_schemas.identity import (
+    NodeOut,
+    NodeRegister,
+    NodeRevocationOut,
+    NodeRevokeIn,
+    ProviderOut,
+    ProviderRegister,
+)
 from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import Session, State
-from orchestrator.identity import service
-from orchestrator.identity.auth import CurrentNode, RegisteringNode, RegisteringProvider, client_ip
+from orchestrator.identity import revocation, service
+from orchestrator.identity.auth import (
+    CurrentNode,
+    CurrentProvider,
+    RegisteringNode,
+    RegisteringProvider,
+    client_ip,
+)
+from orchestrator.liveness.serving import leases_caught_up
 
 router = APIRouter(prefix="/v1", tags=["contributors"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute)
 
@@ -42,6 +56,8 @@ async def register_provider(
     response_model=NodeOut,
     status_code=201,
     summary="Register a node (idempotent; signed by the node key, attested by its provider)",
+    description="A key its provider revoked is refused, 403 `node_key_revoked`, whatever the "
+    "attestation: the provider registers a new node key instead.",
     responses={200: {"model": NodeOut, "description": "Already registered; specs and version updated"}},
 )
 async def register_node(
@@ -61,3 +77,33 @@ async def register_node(
 @router.get("/nodes/me", response_model=NodeOut, summary="The signing node's own record")
 async def get_me(node: CurrentNode, state: State) -> NodeOut:
     return await service.node_out(state, node)
+
+
+@router.post(
+    "/providers/me/nodes/{node_id}/revoke",
+    response_model=NodeRevocationOut,
+    summary="Revoke one of the provider's node keys, for good (a machine stolen or compromised)",
+    description="Signed by the provider key. In one transaction the node is banned, so every "
+    "request its key signs is refused 403 `node_banned`; it is ejected from every pool it is a "
+    "member of, as an admin's ban ejects it (its leases released and their replicas reissued at "
+    "once, its stake unbonding); and `revoked_at` records when. It is final: an admin cannot "
+    "unban a revoked node (409 `node_revoked`) and the key can never register again (403 "
+    "`node_key_revoked`): register a new node key. Results the node submitted before are judged "
+    "as usual, and the provider's stake answers for them. An optional body gives a `reason`. "
+    "Another provider's node is 404 `node_not_found`, as an unknown one is. Idempotent: a "
+    "revoked node is answered as it is (200, the same `ejected_from`) and nothing changes. "
+    "Audited `node.revoke`, with the provider as the actor (`actor_role` `provider`).",
+    dependencies=[Depends(leases_caught_up)],
+)
+async def revoke_node(
+    node_id: KeyId,
+    provider: CurrentProvider,
+    session: Session,
+    state: State,
+    body: NodeRevokeIn | None = None,
+) -> NodeRevocationOut:
+    node, ejected = await revocation.revoke_node(
+        session, state, provider.id, node_id, body.reason if body else None
+    )
+    out = await service.node_out(state, node)
+    return NodeRevocationOut(**out.model_dump(), ejected_from=ejected)

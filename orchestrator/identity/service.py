@@ -43,6 +43,16 @@ async def node_out(state: AppState, node: Node) -> NodeOut:
             dt.datetime.fromtimestamp(last, dt.UTC) if last is not None else node.last_heartbeat_at
         ),
         memberships=[NodeMembership(pool_id=p, status=s) for p, s in memberships],
+        revoked_at=node.revoked_at,
+    )
+
+
+def revoked_key() -> Forbidden:
+    """A registration signed with a node key its provider revoked (``identity.revocation``)."""
+    return Forbidden(
+        "this node key was revoked by its provider, for good: generate a new node key "
+        "(`orchestrator keys generate`) and register that",
+        code="node_key_revoked",
     )
 
 
@@ -89,8 +99,12 @@ async def register_node(
     session: AsyncSession, node_id: str, body: NodeRegister, ip: str
 ) -> tuple[Node, bool]:
     """Register a node under its provider; re-registering updates specs and version. The key
-    may be no provider's (a node registered with one before this rule keeps working)."""
-    new = await repo.get_node(session, node_id) is None
+    may be no provider's (a node registered with one before this rule keeps working). A key its
+    provider revoked is refused before anything else is looked at (``revoked_key``)."""
+    known = await repo.get_node(session, node_id)
+    if known is not None and known.revoked_at is not None:
+        raise revoked_key()
+    new = known is None
     if new:
         await repo.lock_key(session, node_id)  # as in register_provider
     if node_id == body.provider_id or (new and await repo.get_provider(session, node_id) is not None):
@@ -129,6 +143,8 @@ async def register_node(
         raise Conflict(
             "this node key is already bound to another provider", code="node_bound_to_other_provider"
         )
+    if node.revoked_at is not None:  # revoked since the first read, which this one waited for
+        raise revoked_key()
     if node.status == NodeStatus.banned:
         raise Forbidden("this node is banned", code="node_banned")
     if not created:

@@ -74,7 +74,7 @@ from api_schemas.pools import (
     TrackRecordOut,
 )
 from orchestrator.admin.tokens import Principal, Role
-from orchestrator.audit.service import record
+from orchestrator.audit.service import Actor, record
 from orchestrator.core.errors import Conflict, Forbidden, NotFound, UnprocessableEntity
 from orchestrator.core.sql import is_postgres
 from orchestrator.identity import repository as identity_repo
@@ -760,7 +760,7 @@ async def _member_for(
 
 async def _audit_member(
     session: AsyncSession,
-    principal: Principal,
+    principal: Actor,
     action: str,
     m: PoolMembership,
     before: str,
@@ -843,7 +843,7 @@ EJECTED_BY_VERIFIER = "verifier"
 
 async def _eject(
     session: AsyncSession,
-    principal: Principal,
+    principal: Actor,
     pool: Pool,
     m: PoolMembership,
     reason: str,
@@ -876,7 +876,7 @@ async def _eject(
         m,
         to_status=MembershipStatus.ejected.value,
         reason=reason,
-        actor=principal.token_id,
+        actor=principal.actor_id,
         now=now,
     )
     await _audit_member(session, principal, "membership.eject", m, before, reason)
@@ -901,10 +901,11 @@ async def lift_ban_ejections(
 
 
 async def eject_node(
-    session: AsyncSession, principal: Principal, node_id: str, reason: str, *, now: dt.datetime
+    session: AsyncSession, principal: Actor, node_id: str, reason: str, *, now: dt.datetime
 ) -> list[str]:
     """Eject ``node_id`` from every pool it is a live (active or pending) member of, as an
-    operator ejection does each (leases released, stake unbonding or back at once, audited).
+    operator ejection does each (leases released, stake unbonding or back at once, audited by
+    ``principal``: an admin's ban, or the node's provider revoking it).
     Lock order as everywhere: the pools (by id), their memberships, the stake accounts, then
     the ejections. Returns the pools, by id."""
     pools = [
