@@ -1278,6 +1278,53 @@ def provider_payouts(
         _print_model(payout)
 
 
+def _node_id(value: str) -> str:
+    """A node id argument: what the API takes (a key id), else a bad argument before anything runs."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from api_schemas.common import KeyId
+
+    try:
+        return TypeAdapter(KeyId).validate_python(value)
+    except ValidationError:
+        raise typer.BadParameter(
+            "not a node id: 43 characters of unpadded base64url (`worker register` printed it)"
+        ) from None
+
+
+def _revoke_reason(value: str | None) -> str | None:
+    """--reason: 1 to 500 characters, no NUL, as the API takes it."""
+    if value is not None and not (1 <= len(value) <= 500 and "\x00" not in value):
+        raise typer.BadParameter("must be 1 to 500 characters")
+    return value
+
+
+@provider_app.command("revoke-node")
+def provider_revoke_node(
+    node_id: Annotated[
+        str, typer.Argument(help="The node's id (`worker register` printed it)", callback=_node_id)
+    ],
+    provider_key: ProviderKeyOpt,
+    reason: Annotated[
+        str | None,
+        typer.Option(
+            help="Why, 1 to 500 characters (kept in the node's status history)", callback=_revoke_reason
+        ),
+    ] = None,
+    server: ServerOpt = DEFAULT_SERVER,
+) -> None:
+    """Revoke one of the provider's node keys, for good, when its machine is stolen or
+    compromised: the node is banned at once (every request its key signs is refused), ejected
+    from its pools (its leases go back to the pools, its stake unbonds), and its key can never
+    register again; run the machine again with a new node key. Results it submitted before are
+    judged as usual. Prints the node's record as JSON, with the pools it was ejected from;
+    running it again changes nothing."""
+    key = _key_file(provider_key, "--provider-key")
+    with _worker_errors():
+        out = asyncio.run(_as_provider(server, key, lambda c: c.revoke_node(node_id, reason)))
+    _print_model(out)
+
+
 def _log_level(value: str) -> str:
     """--log-level: the names ORCH_LOG_LEVEL takes, in any case; any other is a usage error."""
     level = value.strip().upper()

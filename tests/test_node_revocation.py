@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 from typing import Any
 
 import httpx
@@ -20,6 +21,7 @@ from orchestrator.identity import revocation
 from orchestrator.identity.models import Node
 from orchestrator.ledger.models import LedgerTransfer, StakeUnbonding
 from orchestrator.tasks.models import Assignment, Submission
+from orchestrator.worker.client import WorkerClient
 from tests.conftest import Contributor, new_contributor, postgres_only, problem
 from tests.pools_helpers import active_pool, join
 from tests.tasks_helpers import Worker, pool_setup, task
@@ -346,6 +348,21 @@ async def test_results_submitted_before_the_revocation_are_judged_as_usual(
     await books_balance(app_state)
 
 
+async def test_the_sdk_revokes_a_node_with_the_provider_key_alone(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        [w] = s.workers
+        transport = httpx.ASGITransport(app=app, client=("203.0.113.9", 40000))
+        async with WorkerClient(
+            "http://testserver", None, w.contributor.provider_key, transport=transport
+        ) as provider:
+            out = await provider.revoke_node(w.node_id, reason="sold the machine")
+            assert (out.id, out.status, out.ejected_from) == (w.node_id, "banned", [s.pool_id])
+            assert out.revoked_at is not None
+            assert await provider.revoke_node(w.node_id) == out
+        [entry] = await audit(s, "node.revoke")
+        assert entry["after"]["reason"] == "sold the machine"
+
+
 async def test_a_revocation_and_its_ejections_commit_together(
     app: Any, app_state: Any, client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -488,3 +505,56 @@ async def test_an_unban_racing_a_revocation_waits_for_it_and_is_refused(app: Any
             await session.close()
         problem(await unbanning, 409, "node_revoked")
         assert (await admin_view(s, w.node_id))["status"] == "banned"
+
+
+def test_the_cli_revokes_with_the_provider_key_and_refuses_bad_arguments_before_sending(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    import orchestrator.cli
+    from api_schemas.identity import NodeRevocationOut, NodeSpecs
+    from orchestrator.cli import app
+
+    runner = CliRunner()
+    key = tmp_path / "provider.key"
+    assert runner.invoke(app, ["keys", "generate", str(key)]).exit_code == 0
+    node_id = key_id_of(generate_key())
+    calls: list[tuple[str, str | None]] = []
+
+    class Provider:
+        async def revoke_node(self, node: str, reason: str | None = None) -> NodeRevocationOut:
+            calls.append((node, reason))
+            at = dt.datetime(2026, 12, 4, tzinfo=dt.UTC)
+            return NodeRevocationOut(
+                id=node,
+                provider_id=node,
+                specs=NodeSpecs(gpu_count=0, gpu_memory_mb=0, cpu_cores=1, ram_mb=256),
+                version="1",
+                status="banned",
+                status_changed_at=at,
+                created_at=at,
+                revoked_at=at,
+                ejected_from=["pool_1"],
+            )
+
+    async def as_provider(server: str, provider_key: Any, call: Any) -> Any:
+        return await call(Provider())
+
+    monkeypatch.setattr(orchestrator.cli, "_as_provider", as_provider)
+    base = ["provider", "revoke-node", "--provider-key", str(key), "--server", "http://127.0.0.1:9"]
+    for extra, message in (
+        (["not-a-node-id"], "not a node id"),
+        ([node_id, "--reason", ""], "must be 1 to 500 characters"),
+        ([node_id, "--reason", "x" * 501], "must be 1 to 500 characters"),
+    ):
+        result = runner.invoke(app, [*base, *extra], env={"COLUMNS": "200"})
+        assert result.exit_code == 2, (extra, result.output)
+        assert message in " ".join(result.output.split()), (extra, result.output)
+    assert calls == []
+
+    result = runner.invoke(app, [*base, node_id, "--reason", "stolen"])
+    assert result.exit_code == 0, result.output
+    assert calls == [(node_id, "stolen")]
+    out = json.loads(result.stdout)
+    assert (out["id"], out["status"], out["ejected_from"]) == (node_id, "banned", ["pool_1"])

@@ -1,7 +1,8 @@
 """The contributor SDK: a signed, retrying async client for the worker wire protocol.
 
 Every request is signed with RFC 9421 (``SignatureAuth``): node calls with the node key,
-provider calls (registration, balance, the provider's verdicts) with the provider key. A retry is a new
+provider calls (registration, balance, the provider's verdicts, a node's revocation) with the
+provider key. A retry is a new
 request with a new ``created`` time and a new nonce, never a replay of the old headers (the
 server refuses a replayed nonce). Bodies are serialised once per call, so every attempt of a
 result submission carries the same bytes and gets the same answer.
@@ -9,7 +10,7 @@ result submission carries the same bytes and gets the same answer.
 Retries (tenacity; exponential backoff with full jitter, ``Retry-After`` honoured):
 
 * idempotent calls (GET, registration, join, leave, heartbeat, result submission, release,
-  a withdrawal with its ``Idempotency-Key``) retry on transport errors, 429 and 5xx;
+  a withdrawal with its ``Idempotency-Key``, a node's revocation) retry on transport errors, 429 and 5xx;
 * a claim is not idempotent (a claim whose answer was lost has leased tasks that the worker
   never saw), so it retries only when the request cannot have reached the server (connect
   errors and connection-pool timeouts) or was refused before any work (429, 503).
@@ -41,7 +42,15 @@ from tenacity import (
     stop_after_attempt,
 )
 
-from api_schemas.identity import HeartbeatIn, HeartbeatOut, NodeOut, NodeRegister, NodeSpecs
+from api_schemas.identity import (
+    HeartbeatIn,
+    HeartbeatOut,
+    NodeOut,
+    NodeRegister,
+    NodeRevocationOut,
+    NodeRevokeIn,
+    NodeSpecs,
+)
 from api_schemas.ledger import Balances
 from api_schemas.payouts import PayoutOut, WithdrawalOut
 from api_schemas.pools import JoinIn, MembershipOut
@@ -304,6 +313,22 @@ class WorkerClient(Backoff):
             interrupt=stop,
         )
         return WithdrawalOut.model_validate_json(response.content)
+
+    async def revoke_node(
+        self, node_id: str, reason: str | None = None, *, stop: asyncio.Event | None = None
+    ) -> NodeRevocationOut:
+        """Revoke one of the provider's node keys, for good (signed by the provider key): the
+        node is banned and ejected from its pools, and its key can never register again. For a
+        machine stolen or compromised. Idempotent: a revoked node is answered as it is."""
+        body = NodeRevokeIn(reason=reason).model_dump(mode="json", exclude_none=True)
+        return await self._call_model(
+            NodeRevocationOut,
+            "POST",
+            f"/v1/providers/me/nodes/{_seg(node_id)}/revoke",
+            body,
+            provider=True,
+            interrupt=stop,
+        )
 
     async def payouts(
         self, limit: int = 100, *, status: str | None = None, stop: asyncio.Event | None = None
