@@ -12,9 +12,12 @@ class AuditEntryOut(BaseModel):
     id: int = Field(description="Increasing entry id; pages run from newest to oldest")
     actor: str = Field(
         description="Token id of whoever acted (or 'system', the verifier; or 'cli', the "
-        "orchestrator admin commands)"
+        "orchestrator admin commands; or a provider's id, for a provider acting with its own key: "
+        "a revocation of one of its nodes)"
     )
-    actor_role: str = Field(description="The actor's role at the time: admin, operator, ...")
+    actor_role: str = Field(
+        description="The actor's role at the time: admin, operator, ...; provider for a provider"
+    )
     action: str = Field(description="What was done, e.g. pool.create, membership.eject, node.ban")
     target_type: str = Field(description="Kind of thing acted on: pool, node, provider, invite")
     target_id: str = Field(description="Id of the thing acted on")

@@ -22,7 +22,7 @@ class AuditEntry(Base):
         BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
     )
     actor: Mapped[str] = mapped_column(
-        String(100), doc="token id, 'system' (the verifier) or 'cli' (orchestrator admin)"
+        String(100), doc="token id, 'system' (the verifier), 'cli' (orchestrator admin) or a provider id"
     )
     actor_role: Mapped[str] = mapped_column(String(16))
     action: Mapped[str] = mapped_column(String(64), doc="e.g. pool.create, node.ban, ledger.deposit")

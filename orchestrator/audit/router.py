@@ -79,7 +79,8 @@ async def list_audit(
         str | None, Query(max_length=40, pattern=NO_NUL, description="Only entries about this pool")
     ] = None,
     actor: Annotated[
-        str | None, Query(max_length=100, pattern=NO_NUL, description="Only entries by this token id")
+        str | None,
+        Query(max_length=100, pattern=NO_NUL, description="Only entries by this token id (or provider id)"),
     ] = None,
     cursor: Annotated[
         str | None, Query(max_length=200, description="next_cursor of the previous page")
