@@ -35,7 +35,7 @@ app = _typer("Coordinator for permissionless compute pools.")
 admin_app = _typer("Operator tokens and other admin tasks.")
 keys_app = _typer("Ed25519 key files for providers and nodes.")
 worker_app = _typer("Contribute compute: run a worker node.")
-provider_app = _typer("A provider's balance, withdrawals and payouts (signed with its key).")
+provider_app = _typer("A provider's balance, withdrawals, payouts and nodes (signed with its key).")
 app.add_typer(admin_app, name="admin")
 app.add_typer(keys_app, name="keys")
 app.add_typer(worker_app, name="worker")
@@ -1278,6 +1278,29 @@ def provider_payouts(
         _print_model(payout)
 
 
+@provider_app.command("nodes")
+def provider_nodes(
+    provider_key: ProviderKeyOpt,
+    status: Annotated[
+        str | None,
+        typer.Option(help="Only nodes in this status: waiting, healthy, unhealthy, dead or banned"),
+    ] = None,
+    limit: Annotated[int, typer.Option(min=1, max=100_000, help="How many, by id")] = 1000,
+    server: ServerOpt = DEFAULT_SERVER,
+) -> None:
+    """Print the provider's nodes, by id, one JSON object per line: each one's status, specs,
+    memberships, last heartbeat and `revoked_at`."""
+    from orchestrator.identity.models import NODE_STATUSES
+
+    if status is not None and status not in NODE_STATUSES:
+        raise typer.BadParameter(f"must be one of {', '.join(NODE_STATUSES)}", param_hint="--status")
+    key = _key_file(provider_key, "--provider-key")
+    with _worker_errors():
+        nodes = asyncio.run(_as_provider(server, key, lambda c: c.nodes(limit, status=status)))
+    for node in nodes:
+        _print_model(node)
+
+
 def _node_id(value: str) -> str:
     """A node id argument: what the API takes (a key id), else a bad argument before anything runs."""
     from pydantic import TypeAdapter, ValidationError
@@ -1301,10 +1324,16 @@ def _revoke_reason(value: str | None) -> str | None:
 
 @provider_app.command("revoke-node")
 def provider_revoke_node(
-    node_id: Annotated[
-        str, typer.Argument(help="The node's id (`worker register` printed it)", callback=_node_id)
-    ],
     provider_key: ProviderKeyOpt,
+    # An option, not an argument: an id may begin with "-", which an argument would be taken for.
+    node_id: Annotated[
+        str,
+        typer.Option(
+            "--node-id",
+            help="The node's id (`worker register` and `provider nodes` print it)",
+            callback=_node_id,
+        ),
+    ],
     reason: Annotated[
         str | None,
         typer.Option(

@@ -519,7 +519,7 @@ def test_the_cli_revokes_with_the_provider_key_and_refuses_bad_arguments_before_
     runner = CliRunner()
     key = tmp_path / "provider.key"
     assert runner.invoke(app, ["keys", "generate", str(key)]).exit_code == 0
-    node_id = key_id_of(generate_key())
+    node_id = "-" + key_id_of(generate_key())[1:]  # an id may begin with "-"
     calls: list[tuple[str, str | None]] = []
 
     class Provider:
@@ -544,17 +544,67 @@ def test_the_cli_revokes_with_the_provider_key_and_refuses_bad_arguments_before_
     monkeypatch.setattr(orchestrator.cli, "_as_provider", as_provider)
     base = ["provider", "revoke-node", "--provider-key", str(key), "--server", "http://127.0.0.1:9"]
     for extra, message in (
-        (["not-a-node-id"], "not a node id"),
-        ([node_id, "--reason", ""], "must be 1 to 500 characters"),
-        ([node_id, "--reason", "x" * 501], "must be 1 to 500 characters"),
+        (["--node-id", "not-a-node-id"], "not a node id"),
+        (["--node-id", node_id, "--reason", ""], "must be 1 to 500 characters"),
+        (["--node-id", node_id, "--reason", "x" * 501], "must be 1 to 500 characters"),
     ):
         result = runner.invoke(app, [*base, *extra], env={"COLUMNS": "200"})
         assert result.exit_code == 2, (extra, result.output)
         assert message in " ".join(result.output.split()), (extra, result.output)
+    listing = ["provider", "nodes", "--provider-key", str(key), "--server", "http://127.0.0.1:9"]
+    result = runner.invoke(app, [*listing, "--status", "lost"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "must be one of waiting" in " ".join(result.output.split())
     assert calls == []
 
-    result = runner.invoke(app, [*base, node_id, "--reason", "stolen"])
+    result = runner.invoke(app, [*base, "--node-id", node_id, "--reason", "stolen"])
     assert result.exit_code == 0, result.output
     assert calls == [(node_id, "stolen")]
     out = json.loads(result.stdout)
     assert (out["id"], out["status"], out["ejected_from"]) == (node_id, "banned", ["pool_1"])
+
+
+async def test_a_provider_lists_its_own_nodes_with_their_revocations(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    async with pool_setup(app, app_state, workers=1) as s:
+        [w] = s.workers
+        c = w.contributor
+        siblings = [Contributor(provider_key=c.provider_key, node_key=generate_key()) for _ in range(2)]
+        for sibling in siblings:
+            r = await client.post("/v1/nodes", json=sibling.node_body(), auth=sibling.node_auth)
+            assert r.status_code == 201, r.text
+        stranger = new_contributor()
+        await stranger.register(client)
+        assert (await revoke(client, c, w.node_id, reason="stolen")).status_code == 200
+
+        mine = sorted([w.node_id, *(x.node_id for x in siblings)])
+        first = await client.get("/v1/providers/me/nodes", params={"limit": 2}, auth=c.provider_auth)
+        assert first.status_code == 200, first.text
+        rest = await client.get(
+            "/v1/providers/me/nodes",
+            params={"limit": 2, "cursor": first.json()["next_cursor"]},
+            auth=c.provider_auth,
+        )
+        items = first.json()["items"] + rest.json()["items"]
+        assert [n["id"] for n in items] == mine and rest.json()["next_cursor"] is None
+        assert {n["id"]: n["revoked_at"] is not None for n in items} == {n: n == w.node_id for n in mine}
+        banned = await client.get("/v1/providers/me/nodes", params={"status": "banned"}, auth=c.provider_auth)
+        [node] = banned.json()["items"]
+        assert (node["id"], node["memberships"]) == (w.node_id, [{"pool_id": s.pool_id, "status": "ejected"}])
+        # Another provider sees its own node only, and a cursor of this list is not its own.
+        theirs = await client.get("/v1/providers/me/nodes", auth=stranger.provider_auth)
+        assert [n["id"] for n in theirs.json()["items"]] == [stranger.node_id]
+        r = await client.get(
+            "/v1/providers/me/nodes",
+            params={"cursor": first.json()["next_cursor"]},
+            auth=stranger.provider_auth,
+        )
+        problem(r, 400, "cursor_invalid")
+        # A node key cannot list: this is the provider's view.
+        problem(await client.get("/v1/providers/me/nodes", auth=siblings[0].node_auth), 401, "unknown_key")
+
+        transport = httpx.ASGITransport(app=app, client=("203.0.113.10", 40000))
+        async with WorkerClient("http://testserver", None, c.provider_key, transport=transport) as provider:
+            listed = await provider.nodes(limit=2)
+            assert [n.id for n in listed] == mine[:2]
+            assert [n.id for n in await provider.nodes(status="banned")] == [w.node_id]

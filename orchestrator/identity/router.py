@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request, Response
+from typing import Annotated
 
-from api_schemas.common import PROBLEM_RESPONSES, KeyId
+from fastapi import APIRouter, Depends, Query, Request, Response
+
+from api_schemas.common import PROBLEM_RESPONSES, KeyId, Page
 from api_schemas.identity import (
     NodeOut,
     NodeRegister,
@@ -13,8 +15,10 @@ from api_schemas.identity import (
     ProviderOut,
     ProviderRegister,
 )
+from orchestrator.core.pagination import CursorScope
 from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import Session, State
+from orchestrator.identity import repository as repo
 from orchestrator.identity import revocation, service
 from orchestrator.identity.auth import (
     CurrentNode,
@@ -23,6 +27,7 @@ from orchestrator.identity.auth import (
     RegisteringProvider,
     client_ip,
 )
+from orchestrator.identity.models import NODE_STATUSES
 from orchestrator.liveness.serving import leases_caught_up
 
 router = APIRouter(prefix="/v1", tags=["contributors"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute)
@@ -77,6 +82,37 @@ async def register_node(
 @router.get("/nodes/me", response_model=NodeOut, summary="The signing node's own record")
 async def get_me(node: CurrentNode, state: State) -> NodeOut:
     return await service.node_out(state, node)
+
+
+@router.get(
+    "/providers/me/nodes",
+    response_model=Page[NodeOut],
+    summary="The signing provider's nodes, by id (cursor pagination)",
+    description="Signed by the provider key: every node registered under the provider, each "
+    "as `GET /v1/nodes/me` gives it (status, `revoked_at`, memberships), so that a provider "
+    "whose machine was stolen finds the node to revoke.",
+)
+async def my_nodes(
+    provider: CurrentProvider,
+    session: Session,
+    state: State,
+    status: Annotated[
+        str | None,
+        Query(pattern="^(" + "|".join(NODE_STATUSES) + ")$", description="Only nodes in this status"),
+    ] = None,
+    cursor: Annotated[
+        str | None, Query(max_length=200, description="next_cursor of the previous page")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=500, description="Page size")] = 100,
+) -> Page[NodeOut]:
+    scope = CursorScope("providers.me.nodes", provider_id=provider.id, status=status)
+    nodes = await repo.list_nodes(
+        session, status=status, provider_id=provider.id, after=scope.decode(cursor), limit=limit + 1
+    )
+    more = len(nodes) > limit
+    nodes = nodes[:limit]
+    items = [await service.node_out(state, n) for n in nodes]
+    return Page[NodeOut](items=items, next_cursor=scope.encode(nodes[-1].id) if more else None)
 
 
 @router.post(

@@ -314,6 +314,15 @@ class WorkerClient(Backoff):
         )
         return WithdrawalOut.model_validate_json(response.content)
 
+    async def nodes(
+        self, limit: int = 100, *, status: str | None = None, stop: asyncio.Event | None = None
+    ) -> list[NodeOut]:
+        """The provider's first ``limit`` nodes, by id (``status``: only those in it), following
+        the server's pages (signed by the provider key)."""
+        params = {"status": status} if status is not None else {}
+        pages = self._pages("/v1/providers/me/nodes", limit, provider=True, params=params, stop=stop)
+        return [NodeOut.model_validate(item) async for item in pages]
+
     async def revoke_node(
         self, node_id: str, reason: str | None = None, *, stop: asyncio.Event | None = None
     ) -> NodeRevocationOut:
