@@ -78,6 +78,23 @@ class Raises:
         return 1.0 if digits[-1] == str(spec["answer"]) else 0.0  # IndexError without a digit
 
 
+@dataclass(frozen=True)
+class Partial:
+    """A plugin that checks some samples only: nothing to check for a completion whose last line
+    begins with "?", else full reward for the spec's answer on the last line."""
+
+    name: str = "partial"
+
+    def canonical(self, completion: str) -> str:
+        return completion.strip().splitlines()[-1]
+
+    def reward(self, completion: str, spec: Mapping[str, Any]) -> float | None:
+        answer = self.canonical(completion)
+        if answer.startswith("?"):
+            return None
+        return 1.0 if answer == str(spec["answer"]) else 0.0
+
+
 @pytest.fixture
 def plugin_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A package that declares ``short_answer`` in ``orchestrator.rewards``, installed on the
@@ -87,7 +104,7 @@ def plugin_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: short-answer-plugin\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text(
         f"[{rewards.ENTRY_POINT_GROUP}]\nshort_answer = {__name__}:ShortAnswer\nbroken = {__name__}:Broken\n"
-        f"dies = {__name__}:Dies\nraises = {__name__}:Raises\n"
+        f"dies = {__name__}:Dies\nraises = {__name__}:Raises\npartial = {__name__}:Partial\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     rewards._plugins.cache_clear()
@@ -220,3 +237,29 @@ async def test_a_reward_function_that_raises_makes_the_result_inconclusive(
         ]
         [odd] = [v for v in vs if v["category"] == "inconclusive"]
         assert "'raises' raised IndexError" in odd["details"]["findings"][0]["detail"]
+
+
+async def test_a_result_scored_in_part_pays_its_right_and_unscored_samples_not_its_wrong_ones(
+    plugin_installed: None, app: Any, app_state: Any
+) -> None:
+    """A sample is paid when its reward is above 0 or when the reward function had nothing to
+    check it against (null). One null among the samples made the whole result unchecked, and
+    every sample was paid, the wrong ones too."""
+    from tests.tasks_helpers import pool_setup
+    from tests.verification_helpers import FixedDraw, submit, verdicts, verify_all
+
+    app_state.rng = FixedDraw(1.0)
+    async with pool_setup(
+        app, app_state, workers=1, reward_function="partial", economics={"reward_per_sample": 7}
+    ) as s:
+        task = {
+            "prompt": "What is 2 + 2?",
+            "sampling": {"max_tokens": 8, "n": 3},
+            "verification": {"answer": 4},
+        }
+        await s.enqueue([task])
+        lease = (await s.workers[0].claim(s.pool_id)).json()["leases"][0]
+        await submit(s.workers[0], lease, ["4", "5", "? no idea"], claimed_reward=None)
+        await verify_all(app_state)
+        [v] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (v["category"], v["reward_amount"]) == ("valid", 2 * 7), v

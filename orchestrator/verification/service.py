@@ -544,7 +544,9 @@ async def _run_checks(
     result, per_sample, canonical = scored.result, scored.per_sample, scored.canonical
     checkable = bool(per_sample) and all(r is not None for r in per_sample)
     server_reward = sum(r for r in per_sample if r is not None) / len(per_sample) if checkable else None
-    correct = sum(1 for r in per_sample if r) if checkable else len(per_sample)
+    # A sample is paid when its reward is above 0, or when it has none (nothing to check it
+    # against): a result a plugin scored only in part pays its unscored samples, not its wrong ones.
+    correct = sum(1 for r in per_sample if r is None or r > 0)
 
     expect = checks.Expectations(
         seed=replica.seed,  # as recorded when the replica was made, whatever the secret is now
