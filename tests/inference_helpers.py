@@ -18,6 +18,7 @@ batching server holds them while it generates; ``most_at_once`` is how many it s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -180,11 +181,17 @@ def fake_vllm(**kwargs: Any) -> Iterator[FakeVLLM]:
 
     server = Server(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
+    with serving(server) as fake.url:
+        yield fake
+
+
+@contextlib.contextmanager
+def serving(server: ThreadingHTTPServer) -> Iterator[str]:
+    """Serve ``server`` on a thread of its own; its URL, until the block ends."""
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    fake.url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        yield fake
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()

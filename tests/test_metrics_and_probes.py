@@ -65,6 +65,22 @@ print(metrics.render()[0].decode())
 """
 
 
+def _clock_offset_series(env: dict[str, str]) -> list[str]:
+    """The clock offset series a scrape by a new process (``_THE_WORKER_LEFT``) shows."""
+    import subprocess
+    import sys
+
+    scrape = subprocess.run(
+        [sys.executable, "-c", _THE_WORKER_LEFT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    return [line for line in scrape.splitlines() if line.startswith("orchestrator_clock_offset_seconds{")]
+
+
 def test_a_worker_that_ended_leaves_no_clock_offset_series_behind(tmp_path: Any, database_url: str) -> None:
     """README: with PROMETHEUS_MULTIPROC_DIR, orchestrator_clock_offset_seconds is "one series
     per process ..., labelled pid" (multiprocess_mode="liveall", alert OrchestratorClockSkew).
@@ -88,15 +104,7 @@ def test_a_worker_that_ended_leaves_no_clock_offset_series_behind(tmp_path: Any,
         check=True,
     )
     gone = done.stdout.strip().splitlines()[-1]
-    scrape = subprocess.run(
-        [sys.executable, "-c", _THE_WORKER_LEFT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
-    series = [line for line in scrape.splitlines() if line.startswith("orchestrator_clock_offset_seconds{")]
+    series = _clock_offset_series(env)
     assert not [line for line in series if f'pid="{gone}"' in line], series
 
 
@@ -127,15 +135,7 @@ def test_a_worker_that_was_killed_leaves_no_clock_offset_series_behind(tmp_path:
     )
     assert killed.returncode == -9, killed.stderr
     gone = killed.stdout.strip().splitlines()[-1]
-    scrape = subprocess.run(
-        [sys.executable, "-c", _THE_WORKER_LEFT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
-    series = [line for line in scrape.splitlines() if line.startswith("orchestrator_clock_offset_seconds{")]
+    series = _clock_offset_series(env)
     assert len(series) == 1 and f'pid="{gone}"' not in series[0], series
 
 

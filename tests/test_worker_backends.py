@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from orchestrator.worker.backends import (
 )
 from orchestrator.worker.backends.openai_compat import samples_from
 from orchestrator.worker.problems import arithmetic_tasks, parse_problem
+from tests.inference_helpers import serving
 
 POLICY = PolicyRef(step=3, uri="s3://ckpt/step-3", sha256="a" * 64)
 EXACT = reward_function("exact_match")
@@ -254,16 +254,8 @@ def fake_openai() -> Iterator[FakeCompletions]:
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    fake.url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
+    with serving(ThreadingHTTPServer(("127.0.0.1", 0), Handler)) as fake.url:
         yield fake
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
 
 
 def completion_reply(request: dict[str, Any]) -> dict[str, Any]:
