@@ -150,3 +150,27 @@ async def test_a_part_of_n_that_fails_fails_the_generation_with_its_own_error() 
                 await backend.generate(leased(1, n=3), 11, POLICY)
         finally:
             await backend.aclose()
+
+
+def seeded_per_choice(request: dict[str, Any], index: int) -> str:
+    """vLLM's (V1) parallel sampling: a request of ``n`` choices with seed s samples choice i as
+    a request of its own with seed s + i."""
+    return f" drawn with seed {request['seed'] + index}\n{request['seed'] + index}"
+
+
+async def test_a_task_asked_in_parts_gets_the_samples_one_request_would_give() -> None:
+    # vLLM samples the i-th choice of a request seeded s with seed s + i. Parts seeded the lease's
+    # seed + k (k the part's number) overlapped: with max_n=2 the first part drew s and s + 1,
+    # the second s + 1 and s + 2, so two of the task's samples were the same sample.
+    with fake_vllm(text=seeded_per_choice) as server:
+        whole = OpenAIBackend(server.url, "m")
+        parts = OpenAIBackend(server.url, "m", max_n=2)
+        try:
+            one_request = await whole.generate(leased(1, n=5), 11, POLICY)
+            in_parts = await parts.generate(leased(1, n=5), 11, POLICY)
+        finally:
+            await whole.aclose()
+            await parts.aclose()
+    assert [s.completion for s in in_parts] == [s.completion for s in one_request]
+    assert len({s.completion for s in in_parts}) == 5
+    assert sorted((r["n"], r["seed"]) for r in server.requests[1:]) == [(1, 15), (2, 11), (2, 13)]

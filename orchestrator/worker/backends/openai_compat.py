@@ -21,7 +21,9 @@ Options (``--backend-opt key=value``):
   min, count of the sampled tokens' logprobs) with each sample;
 * ``max_n``: the most choices the server gives in one request (llama.cpp's refused ``n`` > 1
   until late 2025, and since then ``n`` above its ``--parallel`` slots): a task's ``n``
-  above it is asked in several requests at once, the k-th (from 0) with the lease's seed + k.
+  above it is asked in several requests at once, the one from choice i on (from 0) with the
+  lease's seed + i (vLLM seeds a request's i-th choice with its seed + i: the parts give the
+  samples one request of ``n`` would).
 """
 
 from __future__ import annotations
@@ -165,19 +167,25 @@ class OpenAIBackend:
         if most is None or n <= most:
             return await self._complete(task, seed)
         # In parts of at most max_n choices, asked at once; one failing fails (and stops) all.
-        sizes = [min(most, n - start) for start in range(0, n, most)]
+        # The part from choice ``start`` on is seeded seed + start: vLLM samples the i-th choice
+        # of a request seeded s with seed s + i, so the parts draw seed .. seed + n - 1, the
+        # samples one request of n would give (parts seeded seed + k overlapped: two of a task's
+        # samples were the same one).
+        starts = range(0, n, most)
         try:
             async with asyncio.TaskGroup() as group:
                 parts = [
                     group.create_task(
                         self._complete(
                             task.model_copy(
-                                update={"sampling": task.sampling.model_copy(update={"n": size})}
+                                update={
+                                    "sampling": task.sampling.model_copy(update={"n": min(most, n - start)})
+                                }
                             ),
-                            seed + k,
+                            seed + start,
                         )
                     )
-                    for k, size in enumerate(sizes)
+                    for start in starts
                 ]
         except ExceptionGroup as failed:
             raise failed.exceptions[0] from None  # the BackendError itself, for the release
