@@ -115,7 +115,8 @@ class Scorer:
         self, reward_function: str, completions: Sequence[str], spec: Mapping[str, Any]
     ) -> Scores:
         """Each completion's reward and canonical answer; ``Unscorable`` past the limits. Any
-        other error of the reward function is raised as it is. A scoring process that dies (the
+        other error the reward function raises is ``RewardFunctionFailed``; one of its lookup (not
+        installed) is raised as it is. A scoring process that dies (the
         kernel's OOM killer, an operator's kill) is replaced and the result scored once more: a
         result is unscorable only if its process dies ``DEATHS_ALLOWED`` times, as one whose
         scoring crashes the process would."""
