@@ -139,6 +139,36 @@ def test_a_worker_that_was_killed_leaves_no_clock_offset_series_behind(tmp_path:
     assert len(series) == 1 and f'pid="{gone}"' not in series[0], series
 
 
+def test_scrapes_of_two_workers_forgetting_the_same_ended_process_both_answer(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The workers of one container share its PROMETHEUS_MULTIPROC_DIR, and each scrape forgets
+    the files of processes that are gone. Two scrapes at once (two Prometheus servers, or one and
+    an operator's curl, served by two workers) both find a killed worker's file, and the second
+    to remove it raised FileNotFoundError out of render(): that scrape was a 500. A file another
+    scrape removed first is forgotten already."""
+    import os
+    import subprocess
+    import sys
+
+    ended = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    pid = int(ended.stdout)
+    for mode in ("liveall", "livemax"):
+        (tmp_path / f"gauge_{mode}_{pid}.db").write_bytes(b"")
+    remove = os.remove
+
+    def other_scrape_first(path: Any, *args: Any, **kwargs: Any) -> None:
+        if os.path.exists(path):
+            remove(path)  # the other worker's scrape, between this one's glob and its remove
+        remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "remove", other_scrape_first)
+    metrics._forget_ended_processes(str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
 async def test_metrics_still_serve_the_request_counters_while_the_database_is_down(
     settings: Any, clock: Any
 ) -> None:

@@ -6,6 +6,7 @@ them (prometheus_client's multiprocess mode); otherwise each process reports its
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import threading
@@ -221,7 +222,10 @@ def _forget_ended_processes(directory: str) -> None:
         except ValueError:
             continue
         except ProcessLookupError:
-            multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+            # As ``mark_process_dead`` would, one file at a time: the container's other workers
+            # scrape too, and one of them may have removed it since the glob.
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
         except PermissionError:
             continue  # someone else's process: alive
 
