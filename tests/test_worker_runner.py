@@ -155,6 +155,36 @@ async def test_a_backend_sends_its_proof_and_claimed_reward_with_the_result(
         assert {r["claimed_reward"] for r in sent} == {1.0}
 
 
+class OwnScaleBackend(ArithmeticBackend):
+    """The arithmetic policy, claiming a reward on a scale of its own (a format penalty of -1)."""
+
+    name = "own_scale"
+
+    async def generate(self, task: LeasedTask, seed: int, policy: PolicyRef) -> Generation:
+        return Generation(await super().generate(task, seed, policy), claimed_reward=-0.5)
+
+
+async def test_a_claimed_reward_outside_0_1_is_the_backends_failure_not_sent_as_fraud(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server judges a claimed reward outside [0, 1] fraud (claim_out_of_bounds: the stake
+    slashed, the rewards on hold forfeited, a strike). A backend's claim on a scale of its own
+    (a shaped reward with a format penalty below 0) was sent as it was, and the honest node
+    slashed for right answers; it is the backend's failure, as samples that make no valid
+    result are: the lease is released with the error, nothing sent."""
+    monkeypatch.setitem(registry.BUILT_IN, "own_scale", lambda options: OwnScaleBackend())
+    async with pool_setup(app, app_state, economics=ECON, stake=1000) as s:
+        await s.enqueue(arithmetic_tasks(1, seed=22))
+        run = start(app, s.pool_id, backend="own_scale", concurrency=1)
+        await run.until(lambda st: st.released > 0 or st.submitted > 0)
+        stats = await run.finish()
+        await drain(app_state)
+        r = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/verdicts", headers=s.headers)
+        assert r.status_code == 200, r.text
+        assert [(v["category"], v["reason"]) for v in r.json()["items"]] == []
+        assert (stats.submitted, stats.released) == (0, 1), stats
+
+
 async def test_wrong_answers_are_rejected_and_earn_nothing(app: Any, app_state: Any) -> None:
     async with pool_setup(app, app_state, economics=ECON) as s:
         await s.enqueue(arithmetic_tasks(3, seed=4))

@@ -499,6 +499,13 @@ class _Worker:
                     f"backend {self.backend.name} made {len(made.samples)} samples, "
                     f"{lease.task.sampling.n} asked"
                 )
+            claimed = made.claimed_reward
+            if claimed is not None and not 0.0 <= claimed <= 1.0:
+                # The server judges a claim outside [0, 1] fraud (claim_out_of_bounds): a
+                # backend's reward on a scale of its own must not get an honest node slashed.
+                raise BackendError(
+                    f"backend {self.backend.name} claimed a reward of {claimed!r:.40}, outside [0, 1]"
+                )
             # Samples (or a proof, a claimed reward) that do not make a valid result (wrong
             # types, negative counts, a proof too large, ...) are the backend's failure too.
             result = ResultIn(

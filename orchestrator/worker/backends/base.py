@@ -25,8 +25,9 @@ class Generation:
     """A backend's samples with what the result may carry besides them: ``proof``, the raw
     bytes of a proof of the generation (sent as the result's base64 ``proof``; at most
     ``api_schemas.tasks.MAX_PROOF_BYTES``), and ``claimed_reward``, the mean reward over the
-    samples by the backend's own grading (the server recomputes it; a claim above the server's
-    is fraud)."""
+    samples by the backend's own grading, in [0, 1] (the server recomputes it; a claim above the
+    server's is fraud; the worker sends none outside [0, 1], which the server judges fraud too,
+    and releases the lease as the backend's failure instead)."""
 
     samples: list[Sample]
     proof: bytes | None = None
