@@ -116,7 +116,7 @@ def test_workers_slow_to_start_are_not_killed_as_hung(tmp_path: Path) -> None:
         ORCH_REDIS__URL=REDIS_URL or "",
         ORCH_REDIS__PREFIX=f"t{uuid.uuid4().hex[:12]}:",
         ORCH_SERVER__BACKGROUND_LOOPS="false",
-        ORCH_LOG_LEVEL="WARNING",
+        ORCH_LOG_LEVEL="INFO",  # uvicorn says a worker "died" at INFO
         PYTHONPATH=os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])]),
     )
     log = tmp_path / "serve.log"
