@@ -17,6 +17,7 @@ from orchestrator.app import create_app
 from orchestrator.core.clock import FakeClock
 from orchestrator.core.hotstore import HotStoreFull, MemoryHotStore
 from orchestrator.core.signing import sign_headers
+from orchestrator.liveness.serving import mark_serving
 from orchestrator.settings import Settings
 from tests.conftest import new_contributor, problem
 
@@ -115,6 +116,13 @@ async def test_a_full_store_refuses_new_signed_requests_with_503_until_nonces_ex
         # A replay is still refused as one, and unsigned routes are unaffected.
         problem(await client.get("/v1/nodes/me", headers=sent[0]), 401, "nonce_replayed")
         assert (await client.get("/v1/pools")).status_code == 200
+        # Full, it takes no beats: it is not ready, and writes no serving mark, so the sweeper
+        # holds instead of marking dead the nodes whose beats it refuses (it said "ok" and marked).
+        ready = await client.get("/readyz")
+        assert ready.status_code == 503 and ready.json()["checks"]["hot_store"] == "unavailable: full"
+        assert not await mark_serving(app.state.orch)
         # Once the nonces have expired (2 x window + 1 s), signed requests go through again.
         mono.t += settings.signature.effective_nonce_ttl_s
+        assert await mark_serving(app.state.orch)
+        assert (await client.get("/readyz")).status_code == 200
         assert (await client.get("/v1/nodes/me", headers=sent[-1])).status_code == 200

@@ -48,8 +48,9 @@ async def readyz(state: State) -> JSONResponse:
     checks: dict[str, str] = {}
     for name, probe in (("database", _check_db(state)), ("hot_store", state.hot_store.ping())):
         try:
-            await asyncio.wait_for(probe, timeout=3)
-            checks[name] = "ok"
+            # False: the in-process hot store, full, refuses every new signed request.
+            answered = await asyncio.wait_for(probe, timeout=3)
+            checks[name] = "unavailable: full" if answered is False else "ok"
         except Exception as exc:
             checks[name] = f"unavailable: {type(exc).__name__}"
     ready = all(v == "ok" for v in checks.values())

@@ -299,12 +299,20 @@ class _ExpiringMap(Generic[V]):
 
     def live(self, key: str, now: float) -> tuple[V, float] | None:
         """The value and expiry of ``key``, after dropping every entry expired by ``now``."""
+        self._drop_expired(now)
+        return self._values.get(key)
+
+    def full(self, now: float) -> bool:
+        """Whether a new entry would be refused now."""
+        self._drop_expired(now)
+        return len(self._values) >= self.max_keys
+
+    def _drop_expired(self, now: float) -> None:
         while self._expiries and self._expiries[0][0] <= now:
             expired_at, old = heapq.heappop(self._expiries)
             entry = self._values.get(old)
             if entry is not None and entry[1] == expired_at:
                 del self._values[old]
-        return self._values.get(key)
 
     def add(self, key: str, value: V, expires_at: float, now: float) -> None:
         """Add ``key``, which ``live`` just found absent."""
@@ -337,7 +345,11 @@ class MemoryHotStore:
         self._counters: _ExpiringMap[int] = _ExpiringMap("rate-limit counters", max_keys)
 
     async def ping(self) -> bool:
-        return True
+        """False while the nonces or the rate-limit counters are at their limit: every new signed
+        request is refused then (``hot_store_full``), heartbeats too, so the service takes no
+        beats, as when Redis refuses writes (the serving marks stop and the sweeper holds)."""
+        now = self._monotonic()
+        return not (self._nonces.full(now) or self._counters.full(now))
 
     async def claim_nonce(self, keyid: str, nonce: str, ttl_s: int) -> bool:
         now = self._monotonic()
