@@ -174,3 +174,17 @@ async def test_a_task_asked_in_parts_gets_the_samples_one_request_would_give() -
     assert [s.completion for s in in_parts] == [s.completion for s in one_request]
     assert len({s.completion for s in in_parts}) == 5
     assert sorted((r["n"], r["seed"]) for r in server.requests[1:]) == [(1, 15), (2, 11), (2, 13)]
+
+
+async def test_a_retry_after_of_zero_is_not_a_tight_loop_against_the_inference_server() -> None:
+    # A proxy answering 503 with "Retry-After: 0" while the model loads: the backend waited 0 s
+    # between tries: requests as fast as the server answered them, for the whole retry_s.
+    faults = [("status", 503, {"Retry-After": "0"}, {"error": "loading"})] * 10_000
+    with fake_vllm(plan=faults) as server:
+        backend = OpenAIBackend(server.url, "m", timeout_s=30, retry_s=1.0)
+        try:
+            with pytest.raises(BackendError, match="unavailable for 1 s"):
+                await asyncio.wait_for(backend.generate(leased(1), 1, POLICY), HANG_S)
+        finally:
+            await backend.aclose()
+        assert len(server.requests) <= 4, len(server.requests)

@@ -235,10 +235,11 @@ class OpenAIBackend:
 
 
 def _wait(state: RetryCallState) -> float:
-    """The server's ``Retry-After`` (capped), else exponential backoff with full jitter."""
+    """The server's ``Retry-After`` (at least ``BACKOFF_BASE_S``: a proxy's ``0`` made a tight
+    loop of requests; at most ``RETRY_AFTER_CAP_S``), else exponential backoff with full jitter."""
     exc = state.outcome.exception() if state.outcome is not None else None
     if isinstance(exc, _Unavailable) and exc.retry_after is not None:
-        return min(exc.retry_after, RETRY_AFTER_CAP_S)
+        return min(max(exc.retry_after, BACKOFF_BASE_S), RETRY_AFTER_CAP_S)
     ceiling = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** min(state.attempt_number - 1, 32))
     return random.uniform(0, ceiling)  # noqa: S311 - jitter, not a secret
 
