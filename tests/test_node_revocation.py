@@ -19,12 +19,13 @@ from orchestrator.core.clock import FakeClock
 from orchestrator.core.keys import generate_key, key_id_of
 from orchestrator.identity import revocation
 from orchestrator.identity.models import Node
-from orchestrator.ledger.models import LedgerTransfer, StakeUnbonding
+from orchestrator.ledger.models import StakeUnbonding
 from orchestrator.tasks.models import Assignment, Submission
 from orchestrator.worker.client import WorkerClient
 from tests.conftest import Contributor, new_contributor, postgres_only, problem
 from tests.pools_helpers import active_pool, join
 from tests.tasks_helpers import Worker, pool_setup, task
+from tests.test_ban_ejects import audit, statuses, transfers
 from tests.test_verification import one_lease
 from tests.verification_helpers import balances, books_balance, submit, verdicts, verify_all
 from tests.waits import until_waiting
@@ -50,27 +51,10 @@ async def revoke(client: httpx.AsyncClient, c: Contributor, node_id: str, **body
     return await client.post(revoke_url(node_id), json=body or None, auth=c.provider_auth)
 
 
-async def audit(s: Any, action: str) -> list[dict[str, Any]]:
-    r = await s.admin.get("/v1/admin/audit", params={"limit": 200}, headers=s.admin_headers)
-    assert r.status_code == 200, r.text
-    return [e for e in r.json()["items"] if e["action"] == action]
-
-
-async def statuses(s: Any, pool_id: str) -> dict[str, str]:
-    r = await s.admin.get(f"/v1/admin/pools/{pool_id}/members", headers=s.admin_headers)
-    assert r.status_code == 200, r.text
-    return {m["node_id"]: m["status"] for m in r.json()["items"]}
-
-
 async def admin_view(s: Any, node_id: str) -> dict[str, Any]:
     r = await s.admin.get(f"/v1/admin/nodes/{node_id}", headers=s.admin_headers)
     assert r.status_code == 200, r.text
     return dict(r.json())
-
-
-async def transfers(app_state: Any) -> int:
-    async with app_state.sessionmaker() as session:
-        return int(await session.scalar(select(func.count()).select_from(LedgerTransfer)) or 0)
 
 
 async def test_a_revoked_node_is_banned_ejected_and_its_leases_go_back_to_the_pool_at_once(
