@@ -29,7 +29,7 @@ from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import Session, State
 from orchestrator.identity import repository as repo
 from orchestrator.identity.models import NODE_STATUSES, Node
-from orchestrator.identity.service import node_out
+from orchestrator.identity.service import node_out, nodes_page
 from orchestrator.liveness.serving import leases_caught_up
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute)
@@ -50,13 +50,9 @@ async def list_nodes(
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
 ) -> Page[NodeOut]:
     scope = CursorScope("admin.nodes", status=status, provider_id=provider_id)
-    nodes = await repo.list_nodes(
-        session, status=status, provider_id=provider_id, after=scope.decode(cursor), limit=limit + 1
+    return await nodes_page(
+        session, state, scope, status=status, provider_id=provider_id, cursor=cursor, limit=limit
     )
-    more = len(nodes) > limit
-    nodes = nodes[:limit]
-    items = [await node_out(state, n) for n in nodes]
-    return Page[NodeOut](items=items, next_cursor=scope.encode(nodes[-1].id) if more else None)
 
 
 @router.get("/nodes/{node_id}", response_model=NodeDetailOut, summary="One node with its status history")

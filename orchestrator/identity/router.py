@@ -18,7 +18,6 @@ from api_schemas.identity import (
 from orchestrator.core.pagination import CursorScope
 from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import Session, State
-from orchestrator.identity import repository as repo
 from orchestrator.identity import revocation, service
 from orchestrator.identity.auth import (
     CurrentNode,
@@ -106,13 +105,9 @@ async def my_nodes(
     limit: Annotated[int, Query(ge=1, le=500, description="Page size")] = 100,
 ) -> Page[NodeOut]:
     scope = CursorScope("providers.me.nodes", provider_id=provider.id, status=status)
-    nodes = await repo.list_nodes(
-        session, status=status, provider_id=provider.id, after=scope.decode(cursor), limit=limit + 1
+    return await service.nodes_page(
+        session, state, scope, status=status, provider_id=provider.id, cursor=cursor, limit=limit
     )
-    more = len(nodes) > limit
-    nodes = nodes[:limit]
-    items = [await service.node_out(state, n) for n in nodes]
-    return Page[NodeOut](items=items, next_cursor=scope.encode(nodes[-1].id) if more else None)
 
 
 @router.post(

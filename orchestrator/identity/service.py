@@ -7,9 +7,11 @@ import ipaddress
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_object_session
 
+from api_schemas.common import Page
 from api_schemas.identity import NodeMembership, NodeOut, NodeRegister, NodeSpecs, ProviderOut
 from orchestrator.core.errors import Conflict, Forbidden, NotFound, UnprocessableEntity
 from orchestrator.core.keys import verify_attestation
+from orchestrator.core.pagination import CursorScope
 from orchestrator.core.state import AppState
 from orchestrator.identity import repository as repo
 from orchestrator.identity.models import Node, NodeStatus, Provider
@@ -45,6 +47,27 @@ async def node_out(state: AppState, node: Node) -> NodeOut:
         memberships=[NodeMembership(pool_id=p, status=s) for p, s in memberships],
         revoked_at=node.revoked_at,
     )
+
+
+async def nodes_page(
+    session: AsyncSession,
+    state: AppState,
+    scope: CursorScope,
+    *,
+    status: str | None,
+    provider_id: str | None,
+    cursor: str | None,
+    limit: int,
+) -> Page[NodeOut]:
+    """One page of nodes by id (``status``, ``provider_id``: only those), each as ``node_out``
+    gives it: the admin's node list and a provider's list of its own nodes."""
+    nodes = await repo.list_nodes(
+        session, status=status, provider_id=provider_id, after=scope.decode(cursor), limit=limit + 1
+    )
+    more = len(nodes) > limit
+    nodes = nodes[:limit]
+    items = [await node_out(state, n) for n in nodes]
+    return Page[NodeOut](items=items, next_cursor=scope.encode(nodes[-1].id) if more else None)
 
 
 def revoked_key() -> Forbidden:
