@@ -40,6 +40,24 @@ async def transfers(app_state: Any) -> int:
         return int(await session.scalar(select(func.count()).select_from(LedgerTransfer)) or 0)
 
 
+async def assert_taken_out(
+    s: Any, app_state: Any, client: Any, clock: FakeClock, node: Any, bystander: Any, lease: dict[str, Any]
+) -> None:
+    """What a ban (or a revocation) does to the node's lease and stake: the lease is released and
+    its task reissued at once to ``bystander``; the active membership's stake (1000) unbonds over
+    the pool's day, the pending join's (500) is back at once."""
+    async with app_state.sessionmaker() as session:
+        assignment = await session.get(Assignment, lease["assignment_id"])
+        assert assignment is not None and assignment.status == "released"
+        [unbonding] = list((await session.execute(select(StakeUnbonding))).scalars())
+    again = (await bystander.claim(s.pool_id)).json()["leases"]
+    assert [await s.task_of(x) for x in again] == [await s.task_of(lease)]
+    b = await balances(client, node)
+    assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (0, 1000, 500)
+    assert (unbonding.amount, unbonding.provider_id) == (1000, node.contributor.provider_id)
+    assert unbonding.release_at == clock.utcnow() + dt.timedelta(seconds=86_400)
+
+
 async def test_a_ban_ejects_the_node_from_its_pools_releases_its_leases_and_unbonds_its_stake(
     app: Any, app_state: Any, client: Any, clock: FakeClock
 ) -> None:
@@ -64,18 +82,7 @@ async def test_a_ban_ejects_the_node_from_its_pools_releases_its_leases_and_unbo
         # Memberships ended as ejections; the bystander is untouched.
         assert await statuses(s, s.pool_id) == {banned.node_id: "ejected", bystander.node_id: "active"}
         assert await statuses(s, other["id"]) == {banned.node_id: "ejected"}
-        # The lease is released and its task reissued at once.
-        async with app_state.sessionmaker() as session:
-            assignment = await session.get(Assignment, lease["assignment_id"])
-            assert assignment is not None and assignment.status == "released"
-            [unbonding] = list((await session.execute(select(StakeUnbonding))).scalars())
-        again = (await bystander.claim(s.pool_id)).json()["leases"]
-        assert [await s.task_of(x) for x in again] == [await s.task_of(lease)]
-        # Active stake unbonds over the pool's period; the pending join's stake is back at once.
-        b = await balances(client, banned)
-        assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (0, 1000, 500)
-        assert (unbonding.amount, unbonding.provider_id) == (1000, banned.contributor.provider_id)
-        assert unbonding.release_at == clock.utcnow() + dt.timedelta(seconds=86_400)
+        await assert_taken_out(s, app_state, client, clock, banned, bystander, lease)
         # Audited as the ejections they are, by the admin who banned, and on the ban itself.
         [ban_entry] = await audit(s, "node.ban")
         assert ban_entry["after"]["ejected_from"] == sorted([s.pool_id, other["id"]])

@@ -19,13 +19,12 @@ from orchestrator.core.clock import FakeClock
 from orchestrator.core.keys import generate_key, key_id_of
 from orchestrator.identity import revocation
 from orchestrator.identity.models import Node
-from orchestrator.ledger.models import StakeUnbonding
 from orchestrator.tasks.models import Assignment, Submission
 from orchestrator.worker.client import WorkerClient
 from tests.conftest import Contributor, new_contributor, postgres_only, problem
 from tests.pools_helpers import active_pool, join
 from tests.tasks_helpers import Worker, pool_setup, task
-from tests.test_ban_ejects import audit, statuses, transfers
+from tests.test_ban_ejects import assert_taken_out, audit, statuses, transfers
 from tests.test_verification import one_lease
 from tests.verification_helpers import balances, books_balance, submit, verdicts, verify_all
 from tests.waits import until_waiting
@@ -92,18 +91,9 @@ async def test_a_revoked_node_is_banned_ejected_and_its_leases_go_back_to_the_po
             await stolen.client.get("/v1/nodes/me", auth=stolen.contributor.node_auth), 403, "node_banned"
         )
         problem(await join(stolen.client, stolen.contributor, s.pool_id), 403, "node_banned")
-        # Its lease was released, and its task is reissued to another node at once.
-        async with app_state.sessionmaker() as session:
-            assignment = await session.get(Assignment, lease["assignment_id"])
-            assert assignment is not None and assignment.status == "released"
-            [unbonding] = list((await session.execute(select(StakeUnbonding))).scalars())
-        again = (await bystander.claim(s.pool_id)).json()["leases"]
-        assert [await s.task_of(x) for x in again] == [await s.task_of(lease)]
-        # The active membership's stake unbonds over the pool's period; the pending one's is back.
-        b = await balances(client, stolen)
-        assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (0, 1000, 500)
-        assert (unbonding.provider_id, unbonding.amount) == (stolen.contributor.provider_id, 1000)
-        assert unbonding.release_at == clock.utcnow() + dt.timedelta(seconds=86_400)
+        # Its lease was released and its task reissued to another node at once; the active
+        # membership's stake unbonds over the pool's period, the pending one's is back.
+        await assert_taken_out(s, app_state, client, clock, stolen, bystander, lease)
         assert await statuses(s, s.pool_id) == {stolen.node_id: "ejected", bystander.node_id: "active"}
 
         # The hot store forgot the node; its views keep its last beat and show the revocation.
