@@ -681,6 +681,20 @@ def list_tokens_cmd() -> None:
     wide_console().print(table)
 
 
+async def _token_id_of(session: AsyncSession, token: str) -> str | None:
+    """The id a token command was given (tok_...), or that of the token whose secret it was given
+    (orch_...: a leaked secret whose id is not known); None for a secret no token has."""
+    from sqlalchemy import select
+
+    from orchestrator.admin.models import ApiToken
+    from orchestrator.admin.tokens import TOKEN_PREFIX, hash_token
+
+    if not token.startswith(TOKEN_PREFIX):
+        return token
+    found = await session.scalar(select(ApiToken.id).where(ApiToken.token_hash == hash_token(token)))
+    return str(found) if found is not None else None
+
+
 @admin_app.command("revoke-token")
 def revoke_token_cmd(
     token: Annotated[
@@ -692,22 +706,16 @@ def revoke_token_cmd(
     ],
 ) -> None:
     """Revoke an API token at once and for good (every request with it is then 401)."""
-    from sqlalchemy import select
-
-    from orchestrator.admin.models import ApiToken
-    from orchestrator.admin.tokens import TOKEN_PREFIX, hash_token, revoke_token
+    from orchestrator.admin.tokens import TOKEN_PREFIX, revoke_token
 
     by_secret = token.startswith(TOKEN_PREFIX)
     # A secret is never printed back: it is named by its id once found, else as "this secret".
     named = "with this secret" if by_secret else token
 
     async def work(session: AsyncSession) -> tuple[str | None, Any]:
-        token_id = token
-        if by_secret:
-            found = await session.scalar(select(ApiToken.id).where(ApiToken.token_hash == hash_token(token)))
-            if found is None:
-                return None, None
-            token_id = found
+        token_id = await _token_id_of(session, token)
+        if token_id is None:
+            return None, None
         row, revoked_now = await revoke_token(session, token_id)
         if row is not None and revoked_now:
             await _audit_token(session, "token.revoke", row)
@@ -736,10 +744,8 @@ def rotate_token_cmd(
 ) -> None:
     """Give an API token a new secret and print it once: the token keeps its id, role, scope and
     the pools it owns, and its old secret is refused at once (a leaked secret, a rotation policy)."""
-    from sqlalchemy import select
 
-    from orchestrator.admin.models import ApiToken
-    from orchestrator.admin.tokens import KEEP_EXPIRY, TOKEN_PREFIX, hash_token, rotate_token
+    from orchestrator.admin.tokens import KEEP_EXPIRY, TOKEN_PREFIX, rotate_token
     from orchestrator.core.db import utcnow
 
     if no_expiry and expires_in_days is not None:
@@ -748,11 +754,7 @@ def rotate_token_cmd(
     named = "with this secret" if by_secret else token
 
     async def work(session: AsyncSession) -> tuple[str, str, Any] | None:
-        token_id: str | None = token
-        if by_secret:
-            token_id = await session.scalar(
-                select(ApiToken.id).where(ApiToken.token_hash == hash_token(token))
-            )
+        token_id = await _token_id_of(session, token)
         if token_id is None:
             return None
         now = utcnow()
