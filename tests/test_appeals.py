@@ -499,6 +499,34 @@ async def test_an_appeal_does_not_lift_an_operators_ejection(app: Any, app_state
     await books_balance(app_state)
 
 
+async def test_an_appeal_does_not_reinstate_a_node_its_provider_revoked(app: Any, app_state: Any) -> None:
+    """The verifier ejected the node, then its provider revoked the key (the machine was stolen).
+    The appeal of the fraud verdict gives back the strike and the stake, but the membership stays
+    ejected: the node is banned for good and may never join again, so calling it reinstated
+    (``left``, audited ``membership.reinstate``) was untrue."""
+    async with pool_setup(app, app_state, workers=1, economics=EJECT_AT_1, stake=2000) as s:
+        w = s.workers[0]
+        await forged(s, w)
+        await verify_all(app_state)
+        [f] = await frauds_of(s, w)
+        r = await w.client.post(
+            f"/v1/providers/me/nodes/{w.node_id}/revoke",
+            json={"reason": "stolen"},
+            auth=w.contributor.provider_auth,
+        )
+        assert r.status_code == 200, r.text
+
+        r = await reverse(s, f["id"], "seed bug on our side")
+        assert r.status_code == 200 and r.json()["membership_status"] == "ejected", r.text
+        assert (await track_record(s, w))["strikes"] == 0
+        assert await audit_of(s, "membership.reinstate") == []
+        r = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/members", headers=s.headers)
+        assert r.status_code == 200, r.text
+        [member] = [m for m in r.json()["items"] if m["node_id"] == w.node_id]
+        assert member["status"] == "ejected"
+    await books_balance(app_state)
+
+
 async def test_an_appeal_lifts_the_verifiers_provider_ban_but_not_an_operators_blacklist(
     app: Any, app_state: Any
 ) -> None:

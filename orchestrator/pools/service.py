@@ -1105,9 +1105,13 @@ async def lift_fraud_ejection(
     """After an appeal brought the node's strikes below the pool's limit: a locked membership
     the verifier ejected becomes ``left``, as an unban's does (``lift_ban_ejections``), so the
     node may join again (a new episode, with new stake). Ejections by an operator or a ban stay
-    as they are. Audited as ``membership.reinstate`` by ``principal`` (the appeal's). Returns
-    whether it was lifted."""
+    as they are, and so does the ejection of a node its provider revoked (banned for good: it
+    never joins again). Audited as ``membership.reinstate`` by ``principal`` (the appeal's).
+    Returns whether it was lifted."""
     if m.status != MembershipStatus.ejected.value or m.ejected_by != EJECTED_BY_VERIFIER:
+        return False
+    node = await session.get(Node, m.node_id)
+    if node is not None and node.revoked_at is not None:
         return False
     await _reinstate(session, principal, m, reason, now=now)
     await session.flush()
