@@ -224,6 +224,16 @@ class VerifierSettings(BaseModel):
             "it the scoring process is killed and the result is inconclusive (reward_unscorable)."
         ),
     )
+    reward_retry_s: float = Field(
+        default=3600,
+        ge=0,
+        le=7 * 86_400,
+        description=(
+            "How long after a result arrived the verifier keeps trying it again while its reward "
+            "function raises RewardUnavailable (a service it needs is down), at every tick; past "
+            "it the result is inconclusive (reward_unavailable). 0: inconclusive at once."
+        ),
+    )
     reward_memory_mb: int = Field(
         default=1024,
         ge=256,

@@ -79,6 +79,23 @@ class Raises:
 
 
 @dataclass(frozen=True)
+class Sandbox:
+    """A plugin that needs a service (a code sandbox): down while the file ``spec['down']``
+    exists, when it raises ``RewardUnavailable``; then full reward for the spec's answer on
+    the last line."""
+
+    name: str = "sandbox"
+
+    def canonical(self, completion: str) -> str:
+        return completion.strip().splitlines()[-1]
+
+    def reward(self, completion: str, spec: Mapping[str, Any]) -> float | None:
+        if Path(spec["down"]).exists():
+            raise rewards.RewardUnavailable("sandbox: connection refused")
+        return 1.0 if self.canonical(completion) == str(spec["answer"]) else 0.0
+
+
+@dataclass(frozen=True)
 class Partial:
     """A plugin that checks some samples only: nothing to check for a completion whose last line
     begins with "?", else full reward for the spec's answer on the last line."""
@@ -105,6 +122,7 @@ def plugin_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
     (info / "entry_points.txt").write_text(
         f"[{rewards.ENTRY_POINT_GROUP}]\nshort_answer = {__name__}:ShortAnswer\nbroken = {__name__}:Broken\n"
         f"dies = {__name__}:Dies\nraises = {__name__}:Raises\npartial = {__name__}:Partial\n"
+        f"sandbox = {__name__}:Sandbox\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     rewards._plugins.cache_clear()
@@ -237,6 +255,58 @@ async def test_a_reward_function_that_raises_makes_the_result_inconclusive(
         ]
         [odd] = [v for v in vs if v["category"] == "inconclusive"]
         assert "'raises' raised IndexError" in odd["details"]["findings"][0]["detail"]
+
+
+async def test_a_result_whose_reward_function_is_unavailable_is_tried_again_until_reward_retry_s(
+    plugin_installed: None, app: Any, app_state: Any, tmp_path: Path
+) -> None:
+    """A reward function whose sandbox is down raises ``RewardUnavailable``: the result waits
+    for a later tick (no verdict), and is paid once the sandbox is back. Before, any exception
+    made it inconclusive at once, so an honest node lost its reward to the operator's outage.
+    One still unavailable ``reward_retry_s`` (3600 s by default) after it arrived is
+    inconclusive (``reward_unavailable``: no reward, no penalty)."""
+    from tests.tasks_helpers import pool_setup
+    from tests.verification_helpers import FixedDraw, submit, verdicts, verify_all
+
+    app_state.rng = FixedDraw(1.0)
+    assert app_state.settings.verifier.reward_retry_s == 3600
+    down = tmp_path / "down"
+    down.write_text("")
+    econ = {"reward_per_sample": 7, "soft_invalid_penalty": 5}
+    async with pool_setup(app, app_state, workers=1, reward_function="sandbox", economics=econ) as s:
+        task = {
+            "prompt": "print(7)",
+            "sampling": {"max_tokens": 8},
+            "verification": {"answer": "7", "down": str(down)},
+        }
+        await s.enqueue([task, {**task, "prompt": "print(3 + 4)"}])
+        first, second = (await s.workers[0].claim(s.pool_id, max_tasks=2)).json()["leases"]
+        await submit(s.workers[0], first, ["7"])
+        await verify_all(app_state)
+        await verify_all(app_state)
+        assert await verdicts(s.admin, s.headers, s.pool_id) == []
+
+        down.unlink()  # the sandbox is back
+        await verify_all(app_state)
+        [paid] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (paid["category"], paid["reward_amount"]) == ("valid", 7)
+
+        down.write_text("")  # down again, for longer than the operator allows
+        await submit(s.workers[0], second, ["7"])
+        await verify_all(app_state)
+        assert len(await verdicts(s.admin, s.headers, s.pool_id)) == 1
+        app_state.clock.advance(3600)
+        await verify_all(app_state)
+        vs = await verdicts(s.admin, s.headers, s.pool_id)
+        assert len(vs) == 2
+        [late] = [v for v in vs if v["id"] != paid["id"]]
+        assert (late["category"], late["reason"], late["reward_amount"], late["slashed_amount"]) == (
+            "inconclusive",
+            "reward_unavailable",
+            0,
+            0,
+        )
+        assert "sandbox: connection refused" in late["details"]["findings"][0]["detail"]
 
 
 async def test_a_result_scored_in_part_pays_its_right_and_unscored_samples_not_its_wrong_ones(

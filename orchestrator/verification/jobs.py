@@ -125,6 +125,7 @@ async def verify_batches(state: AppState, *, budget_s: float) -> int:
     size = state.settings.verifier.batch_size
     secret = state.settings.seed_key
     scorer = scorer_for(state.settings.verifier)
+    retry_s = state.settings.verifier.reward_retry_s
     deadline = state.clock.monotonic() + budget_s
     partitions: list[int | None] = [None]  # SQLite: one writer, one backlog
     if state.engine.dialect.name == "postgresql":
@@ -147,7 +148,14 @@ async def verify_batches(state: AppState, *, budget_s: float) -> int:
         while True:
             prescored = None
             if partition is None:  # SQLite: score with no transaction (the write lock) open
-                prescored = await service.prescore(state.sessionmaker, scorer, limit=size, after_id=after)
+                prescored = await service.prescore(
+                    state.sessionmaker,
+                    scorer,
+                    limit=size,
+                    after_id=after,
+                    now=state.clock.utcnow(),
+                    reward_retry_s=retry_s,
+                )
                 if not prescored.attempted:
                     break
             async with state.sessionmaker() as session, session.begin():
@@ -161,6 +169,7 @@ async def verify_batches(state: AppState, *, budget_s: float) -> int:
                     after_id=after,
                     partition=partition,
                     prescored=prescored,
+                    reward_retry_s=retry_s,
                 )
             total += batch.processed
             after = batch.last_id

@@ -9,6 +9,12 @@ non-empty line, equals ``spec["answer"]``, both normalised) and ``math`` (final-
 equivalence of LaTeX / boxed answers with the ``math-verify`` package). Others are plugins:
 an installed package declares an entry point in the group ``orchestrator.rewards`` whose
 object is a ``RewardFunction``.
+
+A reward function that needs a service which is down for a while (a code-execution sandbox,
+say) raises ``RewardUnavailable``: the verifier tries the result again at later ticks, for up to
+``ORCH_VERIFIER__REWARD_RETRY_S`` after the result arrived, and only then judges it
+``inconclusive`` (``reward_unavailable``). Any other exception is the function's bug, the same
+at every try: the result is ``inconclusive`` (``reward_invalid``) at once.
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ _BOXED_OPEN = re.compile(r"\\boxed\{")
 # A gold answer already in math mode; any other (``\sqrt{2}``, ``2\sqrt{2}``, ``0.5``) is
 # wrapped in ``$...$``: math-verify reads bare LaTeX as nothing, or as its leading number only.
 _MATH_MODE = ("$", "\\(", "\\[", "\\boxed")
+
+
+class RewardUnavailable(Exception):
+    """Raised by a reward function that cannot score now but may later (a service it calls is
+    down): the result is tried again later, up to ``reward_retry_s`` after it arrived."""
 
 
 class RewardFunction(Protocol):

@@ -65,6 +65,10 @@ def _score(reward_function: str, completions: Sequence[str], spec: Mapping[str, 
         return [fn.reward(c, spec) for c in completions], [fn.canonical(c) for c in completions]
     except MemoryError:
         raise  # its memory cap: Unscorable
+    except rewards.RewardUnavailable as exc:  # tried again later; a plain copy crosses processes
+        raise rewards.RewardUnavailable(
+            f"reward function {reward_function!r} is unavailable: {exc}"[:500]
+        ) from None
     except Exception as exc:
         raise RewardFunctionFailed(
             f"reward function {reward_function!r} raised {type(exc).__name__}: {exc}"[:500]
@@ -115,8 +119,9 @@ class Scorer:
         self, reward_function: str, completions: Sequence[str], spec: Mapping[str, Any]
     ) -> Scores:
         """Each completion's reward and canonical answer; ``Unscorable`` past the limits. Any
-        other error the reward function raises is ``RewardFunctionFailed``; one of its lookup (not
-        installed) is raised as it is. A scoring process that dies (the
+        other error the reward function raises is ``RewardFunctionFailed``, except
+        ``RewardUnavailable`` (try later); one of its lookup (not installed) is raised as it is.
+        A scoring process that dies (the
         kernel's OOM killer, an operator's kill) is replaced and the result scored once more: a
         result is unscorable only if its process dies ``DEATHS_ALLOWED`` times, as one whose
         scoring crashes the process would."""

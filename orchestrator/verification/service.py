@@ -94,6 +94,7 @@ from orchestrator.verification.models import (
     Verdict,
     VerificationJob,
 )
+from orchestrator.verification.rewards import RewardUnavailable
 from orchestrator.verification.scoring import RewardFunctionFailed, Scorer, Unscorable
 
 log = structlog.get_logger(__name__)
@@ -204,6 +205,7 @@ async def process_pending(
     after_id: int = 0,
     partition: int | None = None,
     prescored: Prescored | None = None,
+    reward_retry_s: float = 0.0,
 ) -> Batch:
     """Run the cheap checks of up to ``limit`` waiting jobs with ids above ``after_id``, in the
     caller's transaction (one small batch: its verdicts are visible when it commits).
@@ -213,7 +215,9 @@ async def process_pending(
     moves money through the partition's system accounts. Without (SQLite, one writer) the jobs
     are the oldest of all. The reward functions run before any other lock is taken; then the
     batch's locks are taken up front (``lock_for_verdicts``, and its replicated tasks, so that
-    two verifiers never both leave a quorum for the other to decide)."""
+    two verifiers never both leave a quorum for the other to decide). A result whose reward
+    function is unavailable (``RewardUnavailable``) is left for a later batch until
+    ``reward_retry_s`` after it arrived."""
     stmt = _waiting(after_id, limit)
     if partition is not None:
         lock = func.pg_try_advisory_xact_lock(VERIFIER_LOCK, partition)
@@ -229,11 +233,12 @@ async def process_pending(
     # The session's identity map holds its rows weakly: ``loaded`` keeps the batch's rows in it
     # until the batch ends, so that the per-job ``session.get`` calls find them there.
     submissions, loaded = await _load(session, jobs)
+    retry = Retry(now, reward_retry_s)
     if prescored is None:
-        scored = await _score_all(session, jobs, scorer)
+        scored = await _score_all(session, jobs, scorer, retry)
     else:  # jobs scored before this transaction; any other (none, with one writer) scored now
         rest = [j for j in jobs if j.id not in prescored.attempted]
-        scored = {**prescored.scored, **await _score_all(session, rest, scorer)}
+        scored = {**prescored.scored, **await _score_all(session, rest, scorer, retry)}
     await lock_for_verdicts(session, submissions)
     loaded += await _lock_replicated_tasks(session, {j.task_id for j in jobs})
     # A rolled-back savepoint expires the rows it changed (a failed job, and the siblings its
@@ -292,6 +297,19 @@ class ScoreInput:
     result: dict[str, Any]
     reward_function: str
     spec: dict[str, Any]
+    received_at: dt.datetime
+
+
+@dataclass(frozen=True)
+class Retry:
+    """How long a result whose reward function raised ``RewardUnavailable`` is tried again:
+    until ``reward_retry_s`` after it arrived, counted at ``now``."""
+
+    now: dt.datetime
+    reward_retry_s: float
+
+    def wanted(self, given: ScoreInput) -> bool:
+        return (self.now - given.received_at).total_seconds() < self.reward_retry_s
 
 
 async def score_input(session: AsyncSession, job: VerificationJob) -> ScoreInput:
@@ -302,20 +320,34 @@ async def score_input(session: AsyncSession, job: VerificationJob) -> ScoreInput
     assert task is not None
     assert pool is not None
     return ScoreInput(
-        job.id, submission.id, json.loads(submission.body), pool.reward_function, task.verification or {}
+        job.id,
+        submission.id,
+        json.loads(submission.body),
+        pool.reward_function,
+        task.verification or {},
+        submission.received_at,
     )
 
 
-async def score_result(given: ScoreInput, scorer: Scorer) -> Scored:
+async def score_result(given: ScoreInput, scorer: Scorer, retry: Retry | None = None) -> Scored:
     """A result through its pool's reward function, in a scoring process (no database): a result
-    it cannot score within the limits has no rewards and an ``inconclusive`` finding."""
+    it cannot score within the limits has no rewards and an ``inconclusive`` finding. One whose
+    reward function is unavailable raises ``RewardUnavailable`` while ``retry`` wants it tried
+    again; past that it is inconclusive too."""
     completions = [s.get("completion") or "" for s in given.result.get("samples", [])]
+    n = len(completions)
     try:
         per_sample, canonical = await scorer.score(given.reward_function, completions, given.spec)
     except Unscorable as exc:
-        n = len(completions)
         unscorable = checks.Finding("reward_unscorable", "inconclusive", str(exc))
         return Scored(given.result, [None] * n, [""] * n, unscorable)
+    except RewardUnavailable as exc:
+        if retry is not None and retry.wanted(given):
+            raise
+        # Down for longer than the operator allowed: the worker is not at fault either.
+        log.error("reward_function_unavailable", job_id=given.job_id, detail=str(exc))
+        finding = checks.Finding("reward_unavailable", "inconclusive", str(exc))
+        return Scored(given.result, [None] * n, [""] * n, finding)
     except RewardFunctionFailed as exc:
         invalid: str | None = str(exc)
     else:
@@ -323,7 +355,6 @@ async def score_result(given: ScoreInput, scorer: Scorer) -> Scored:
     if invalid is not None:
         # The operator's reward function is at fault, not the worker: no reward, no penalty.
         log.error("reward_function_invalid", job_id=given.job_id, detail=invalid)
-        n = len(completions)
         finding = checks.Finding("reward_invalid", "inconclusive", invalid)
         return Scored(given.result, [None] * n, [""] * n, finding)
     return Scored(given.result, per_sample, canonical)
@@ -367,16 +398,24 @@ async def _inputs(session: AsyncSession, jobs: list[VerificationJob]) -> list[Sc
     return inputs
 
 
-async def _score_inputs(inputs: list[ScoreInput], scorer: Scorer) -> dict[int, Scored]:
+async def _score_inputs(inputs: list[ScoreInput], scorer: Scorer, retry: Retry) -> dict[int, Scored]:
     """Every result through its pool's reward function at once: the scoring processes
     (``reward_processes``) take them in parallel, each within its own time limit (counted from
     when a process takes it). A job whose scoring failed otherwise (its reward function is not
-    installed in this process, say) is logged and left for a later tick; one whose reward
-    function raised is judged inconclusive (``score_result``)."""
-    outcomes = await asyncio.gather(*(score_result(i, scorer) for i in inputs), return_exceptions=True)
+    installed in this process, or is unavailable within ``retry``) is logged and left for a
+    later tick; one whose reward function raised is judged inconclusive (``score_result``)."""
+    outcomes = await asyncio.gather(*(score_result(i, scorer, retry) for i in inputs), return_exceptions=True)
     scored: dict[int, Scored] = {}
     for given, outcome in zip(inputs, outcomes, strict=True):
-        if isinstance(outcome, Exception):
+        if isinstance(outcome, RewardUnavailable):
+            log.warning(
+                "reward_function_unavailable",
+                job_id=given.job_id,
+                submission_id=given.submission_id,
+                detail=str(outcome),
+                retrying=True,
+            )
+        elif isinstance(outcome, Exception):
             log.error(
                 "verification_failed",
                 job_id=given.job_id,
@@ -390,8 +429,10 @@ async def _score_inputs(inputs: list[ScoreInput], scorer: Scorer) -> dict[int, S
     return scored
 
 
-async def _score_all(session: AsyncSession, jobs: list[VerificationJob], scorer: Scorer) -> dict[int, Scored]:
-    return await _score_inputs(await _inputs(session, jobs), scorer)
+async def _score_all(
+    session: AsyncSession, jobs: list[VerificationJob], scorer: Scorer, retry: Retry
+) -> dict[int, Scored]:
+    return await _score_inputs(await _inputs(session, jobs), scorer, retry)
 
 
 @dataclass(frozen=True)
@@ -404,7 +445,13 @@ class Prescored:
 
 
 async def prescore(
-    sessionmaker: async_sessionmaker[AsyncSession], scorer: Scorer, *, limit: int, after_id: int
+    sessionmaker: async_sessionmaker[AsyncSession],
+    scorer: Scorer,
+    *,
+    limit: int,
+    after_id: int,
+    now: dt.datetime,
+    reward_retry_s: float = 0.0,
 ) -> Prescored:
     """SQLite: score the next batch's results with no transaction open. Every SQLite transaction
     holds the database's one write lock (``BEGIN IMMEDIATE``), so a batch that scored inside its
@@ -413,7 +460,8 @@ async def prescore(
     async with sessionmaker() as session, session.begin():
         jobs = list((await session.execute(_waiting(after_id, limit))).scalars())
         inputs = await _inputs(session, jobs)
-    return Prescored(frozenset(j.id for j in jobs), await _score_inputs(inputs, scorer))
+    scored = await _score_inputs(inputs, scorer, Retry(now, reward_retry_s))
+    return Prescored(frozenset(j.id for j in jobs), scored)
 
 
 def _waiting(after_id: int, limit: int) -> Select[VerificationJob]:
