@@ -76,10 +76,15 @@ class IterationIn(StrictModel):
 
 class IterationProgress(BaseModel):
     problems: int
-    problems_done: int = Field(description="Problems whose task is finished (every result has a verdict)")
+    problems_done: int = Field(
+        description="Problems whose task is finished (every result has a verdict); of an expired "
+        "iteration, as it expired: every result with a verdict it counts (decided by the deadline)"
+    )
     samples_requested: int = Field(description="problems x samples_per_problem")
     results_received: int = Field(description="Signed results submitted for the iteration's tasks")
-    results_verified: int = Field(description="Of those, the ones with a verdict")
+    results_verified: int = Field(
+        description="Of those, the ones with a verdict (of an expired iteration, one it counts)"
+    )
 
 
 class IterationOut(BaseModel):
@@ -103,7 +108,10 @@ class IterationOut(BaseModel):
 class ProblemReport(BaseModel):
     problem_id: str
     task_id: int
-    task_status: str
+    task_status: str = Field(
+        description="The task's status now: of an expired iteration, a task whose result was "
+        "judged after the expiry still becomes `completed`, though nothing of it counts"
+    )
     verified_samples: int = Field(
         description="Samples the server checked with the iteration's policy: accepted results, and "
         "results rejected only because no sample was right"
@@ -132,7 +140,7 @@ class ProblemReport(BaseModel):
 
 class ReportTotals(BaseModel):
     problems: int
-    problems_done: int
+    problems_done: int = Field(description="As the iteration's progress counts it")
     problems_solved: int = Field(description="Problems with at least one correct sample")
     verified_samples: int
     correct_samples: int

@@ -310,7 +310,6 @@ async def test_a_verdict_written_after_the_iteration_expired_does_not_change_its
 
         async def counted() -> tuple[str, dict[str, Any]]:
             totals = (await report(s, it["id"]))["totals"]
-            del totals["problems_done"]  # its task's progress: finished once the verdict is in
             return await dataset(s, it["id"]), totals
 
         before = await counted()
@@ -319,6 +318,37 @@ async def test_a_verdict_written_after_the_iteration_expired_does_not_change_its
         batch_began = deadline - dt.timedelta(seconds=5)
         await accept_in_transaction(app_state, submitted["submission_id"], samples=4, now=batch_began)
         assert await counted() == before
+
+
+async def test_an_expired_iterations_progress_and_totals_do_not_move_with_late_verdicts(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """An expired iteration's problems_done counted tasks finished now: a result still waiting
+    for its verdict at the expiry finished its task when the verdict came, and the counter (and
+    results_verified) moved on an iteration whose report and dataset no longer count it."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        deadline = clock.utcnow() + dt.timedelta(seconds=60)
+        it = await create(s, problems=("p1", "p2", "p3"), deadline_at=deadline.isoformat())
+        w = s.workers[0]
+        leases = await claim_all(w, s.pool_id, 2)  # p3 is never claimed: cancelled at the expiry
+        await submit(w, leases["p1"], ["4", "4", "4", "1"])
+        await verify_all(app_state)
+        await submit(w, leases["p2"], ["6", "6", "6", "6"])  # its verdict comes after the expiry
+        clock.advance(61)
+
+        expired = await get(s, it["id"])
+        assert expired["status"] == "expired"
+        progress = {"problems": 3, "problems_done": 2, "samples_requested": 12, "results_received": 2}
+        assert expired["progress"] == {**progress, "results_verified": 1}
+        first = await report(s, it["id"])
+        assert first["totals"]["problems_done"] == 2
+
+        await verify_all(app_state)  # p2's task completes now, past the deadline and the expiry
+        later = await get(s, it["id"])
+        assert later["progress"] == expired["progress"]
+        again = await report(s, it["id"])
+        assert again["totals"] == first["totals"]
+        assert [p["task_status"] for p in again["problems"]] == ["completed", "completed", "cancelled"]
 
 
 @postgres_only

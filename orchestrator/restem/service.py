@@ -25,6 +25,10 @@ Counting a result's samples:
   written after the iteration expired (its ``verdict_bound``) -> ``discarded``; no verdict yet
   -> pending (expired iterations: discarded, since that verdict will be written after it).
 
+A problem is done when its task is finished and each of its results has a verdict that counts:
+of an expired iteration, one within its cutoff, so that a verdict written late, which completes
+the task, does not move ``problems_done`` (nor ``results_verified``) after the expiry.
+
 A sample is correct when its server reward is 1 (ReST^EM's binary reward). The dataset keeps,
 per problem, the K correct samples with the smallest SHA-256 of
 ``"{iteration_id}:{submission_id}:{sample_index}"``: the same samples on every read, and no
@@ -43,7 +47,7 @@ from typing import Any, cast
 
 import anyio
 import structlog
-from sqlalchemy import Row, and_, exists, func, insert, or_, select
+from sqlalchemy import ColumnElement, Row, and_, exists, func, insert, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -357,18 +361,26 @@ async def newest_first(
 
 
 async def progress(session: AsyncSession, iteration: RestemIteration) -> IterationProgress:
+    """Counts of an expired iteration stand as they were when it expired: a verdict its cutoff
+    leaves out (decided after the deadline, or written after the expiry) is not counted, nor does
+    it make its problem done when it finishes the task late."""
+    counts = _counted_verdict(_cutoff(iteration))
+    settled = ~exists().where(
+        Submission.task_id == Task.id,
+        ~exists().where(Verdict.submission_id == Submission.id, *counts),
+    )
     done = await session.scalar(
         select(func.count())
         .select_from(RestemProblem)
         .join(Task, Task.id == RestemProblem.task_id)
-        .where(RestemProblem.iteration_id == iteration.id, Task.status.in_(FINISHED_TASK))
+        .where(RestemProblem.iteration_id == iteration.id, Task.status.in_(FINISHED_TASK), settled)
     )
     received, verified = (
         await session.execute(
             select(func.count(Submission.id), func.count(Verdict.id))
             .select_from(RestemProblem)
             .join(Submission, Submission.task_id == RestemProblem.task_id)
-            .outerjoin(Verdict, Verdict.submission_id == Submission.id)
+            .outerjoin(Verdict, and_(Verdict.submission_id == Submission.id, *counts))
             .where(RestemProblem.iteration_id == iteration.id)
         )
     ).one()
@@ -410,6 +422,16 @@ def _cutoff(iteration: RestemIteration) -> Cutoff | None:
     return Cutoff(iteration.finished_at, iteration.verdict_bound)
 
 
+def _counted_verdict(cutoff: Cutoff | None) -> list[ColumnElement[bool]]:
+    """The conditions on a ``Verdict`` row that ``cutoff`` counts (none: every verdict counts)."""
+    if cutoff is None:
+        return []
+    conditions = [Verdict.decided_at <= cutoff.decided_by]
+    if cutoff.bound is not None:
+        conditions.append(Verdict.id <= cutoff.bound)
+    return conditions
+
+
 def _checked(details: dict[str, Any] | None, server_reward: float | None, n: int) -> int:
     """How many of an accepted result's n samples have a server reward. A verification spec that
     gives the reward function nothing to check against (no ``answer``, say) leaves them without
@@ -441,6 +463,12 @@ class ProblemTally:
     unchecked: int = 0
     pending: int = 0
     pruned_correct: int = 0  # correct, but their result's evidence was pruned: not in the dataset
+    settled: bool = True  # every result has a verdict that counts (expired: by the cutoff)
+
+    @property
+    def done(self) -> bool:
+        """Its task finished and every result judged (``progress``'s ``problems_done``)."""
+        return self.settled and self.task_status in FINISHED_TASK
 
 
 async def tally(session: AsyncSession, iteration: RestemIteration) -> list[ProblemTally]:
@@ -479,6 +507,8 @@ async def tally(session: AsyncSession, iteration: RestemIteration) -> list[Probl
         if r.submission_id is None:
             continue
         late = cutoff is not None and cutoff.excludes(r.verdict_id, r.decided_at)
+        if r.outcome is None or late:
+            p.settled = False
         if r.outcome is None and not late:
             p.pending += 1
         elif r.policy_step != iteration.policy_step:
@@ -685,7 +715,7 @@ async def report(session: AsyncSession, iteration: RestemIteration) -> Iteration
     correct = sum(p.correct for p in problems)
     totals = ReportTotals(
         problems=len(rows),
-        problems_done=sum(1 for p in problems if p.task_status in FINISHED_TASK),
+        problems_done=sum(1 for p in problems if p.done),
         problems_solved=sum(1 for p in problems if p.correct > 0),
         verified_samples=verified,
         correct_samples=correct,
