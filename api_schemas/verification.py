@@ -44,8 +44,9 @@ class VerdictOut(BaseModel):
         default=None,
         description="An accepted verdict withdrawn by a fraud verdict (its id) against the same node, "
         "decided within this one's hold window: its reward is forfeited and its rollout is no longer "
-        "in the trainer feed, its export or ReST^EM datasets. Null again if that verdict is reversed "
-        "on appeal",
+        "in the trainer feed, its export or ReST^EM datasets and solve rates. A verdict rejected as "
+        "`wrong_answer` is withdrawn the same way, from ReST^EM solve rates. Null again if that "
+        "verdict is reversed on appeal",
     )
 
 

@@ -213,7 +213,9 @@ async def test_results_already_received_are_penalised_and_held_by_the_terms_they
         hours = [dt.timedelta(hours=h) for h in (1, 2)]
         assert decided == {
             await s.task_of(honest): ("verified", 7, 0, hours[0]),
-            await s.task_of(wrong): ("wrong_answer", 0, 3, None),  # 3 of the honest reward
+            # 3 of the honest reward; held by the hold it came in under, as a fraud verdict's
+            # window over the solve rates counts it (ReST^EM)
+            await s.task_of(wrong): ("wrong_answer", 0, 3, hours[0]),
             await s.task_of(forged): ("reward_forged", 0, 200 + 4, None),  # the stake, the rest held
             await s.task_of(after): ("verified", 7, 0, hours[1]),
         }

@@ -520,6 +520,63 @@ async def test_a_fraud_verdict_against_the_node_withdraws_its_samples_until_appe
         assert (p1["verified_samples"], p1["discarded_samples"]) == (4, 0)
 
 
+async def test_a_fraud_verdict_takes_the_nodes_wrong_answers_out_of_the_solve_rate_too(
+    app: Any, app_state: Any
+) -> None:
+    """A fraud verdict withdrew only the node's accepted results: its results rejected as wrong
+    answers in the same window still counted as verified attempts, so a cheater's wrong answers
+    kept dragging the solve rate down."""
+    async with pool_setup(app, app_state, workers=2, economics=ECON, stake=1000) as s:
+        it = await create(s, problems=("p1", "p2"), keep_correct=10)
+        cheat, honest = s.workers
+        await submit(cheat, (await claim_all(cheat, s.pool_id, 1))["p1"], ["1", "2", "3", "5"])
+        await submit(honest, (await claim_all(honest, s.pool_id, 1))["p2"], ["6", "6", "1", "6"])
+        await verify_all(app_state)
+
+        async def rates() -> dict[str, tuple[int, int, float | None, int]]:
+            rep = await report(s, it["id"])
+            t = rep["totals"]
+            rates = {
+                p["problem_id"]: (
+                    p["verified_samples"],
+                    p["correct_samples"],
+                    p["solve_rate"],
+                    p["discarded_samples"],
+                )
+                for p in rep["problems"]
+            }
+            return {
+                **rates,
+                "totals": (
+                    t["verified_samples"],
+                    t["correct_samples"],
+                    t["solve_rate"],
+                    t["discarded_samples"],
+                ),
+            }
+
+        counted = {"p1": (4, 0, 0.0, 0), "p2": (4, 3, 0.75, 0), "totals": (8, 3, 3 / 8, 0)}
+        assert await rates() == counted
+        assert (await s.enqueue([task(verification={"answer": "4"})], key="other")).status_code == 201
+        [forged] = (await cheat.claim(s.pool_id)).json()["leases"]
+        await submit(cheat, forged, ["5"], claimed_reward=1.0)  # fraud, on a task outside the iteration
+        await verify_all(app_state)
+
+        withdrawn = {"p1": (0, 0, None, 4), "p2": (4, 3, 0.75, 0), "totals": (4, 3, 0.75, 4)}
+        assert await rates() == withdrawn
+        verdicts = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/verdicts", headers=s.headers)).json()
+        fraud, *earlier = verdicts["items"]
+        assert fraud["category"] == "fraud"
+        by_reason = {(v["node_id"], v["reason"]): v["withdrawn_by"] for v in earlier}
+        assert by_reason == {(cheat.node_id, "wrong_answer"): fraud["id"], (honest.node_id, "verified"): None}
+
+        r = await s.admin.post(
+            f"/v1/admin/verdicts/{fraud['id']}/reverse", json={"reason": "appeal"}, headers=s.admin_headers
+        )
+        assert r.status_code == 200, r.text
+        assert await rates() == counted
+
+
 async def test_the_report_counts_pruned_correct_samples_apart_and_its_dataset_size_stays_true(
     app: Any, app_state: Any, tmp_path: Path
 ) -> None:

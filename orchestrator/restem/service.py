@@ -70,7 +70,7 @@ from orchestrator.restem.models import RestemIteration, RestemProblem
 from orchestrator.tasks import service as tasks_service
 from orchestrator.tasks.models import Submission, Task
 from orchestrator.verification import rewards
-from orchestrator.verification.models import Verdict, withdrawn_by
+from orchestrator.verification.models import WRONG_ANSWER, Verdict, withdrawn_by
 
 log = structlog.get_logger(__name__)
 
@@ -523,7 +523,7 @@ async def tally(session: AsyncSession, iteration: RestemIteration) -> list[Probl
             p.correct += correct
             if r.evidence_pruned_at is not None:
                 p.pruned_correct += correct
-        elif r.reason == "wrong_answer":
+        elif r.reason == WRONG_ANSWER:
             p.verified += r.sample_count
         else:
             p.discarded += r.sample_count

@@ -85,15 +85,27 @@ class VerificationJob(Base):
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
+# A rejection that still counts as a verified attempt in ReST^EM's solve rates: the server
+# checked every sample and none was right. It has a hold window, as an accepted verdict has.
+WRONG_ANSWER = "wrong_answer"
+
+
+def has_window(outcome: str, reason: str) -> bool:
+    """Whether a verdict has a hold window (``Verdict.hold_until``): the ones that count."""
+    return outcome == "accepted" or reason == WRONG_ANSWER
+
+
 class Verdict(Base):
     """The decision on one submission. Never edited: an appeal adds a reversal.
 
     An accepted verdict's ``hold_until`` ends its hold window (its reward's ``release_at``; set
-    whether or not it earned a reward). A fraud verdict against the same node in the same pool,
+    whether or not it earned a reward); so does a rejected ``wrong_answer`` one's, decided by
+    the same terms (``has_window``). A fraud verdict against the same node in the same pool,
     decided after it and before that, withdraws it (``withdrawn_by``): the trainer feed, its
-    export and ReST^EM datasets leave it out, as the fraud verdict forfeits its reward. That is
-    read, not written (a ``RolloutChange`` notice tells trainers): reversing the fraud verdict
-    on appeal brings the rollout back."""
+    export and ReST^EM datasets leave an accepted one out, as the fraud verdict forfeits its
+    reward, and ReST^EM's solve rates leave out both (the cheater's right answers and its wrong
+    ones alike). That is read, not written (a ``RolloutChange`` notice tells trainers of the
+    accepted ones): reversing the fraud verdict on appeal brings them back."""
 
     __tablename__ = "verdicts"
     __table_args__ = (
@@ -132,7 +144,9 @@ class Verdict(Base):
     reversed_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
     reversal_reason: Mapped[str | None] = mapped_column(Text)
     hold_until: Mapped[dt.datetime | None] = mapped_column(
-        UTCDateTime(), doc="accepted: the end of its hold window (NULL: rejected, or decided before 0034)"
+        UTCDateTime(),
+        doc="accepted, or rejected as wrong_answer: the end of its hold window (NULL: any other "
+        "rejection, an accepted verdict decided before 0034, a wrong_answer one decided by older code)",
     )
 
 

@@ -86,6 +86,7 @@ from orchestrator.tasks.models import Assignment, Submission, Task, TaskReplica
 from orchestrator.tasks.seeds import derive_seed
 from orchestrator.verification import checks
 from orchestrator.verification.models import (
+    WRONG_ANSWER,
     NodeTrust,
     RewardForfeit,
     RewardHold,
@@ -93,6 +94,7 @@ from orchestrator.verification.models import (
     ValidationJob,
     Verdict,
     VerificationJob,
+    has_window,
 )
 from orchestrator.verification.rewards import RewardUnavailable
 from orchestrator.verification.scoring import RewardFunctionFailed, Scorer, Unscorable
@@ -720,7 +722,7 @@ def audit_probability(consecutive_valid: int, floor: float) -> float:
 
 def by_reward(checkable: bool, correct: int, details: dict[str, Any], verifier: str) -> Decision:
     if checkable and correct == 0:
-        return Decision("rejected", "invalid", "wrong_answer", verifier, details)
+        return Decision("rejected", "invalid", WRONG_ANSWER, verifier, details)
     return Decision("accepted", "valid", "verified", verifier, details, paid_samples=correct)
 
 
@@ -1074,7 +1076,7 @@ async def decide(
         # Its hold window: a fraud verdict against the node before then withdraws it (Verdict).
         hold_until=(
             now + dt.timedelta(seconds=_or(submission.reward_hold_s, pool.reward_hold_s))
-            if decision.outcome == "accepted"
+            if has_window(decision.outcome, decision.reason)
             else None
         ),
     )
