@@ -731,6 +731,49 @@ async def test_a_pending_rejoin_withdrawn_before_the_verdict_does_not_escape_the
         await books_balance(app_state)
 
 
+async def test_a_slash_takes_what_the_latest_episode_lacks_from_the_earlier_ones_still_unbonding(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    """The slash of an ended membership took from one episode's unbonding only, its latest with
+    stake left: a node that left, joined again and left again, and whose second fraud verdict
+    found that episode's unbonding partly slashed already, was slashed less than the pool's
+    fraud_slash_amount while its first episode's stake was still unbonding."""
+    econ = {**ECON, "fraud_slash_amount": 600, "unbonding_period_s": 86_400}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=2000) as s:
+        w = s.workers[0]
+        pool_url = f"/v1/pools/{s.pool_id}"
+        for episode in (1, 2):  # a forged result in each episode, judged once both have ended
+            if episode == 2:
+                r = await w.client.post(f"{pool_url}/join", json={}, auth=w.contributor.node_auth)
+                assert r.status_code == 201 and r.json()["episode"] == 2, r.text
+            await submit(w, await one_lease(s, w), ["5"], claimed_reward=1.0)
+            r = await w.client.post(f"{pool_url}/leave", json={}, auth=w.contributor.node_auth)
+            assert r.status_code == 200, r.text
+            clock.advance(60)
+        b = await balances(client, w)
+        assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (0, 2000, 0)
+
+        await verify_all(app_state)
+        first, second = sorted(await verdicts(s.admin, s.headers, s.pool_id), key=lambda v: v["id"])
+        assert [(v["category"], v["slashed_amount"]) for v in (first, second)] == [("fraud", 600)] * 2
+        b = await balances(client, w)
+        assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (0, 800, 0)
+        await books_balance(app_state)
+
+        # The appeal of the second gives back what it took, free at once; the rest unbonds.
+        r = await s.admin.post(
+            f"/v1/admin/verdicts/{second['id']}/reverse", json={"reason": "bug"}, headers=s.admin_headers
+        )
+        assert r.status_code == 200, r.text
+        b = await balances(client, w)
+        assert (b["stake_unbonding"], b["stake_free"]) == (800, 600)
+        clock.advance(86_401)
+        await stake_release_once(app_state)
+        b = await balances(client, w)
+        assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (0, 0, 1400)
+        await books_balance(app_state)
+
+
 async def test_an_appeal_gives_back_stake_slashed_while_it_was_unbonding(
     app: Any, app_state: Any, client: Any, clock: FakeClock
 ) -> None:

@@ -515,18 +515,25 @@ async def slash_unbonding(
     memo: str | None = None,
     reference: tuple[str, str] | None = None,
 ) -> int:
-    """Slash up to ``amount`` of the stake still unbonding from one of the unbondings that the
-    transfers keyed ``start_keys`` started (``stake_unbonding -> credit``): the first of them, in
-    that order, that is not yet due. The unbonding period is when stake that left a pool can
-    still be slashed, whatever happened since (a membership that left, joined again and ended
-    again has an unbonding per episode; looking at its latest episode alone let a pending join
-    withdrawn at once, which unbonds nothing, hide the earlier one). The unbonding keeps the
-    rest, released when due; one slashed wholly is marked released (nothing is left to
-    release). Returns the amount slashed: 0 if there is no such unbonding, they are due or
-    released, or the release job holds them right now (taken ``SKIP LOCKED``: the release job
-    locks unbondings before their accounts, so a caller holding the accounts must not wait)."""
+    """Slash up to ``amount`` of the stake still unbonding from the unbondings that the
+    transfers keyed ``start_keys`` started (``stake_unbonding -> credit``, one transfer): from
+    the first of them, in that order, that is not yet due, and what it lacks from the next, and
+    so on. The unbonding period is when stake that left a pool can still be slashed, whatever
+    happened since (a membership that left, joined again and ended again has an unbonding per
+    episode, every one of them slashable until it is due: looking at its latest episode alone
+    let a pending join withdrawn at once, which unbonds nothing, hide the earlier one, and
+    taking from one episode only let an earlier slash that had left little of the latest one
+    spare the others). Each unbonding keeps the rest, released when due; one slashed wholly is
+    marked released (nothing is left to release). Returns the amount slashed: 0 if there is no
+    such unbonding, they are due or released, or the release job holds them right now (taken
+    ``SKIP LOCKED``: the release job locks unbondings before their accounts, so a caller holding
+    the accounts must not wait). Once per ``key``: again, it returns what the first call took
+    and changes nothing."""
     if not start_keys:
         return 0
+    done = await _existing(session, key)
+    if done is not None:
+        return done.amount
     order = {k: i for i, k in enumerate(start_keys)}
     starts = (
         await session.execute(
@@ -553,15 +560,24 @@ async def slash_unbonding(
             )
         ).scalars()
     )
-    if not candidates:
+    takes: list[tuple[StakeUnbonding, int]] = []
+    left = amount
+    for unbonding in sorted(candidates, key=lambda u: rank[u.start_transfer_id]):
+        if left <= 0:
+            break
+        take = min(left, unbonding.amount)
+        takes.append((unbonding, take))
+        left -= take
+    total = amount - left
+    if total <= 0:
         return 0
-    unbonding = min(candidates, key=lambda u: rank[u.start_transfer_id])
-    take = min(amount, unbonding.amount)
+    provider_ids = {u.provider_id for u, _ in takes}
+    assert len(provider_ids) == 1, "one membership's unbondings are of one provider"
     result = await transfer(
         session,
-        debit=provider_account(unbonding.provider_id, ProviderAccount.stake_unbonding),
+        debit=provider_account(provider_ids.pop(), ProviderAccount.stake_unbonding),
         credit=credit,
-        amount=take,
+        amount=total,
         key=key,
         reason="slash_stake",
         actor=actor,
@@ -569,10 +585,11 @@ async def slash_unbonding(
         reference=reference,
     )
     if result.created:
-        if take == unbonding.amount:
-            unbonding.released = True
-        else:
-            unbonding.amount -= take
+        for unbonding, take in takes:
+            if take == unbonding.amount:
+                unbonding.released = True
+            else:
+                unbonding.amount -= take
         await session.flush()
     return result.transfer.amount
 
