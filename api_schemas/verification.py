@@ -35,7 +35,17 @@ class VerdictOut(BaseModel):
     verifier: str = Field(description="checks | reward | quorum | validator")
     details: dict[str, Any]
     server_reward: float | None
-    reward_amount: int
+    reward_amount: int = Field(
+        description="What the verdict credited when it was decided: an accepted result's reward "
+        "(taken back if the verdict is reversed); 0 for a rejection"
+    )
+    reward_paid_on_appeal: int = Field(
+        default=0,
+        description="A fraud or invalid verdict reversed on appeal: the reward the appeal paid, what an "
+        "acceptance would have (the rate recorded with the result x the samples its checks found right "
+        "or could not score), held for the pool's reward_hold_s from the appeal like any reward; 0 "
+        "otherwise (an inconclusive verdict's appeal pays nothing)",
+    )
     slashed_amount: int
     decided_at: dt.datetime
     reversed_at: dt.datetime | None

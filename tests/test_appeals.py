@@ -16,13 +16,15 @@ from orchestrator.core.clock import FakeClock
 from orchestrator.ledger.models import LedgerAccount
 from orchestrator.payouts.service import request_withdrawal
 from orchestrator.verification import service
-from orchestrator.verification.jobs import release_once
+from orchestrator.verification.jobs import RELEASE_INTERVAL_S, release_once
 from orchestrator.verification.models import RewardHold, Verdict
 from tests.conftest import postgres_only, problem
 from tests.tasks_helpers import pool_setup
+from tests.test_queue_metrics import scrape, value
 from tests.test_reward_holds import hold_statuses
 from tests.test_verification import ECON, one_lease
 from tests.verification_helpers import (
+    answer_body,
     balances,
     books_balance,
     pending_matches_holds,
@@ -344,8 +346,12 @@ async def test_a_reversed_inconclusive_verdict_no_longer_counts_in_the_track_rec
         v = (await verdicts(s.admin, s.headers, s.pool_id))[-1]
         assert (v["category"], v["reason"]) == ("inconclusive", "task_abandoned")
         assert await track_record(s, w) == record(1, 1, 0, 0)
-        assert (await reverse(s, v["id"])).status_code == 200
+        r = await reverse(s, v["id"])
+        assert r.status_code == 200
         assert await track_record(s, w) == record(1, 0, 0, 1)
+        # Nothing was judged against the node and nobody judged its answer right: not paid.
+        assert r.json()["reward_paid_on_appeal"] == 0
+        assert await pool_money(s) == (7, 0)
 
 
 async def test_the_pools_slashed_total_leaves_out_a_forfeit_given_back_by_the_rewards_appeal(
@@ -644,3 +650,156 @@ async def test_an_operators_ejection_of_a_node_the_verifier_ejected_is_theirs_an
         assert await audit_of(s, "membership.reinstate") == []
         problem(await join(s, w), 403, "node_ejected")
     await books_balance(app_state)
+
+
+# ------------------------------------------------------------------ rejections reversed are paid
+
+
+async def provider_balance(w: Any) -> dict[str, int]:
+    """The provider's balances as it reads them itself (signed: the clock must not have moved)."""
+    r = await w.client.get("/v1/providers/me/balance", auth=w.contributor.provider_auth)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+async def rejected_right(s: Any, w: Any, app_state: Any, category: str) -> dict[str, Any]:
+    """A result of three samples, two of them right (the answer is 4), rejected all the same:
+    as fraud for an echoed seed that is not the lease's, or as invalid for a finish reason the
+    checks do not take (a sample cut at its length before max_tokens). An acceptance of it would
+    have paid its 2 right samples, 14."""
+    lease = await one_lease(s, w, n=3)
+    wrong: dict[str, Any] = {"seed": lease["seed"] + 1}
+    if category == "invalid":
+        samples = answer_body(lease, ["4", "5", "4"])["samples"]
+        samples[1]["finish_reason"] = "length"  # with fewer tokens than max_tokens
+        wrong = {"samples": samples}
+    await submit(w, lease, ["4", "5", "4"], **wrong)
+    await verify_all(app_state)
+    v = (await verdicts(s.admin, s.headers, s.pool_id))[-1]
+    assert (v["outcome"], v["category"], v["reward_amount"]) == ("rejected", category, 0)
+    return v
+
+
+@pytest.mark.parametrize("category", ["fraud", "invalid"])
+async def test_a_rejection_reversed_on_appeal_pays_the_reward_its_result_was_due_once(
+    app: Any, app_state: Any, client: Any, clock: FakeClock, category: str
+) -> None:
+    """A right answer wrongly rejected: the appeal gives the stake back (fraud) and pays what an
+    acceptance would have: 7 for each right sample (2 of 3), into pending, held for the pool's
+    reward_hold_s and then claimable, as an accepted result's reward. Before, the node got its
+    stake back but never its pay. Reversing it again pays nothing more."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        v = await rejected_right(s, w, app_state, category)
+        b = await provider_balance(w)
+        assert (b["rewards_pending"], b["stake_locked"]) == (0, 800 if category == "fraud" else 1000)
+        before = await scrape(client)
+        r = await reverse(s, v["id"])
+        assert r.status_code == 200, r.text
+        assert r.json()["reward_paid_on_appeal"] == 14
+        assert r.json()["reward_amount"] == 0  # what the verdict credited when it was decided
+        b = await provider_balance(w)
+        assert (b["rewards_pending"], b["rewards_claimable"], b["stake_locked"]) == (14, 0, 1000)
+        assert (await verdicts(s.admin, s.headers, s.pool_id))[-1]["reward_paid_on_appeal"] == 14
+        assert await pool_money(s) == (14, 0)
+        assert await hold_statuses(app_state) == {w.node_id: ["held"]}
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+        again = await reverse(s, v["id"], "appeal again")
+        assert again.status_code == 200 and again.json()["reward_paid_on_appeal"] == 14
+        b = await provider_balance(w)
+        assert (b["rewards_pending"], b["stake_locked"]) == (14, 1000)
+        paid = "orchestrator_rewards_paid_on_appeal_total"
+        assert value(await scrape(client), paid) - value(before, paid) == 14
+        async with app_state.sessionmaker() as session:
+            actions = (
+                await session.scalars(select(AuditEntry.after).where(AuditEntry.action == "verdict.reverse"))
+            ).all()
+        assert actions == [{"reversed": True, "reason": "appeal", "reward_paid_on_appeal": 14}]
+
+        clock.advance(3590)
+        assert await release_once(app_state) == 0  # held from the appeal for the pool's 3600 s
+        clock.advance(RELEASE_INTERVAL_S)  # the release's next tick
+        assert await release_once(app_state) == 1
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (0, 14)
+        assert await system(app_state) == {"deposits": -1000, "rewards": -14, "slashed": 0}
+        await books_balance(app_state)
+
+
+async def test_a_reward_paid_on_appeal_is_held_and_forfeited_by_a_later_fraud_verdict_as_any(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    """The reward an appeal pays is on hold as an accepted result's: a fraud verdict against the
+    node within its window forfeits it, and that verdict's own appeal gives it back."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        v = await rejected_right(s, w, app_state, "invalid")
+        assert (await reverse(s, v["id"])).status_code == 200
+        f = await fraud(s, w, app_state)
+        assert f["slashed_amount"] == 200 + 14
+        assert await hold_statuses(app_state) == {w.node_id: ["forfeited"]}
+        assert (await balances(client, w))["rewards_pending"] == 0
+        assert (await reverse(s, f["id"])).status_code == 200
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["stake_locked"]) == (14, 1000)
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+
+async def test_an_appeal_pays_by_the_rate_the_result_was_received_under_after_the_node_left(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    """The rate is the one recorded with the result (the operator raised it since), and a node
+    that left the pool is paid into its provider's pending rewards, as any reward after leaving."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        v = await rejected_right(s, w, app_state, "fraud")
+        r = await s.admin.patch(
+            f"/v1/admin/pools/{s.pool_id}", json={"economics": {"reward_per_sample": 100}}, headers=s.headers
+        )
+        assert r.status_code == 200, r.text
+        leave = f"/v1/pools/{s.pool_id}/leave"
+        assert (await w.client.post(leave, json={}, auth=w.contributor.node_auth)).status_code == 200
+        r = await reverse(s, v["id"])
+        assert r.status_code == 200, r.text
+        assert (r.json()["reward_paid_on_appeal"], r.json()["membership_status"]) == (14, "left")
+        b = await provider_balance(w)
+        assert (b["rewards_pending"], b["stake_locked"]) == (14, 0)
+        assert b["stake_unbonding"] + b["stake_free"] == 1000
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+
+async def test_an_appeal_pays_only_what_the_recorded_scores_say_was_right(app: Any, app_state: Any) -> None:
+    """A wrong answer (no sample right, as the checks recorded it: the appeal does not score it
+    again) is paid nothing on appeal: its appeal changes the track record only."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        bad = await wrong(s, w, app_state)
+        r = await reverse(s, bad["id"])
+        assert r.status_code == 200 and r.json()["reward_paid_on_appeal"] == 0
+        assert (await provider_balance(w))["rewards_pending"] == 0
+        assert await pool_money(s) == (0, 0)
+
+
+@postgres_only
+async def test_two_appeals_of_one_rejection_at_once_pay_its_reward_once(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        v = await rejected_right(s, w, app_state, "fraud")
+        async with app_state.sessionmaker() as session, session.begin():
+            await session.execute(select(Verdict).where(Verdict.id == v["id"]).with_for_update())
+            appeals = [asyncio.create_task(reverse(s, v["id"])) for _ in range(2)]
+            await until_waiting(app_state, 2, *appeals, on="row")
+        answers = [await a for a in appeals]
+        assert [a.status_code for a in answers] == [200, 200]
+        assert [a.json()["reward_paid_on_appeal"] for a in answers] == [14, 14]
+        b = await provider_balance(w)
+        assert (b["rewards_pending"], b["stake_locked"]) == (14, 1000)
+        assert await hold_statuses(app_state) == {w.node_id: ["held"]}
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)

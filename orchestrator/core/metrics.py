@@ -132,6 +132,12 @@ VERDICTS_REVERSED = Counter(
     "process that took the appeal): orchestrator_verdicts_total less these is what stands",
     ["outcome", "category"],
 )
+REWARDS_PAID_ON_APPEAL = Counter(
+    "orchestrator_rewards_paid_on_appeal_total",
+    "Rewards that appeals of fraud and invalid verdicts paid into providers' pending balances (what "
+    "an acceptance would have paid), in ledger units (counted by the API process that took the "
+    "appeal; not in orchestrator_rewards_credited_total)",
+)
 AUDITS_SKIPPED = Counter(
     "orchestrator_audits_skipped_total",
     "Results drawn for an audit but decided on their own checks (audit_skipped in the verdict's "

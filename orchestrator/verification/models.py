@@ -148,6 +148,12 @@ class Verdict(Base):
         doc="accepted, or rejected as wrong_answer: the end of its hold window (NULL: any other "
         "rejection, an accepted verdict decided before 0034, a wrong_answer one decided by older code)",
     )
+    reward_paid_on_appeal: Mapped[int] = mapped_column(
+        BigInteger,
+        default=0,
+        server_default="0",
+        doc="a fraud or invalid verdict reversed on appeal: the reward that paid (its RewardHold's amount)",
+    )
 
 
 def withdrawn_by() -> ScalarSelect[int]:
@@ -218,7 +224,9 @@ class RewardHold(Base):
     ``forfeited`` (all of it forfeited), ``released`` (the provider's part went to claimable),
     ``reversed`` (the rewarded verdict was reversed on appeal: the reward went back to the system).
     An appeal against a forfeiting verdict gives its forfeit back: a forfeited hold is ``held``
-    again, and released when due."""
+    again, and released when due. ``verdict_id`` is the accepted verdict that credited it, or a
+    fraud or invalid verdict whose appeal paid it (``Verdict.reward_paid_on_appeal``; reversed
+    already, it is never reversed again)."""
 
     __tablename__ = "reward_holds"
     __table_args__ = (

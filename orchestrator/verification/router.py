@@ -75,6 +75,7 @@ def verdict_out(v: Verdict, ref_key: bytes | None = None, withdrawn: int | None 
         details=v.details,
         server_reward=v.server_reward,
         reward_amount=v.reward_amount,
+        reward_paid_on_appeal=v.reward_paid_on_appeal,
         slashed_amount=v.slashed_amount,
         decided_at=v.decided_at,
         reversed_at=v.reversed_at,
@@ -237,7 +238,15 @@ async def reverse(
             target_id=str(verdict.id),
             pool_id=verdict.pool_id,
             before={"outcome": verdict.outcome, "category": verdict.category},
-            after={"reversed": True, "reason": body.reason},
+            after={
+                "reversed": True,
+                "reason": body.reason,
+                **(
+                    {"reward_paid_on_appeal": verdict.reward_paid_on_appeal}
+                    if verdict.reward_paid_on_appeal
+                    else {}
+                ),
+            },
         )
     withdrawn = await session.scalar(select(withdrawn_by()).where(Verdict.id == verdict.id))
     membership = await pools_repo.get_membership(session, verdict.pool_id, verdict.node_id)

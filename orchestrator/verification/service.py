@@ -47,6 +47,7 @@ import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import structlog
@@ -1527,6 +1528,12 @@ async def pool_stats(session: AsyncSession, pool_id: str) -> dict[str, Any]:
         .join(Verdict, Verdict.id == RewardForfeit.verdict_id)
         .where(Verdict.pool_id == pool_id, Verdict.reversed_at.is_(None), RewardForfeit.status == "returned")
     )
+    # What appeals of rejections paid (their verdicts are reversed, so not in ``rows``).
+    paid_on_appeal = await session.scalar(
+        select(func.coalesce(func.sum(Verdict.reward_paid_on_appeal), 0)).where(
+            Verdict.pool_id == pool_id, Verdict.reversed_at.is_not(None)
+        )
+    )
     counts = {c: int(n) for c, n, _, _ in rows}
     total = sum(counts.values())
     return {
@@ -1534,8 +1541,9 @@ async def pool_stats(session: AsyncSession, pool_id: str) -> dict[str, Any]:
         "by_category": counts,
         "acceptance_rate": counts.get("valid", 0) / total if total else None,
         "fraud_rate": counts.get("fraud", 0) / total if total else None,
-        # A rejected verdict's reward_amount is 0 (set when it was written), so the sum is the valid ones'.
-        "rewards_credited": sum(int(credited) for _, _, credited, _ in rows),
+        # A rejected verdict's reward_amount is 0 (set when it was written), so the sum is the valid
+        # ones', and with it what their appeals paid.
+        "rewards_credited": sum(int(credited) for _, _, credited, _ in rows) + int(paid_on_appeal or 0),
         "slashed": sum(int(slashed) for _, _, _, slashed in rows) - int(returned or 0),
     }
 
@@ -1561,6 +1569,8 @@ async def reverse_verdict(
       slashed from is still live, else free), a strike less; and, as for a soft-invalid
       penalty, its forfeits still in force are given back: to pending, the hold ``held`` again
       (released when due), or to claimable if the hold was released meanwhile.
+    * A fraud or invalid verdict: the reward an acceptance would have paid, paid and held as
+      one (``_pay_on_appeal``; ``reward_paid_on_appeal``). Not an inconclusive one's.
     * Every verdict leaves the node's track record (``_uncount``), which drives its audit rate
       and ejection: its counter one less, and the run of verified valid results counted again
       without it.
@@ -1603,6 +1613,7 @@ async def reverse_verdict(
         )
         await _give_back_forfeits(session, verdict, actor=actor, memo=memo)
         await _reverse_reward(session, verdict, actor=actor, memo=memo)
+        await _pay_on_appeal(session, verdict, actor=actor, memo=memo, now=now)
     except ledger.InsufficientFunds as exc:
         raise Conflict(
             "the verdict's money has moved on (e.g. the reward was withdrawn); it cannot be reversed",
@@ -1624,6 +1635,8 @@ async def reverse_verdict(
         await notify_window(session, verdict, "restored", now=now)
     reversed_ = metrics.VERDICTS_REVERSED.labels(verdict.outcome, verdict.category)
     metrics.on_commit(session, reversed_.inc)
+    if verdict.reward_paid_on_appeal > 0:
+        metrics.on_commit(session, partial(metrics.REWARDS_PAID_ON_APPEAL.inc, verdict.reward_paid_on_appeal))
     return verdict, True
 
 
@@ -1878,6 +1891,64 @@ async def _reverse_reward(session: AsyncSession, verdict: Verdict, *, actor: str
         forfeit.status = "returned"
     hold.forfeited_amount = 0
     hold.status = "reversed"
+
+
+# A rejection whose appeal pays the reward an acceptance would have: the node was judged wrongly.
+# An inconclusive verdict judged nothing against the node, and nobody judged its answers right.
+PAID_ON_APPEAL = ("invalid", "fraud")
+
+
+async def _pay_on_appeal(
+    session: AsyncSession, verdict: Verdict, *, actor: str, memo: str, now: dt.datetime
+) -> None:
+    """A fraud or invalid verdict reversed on appeal pays what ``decide`` would have credited
+    had it accepted the result: the rate recorded with the result (else the pool's now) x the
+    samples its checks recorded as paid (``correct_samples``: right, or with no reward to check;
+    none for a wrong answer), not scored again. Paid as an acceptance's reward (``_reward``)
+    from the system ``rewards`` account to the provider's ``rewards_pending``, whatever became
+    of the membership since, with a ``RewardHold`` of the verdict's (it has none: it was
+    rejected) released ``reward_hold_s`` (as recorded) after the appeal, so that a fraud verdict
+    against the node within that window forfeits it as any held reward. The caller holds the
+    verdict and the accounts (``_lock_for_appeal``); the transfer's key makes it once."""
+    if verdict.outcome != "rejected" or verdict.category not in PAID_ON_APPEAL:
+        return
+    submission = await session.get(Submission, verdict.submission_id)
+    job = (
+        await session.execute(
+            select(VerificationJob).where(VerificationJob.submission_id == verdict.submission_id)
+        )
+    ).scalar_one_or_none()
+    pool = await session.get(Pool, verdict.pool_id)
+    assert submission is not None
+    assert pool is not None
+    samples = (job.correct_samples or 0) if job is not None else 0
+    amount = _or(submission.reward_per_sample, pool.reward_per_sample) * samples
+    if amount <= 0:
+        return
+    await ledger.transfer(
+        session,
+        debit=system_account(SystemAccount.rewards),  # the unsharded one, which the appeal locked
+        credit=provider_account(verdict.provider_id, ProviderAccount.rewards_pending),
+        amount=amount,
+        key=f"verdict:{verdict.id}:reverse:reward",
+        reason="reward",
+        actor=actor,
+        memo=memo,
+        reference=("verdict", str(verdict.id)),
+    )
+    session.add(
+        RewardHold(
+            verdict_id=verdict.id,
+            pool_id=verdict.pool_id,
+            node_id=verdict.node_id,
+            provider_id=verdict.provider_id,
+            amount=amount,
+            release_at=now + dt.timedelta(seconds=_or(submission.reward_hold_s, pool.reward_hold_s)),
+            status="held",
+            created_at=now,
+        )
+    )
+    verdict.reward_paid_on_appeal = amount
 
 
 async def _holds_by_id(session: AsyncSession, ids: list[int]) -> dict[int, RewardHold]:

@@ -1,0 +1,37 @@
+"""verdicts: what the appeal of a rejection paid (reward_paid_on_appeal)
+
+Revision ID: 0041
+Revises: 0039
+Create Date: 2026-12-04 19:30:00.000000
+
+An appeal of a fraud or invalid verdict gave the stake and the forfeited rewards back but never
+paid the reward the result was due: an honest node wrongly judged kept its stake and lost its
+pay. The appeal now pays what an acceptance would have (the rate recorded with the result x the
+samples the checks found right or could not score), held like any reward, and records the
+amount in ``verdicts.reward_paid_on_appeal`` (0: nothing paid on appeal; every verdict before
+this revision). The downgrade drops the column: the money and its hold stay as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0041"
+down_revision: str | None = "0039"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    # Plain ADD COLUMN (on SQLite too): a batch copy would rebuild a table that others refer to.
+    op.add_column(
+        "verdicts",
+        sa.Column("reward_paid_on_appeal", sa.BigInteger(), nullable=False, server_default="0"),
+    )
+
+
+def downgrade() -> None:
+    op.drop_column("verdicts", "reward_paid_on_appeal")
