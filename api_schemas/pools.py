@@ -238,6 +238,29 @@ MaxAsyncLevel = Annotated[
     ),
 ]
 MaxLeases = Annotated[int, Field(ge=1, le=1024, description="Most leases one node may hold at a time")]
+CANARY_WINDOW_MAX = 100
+CanaryMissLimit = Annotated[
+    int,
+    Field(
+        ge=1,
+        le=CANARY_WINDOW_MAX,
+        description="A canary task sampled at a temperature and answered with no right sample is "
+        "judged as any wrong answer (invalid: not paid, the soft penalty) unless it makes this many "
+        "misses among the node's last canary_window canary results in the pool, when it is fraud "
+        "(canary_failed); at most canary_window. A canary decoded greedily (temperature 0 or top_k "
+        "1) is fraud at its first miss",
+    ),
+]
+CanaryWindow = Annotated[
+    int,
+    Field(
+        ge=1,
+        le=CANARY_WINDOW_MAX,
+        description="How many of the node's latest canary results in the pool (the server scored "
+        "them, and their verdicts stand) canary_miss_limit counts misses among, the one being "
+        "judged included",
+    ),
+]
 
 
 # Validation context for settings read back from the database: a pool's reward function was
@@ -334,8 +357,22 @@ class PublicPolicy(StrictModel):
 
 
 class Policy(PublicPolicy):
+    """The operator's view of the policy: with how results are audited and how canary misses
+    are judged (a worker that knew these could price cheating)."""
+
     audit_rate_floor: AuditFloor = 0.05
     audit_method: AuditMethod = "replicate"
+    canary_miss_limit: CanaryMissLimit = 3
+    canary_window: CanaryWindow = 10
+
+    @model_validator(mode="after")
+    def _canary_limit_within_its_window(self) -> Policy:
+        if self.canary_miss_limit > self.canary_window:
+            raise ValueError(
+                f"canary_miss_limit ({self.canary_miss_limit}) must be at most canary_window "
+                f"({self.canary_window}): it counts misses among that many canary results"
+            )
+        return self
 
 
 class PoolSettings(StrictModel):
@@ -422,14 +459,16 @@ class PolicyPatch(StrictModel):
     reward_function: RewardFunctionName | None = None
     require_proof: RequireProof | None = None
     audit_method: AuditMethod | None = None
+    canary_miss_limit: CanaryMissLimit | None = None
+    canary_window: CanaryWindow | None = None
 
 
 class PoolPatch(StrictModel):
     """Only the fields present change; ``requirements`` is replaced as a whole. Caps may be set
     to null (no cap), and so may ``policy.retake_expired_after_s`` (never); other fields may
     not. Stake already locked by members is unaffected, and results already received are judged
-    and paid by the max_async_level, require_proof and reward_per_sample in force when they
-    came in."""
+    and paid by the max_async_level, require_proof, reward_per_sample, the penalties, the hold
+    and the canary rule in force when they came in."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra=_described_like(PoolSettings))
 

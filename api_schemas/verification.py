@@ -28,8 +28,8 @@ class VerdictOut(BaseModel):
     reason: str = Field(
         description=(
             "Stable reason code, e.g. verified, wrong_answer, seed_mismatch, reward_forged, "
-            "quorum_minority, no_quorum, quorum_timeout (a tie-break replica nobody took within "
-            "verifier.quorum_wait_s), task_abandoned"
+            "canary_failed, quorum_minority, no_quorum, quorum_timeout (a tie-break replica nobody "
+            "took within verifier.quorum_wait_s), task_abandoned"
         )
     )
     verifier: str = Field(description="checks | reward | quorum | validator")

@@ -1328,3 +1328,31 @@ def test_0039_downgrade_refuses_while_a_node_is_revoked(scratch_url: str) -> Non
         ("K" * 43, "healthy", None, "active"),
         ("R" * 43, "banned", None, "ejected"),
     ]
+
+
+def test_0040_gives_existing_pools_the_default_canary_rule_and_its_downgrade_drops_it(
+    scratch_url: str,
+) -> None:
+    """Pools made before 0040 judge a canary missed at a temperature by the defaults (fraud as
+    the 3rd miss of the node's last 10 canaries). The downgrade drops the columns (the pools'
+    and the submissions') and keeps the pools."""
+    upgrade(scratch_url, "0039")
+    asyncio.run(_seed_pools_with_leases(scratch_url, {"pool-a": 60}))
+    upgrade(scratch_url, "0040")
+    canary_rule = "SELECT id, canary_miss_limit, canary_window FROM pools"
+    assert asyncio.run(_rows(scratch_url, canary_rule)) == [("pool-a", 3, 10)]
+    downgrade(scratch_url, "0039")
+    for table in ("pools", "submissions"):
+        assert not {"canary_miss_limit", "canary_window"} & asyncio.run(_column_names(scratch_url, table))
+    assert asyncio.run(_rows(scratch_url, "SELECT id FROM pools")) == [("pool-a",)]
+    upgrade(scratch_url)
+    assert asyncio.run(_rows(scratch_url, canary_rule)) == [("pool-a", 3, 10)]
+
+
+async def _column_names(url: str, table: str) -> set[str]:
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            return await conn.run_sync(lambda c: {col["name"] for col in inspect(c).get_columns(table)})
+    finally:
+        await engine.dispose()

@@ -221,6 +221,38 @@ async def test_results_already_received_are_penalised_and_held_by_the_terms_they
         }
 
 
+async def test_canary_misses_already_received_are_judged_by_the_canary_rule_they_came_in_under(
+    app: Any, app_state: Any, no_audits: None
+) -> None:
+    """An operator who tightens the canary rule while misses wait for the verifier does not make
+    them fraud: each is judged by the canary_miss_limit and canary_window in force when it was
+    received (a result stored before migration 0040, which has none recorded, by the pool's)."""
+    economics = {"min_stake_per_node": 1000, "fraud_slash_amount": 200, "strikes_before_ejection": 5}
+    sampled = {"max_tokens": 256}  # temperature 1.0: a miss may be honest
+    async with pool_setup(app, app_state, workers=1, economics=economics, stake=1000) as s:
+        [w] = s.workers
+        await s.enqueue([task(f"c{i}", canary=True, sampling=sampled) for i in range(3)])
+        before, stored_before_0040, after = (await w.claim(s.pool_id, 3)).json()["leases"]
+        await submit(w, before, ["5"])
+        await submit(w, stored_before_0040, ["5"])
+        async with app_state.sessionmaker() as session, session.begin():
+            await session.execute(
+                update(Submission)
+                .where(Submission.assignment_id == stored_before_0040["assignment_id"])
+                .values(canary_miss_limit=None, canary_window=None)
+            )
+        await _patch(s, {"policy": {"canary_miss_limit": 1, "canary_window": 1}})
+        await submit(w, after, ["5"])
+        await verify_all(app_state)
+        async with app_state.sessionmaker() as session:
+            decided = {r.task_id: r.category for r in (await session.execute(select(Verdict))).scalars()}
+        assert decided == {
+            await s.task_of(before): "invalid",  # the 1st miss of 3 allowed then
+            await s.task_of(stored_before_0040): "fraud",  # the pool's rule at the verdict
+            await s.task_of(after): "fraud",
+        }
+
+
 async def test_a_result_stored_before_terms_were_recorded_is_judged_by_the_pools_settings(
     app: Any, app_state: Any, client: httpx.AsyncClient, no_audits: None
 ) -> None:
@@ -241,6 +273,8 @@ async def test_a_result_stored_before_terms_were_recorded_is_judged_by_the_pools
                         "reward_hold_s": None,
                         "soft_invalid_penalty": None,
                         "fraud_slash_amount": None,
+                        "canary_miss_limit": None,
+                        "canary_window": None,
                     }
                 )
             )

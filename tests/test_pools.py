@@ -53,6 +53,8 @@ FULL_SETTINGS: dict[str, Any] = {
         "reward_function": "math",
         "require_proof": True,
         "audit_method": "validator",
+        "canary_miss_limit": 4,
+        "canary_window": 20,
     },
 }
 
@@ -88,6 +90,8 @@ async def test_unspecified_settings_take_their_defaults(
     assert pool["policy"]["max_async_level"] == 2
     assert pool["policy"]["replication_factor"] == 1
     assert pool["policy"]["retake_expired_after_s"] is None  # an expired lease is never taken back
+    # A canary missed at a temperature is fraud as the 3rd miss of the node's last 10 canaries.
+    assert (pool["policy"]["canary_miss_limit"], pool["policy"]["canary_window"]) == (3, 10)
 
 
 BAD_SETTINGS = {
@@ -114,6 +118,10 @@ BAD_SETTINGS = {
     "lease shorter than three beats": {"policy": {"lease_duration_s": 29}},
     "zero leases per node": {"policy": {"max_leases_per_node": 0}},
     "negative retake delay": {"policy": {"retake_expired_after_s": -1}},
+    "zero canary misses": {"policy": {"canary_miss_limit": 0}},
+    "canary window beyond its maximum": {"policy": {"canary_window": 101}},
+    "more canary misses than the window": {"policy": {"canary_miss_limit": 11, "canary_window": 10}},
+    "canary limit above the default window": {"policy": {"canary_miss_limit": 11}},
     "empty GPU model list": {"requirements": {"any_of": [{"gpu_models": []}]}},
     "repeated GPU model": {"requirements": {"any_of": [{"gpu_models": [H100, H100.lower()]}]}},
     "negative GPU count": {"requirements": {"any_of": [{"min_gpu_count": -1}]}},
@@ -176,6 +184,9 @@ async def test_patch_changes_only_the_fields_sent(
         {"policy": {"lease_duration_s": 29}},
         {"owner_token_id": "tok_0000000000000000"},
         {"status": "active"},
+        {"policy": {"canary_window": 3}},  # below the current canary_miss_limit (4)
+        {"policy": {"canary_miss_limit": 21}},  # above the current canary_window (20)
+        {"policy": {"canary_miss_limit": None}},
     ],
     ids=[
         "slash-above-stake",
@@ -189,6 +200,9 @@ async def test_patch_changes_only_the_fields_sent(
         "lease-shorter-than-three-beats",
         "owner-not-settable",
         "status-not-settable",
+        "canary-window-below-limit",
+        "canary-limit-above-window",
+        "null-canary-limit",
     ],
 )
 async def test_patch_validates_the_merged_settings_and_changes_nothing_when_refused(
@@ -199,6 +213,33 @@ async def test_patch_validates_the_merged_settings_and_changes_nothing_when_refu
     problem(r, 422, "validation_failed")
     after = await client.get(f"/v1/admin/pools/{pool['id']}", headers=operator_headers)
     assert after.json() == pool
+
+
+async def test_the_canary_rule_is_set_with_the_pool_and_changed_by_patch(
+    client: httpx.AsyncClient, operator_headers: dict[str, str]
+) -> None:
+    """The canary miss limit and window are set on create and by PATCH, together or one at a
+    time, and the merged pair is checked: a limit above its window is refused with the reason,
+    and nothing changes."""
+    pool = await create_pool(
+        client, operator_headers, name="c", policy={"canary_miss_limit": 2, "canary_window": 5}
+    )
+    assert (pool["policy"]["canary_miss_limit"], pool["policy"]["canary_window"]) == (2, 5)
+    url = f"/v1/admin/pools/{pool['id']}"
+    r = await client.patch(url, json={"policy": {"canary_window": 1}}, headers=operator_headers)
+    body = problem(r, 422, "validation_failed")
+    [error] = body["errors"]
+    assert error["loc"][:2] == ["body", "policy"]
+    assert "canary_miss_limit (2) must be at most canary_window (1)" in error["msg"]
+    assert (await client.get(url, headers=operator_headers)).json() == pool
+    r = await client.patch(
+        url, json={"policy": {"canary_miss_limit": 5, "canary_window": 50}}, headers=operator_headers
+    )
+    assert r.status_code == 200, r.text
+    assert (r.json()["policy"]["canary_miss_limit"], r.json()["policy"]["canary_window"]) == (5, 50)
+    r = await client.patch(url, json={"policy": {"canary_window": 101}}, headers=operator_headers)
+    [error] = problem(r, 422, "validation_failed")["errors"]
+    assert error["loc"] == ["body", "policy", "canary_window"] and "100" in error["msg"]
 
 
 def _offers_null(spec: dict[str, Any]) -> bool:
@@ -391,7 +432,8 @@ async def test_public_listing_shows_active_pools_and_their_terms_without_operato
     assert listed["owner_token_id"] not in r.text
     assert code not in r.text
     assert not {"active_members", "pending_members", "updated_at"} & public.keys()
-    hidden = {"audit_rate_floor", "audit_method"}  # how workers are audited stays with the operator
+    # How workers are audited, and how many canary misses they may make, stay with the operator.
+    hidden = {"audit_rate_floor", "audit_method", "canary_miss_limit", "canary_window"}
     assert public["policy"] == {k: v for k, v in FULL_SETTINGS["policy"].items() if k not in hidden}
 
 

@@ -275,7 +275,8 @@ async def test_a_fraud_ejection_and_the_nodes_result_in_flight_do_not_deadlock(
     async with pool_setup(app, app_state, economics=econ) as s:
         a = await s.add_worker(provider_key=a_key)
         n = await s.add_worker(provider_key=n_key)
-        await s.enqueue([task(canary=True), task(replication=2)])
+        greedy = {"temperature": 0, "max_tokens": 256}  # a miss is fraud at once
+        await s.enqueue([task(canary=True, sampling=greedy), task(replication=2)])
         canary, shared = (await n.claim(s.pool_id, max_tasks=2)).json()["leases"]
         [a_lease] = (await a.claim(s.pool_id)).json()["leases"]
         await submit(a, a_lease, ["4"])  # A's result on the replicated task: in the same batch

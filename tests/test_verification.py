@@ -299,8 +299,9 @@ async def test_a_canary_with_one_wrong_sample_of_several_is_not_fraud_and_none_r
 ) -> None:
     """Honest sampling at a temperature misses some samples of a problem the policy solves: one
     wrong sample of four on a canary was fraud (stake slashed, a strike). It is judged as on any
-    task; a canary with no sample right is fraud."""
-    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+    task; a canary with no sample right is a miss (fraud at once here, its pool allowing none)."""
+    policy = {"canary_miss_limit": 1, "canary_window": 1}
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000, **policy) as s:
         w = s.workers[0]
         lease = await one_lease(s, w, canary=True, n=4)
         await submit(w, lease, ["4", "4", "5", "4"])
@@ -312,10 +313,11 @@ async def test_a_canary_with_one_wrong_sample_of_several_is_not_fraud_and_none_r
         assert (none["category"], none["reason"]) == ("fraud", "canary_failed")
 
 
-async def test_a_wrong_canary_answer_is_fraud(app: Any, app_state: Any) -> None:
+async def test_a_wrong_answer_on_a_greedy_canary_is_fraud(app: Any, app_state: Any) -> None:
+    """(More in test_canaries.py: a canary sampled at a temperature may be missed.)"""
     async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
         w = s.workers[0]
-        lease = await one_lease(s, w, canary=True)
+        lease = await one_lease(s, w, canary=True, sampling={"max_tokens": 64, "temperature": 0})
         assert "canary" not in str(lease)
         await submit(w, lease, ["5"])
         await verify_all(app_state)

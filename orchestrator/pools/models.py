@@ -83,6 +83,11 @@ class Pool(Base):
     )
     require_proof: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     audit_method: Mapped[str] = mapped_column(String(16), default="replicate", server_default="replicate")
+    # A canary sampled at a temperature, missed, is fraud only as the canary_miss_limit-th miss of
+    # the node's last canary_window canary results here (verification.service.canary_finding).
+    # The server defaults are migration 0040's, which added the columns to existing pools.
+    canary_miss_limit: Mapped[int] = mapped_column(Integer, default=3, server_default="3")
+    canary_window: Mapped[int] = mapped_column(Integer, default=10, server_default="10")
 
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)

@@ -229,7 +229,8 @@ class Submission(Base):
     policy_current_step: Mapped[int] = mapped_column(BigInteger, doc="the pool's policy step when received")
     # The pool's terms when the result was received: the verifier judges and pays it by these, not
     # by settings an operator changed while it waited (NULL for results stored before 0022: the
-    # pool's settings at the verdict, as then; the penalties and the hold: before 0036).
+    # pool's settings at the verdict, as then; the penalties and the hold: before 0036; the
+    # canary rule: before 0040).
     max_async_level: Mapped[int | None] = mapped_column(
         Integer, doc="the pool's staleness bound when received"
     )
@@ -240,6 +241,10 @@ class Submission(Base):
         BigInteger, doc="the pool's penalty for an invalid result then"
     )
     reward_hold_s: Mapped[int | None] = mapped_column(Integer, doc="the pool's reward hold then")
+    canary_miss_limit: Mapped[int | None] = mapped_column(
+        Integer, doc="the pool's canary miss limit then (NULL before 0040: the pool's at the verdict)"
+    )
+    canary_window: Mapped[int | None] = mapped_column(Integer, doc="the pool's canary window then")
     seed_echoed: Mapped[int | None] = mapped_column(BigInteger)
     claimed_reward: Mapped[float | None] = mapped_column(Float)
     sample_count: Mapped[int] = mapped_column(Integer)

@@ -1379,6 +1379,8 @@ class ResultContext:
     fraud_slash_amount: int
     soft_invalid_penalty: int
     reward_hold_s: int
+    canary_miss_limit: int
+    canary_window: int
 
 
 _RESULT_CONTEXT = """
@@ -1392,7 +1394,7 @@ _RESULT_CONTEXT = """
            EXISTS (SELECT 1 FROM policy_versions
                     WHERE pool_id = a.pool_id AND step = :policy_step) AS step_published,
            p.require_proof, p.reward_per_sample, p.fraud_slash_amount, p.soft_invalid_penalty,
-           p.reward_hold_s
+           p.reward_hold_s, p.canary_miss_limit, p.canary_window
       FROM assignments a
       JOIN task_replicas r ON r.id = a.replica_id
       JOIN pools p ON p.id = a.pool_id
@@ -1631,6 +1633,8 @@ async def submit_result(
         "fraud_slash_amount": ctx.fraud_slash_amount,
         "soft_invalid_penalty": ctx.soft_invalid_penalty,
         "reward_hold_s": ctx.reward_hold_s,
+        "canary_miss_limit": ctx.canary_miss_limit,
+        "canary_window": ctx.canary_window,
         "seed_echoed": body.seed,
         "claimed_reward": body.claimed_reward,
         "sample_count": len(body.samples),

@@ -8,7 +8,10 @@ the server's own reward function, then either decides at once or waits for more 
   -> rejected as fraud: slash the pool's amount from the membership's locked stake, forfeit the
   node's rewards still in the hold window, add a strike; eject the node after the pool's strike
   limit and blacklist the provider after the provider limit (an appeal that brings the strikes
-  below a limit again lifts that sanction);
+  below a limit again lifts that sanction). A canary with no right sample fails at once when
+  it decodes greedily; sampled at a temperature, only as the pool's ``canary_miss_limit``-th
+  miss of the node's last ``canary_window`` canaries, and otherwise it is a wrong answer
+  (``canary_finding``);
 * an invalid finding (wrong sample count, token overflow, bad finish reason, missing proof,
   wrong answer) -> rejected as invalid: no reward, no stake slashed, counted in the trust
   record; the pool's ``soft_invalid_penalty`` is forfeited from the node's rewards still in the
@@ -615,10 +618,13 @@ async def _run_checks(
     forged = checks.forged_claim(result.get("claimed_reward"), server_reward)
     if forged is not None:
         findings.append(forged)
-    # No sample right: honest sampling (n > 1, at a temperature) misses some of a problem the
-    # policy solves, so one wrong sample of several was fraud for an honest node.
+    # No sample right (honest sampling, n > 1 at a temperature, misses some samples of a problem
+    # the policy solves: one wrong sample of several was fraud for an honest node), and even
+    # then a miss at a temperature is fraud only as one too many (canary_finding).
     if task.is_canary and checkable and correct == 0:
-        findings.append(checks.Finding("canary_failed", "fraud", "no right answer on a canary task"))
+        canary = await canary_finding(session, submission, task, pool)
+        if canary is not None:
+            findings.append(canary)
 
     job.server_reward = server_reward
     job.correct_samples = correct
@@ -689,9 +695,61 @@ async def _run_checks(
     await decide(session, job, submission, decision, now=now, trust=trust)
 
 
+async def canary_finding(
+    session: AsyncSession, submission: Submission, task: Task, pool: Pool
+) -> checks.Finding | None:
+    """A canary result with no right sample: fraud (``canary_failed``) when the task decodes
+    greedily (the right policy gives the one answer it gives, and a canary is a problem it
+    solves), or when this miss makes the pool's ``canary_miss_limit`` misses among the node's
+    last ``canary_window`` canary results in the pool (as they were when the result came in).
+    Otherwise None: sampled at a temperature, an honest node misses now and then a problem it
+    usually solves, and the result is judged as any wrong answer (invalid, ``wrong_answer``),
+    which does not tell the node the task was a canary.
+
+    The earlier results counted are the node's canary verdicts in the pool that stand (one
+    reversed on appeal is not counted) and that the server scored; a miss is one with no right
+    sample, whatever the verdict said of it. The caller holds the node's membership
+    (``lock_for_verdicts``), as every transaction deciding a verdict for the node does, so two
+    of its misses decided at once are counted one after the other (SQLite: one writer)."""
+    if greedy(task.sampling):
+        return checks.Finding("canary_failed", "fraud", "no right answer on a canary task decoded greedily")
+    limit = _or(submission.canary_miss_limit, pool.canary_miss_limit)
+    window = _or(submission.canary_window, pool.canary_window)
+    earlier = (
+        select(VerificationJob.correct_samples.label("correct"))
+        .join(Verdict, Verdict.submission_id == VerificationJob.submission_id)
+        .join(Task, Task.id == Verdict.task_id)
+        .where(
+            Verdict.node_id == submission.node_id,
+            Verdict.pool_id == submission.pool_id,
+            Verdict.reversed_at.is_(None),
+            Task.is_canary.is_(True),
+            VerificationJob.server_reward.is_not(None),
+        )
+        .order_by(Verdict.id.desc())
+        .limit(window - 1)
+        .subquery()
+    )
+    seen, missed = (
+        await session.execute(
+            select(func.count(), func.count().filter(earlier.c.correct == 0)).select_from(earlier)
+        )
+    ).one()
+    misses = missed + 1
+    if misses < limit:
+        return None
+    return checks.Finding(
+        "canary_failed",
+        "fraud",
+        f"no right answer on a canary task: {misses} of the node's last {seen + 1} canary results "
+        f"in this pool had none (the pool's limit: {limit} of {window})",
+    )
+
+
 def _or(recorded: _T | None, current: _T) -> _T:
     """A term recorded with a submission, or the pool's current one for a submission stored
-    before terms were recorded (migration 0022; the penalties and the hold, 0036)."""
+    before terms were recorded (migration 0022; the penalties and the hold, 0036; the canary
+    rule, 0040)."""
     return current if recorded is None else recorded
 
 
