@@ -1,7 +1,7 @@
 """verdicts: what the appeal of a rejection paid (reward_paid_on_appeal)
 
 Revision ID: 0041
-Revises: 0039
+Revises: 0040
 Create Date: 2026-12-04 19:30:00.000000
 
 An appeal of a fraud or invalid verdict gave the stake and the forfeited rewards back but never
@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0041"
-down_revision: str | None = "0039"
+down_revision: str | None = "0040"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
