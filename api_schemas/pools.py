@@ -20,6 +20,7 @@ from api_schemas.tasks import SAMPLES_MAX
 AMOUNT_MAX = 10**15  # the ledger's largest single amount
 # A result's reward (reward_per_sample x its correct samples, up to SAMPLES_MAX) is one transfer.
 REWARD_PER_SAMPLE_MAX = AMOUNT_MAX // SAMPLES_MAX
+REWARD_BUDGET_MAX = 2**63 - 1  # the ledger's largest balance
 DAY_S = 86_400
 
 # ------------------------------------------------------------------ enums
@@ -131,6 +132,19 @@ RewardHold = Annotated[
         ge=0,
         le=90 * DAY_S,
         description="Seconds an earned reward stays pending (and slashable) before it becomes claimable",
+    ),
+]
+RewardBudget = Annotated[
+    int | None,
+    Field(
+        ge=1,
+        le=REWARD_BUDGET_MAX,
+        description="Most the pool's verdicts may credit in rewards (integer, smallest unit, as "
+        "reward_per_sample), counted as GET /v1/admin/pools/{id}/stats counts rewards_credited (net "
+        "of verdicts reversed on appeal); once they have credited this much the pool is paused "
+        "(status_reason budget_spent) at the reward_budget loop's next check, once a second. Work "
+        "leased before the pause is still judged and paid, so the pool may spend past it by what "
+        "was in flight. null (the default): no budget",
     ),
 ]
 SoftPenalty = Annotated[
@@ -316,6 +330,7 @@ class Economics(StrictModel):
     min_stake_per_node: MinStake = 0
     reward_per_sample: RewardPerSample = 0
     reward_hold_s: RewardHold = DAY_S
+    reward_budget: RewardBudget = None
     soft_invalid_penalty: SoftPenalty = 0
     fraud_slash_amount: FraudSlash = 0
     strikes_before_ejection: StrikesEject = 3
@@ -437,6 +452,7 @@ class EconomicsPatch(StrictModel):
     min_stake_per_node: MinStake | None = None
     reward_per_sample: RewardPerSample | None = None
     reward_hold_s: RewardHold | None = None
+    reward_budget: RewardBudget = None
     soft_invalid_penalty: SoftPenalty | None = None
     fraud_slash_amount: FraudSlash | None = None
     strikes_before_ejection: StrikesEject | None = None
@@ -465,10 +481,13 @@ class PolicyPatch(StrictModel):
 
 class PoolPatch(StrictModel):
     """Only the fields present change; ``requirements`` is replaced as a whole. Caps may be set
-    to null (no cap), and so may ``policy.retake_expired_after_s`` (never); other fields may
-    not. Stake already locked by members is unaffected, and results already received are judged
-    and paid by the max_async_level, require_proof, reward_per_sample, the penalties, the hold
-    and the canary rule in force when they came in."""
+    to null (no cap), and so may ``economics.reward_budget`` (no budget) and
+    ``policy.retake_expired_after_s`` (never); other fields may not. Stake already locked by
+    members is unaffected, and results already received are judged and paid by the
+    max_async_level, require_proof, reward_per_sample, the penalties, the hold and the canary
+    rule in force when they came in. A new ``economics.reward_budget`` applies at the budget
+    loop's next check: below what is spent, it pauses the pool; above it, it does not resume a
+    pool it paused (the operator resumes it)."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra=_described_like(PoolSettings))
 
@@ -512,6 +531,22 @@ class PoolOut(PublicPoolOut):
     active_members: int = Field(description="Active members")
     pending_members: int = Field(description="Members waiting for approval")
     status_changed_at: dt.datetime = Field(description="When the status last changed")
+    status_reason: Literal["budget_spent"] | None = Field(
+        default=None,
+        description="Why the pool is in its status when the system put it there: budget_spent, "
+        "paused because its verdicts credited economics.reward_budget; null otherwise (an "
+        "operator's pause). Cleared by the next change of status",
+    )
+    rewards_credited: int = Field(
+        default=0,
+        description="What the pool's verdicts not reversed credited to providers (ledger units), "
+        "as in its stats: what economics.reward_budget counts",
+    )
+    reward_budget_remaining: int | None = Field(
+        default=None,
+        description="economics.reward_budget less rewards_credited, never below 0 (work leased "
+        "before a pause may take the spend past the budget); null without a budget",
+    )
     updated_at: dt.datetime = Field(description="When anything last changed")
 
 

@@ -101,7 +101,16 @@ class PoolStatsOut(BaseModel):
     fraud_rate: float | None = Field(description="fraud / all verdicts not reversed")
     rewards_credited: int = Field(
         description="What the pool's verdicts not reversed credited to providers (ledger units), "
-        "held and released alike, including any that later verdicts forfeited"
+        "held and released alike, including any that later verdicts forfeited; what the pool's "
+        "economics.reward_budget counts"
+    )
+    reward_budget: int | None = Field(
+        default=None, description="The pool's economics.reward_budget; null for no budget"
+    )
+    reward_budget_remaining: int | None = Field(
+        default=None,
+        description="reward_budget less rewards_credited, never below 0 (work leased before the "
+        "budget's pause may take the spend past it); null for no budget",
     )
     slashed: int = Field(
         description="Stake slashed and pending rewards forfeited by the pool's verdicts not reversed "

@@ -1,5 +1,5 @@
-"""The background loops (liveness sweeper and reconciler, reaper, verifier, releases, ReST^EM
-barrier) and a process that runs only them.
+"""The background loops (liveness sweeper and reconciler, reaper, verifier, releases, reward
+budgets, ReST^EM barrier) and a process that runs only them.
 
 Every API process runs them by default (``ORCH_SERVER__BACKGROUND_LOOPS=true``); each tick is
 claimed once across processes, and the verifier shares its backlog with SKIP LOCKED. A larger
@@ -26,6 +26,7 @@ from orchestrator.core.state import AppState, open_state
 from orchestrator.ledger import jobs as ledger_jobs
 from orchestrator.liveness import service as liveness
 from orchestrator.liveness import serving
+from orchestrator.pools import jobs as pool_jobs
 from orchestrator.restem import jobs as restem_jobs
 from orchestrator.settings import Settings
 from orchestrator.tasks import jobs as task_jobs
@@ -48,6 +49,7 @@ def loops(settings: Settings) -> list[tuple[str, float, Tick]]:
         (task_jobs.LEASE_REAPER, task_jobs.INTERVAL_S, task_jobs.reap_once),
         (verification.VERIFIER, verification.VERIFY_INTERVAL_S, verification.verify_once),
         (verification.REWARD_RELEASE, verification.RELEASE_INTERVAL_S, verification.release_once),
+        (pool_jobs.REWARD_BUDGET, pool_jobs.INTERVAL_S, pool_jobs.check_budgets_once),
         (restem_jobs.RESTEM_BARRIER, restem_jobs.INTERVAL_S, restem_jobs.advance_once),
     ]
 

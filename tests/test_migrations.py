@@ -1356,3 +1356,46 @@ async def _column_names(url: str, table: str) -> set[str]:
             return await conn.run_sync(lambda c: {col["name"] for col in inspect(c).get_columns(table)})
     finally:
         await engine.dispose()
+
+
+def test_0042_counts_what_each_nodes_verdicts_credited_and_leaves_pools_without_a_budget(
+    scratch_url: str,
+) -> None:
+    # The verdicts of node N in pool-mig: valid 1, 2, 4, 6 and 7 (7 each), fraud 3 and 5 (none).
+    upgrade(scratch_url, "0041")
+    asyncio.run(_seed_ended_tasks(scratch_url))
+    asyncio.run(_seed_forfeited_holds(scratch_url))
+    trust = (
+        "INSERT INTO node_trust (pool_id, node_id, provider_id, consecutive_valid, valid, invalid, "
+        "fraud, strikes, updated_at) VALUES ('pool-mig', :node, :provider, 0, 0, 0, 0, 0, :at)"
+    )
+    asyncio.run(_run_sql(scratch_url, trust, node="N" * 43, provider="P" * 43, at=AT))
+    asyncio.run(_run_sql(scratch_url, trust, node="M" * 43, provider="P" * 43, at=AT))  # none
+    asyncio.run(_run_sql(scratch_url, "UPDATE verdicts SET reversed_at = :at WHERE id = 6", at=AT))
+    # Fraud verdict 5's appeal paid 3 (0041).
+    asyncio.run(
+        _run_sql(
+            scratch_url,
+            "UPDATE verdicts SET reversed_at = :at, reward_paid_on_appeal = 3 WHERE id = 5",
+            at=AT,
+        )
+    )
+    upgrade(scratch_url)
+    # As the stats count rewards_credited: 6 was reversed on appeal, and 5's appeal paid 3.
+    credited = "SELECT node_id, rewards_credited FROM node_trust ORDER BY node_id"
+    assert asyncio.run(_rows(scratch_url, credited)) == [("M" * 43, 0), ("N" * 43, 31)]
+    pools = "SELECT id, status, reward_budget, status_reason FROM pools"
+    assert asyncio.run(_rows(scratch_url, pools)) == [("pool-mig", "active", None, None)]
+
+    # A pool paused for its budget stays paused without it.
+    asyncio.run(
+        _run_sql(
+            scratch_url,
+            "UPDATE pools SET status = 'paused', reward_budget = 28, status_reason = 'budget_spent'",
+        )
+    )
+    downgrade(scratch_url, "0041")
+    assert asyncio.run(_rows(scratch_url, "SELECT id, status FROM pools")) == [("pool-mig", "paused")]
+    upgrade(scratch_url)
+    assert asyncio.run(_rows(scratch_url, pools)) == [("pool-mig", "paused", None, None)]
+    assert asyncio.run(_rows(scratch_url, credited)) == [("M" * 43, 0), ("N" * 43, 31)]

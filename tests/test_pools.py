@@ -34,6 +34,7 @@ FULL_SETTINGS: dict[str, Any] = {
         "min_stake_per_node": 1000,
         "reward_per_sample": 7,
         "reward_hold_s": 7200,
+        "reward_budget": 1_000_000,
         "soft_invalid_penalty": 3,
         "fraud_slash_amount": 500,
         "strikes_before_ejection": 2,
@@ -261,7 +262,8 @@ async def test_patch_schemas_offer_null_exactly_where_a_null_is_taken(
         cases += [
             ({group: {name: None}}, _offers_null(spec)) for name, spec in schemas[model]["properties"].items()
         ]
-    assert sum(offered for _, offered in cases) == 5  # description, three caps, retake_expired_after_s
+    # description, three caps, reward_budget, retake_expired_after_s
+    assert sum(offered for _, offered in cases) == 6
     for patch, offered in cases:
         r = await client.patch(f"/v1/admin/pools/{pool['id']}", json=patch, headers=operator_headers)
         if offered:

@@ -19,6 +19,7 @@ from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import State
 from orchestrator.identity import repository as identity_repo
 from orchestrator.identity.models import NODE_STATUSES
+from orchestrator.pools import repository as pools_repo
 
 log = structlog.get_logger(__name__)
 
@@ -105,12 +106,14 @@ async def prometheus_metrics(state: State) -> Response:
 
 
 async def _read_db_gauges(state: State) -> None:
-    """Set the gauges read from the database at scrape time (nodes, the queue, the loops). On
-    SQLite in a deferred transaction, which takes no lock: behind a writer the engine's BEGIN
-    IMMEDIATE waited for its 30 s busy timeout, which the 3 s bound cannot cut short."""
+    """Set the gauges read from the database at scrape time (nodes, pools paused for their
+    budget, the queue, the loops). On SQLite in a deferred transaction, which takes no lock:
+    behind a writer the engine's BEGIN IMMEDIATE waited for its 30 s busy timeout, which the 3 s
+    bound cannot cut short."""
     async with state.sessionmaker() as session:
         await session.connection(execution_options={"sqlite_deferred": True})
         counts = await identity_repo.count_by_status(session)
+        paused_for_budget = await pools_repo.count_paused_for_budget(session)
         claimable, leases, oldest, oldest_validator = (await session.execute(_QUEUE)).one()
         waiting = {str(stage): int(n) for stage, n in (await session.execute(_WAITING_JOBS)).all()}
         last_runs: dict[str, dt.datetime | None] = {
@@ -120,6 +123,7 @@ async def _read_db_gauges(state: State) -> None:
     for status in NODE_STATUSES:
         metrics.NODES.labels(status).set(counts.get(status, 0))
     metrics.TASKS_CLAIMABLE.set(claimable)
+    metrics.POOLS_PAUSED_FOR_BUDGET.set(paused_for_budget)
     metrics.LEASES_ACTIVE.set(leases)
     for stage in WAITING_STAGES:
         metrics.VERIFICATION_JOBS.labels(stage).set(waiting.get(stage, 0))

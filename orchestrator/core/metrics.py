@@ -63,6 +63,13 @@ TASKS_CLAIMABLE = Gauge(
     multiprocess_mode="mostrecent",
 )
 LEASES_ACTIVE = Gauge("orchestrator_leases_active", "Live leases", multiprocess_mode="mostrecent")
+POOLS_PAUSED_FOR_BUDGET = Gauge(
+    "orchestrator_pools_paused_for_budget",
+    "Pools the system paused because their verdicts credited their economics.reward_budget "
+    "(status_reason budget_spent), until an operator raises the budget and resumes them or "
+    "completes them (read from the database at scrape time)",
+    multiprocess_mode="mostrecent",
+)
 VERIFICATION_JOBS = Gauge(
     "orchestrator_verification_jobs",
     "Results not yet decided, by stage: checks (the verifier's backlog), quorum, validator",

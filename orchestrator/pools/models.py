@@ -29,6 +29,9 @@ from sqlalchemy.orm import Mapped, mapped_column
 from orchestrator.core.db import Base, UTCDateTime, one_of, utcnow
 
 ID = BigInteger().with_variant(Integer, "sqlite")
+# Why the system put a pool in its status (``Pool.status_reason``): its rewards reached its budget.
+BUDGET_SPENT = "budget_spent"
+STATUS_REASONS = (BUDGET_SPENT,)
 KEY_ID = String(43)
 POOL_ID = String(40)
 TOKEN_ID = String(32)
@@ -40,6 +43,8 @@ class Pool(Base):
         CheckConstraint("status IN ('pending', 'active', 'paused', 'completed')", name="status_known"),
         CheckConstraint("admission IN ('open', 'approval', 'invite')", name="admission_known"),
         CheckConstraint("min_stake_per_node >= 0", name="min_stake_not_negative"),
+        CheckConstraint("reward_budget >= 1", name="reward_budget_positive"),
+        CheckConstraint(one_of("status_reason", STATUS_REASONS), name="status_reason_known"),
         Index("ix_pools_owner_token_id_id", "owner_token_id", "id"),
         Index("ix_pools_status_id", "status", "id"),
     )
@@ -59,6 +64,8 @@ class Pool(Base):
     min_stake_per_node: Mapped[int] = mapped_column(BigInteger)
     reward_per_sample: Mapped[int] = mapped_column(BigInteger)
     reward_hold_s: Mapped[int] = mapped_column(Integer)
+    # null: no budget (migration 0042). What is spent is the sum of ``NodeTrust.rewards_credited``.
+    reward_budget: Mapped[int | None] = mapped_column(BigInteger)
     soft_invalid_penalty: Mapped[int] = mapped_column(BigInteger)
     fraud_slash_amount: Mapped[int] = mapped_column(BigInteger)
     strikes_before_ejection: Mapped[int] = mapped_column(Integer)
@@ -92,6 +99,8 @@ class Pool(Base):
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     status_changed_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    #: Why the system changed the status (``budget_spent``); null for an operator's change.
+    status_reason: Mapped[str | None] = mapped_column(String(32))
 
 
 # Who ejected a membership (``PoolMembership.ejected_by``).

@@ -10,7 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from orchestrator.core.sql import insert_ignore
 from orchestrator.identity.models import Node
-from orchestrator.pools.models import Pool, PoolInvite, PoolMembership, PoolProviderBlacklist
+from orchestrator.pools.models import BUDGET_SPENT, Pool, PoolInvite, PoolMembership, PoolProviderBlacklist
 from orchestrator.verification.models import NodeTrust
 
 LIVE = ("active", "pending")  # memberships that count against caps and hold stake
@@ -64,6 +64,46 @@ async def member_counts(session: AsyncSession, pool_ids: Sequence[str]) -> dict[
     for pool_id, status, count in rows:
         counts[pool_id][status] = int(count)
     return counts
+
+
+async def rewards_credited(session: AsyncSession, pool_ids: Sequence[str]) -> dict[str, int]:
+    """What each pool's verdicts that stand credited, summed over its nodes' track records (as
+    many rows as nodes ever judged there, not one per verdict)."""
+    if not pool_ids:
+        return {}
+    rows = (
+        await session.execute(
+            select(NodeTrust.pool_id, func.sum(NodeTrust.rewards_credited))
+            .where(NodeTrust.pool_id.in_(pool_ids))
+            .group_by(NodeTrust.pool_id)
+        )
+    ).all()
+    credited = dict.fromkeys(pool_ids, 0)
+    for pool_id, total in rows:
+        credited[pool_id] = int(total or 0)
+    return credited
+
+
+async def active_pools_over_budget(session: AsyncSession) -> list[str]:
+    """The active pools with a reward budget that their verdicts have credited, by id: one
+    statement over the active pools with a budget and their nodes' track records."""
+    spent = (
+        select(func.coalesce(func.sum(NodeTrust.rewards_credited), 0))
+        .where(NodeTrust.pool_id == Pool.id)
+        .scalar_subquery()
+    )
+    stmt = (
+        select(Pool.id)
+        .where(Pool.status == "active", Pool.reward_budget.is_not(None), spent >= Pool.reward_budget)
+        .order_by(Pool.id)
+    )
+    return list((await session.execute(stmt)).scalars())
+
+
+async def count_paused_for_budget(session: AsyncSession) -> int:
+    """Pools the system paused because they spent their reward budget (a metric's gauge)."""
+    stmt = select(func.count()).where(Pool.status == "paused", Pool.status_reason == BUDGET_SPENT)
+    return int(await session.scalar(stmt) or 0)
 
 
 # ------------------------------------------------------------------ memberships

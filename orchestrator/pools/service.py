@@ -7,7 +7,10 @@ already in changes nothing)::
                             ^                  |
                             +-----resume-------+
 
-A completed pool is read-only (409 ``pool_completed``); completing it ends every live
+The system pauses an active pool whose verdicts have credited its ``reward_budget``
+(``pause_spent_pools``, from the ``reward_budget`` loop; ``status_reason`` ``budget_spent``,
+cleared by the next change of status), and a resume or activation while the budget is spent is
+409 ``budget_spent``. A completed pool is read-only (409 ``pool_completed``); completing it ends every live
 membership and cancels every open task (``end_reason`` ``pool_completed``); results already in
 are still verified and paid. Memberships (one row per pool and node)::
 
@@ -81,7 +84,7 @@ from orchestrator.identity import repository as identity_repo
 from orchestrator.identity.models import Node, NodeStatus
 from orchestrator.ledger import service as ledger
 from orchestrator.pools import repository as repo
-from orchestrator.pools.models import Pool, PoolInvite, PoolMembership, PoolProviderBlacklist
+from orchestrator.pools.models import BUDGET_SPENT, Pool, PoolInvite, PoolMembership, PoolProviderBlacklist
 from orchestrator.pools.requirements import unmet_requirements
 
 LIVE = frozenset({MembershipStatus.active.value, MembershipStatus.pending.value})
@@ -165,6 +168,7 @@ async def public_pool_views(session: AsyncSession, pools: list[Pool]) -> list[Pu
 
 async def pool_views(session: AsyncSession, pools: list[Pool]) -> list[PoolOut]:
     counts = await repo.member_counts(session, [p.id for p in pools])
+    credited = await repo.rewards_credited(session, [p.id for p in pools])
     return [
         PoolOut(
             **_public_fields(p, counts[p.id]),
@@ -172,10 +176,19 @@ async def pool_views(session: AsyncSession, pools: list[Pool]) -> list[PoolOut]:
             active_members=counts[p.id][MembershipStatus.active.value],
             pending_members=counts[p.id][MembershipStatus.pending.value],
             status_changed_at=p.status_changed_at,
+            status_reason=p.status_reason,
+            rewards_credited=credited[p.id],
+            reward_budget_remaining=budget_remaining(p.reward_budget, credited[p.id]),
             updated_at=p.updated_at,
         )
         for p in pools
     ]
+
+
+def budget_remaining(budget: int | None, credited: int) -> int | None:
+    """What a reward budget has left (never below 0: work leased before the pause may take the
+    spend past it); None without a budget."""
+    return None if budget is None else max(0, budget - credited)
 
 
 async def pool_view(session: AsyncSession, pool: Pool) -> PoolOut:
@@ -377,6 +390,8 @@ async def change_status(
             code="pool_transition_invalid",
             extra={"pool_status": pool.status, "allowed_actions": allowed},
         )
+    if target == PoolStatus.active.value:
+        await _budget_left(session, pool, action)
     before = pool.status
     ended: list[str] = []
     cancelled = 0
@@ -392,6 +407,7 @@ async def change_status(
         )
         cancelled = await end_pool_tasks(session, pool.id, now=now)
     pool.status = target
+    pool.status_reason = None
     pool.status_changed_at = now
     pool.updated_at = now
     await session.flush()
@@ -411,6 +427,61 @@ async def change_status(
         after=after,
     )
     return pool
+
+
+async def _budget_left(session: AsyncSession, pool: Pool, action: str) -> None:
+    """A pool whose verdicts have credited its reward budget is not made active again (the
+    budget check would pause it at once): 409 ``budget_spent`` until the budget is raised above
+    what is spent, or removed."""
+    if pool.reward_budget is None:
+        return
+    credited = (await repo.rewards_credited(session, [pool.id]))[pool.id]
+    if credited >= pool.reward_budget:
+        raise Conflict(
+            f"cannot {action} the pool: its verdicts have credited {credited} in rewards, its "
+            f"economics.reward_budget is {pool.reward_budget}; raise the budget above {credited} "
+            "(or set it to null) first",
+            code="budget_spent",
+            extra={"rewards_credited": credited, "reward_budget": pool.reward_budget},
+        )
+
+
+async def pause_spent_pools(session: AsyncSession, *, now: dt.datetime) -> list[str]:
+    """Pause every active pool whose verdicts have credited its ``reward_budget`` (status
+    reason ``budget_spent``, audited ``pool.pause`` by the system actor). Claims then get the
+    usual ``pool_paused``; leases already out run on and their results are judged and paid, as
+    after an operator's pause. Each pool is locked and read again before it is paused (an
+    operator's change may have come first). Returns the pools paused, by id."""
+    paused = []
+    for pool_id in await repo.active_pools_over_budget(session):
+        pool = await repo.get_pool(session, pool_id, for_update=True)
+        if pool is None or pool.status != PoolStatus.active.value or pool.reward_budget is None:
+            continue
+        credited = (await repo.rewards_credited(session, [pool.id]))[pool.id]
+        if credited < pool.reward_budget:
+            continue
+        pool.status = PoolStatus.paused.value
+        pool.status_reason = BUDGET_SPENT
+        pool.status_changed_at = now
+        pool.updated_at = now
+        await session.flush()
+        await record(
+            session,
+            SYSTEM,
+            "pool.pause",
+            target_type="pool",
+            target_id=pool.id,
+            pool_id=pool.id,
+            before={"status": PoolStatus.active.value},
+            after={
+                "status": pool.status,
+                "reason": BUDGET_SPENT,
+                "rewards_credited": credited,
+                "reward_budget": pool.reward_budget,
+            },
+        )
+        paused.append(pool.id)
+    return paused
 
 
 # ------------------------------------------------------------------ leases (filled in by the tasks issue)

@@ -212,6 +212,11 @@ class NodeTrust(Base):
     invalid: Mapped[int] = mapped_column(Integer, default=0)
     fraud: Mapped[int] = mapped_column(Integer, default=0)
     strikes: Mapped[int] = mapped_column(Integer, default=0)
+    #: The rewards its verdicts that stand credited (their ``reward_amount``; an appeal takes
+    #: its verdict's off): their sum over a pool is what its ``reward_budget`` counts, read over
+    #: the pool's members rather than over all its verdicts. The server default is migration
+    #: 0042's, which counted the verdicts before it.
+    rewards_credited: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 

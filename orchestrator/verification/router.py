@@ -32,6 +32,7 @@ from orchestrator.identity import repository as identity_repo
 from orchestrator.identity.auth import CurrentProvider, SignedNode
 from orchestrator.pools import repository as pools_repo
 from orchestrator.pools.models import Pool
+from orchestrator.pools.service import budget_remaining
 from orchestrator.tasks import service as tasks_service
 from orchestrator.tasks.access import pool_for
 from orchestrator.tasks.models import Task
@@ -211,6 +212,8 @@ async def pool_stats(pool: Annotated[Pool, Depends(_operator_pool)], session: Se
     ).all()
     return PoolStatsOut(
         pool_id=pool.id,
+        reward_budget=pool.reward_budget,
+        reward_budget_remaining=budget_remaining(pool.reward_budget, stats["rewards_credited"]),
         tasks_by_status={status: int(n) for status, n in rows},
         placement=PlacementOut(**await tasks_service.placement(session, pool.id)),
         **stats,

@@ -1160,6 +1160,8 @@ async def decide(
         trust.valid += 1
         if _verified(decision, job):
             trust.consecutive_valid += 1
+        # In the row's one UPDATE: what the pool's reward_budget counts (pools.service.spent).
+        trust.rewards_credited += verdict.reward_amount
         await _reward(session, pool, verdict, now=now)
     elif decision.category == "fraud":
         trust.fraud += 1
@@ -1262,6 +1264,7 @@ async def _trust(session: AsyncSession, pool_id: str, node_id: str, provider_id:
                 "invalid": 0,
                 "fraud": 0,
                 "strikes": 0,
+                "rewards_credited": 0,
                 "updated_at": dt.datetime.now(dt.UTC),
             },
         )
@@ -1701,10 +1704,13 @@ async def reverse_verdict(
 async def _uncount(session: AsyncSession, trust: NodeTrust, verdict: Verdict, *, now: dt.datetime) -> None:
     """Take the reversed ``verdict`` out of the node's track record, as if it had never been
     decided: its counter (``invalid`` for an inconclusive one too, as ``decide`` counts it) and,
-    for fraud, its strike, one less (never below 0); and the run of ``consecutive_valid``
+    for fraud, its strike, one less (never below 0); its reward off ``rewards_credited`` (so it
+    no longer counts against the pool's budget); and the run of ``consecutive_valid``
     counted again from the node's verdicts in the pool that stand (see ``_standing_run``): an
     appeal of a valid verdict shortens the run it was in, one of the verdict that broke a run
     joins the runs on either side of it again."""
+    # What the pool's budget counts: the verdict's reward no longer, what its appeal paid now.
+    trust.rewards_credited += verdict.reward_paid_on_appeal - verdict.reward_amount
     if verdict.category == "valid":
         trust.valid = max(0, trust.valid - 1)
     elif verdict.category == "fraud":
