@@ -237,3 +237,24 @@ async def test_a_pool_has_no_budget_unless_one_is_set(app: Any, app_state: Any) 
             {"economics.reward_budget": None},
             {"economics.reward_budget": 1000},
         )
+
+
+async def test_a_reward_that_a_later_fraud_verdict_forfeits_stays_spent(app: Any, app_state: Any) -> None:
+    """A forfeit moves the reward to the system's slashed account, not back to rewards: the
+    budget counts it as the stats do."""
+    econ = {"min_stake_per_node": 100, "reward_per_sample": 7, "fraud_slash_amount": 10, "reward_budget": 50}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=100) as s:
+        w = s.workers[0]
+        right, cheat = await leases(s, w, 2)
+        await submit(w, right, ["4"])
+        await verify_all(app_state)
+        await submit(w, cheat, ["5"], claimed_reward=1.0)  # claims a reward it did not earn
+        await verify_all(app_state)
+        assert sorted(v["category"] for v in await verdicts(s.admin, s.headers, s.pool_id)) == [
+            "fraud",
+            "valid",
+        ]
+        st = await stats(s)
+        assert (st["rewards_credited"], st["slashed"], st["reward_budget_remaining"]) == (7, 17, 43)
+        view = await pool_view(s)
+        assert (view["rewards_credited"], view["reward_budget_remaining"]) == (7, 43)
