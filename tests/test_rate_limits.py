@@ -13,11 +13,13 @@ import pytest
 import structlog
 import structlog.testing
 from asgi_lifespan import LifespanManager
+from sqlalchemy import func, select
 
 from orchestrator.app import create_app
 from orchestrator.core.clock import FakeClock
 from orchestrator.core.hotstore import HotStore, RedisHotStore
 from orchestrator.core.keys import attest_node, generate_key
+from orchestrator.core.nonces import SpentNonce
 from orchestrator.core.signing import sign_headers
 from orchestrator.settings import LimitSettings, Settings
 from tests.conftest import new_contributor, problem
@@ -252,3 +254,40 @@ async def test_a_providers_machines_share_its_key_within_a_budget_of_their_own(
             assert (await client.get("/v1/nodes/me", auth=machines[0].node_auth)).status_code == 200
         refused = problem(await client.get("/v1/nodes/me", auth=machines[0].node_auth), 429, "rate_limited")
         assert "ORCH_LIMITS__SIGNED_PER_KEY" in refused["detail"]
+
+
+async def test_a_request_refused_for_the_limit_can_be_sent_again_as_it_was_after_retry_after(
+    settings: Settings, clock: FakeClock, hot_store: HotStore
+) -> None:
+    """A 429 did nothing, so it spends nothing: the same signed request (an HTTP client's retry
+    sends it byte for byte), sent again after Retry-After and still within its signature window,
+    is served. Its nonce was spent by the refusal, in the hot store and in the embedded
+    default's ``spent_nonces`` too, so the retry was refused as a replay. Once served, it is a
+    replay like any other."""
+    async with (
+        app_with(settings, clock, hot_store, signed_per_key=1, signed_window_s=10) as app,
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as client,
+    ):
+        state = app.state.orch
+        c = new_contributor()
+        await c.register(client)
+        next_window(clock, 10)
+        assert (await client.get("/v1/nodes/me", auth=c.node_auth)).status_code == 200
+        nonces = await _spent_rows(state)
+        retried = sign_headers(c.node_key, method="GET", url="http://testserver/v1/nodes/me")
+        for _ in range(2):
+            refused = await client.get("/v1/nodes/me", headers=retried)
+            problem(refused, 429, "rate_limited")
+        assert await _spent_rows(state) == nonces  # the refusals left no nonce behind
+        clock.advance(int(refused.headers["retry-after"]))
+        assert (await client.get("/v1/nodes/me", headers=retried)).status_code == 200
+        if state.spent_nonces is not None:
+            assert await _spent_rows(state) == nonces + 1
+        clock.advance(10)  # a window with room: the nonce, not the limit, refuses it now
+        problem(await client.get("/v1/nodes/me", headers=retried), 401, "nonce_replayed")
+
+
+async def _spent_rows(state: Any) -> int:
+    """Rows of ``spent_nonces`` (the embedded default's; a shared hot store writes none)."""
+    async with state.sessionmaker() as session:
+        return int(await session.scalar(select(func.count()).select_from(SpentNonce)) or 0)

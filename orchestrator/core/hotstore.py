@@ -53,10 +53,12 @@ class HotStore(Protocol):
     async def admit(
         self, keyid: str, nonce: str, ttl_s: int, limit: int, window_s: int, now: float
     ) -> RateDecision | None:
-        """``claim_nonce`` and, when the nonce is new, count one request of ``keyid`` in a
-        fixed window of ``window_s`` (allowed up to ``limit``; 0 counts nothing and allows
-        all), in one step: None if the nonce was already seen. A replay counts nothing, so
-        replaying a captured request cannot spend its signer's limit."""
+        """When the nonce is new, count one request of ``keyid`` in a fixed window of
+        ``window_s`` (allowed up to ``limit``; 0 counts nothing and allows all) and, if it is
+        allowed, spend the nonce (``claim_nonce``), in one step: None if the nonce was already
+        spent. A replay counts nothing, so replaying a captured request cannot spend its
+        signer's limit; a request refused for the limit spends no nonce, so the same signed
+        request can be sent again after ``retry_after_s``."""
 
     async def record_beat(self, node_id: str, at: float, metrics: Mapping[str, str], ttl_s: int) -> None:
         """Mark the node healthy as of ``at`` and keep its latest metrics for ``ttl_s``."""
@@ -85,15 +87,18 @@ class HotStore(Protocol):
     async def aclose(self) -> None: ...
 
 
-# KEYS: the nonce, the key's counter; ARGV: the nonce's TTL, the counter's TTL. -1 for a
-# replayed nonce, else the count in the window.
+# KEYS: the nonce, the key's counter; ARGV: the nonce's TTL, the counter's TTL, the limit. -1
+# for a spent nonce, else the count in the window; the nonce is spent only within the limit.
 _ADMIT = """
-if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
+if redis.call('EXISTS', KEYS[1]) == 1 then
   return -1
 end
 local n = redis.call('INCR', KEYS[2])
 if n == 1 then
   redis.call('EXPIRE', KEYS[2], ARGV[2])
+end
+if n <= tonumber(ARGV[3]) then
+  redis.call('SET', KEYS[1], '1', 'EX', ARGV[1])
 end
 return n
 """
@@ -179,7 +184,7 @@ class RedisHotStore:
             return _UNLIMITED if await self.claim_nonce(keyid, nonce, ttl_s) else None
         window = int(now // window_s)
         keys = [self._k("nonce", keyid, nonce), self._k("rl", "key", keyid, str(window))]
-        count = int(await self._admit(keys=keys, args=[ttl_s, window_s + 1]))
+        count = int(await self._admit(keys=keys, args=[ttl_s, window_s + 1, limit]))
         return None if count < 0 else _decision(count, limit, window, window_s, now)
 
     async def record_beat(self, node_id: str, at: float, metrics: Mapping[str, str], ttl_s: int) -> None:
@@ -314,6 +319,11 @@ class _ExpiringMap(Generic[V]):
             if entry is not None and entry[1] == expired_at:
                 del self._values[old]
 
+    def check_room(self, now: float) -> None:
+        """Raise ``HotStoreFull`` if a new entry would be refused now."""
+        if self.full(now):
+            raise HotStoreFull(self.what, self.max_keys, self._expiries[0][0] - now)
+
     def add(self, key: str, value: V, expires_at: float, now: float) -> None:
         """Add ``key``, which ``live`` just found absent."""
         if len(self._values) >= self.max_keys:
@@ -362,11 +372,15 @@ class MemoryHotStore:
     async def admit(
         self, keyid: str, nonce: str, ttl_s: int, limit: int, window_s: int, now: float
     ) -> RateDecision | None:
-        if not await self.claim_nonce(keyid, nonce, ttl_s):
+        mono = self._monotonic()
+        key = f"{keyid}\x00{nonce}"
+        if self._nonces.live(key, mono) is not None:
             return None
-        if limit <= 0:
-            return _UNLIMITED
-        return await self.hit(f"key:{keyid}", limit, window_s, now)
+        self._nonces.check_room(mono)  # a full store refuses before it counts anything
+        decision = _UNLIMITED if limit <= 0 else self._count(f"key:{keyid}", limit, window_s, now)
+        if decision.allowed:
+            self._nonces.add(key, None, mono + ttl_s, mono)
+        return decision
 
     async def record_beat(self, node_id: str, at: float, metrics: Mapping[str, str], ttl_s: int) -> None:
         self._stages[HEALTHY].add(node_id, at)
@@ -407,6 +421,9 @@ class MemoryHotStore:
         self._beats.pop(node_id, None)
 
     async def hit(self, bucket: str, limit: int, window_s: int, now: float) -> RateDecision:
+        return self._count(bucket, limit, window_s, now)
+
+    def _count(self, bucket: str, limit: int, window_s: int, now: float) -> RateDecision:
         window = int(now // window_s)
         key = f"{bucket}\x00{window}"
         mono = self._monotonic()

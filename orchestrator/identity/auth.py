@@ -1,7 +1,7 @@
 """Contributor authentication: RFC 9421 signed requests, resolved to a provider or node.
 
-``signed_request`` checks the signature (``orchestrator.core.signing``), claims the nonce in
-the hot store and counts the request toward its key's rate limit (one round trip);
+``signed_request`` checks the signature (``orchestrator.core.signing``), counts the request
+toward its key's rate limit and, within it, claims the nonce in the hot store (one round trip);
 ``current_node`` and ``current_provider`` then load the signer, so a handler can only ever
 act as the identity that signed.
 """
@@ -125,8 +125,8 @@ def registering(request: Request, state: AppState, kind: Kind) -> Admission:
 async def _verified(
     request: Request, state: AppState, *, limit: int, budget: str, admission: Admission
 ) -> SignedRequest:
-    """Check the signature and the signer (``admission``), then claim the nonce and count the
-    request toward its key's ``limit`` (the settings field named ``budget``)."""
+    """Check the signature and the signer (``admission``), then count the request toward its
+    key's ``limit`` (the settings field named ``budget``) and, within it, claim the nonce."""
     body = await request.body()
     host = request.headers.get("host") or (
         f"{request.url.hostname}:{request.url.port}" if request.url.port else str(request.url.hostname)
@@ -174,23 +174,23 @@ async def _verified(
         window_s,
         state.clock.now(),
     )
-    if decision is None or (
-        state.spent_nonces is not None
-        and not await state.spent_nonces.claim(
-            signed.keyid, signed.nonce, state.settings.signature.effective_nonce_ttl_s, state.clock.utcnow()
-        )
-    ):
-        raise Unauthorized(
-            "this nonce was already used with this key",
-            code="nonce_replayed",
-            title="Request signature refused",
-        )
+    replayed = Unauthorized(
+        "this nonce was already used with this key", code="nonce_replayed", title="Request signature refused"
+    )
+    if decision is None:
+        raise replayed
     if not decision.allowed:
+        # Refused before it did anything: its nonce is not spent (in the hot store nor below),
+        # so the same signed request may be sent again after Retry-After.
         raise RateLimited(
             f"more than {limit} signed requests in {window_s} s with this key "
             f"(ORCH_LIMITS__{budget.upper()})",
             retry_after=decision.retry_after_s,
         )
+    if state.spent_nonces is not None and not await state.spent_nonces.claim(
+        signed.keyid, signed.nonce, state.settings.signature.effective_nonce_ttl_s, state.clock.utcnow()
+    ):
+        raise replayed
     return signed
 
 
