@@ -938,6 +938,29 @@ async def test_a_refused_signature_is_answered_with_the_signature_asked_for(
     assert accepted_signature(stranger)[0] == ["@method", "@target-uri"]
 
 
+async def test_a_refused_signature_names_its_authentication_scheme(
+    client: httpx.AsyncClient, contributor: Contributor, clock: FakeClock
+) -> None:
+    """RFC 9110, section 11.6.1: a 401 carries a WWW-Authenticate challenge. Signed routes' 401s
+    had only Accept-Signature, so a generic client (or proxy) saw a 401 naming no scheme."""
+    stale = signed(contributor.node_key, "POST", HEARTBEAT, HB_BODY, created=int(clock.now()) - 3600)
+    headers = signed(contributor.node_key, "GET", ME)
+    assert (await send(client, "GET", ME, headers)).status_code == 200
+    refusals = {
+        "signature_missing": await client.get(ME),
+        "signature_stale": await send(client, "POST", HEARTBEAT, stale, HB_BODY),
+        "nonce_replayed": await send(client, "GET", ME, headers),
+        "unknown_key": await send(client, "GET", BALANCE, signed(generate_key(), "GET", BALANCE)),
+    }
+    for code, refused in refusals.items():
+        problem(refused, 401, code)
+        assert refused.headers.get("www-authenticate") == "Signature", (code, refused.headers)
+        assert accepted_signature(refused)[1] == {"created": True, "alg": "ed25519"}
+    # A bearer token's route still challenges for its own scheme.
+    r = await client.get("/v1/admin/pools")
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+
+
 async def test_a_refusal_that_is_not_the_signatures_asks_for_none(
     client: httpx.AsyncClient, contributor: Contributor
 ) -> None:

@@ -138,8 +138,24 @@ class SignedRequest:
     window_s: int = 0
 
 
+# The challenge every 401 of a signed route carries (RFC 9110, section 11.6.1: a 401 names
+# at least one). RFC 9421 registers no authentication scheme; ``Signature`` names this one, and
+# the guard adds ``Accept-Signature`` (``accept_signature``) saying which signature to send.
+SIGNATURE_CHALLENGE = "Signature"
+
+
+def signature_refused(detail: str, *, code: str) -> Unauthorized:
+    """A 401 of the signature checks, with its ``WWW-Authenticate`` challenge."""
+    return Unauthorized(
+        detail,
+        code=code,
+        title="Request signature refused",
+        headers={"WWW-Authenticate": SIGNATURE_CHALLENGE},
+    )
+
+
 def _fail(code: str, detail: str) -> Unauthorized:
-    return Unauthorized(detail, code=code, title="Request signature refused")
+    return signature_refused(detail, code=code)
 
 
 def _parse_dictionary(name: str, value: str) -> dict[str, Any]:

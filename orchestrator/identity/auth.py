@@ -21,7 +21,14 @@ from sqlalchemy import bindparam, select
 from orchestrator.core import ratelimit
 from orchestrator.core.errors import BadRequest, Forbidden, RateLimited, Unauthorized
 from orchestrator.core.routing import before_body, guarded_answer
-from orchestrator.core.signing import SignedRequest, accept_signature, target_uri, verify_request
+from orchestrator.core.signing import (
+    SIGNATURE_CHALLENGE,
+    SignedRequest,
+    accept_signature,
+    signature_refused,
+    target_uri,
+    verify_request,
+)
 from orchestrator.core.state import AppState, Session, State, app_state
 from orchestrator.identity import repository as repo
 from orchestrator.identity.models import Node, NodeStatus, Provider
@@ -35,8 +42,9 @@ signature_scheme = APIKeyHeader(
         "RFC 9421 HTTP Message Signature, algorithm ed25519. Send Signature-Input and Signature, "
         "and Content-Digest (RFC 9530) with any body. Parameters keyid, created and nonce are "
         "required; @method and @target-uri (or @path and @query) must be covered, plus "
-        "content-digest when there is a body. A 401 for the signature carries Accept-Signature "
-        "(RFC 9421, section 5.1) naming the covered components and parameters asked for. "
+        "content-digest when there is a body. A 401 for the signature carries "
+        "WWW-Authenticate: Signature and Accept-Signature (RFC 9421, section 5.1) naming the "
+        "covered components and parameters asked for. "
         "See PROTOCOL.md."
     ),
     auto_error=False,
@@ -174,9 +182,7 @@ async def _verified(
         window_s,
         state.clock.now(),
     )
-    replayed = Unauthorized(
-        "this nonce was already used with this key", code="nonce_replayed", title="Request signature refused"
-    )
+    replayed = signature_refused("this nonce was already used with this key", code="nonce_replayed")
     if decision is None:
         raise replayed
     if not decision.allowed:
@@ -208,7 +214,9 @@ def _signature(kind: Kind, *, registration: bool) -> Callable[[Request], Awaitab
                 lambda: _verified(request, state, limit=limit, budget=budget, admission=admission),
             )
         except Unauthorized as exc:
-            # RFC 9421, section 5: the answer says which signature the server asks for.
+            # RFC 9421, section 5: the answer says which signature the server asks for; RFC 9110,
+            # section 11.6.1: a 401 names the authentication scheme.
+            exc.headers.setdefault("WWW-Authenticate", SIGNATURE_CHALLENGE)
             exc.headers.setdefault("Accept-Signature", accept_signature(has_body=bool(await request.body())))
             raise
 
@@ -262,9 +270,7 @@ RegisteringProvider = Annotated[SignedRequest, Depends(provider_registration_req
 
 
 def unknown_node() -> Unauthorized:
-    return Unauthorized(
-        "no node is registered with this key", code="unknown_key", title="Request signature refused"
-    )
+    return signature_refused("no node is registered with this key", code="unknown_key")
 
 
 def banned_node() -> Forbidden:
@@ -308,9 +314,7 @@ async def signed_node(signed: Signed, state: State) -> NodeRef:
 
 
 def unknown_provider() -> Unauthorized:
-    return Unauthorized(
-        "no provider is registered with this key", code="unknown_key", title="Request signature refused"
-    )
+    return signature_refused("no provider is registered with this key", code="unknown_key")
 
 
 async def current_provider(signed: ProviderSigned, session: Session) -> Provider:
