@@ -1033,3 +1033,92 @@ async def test_a_long_running_worker_keeps_nothing_per_decided_result(
         (worker,) = workers
         kept = {k: len(v) for k, v in vars(worker).items() if isinstance(v, (set, dict, list))}
         assert max(kept.values()) < 10, kept  # nothing per result: at most the leases in flight
+
+
+def recorded_workers(monkeypatch: pytest.MonkeyPatch) -> list[_Worker]:
+    """The ``_Worker`` of every run started from now on, to look inside."""
+    from orchestrator.worker import runner
+
+    workers: list[_Worker] = []
+
+    class Recorded(runner._Worker):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            workers.append(self)
+
+    monkeypatch.setattr(runner, "_Worker", Recorded)
+    return workers
+
+
+async def cancel_open_tasks(s: Any) -> None:
+    tasks = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks", headers=s.headers)).json()["items"]
+    for t in tasks:
+        if t["status"] != "cancelled":
+            r = await s.admin.post(f"/v1/admin/pools/{s.pool_id}/tasks/{t['id']}/cancel", headers=s.headers)
+            assert r.status_code == 200, r.text
+
+
+async def test_a_long_running_worker_forgets_the_leases_the_server_took_back(
+    app: Any, app_state: Any, gate: asyncio.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker kept the id of every lease a heartbeat's drop_leases named, for the whole run:
+    one more per lease the server took back, for weeks. It needs one only while the lease's
+    work is still ending."""
+    app_state.settings.heartbeat.interval_s = 0.05  # beat fast, so each drop is heard at once
+    workers = recorded_workers(monkeypatch)
+    async with pool_setup(app, app_state) as s:
+        await s.enqueue(arithmetic_tasks(1, seed=0), key="batch-0")
+        run = start(app, s.pool_id, backend="gated", concurrency=1)
+        for dropped in range(4):
+            await run.until(lambda st, n=dropped: st.in_flight == 1 and st.dropped == n)
+            await cancel_open_tasks(s)
+            if dropped < 3:  # the next, for the slot the dropped lease frees
+                await s.enqueue(arithmetic_tasks(1, seed=dropped + 1), key=f"batch-{dropped + 1}")
+        await run.until(lambda st: st.dropped == 4 and st.in_flight == 0)
+        (worker,) = workers
+        assert worker.dropped == set()  # it kept all 4
+        stats = await run.finish()
+        assert (stats.dropped, stats.submitted, stats.released, stats.errors) == (4, 0, 0, 0)
+
+
+class SlowToStop(ArithmeticBackend):
+    """A generation that, cancelled, takes its time to end (an HTTP request being closed, say),
+    until it is cancelled again."""
+
+    name = "slow-to-stop"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cancelled = asyncio.Event()
+
+    async def generate(self, task: LeasedTask, seed: int, policy: PolicyRef) -> list[Sample]:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            await asyncio.Event().wait()  # ends when cancelled once more
+        raise AssertionError("unreachable")
+
+
+async def test_a_lease_the_server_took_back_is_not_given_back_at_the_stop_while_its_work_ends(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop gives back the leases still being worked, but not one the server already took back
+    whose work is still ending (it is no longer the node's to give). Such a lease is counted as
+    dropped once, and no beat names it again: each beat named it, the server dropped it again,
+    and the worker counted it once more."""
+    app_state.settings.heartbeat.interval_s = 0.05
+    backend = SlowToStop()
+    monkeypatch.setitem(registry.BUILT_IN, "slow-to-stop", lambda options: backend)
+    workers = recorded_workers(monkeypatch)
+    async with pool_setup(app, app_state) as s:
+        await s.enqueue(arithmetic_tasks(1, seed=3))
+        run = start(app, s.pool_id, backend="slow-to-stop", concurrency=1, grace_s=0.1)
+        await run.until(lambda st: st.in_flight == 1)
+        await cancel_open_tasks(s)
+        await asyncio.wait_for(backend.cancelled.wait(), 10)
+        (worker,) = workers
+        assert worker.dropped == set(worker.running)  # still ending: remembered
+        stats = await run.finish()
+        assert (stats.dropped, stats.released, stats.errors, stats.in_flight) == (1, 0, 0, 0)
+        assert worker.dropped == set()

@@ -245,7 +245,13 @@ class _Worker:
         self.submitting: set[str] = set()
         #: Set once the held leases are settled: the background loops end.
         self.closing = asyncio.Event()
+        #: Leases in flight that the server took back (a beat's ``drop_leases``) and whose work
+        #: is still ending: no beat names them again, and a stop does not give them back. One is
+        #: forgotten once its work has ended (kept while the leases are being finished, which
+        #: reads it after their work ends), so it holds at most the leases in flight.
         self.dropped: set[str] = set()
+        #: Set while ``_finish_leases`` settles the leases held at the end of the run.
+        self.finishing = False
         #: Results recorded whose verdict this run has not counted yet; one is forgotten once
         #: counted (in ``stats``), so a run of any length keeps nothing per decided result.
         self.awaiting: set[int] = set()
@@ -613,11 +619,20 @@ class _Worker:
         self.running.pop(assignment_id, None)
         self.ended += 1
         self.submitting.discard(assignment_id)
+        if not self.finishing:
+            self.dropped.discard(assignment_id)
         self._emit()
 
     async def _finish_leases(self) -> None:
         """Let the held leases finish (all of them when the task quota was reached, within
         the grace period when stopped), then release what is left."""
+        self.finishing = True
+        try:
+            await self._finish_held()
+        finally:
+            self.dropped.clear()
+
+    async def _finish_held(self) -> None:
         while self.running and not self.stop.is_set():
             await self._wait_for_slot()
         if not self.running:
@@ -655,15 +670,18 @@ class _Worker:
             metrics = {"in_flight": float(len(self.running)), "tasks_done": float(self.stats.tasks_done)}
             # Retried until the held leases are settled (closing): a beat keeps them alive.
             beat = await self.client.heartbeat(
-                leases=list(self.running), metrics=metrics, stop=stop or self.closing
+                leases=[aid for aid in self.running if aid not in self.dropped],
+                metrics=metrics,
+                stop=stop or self.closing,
             )
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
             self._error("heartbeat_failed", error=_why(exc))
             return None
         for aid in beat.drop_leases:
             task = self.running.get(aid)
-            # A lease being submitted is left alone: the server will refuse the result.
-            if task is not None and aid not in self.submitting:
+            # A lease being submitted is left alone: the server will refuse the result. One
+            # dropped already is not counted again.
+            if task is not None and aid not in self.submitting and aid not in self.dropped:
                 log.info("lease_dropped", assignment_id=aid)
                 self.dropped.add(aid)
                 self.stats.dropped += 1
