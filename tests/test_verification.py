@@ -325,6 +325,27 @@ async def test_a_wrong_answer_on_a_greedy_canary_is_fraud(app: Any, app_state: A
         assert (v["category"], v["reason"]) == ("fraud", "canary_failed")
 
 
+async def test_a_result_sent_as_token_ids_alone_is_invalid_not_graded_as_empty(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    """A sample may carry token ids without its text, but the server grades text and has no
+    tokenizer: such a sample was graded as the empty text, so on a canary no answer was right,
+    fraud, and the stake slashed. The result is accepted as sent and judged invalid
+    (``completion_missing``: not paid, not slashed), and no reward function reads a text it
+    was not given."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        lease = await one_lease(s, w, canary=True)
+        sample = {"token_ids": [19], "finish_reason": "stop", "prompt_tokens": 10, "completion_tokens": 1}
+        await submit(w, lease, ["4"], samples=[sample])
+        await verify_all(app_state)
+        [v] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (v["outcome"], v["category"], v["reason"]) == ("rejected", "invalid", "completion_missing")
+        assert v["reward_amount"] == 0 and v["server_reward"] is None
+        assert "token_ids alone cannot be checked" in v["details"]["findings"][0]["detail"]
+        assert (await balances(client, w))["stake_locked"] == 1000
+
+
 async def _quorum(
     s: Any, answers: list[str], verification: dict[str, Any] | None, sampling: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:

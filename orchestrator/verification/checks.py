@@ -74,9 +74,15 @@ def sanity(result: Mapping[str, Any], expect: Expectations) -> list[Finding]:
                     f"sample {i}: 'length' with {tokens} < max_tokens {expect.max_tokens} tokens",
                 )
             )
-        if sample.get("completion") is None and not sample.get("token_ids"):
+        if not isinstance(sample.get("completion"), str):
+            # Sent as token_ids alone: not graded as "", as the server has no tokenizer to read
+            # them with, and not left unscored, which would pay it unchecked.
             found.append(
-                Finding("empty_sample", "invalid", f"sample {i} has neither completion nor token_ids")
+                Finding(
+                    "completion_missing",
+                    "invalid",
+                    f"sample {i} has no completion text (token_ids alone cannot be checked)",
+                )
             )
     step = result.get("policy_step", -1)
     if step < expect.current_step - expect.max_async_level or step > expect.current_step:

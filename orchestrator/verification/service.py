@@ -340,8 +340,13 @@ async def score_result(given: ScoreInput, scorer: Scorer, retry: Retry | None = 
     it cannot score within the limits has no rewards and an ``inconclusive`` finding. One whose
     reward function is unavailable raises ``RewardUnavailable`` while ``retry`` wants it tried
     again; past that it is inconclusive too."""
-    completions = [s.get("completion") or "" for s in given.result.get("samples", [])]
+    samples = given.result.get("samples", [])
+    completions = [s.get("completion") for s in samples]
     n = len(completions)
+    if not all(isinstance(text, str) for text in completions):
+        # A sample sent as token ids alone is not graded as "" (the server has no tokenizer): no
+        # reward is computed, and the checks find the result invalid (completion_missing).
+        return Scored(given.result, [None] * n, [""] * n)
     try:
         per_sample, canonical = await scorer.score(given.reward_function, completions, given.spec)
     except Unscorable as exc:
