@@ -190,6 +190,36 @@ async def test_an_operators_pause_has_no_reason_and_a_reversed_reward_is_no_long
         assert r.status_code == 200, r.text
 
 
+async def test_what_an_appeal_of_a_rejection_pays_is_spent_too(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A wrong answer's appeal pays what an acceptance would have (here the whole budget): the
+    view, the stats and the budget loop count it as spent, and the pool is paused for it."""
+    async with pool_setup(
+        app, app_state, workers=1, economics={"reward_per_sample": 7, "reward_budget": 7}
+    ) as s:
+        w = s.workers[0]
+        [lease] = await leases(s, w, 1)
+        await submit(w, lease, ["4"], seed=1)  # not the assigned seed: fraud
+        await verify_all(app_state)
+        [v] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (v["category"], v["reward_amount"]) == ("fraud", 0)
+        assert (await pool_view(s))["rewards_credited"] == 0
+
+        r = await s.admin.post(
+            f"/v1/admin/verdicts/{v['id']}/reverse", json={"reason": "our seed bug"}, headers=s.admin_headers
+        )
+        assert r.status_code == 200 and r.json()["reward_paid_on_appeal"] == 7, r.text
+        view = await pool_view(s)
+        assert (view["rewards_credited"], view["reward_budget_remaining"]) == (7, 0)
+        assert (await stats(s))["rewards_credited"] == 7
+        assert (await check_budgets(app_state, clock)).paused == [s.pool_id]
+        assert ((await pool_view(s))["status"], (await pool_view(s))["status_reason"]) == (
+            "paused",
+            "budget_spent",
+        )
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [
