@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
 from orchestrator.settings import Settings
 
@@ -91,3 +94,56 @@ def test_an_unknown_log_level_is_refused_at_start(monkeypatch: pytest.MonkeyPatc
             Settings()
     monkeypatch.setenv("ORCH_LOG_LEVEL", "warning")
     assert Settings().log_level == "WARNING"
+
+
+def _readme_configuration_table() -> dict[str, str]:
+    """The README's configuration table as {variable: default}, read as a reader would: a row
+    naming several variables (`ORCH_REDIS__MAX_CONNECTIONS` / `_POOL_TIMEOUT_S`) gives the
+    later ones by their name within the first one's group, each with its own default in order;
+    `unset` is no default."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    match = re.search(r"^## Configuration\n(.*?)(?=^## )", readme, flags=re.MULTILINE | re.DOTALL)
+    assert match, "README section 'Configuration'"
+    table: dict[str, str] = {}
+    for row in match.group(1).splitlines():
+        if not row.startswith("| `"):
+            continue
+        variables_cell, default_cell = (cell.strip() for cell in row.strip("|").split(" | ")[:2])
+        names = re.findall(r"`([^`]+)`", variables_cell)
+        defaults = re.findall(r"`([^`]+)`", default_cell) or ["unset"] * len(names)
+        assert len(defaults) == len(names), f"a default for each variable: {row[:120]}"
+        for name, default in zip(names, defaults, strict=True):
+            if name.startswith("_"):
+                name = f"{names[0].split('__')[0]}__{name.lstrip('_')}"
+            table[name] = default
+    return table
+
+
+def _settings_defaults(model: type[BaseModel], prefix: str = "ORCH_") -> dict[str, str]:
+    """Every setting's variable with its default, written as the README writes it."""
+    defaults: dict[str, str] = {}
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            defaults |= _settings_defaults(field.annotation, f"{prefix}{name.upper()}__")
+            continue
+        value = field.get_default(call_default_factory=True)
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        if value is None or value == []:
+            shown = "unset"
+        elif isinstance(value, bool):
+            shown = str(value).lower()
+        elif isinstance(value, float) and value.is_integer():
+            shown = str(int(value))
+        else:
+            shown = str(value)
+        defaults[f"{prefix}{name.upper()}"] = shown
+    return defaults
+
+
+def test_the_readme_configuration_table_is_every_setting_with_its_default() -> None:
+    """Each ORCH_* variable the README's table names is a setting with the default it shows, and
+    every setting is in the table: a renamed, added or re-defaulted setting fails here until the
+    README says so too."""
+    documented = {k: v for k, v in _readme_configuration_table().items() if k.startswith("ORCH_")}
+    assert documented == _settings_defaults(Settings)
