@@ -111,7 +111,7 @@ def test_the_run_a_worker_walkthrough_works_as_written(
         ["worker", "register"],
         ["worker", "run"],
     ]
-    provider_id = None
+    provider_id = node_id = None
     final: dict[str, object] = {}
     for command in commands:
         command = _as_reader_would(command, base)
@@ -124,7 +124,7 @@ def test_the_run_a_worker_walkthrough_works_as_written(
         assert "<" not in command, f"an unfilled placeholder: {command}"
         out = _run(command, tmp_path, env, timeout=240)
         if " worker register " in command:
-            provider_id = json.loads(out)["provider_id"]
+            provider_id, node_id = json.loads(out)["provider_id"], json.loads(out)["node_id"]
         if " worker run " in command:
             final = json.loads(out.strip().splitlines()[-1])
 
@@ -135,3 +135,23 @@ def test_the_run_a_worker_walkthrough_works_as_written(
         f"{base}/v1/admin/pools/{pool_id}/tasks", params={"status": "open"}, headers=headers
     ).json()
     assert open_left["items"] == []
+
+    # "A machine stolen or compromised": the node's key revoked, then the machine back at work
+    # with a new key in the same file, as the README's block does it.
+    revocation = _commands(_bash_blocks(_section("Run a worker"))[3])
+    assert [c.split()[1:3] for c in revocation] == [
+        ["provider", "nodes"],
+        ["provider", "revoke-node"],
+        ["keys", "generate"],
+        ["worker", "register"],
+    ]
+    outputs = []
+    for command in revocation:
+        command = _as_reader_would(command, base).replace("<node_id>", str(node_id))
+        assert "<" not in command, f"an unfilled placeholder: {command}"
+        outputs.append(_run(command, tmp_path, env))
+    revoked = json.loads(outputs[1])
+    assert revoked["id"] == node_id and revoked["status"] == "banned" and revoked["revoked_at"]
+    assert revoked["ejected_from"] == [pool_id]
+    again = json.loads(outputs[-1])
+    assert again["provider_id"] == provider_id and again["node_id"] != node_id
