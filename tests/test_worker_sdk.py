@@ -13,6 +13,7 @@ import pytest
 from sqlalchemy import func, select
 
 from api_schemas.tasks import Lease, ResultIn
+from api_schemas.verification import VerdictOut
 from orchestrator.tasks.models import Assignment, Submission
 from orchestrator.verification.jobs import drain
 from orchestrator.worker.backends import ArithmeticBackend
@@ -54,8 +55,11 @@ async def test_register_join_claim_submit_round_trip_earns(app: Any, app_state: 
         assert (await client.submit(lease, result)).submission_id == out.submission_id
 
         assert await drain(app_state) == 1
+        # A typed model from api_schemas, as the README says of every call's answer.
         [verdict] = await client.verdicts()
-        assert verdict["submission_id"] == out.submission_id and verdict["outcome"] == "accepted"
+        assert isinstance(verdict, VerdictOut)
+        assert verdict.submission_id == out.submission_id and verdict.outcome == "accepted"
+        assert verdict.task_id == lease.task.task_id  # the node's own reference for the task
         assert await client.verdicts(node_only=True) == [verdict]
         balance = await client.balance()
         assert balance.provider_id == client.provider_id and balance.rewards_pending == 2 * 7

@@ -55,6 +55,7 @@ from api_schemas.ledger import Balances
 from api_schemas.payouts import PayoutOut, WithdrawalOut
 from api_schemas.pools import JoinIn, MembershipOut
 from api_schemas.tasks import ClaimIn, ClaimOut, Lease, LeasesOut, ReleaseIn, ResultIn, ResultOut
+from api_schemas.verification import VerdictOut
 from orchestrator import __version__
 from orchestrator.core.keys import attest_node, key_id_of
 from orchestrator.core.signing import SignatureAuth
@@ -350,13 +351,14 @@ class WorkerClient(Backoff):
 
     async def verdicts(
         self, limit: int = 100, *, node_only: bool = False, stop: asyncio.Event | None = None
-    ) -> list[dict[str, Any]]:
+    ) -> list[VerdictOut]:
         """The newest ``limit`` verdicts, newest first, following the server's pages: the
         provider's (all its nodes; signed by the provider key), or with ``node_only`` this
         client's node's (signed by the node key: no provider key needed, and none of the
         provider's request budget used). Once ``stop`` is set, no further attempt is made."""
         path = "/v1/nodes/me/verdicts" if node_only else "/v1/providers/me/verdicts"
-        return [item async for item in self._pages(path, limit, provider=not node_only, stop=stop)]
+        pages = self._pages(path, limit, provider=not node_only, stop=stop)
+        return [VerdictOut.model_validate(item) async for item in pages]
 
     async def _pages(
         self,

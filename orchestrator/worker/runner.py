@@ -710,11 +710,11 @@ class _Worker:
                     limit=min(5000, 100 + 2 * pending), node_only=True, stop=self.stop
                 )
                 for v in newest:
-                    if v.get("submission_id") in self.awaiting:
-                        self.awaiting.discard(v["submission_id"])
-                        if v.get("outcome") == "accepted":
+                    if v.submission_id in self.awaiting:
+                        self.awaiting.discard(v.submission_id)
+                        if v.outcome == "accepted":
                             self.stats.accepted += 1
-                        elif v.get("outcome") == "rejected":
+                        elif v.outcome == "rejected":
                             self.stats.rejected += 1
             self._count_awaiting()
             if earnings and self.has_provider_key:
