@@ -181,7 +181,12 @@ class ToplocEvidence(StrictModel):
 class ValidatorVerdictIn(StrictModel):
     fencing_token: int = Field(ge=1, lt=INT64_END, description="The lease's, as the claim gave it")
     outcome: Literal["valid", "invalid", "fraud"]
-    reason: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9_]+$")
+    reason: str = Field(
+        min_length=1,
+        max_length=64,
+        pattern=r"^[a-z0-9_]+$",
+        description="A code (a-z, 0-9 and _), e.g. toploc_ok or toploc_mismatch",
+    )
     evidence: ToplocEvidence = Field(default_factory=ToplocEvidence)
 
 
