@@ -342,3 +342,24 @@ async def test_a_provider_withdraws_and_lists_its_payouts_without_a_node_key(
         assert await provider.payouts(status="paid") == []
         with pytest.raises(NodeKeyRequired):
             await provider.me()
+
+
+def test_the_readme_names_every_call_of_the_sdk() -> None:
+    """The README's Python SDK bullet lists WorkerClient's calls: a call added (or renamed)
+    without the README saying so fails here."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    from orchestrator.worker import WorkerClient
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    match = re.search(r"\* \*\*Python SDK\*\*: `[^`]+` with\n(.*?), which answer", readme, re.DOTALL)
+    assert match, "README: the Python SDK bullet"
+    named = set(re.findall(r"`(\w+)`", match.group(1)))
+    calls = {
+        name
+        for name, member in inspect.getmembers(WorkerClient, inspect.iscoroutinefunction)
+        if not name.startswith("_") and name != "aclose"
+    }
+    assert named == calls
