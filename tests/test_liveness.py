@@ -20,6 +20,7 @@ from orchestrator.liveness.service import SWEEPER, sweep_once
 from orchestrator.settings import Settings
 from orchestrator.tasks.jobs import reap_once
 from tests.conftest import Contributor, new_contributor, problem
+from tests.test_node_lists import beat_reads
 
 
 async def status_of(client: httpx.AsyncClient, c: Contributor) -> str:
@@ -232,6 +233,27 @@ async def test_sweeper_cost_does_not_grow_with_beating_nodes(
         await store.record_beat(f"beating-{i:05d}", clock.now(), {}, ttl_s=600)
     report = await sweep_once(app_state)
     assert (report.to_unhealthy, report.to_dead) == (1, 0)
+
+
+async def test_the_sweeper_reads_the_last_beats_of_the_nodes_it_marks_dead_in_one_call(
+    client: httpx.AsyncClient, app_state: Any, clock: FakeClock
+) -> None:
+    """The last beats kept in SQL for a tick's dead nodes are one hot-store read, not one per
+    node (a tick marks up to a batch of them dead, in its transaction)."""
+    silent = [new_contributor() for _ in range(4)]
+    for c in silent:
+        await c.register(client)
+        await c.beat(client)
+    clock.advance(31)
+    assert (await sweep_once(app_state)).to_unhealthy == 4
+    clock.advance(60)
+    with beat_reads(app_state.hot_store) as reads:
+        assert (await sweep_once(app_state)).to_dead == 4
+    assert reads == ["last_beats"]
+    for c in silent:
+        await app_state.hot_store.forget_node(c.node_id)  # as when its entry expires
+        me = (await client.get("/v1/nodes/me", auth=c.node_auth)).json()
+        assert me["status"] == "dead" and me["last_heartbeat_at"] is not None
 
 
 async def test_the_openapi_schema_names_the_metric_names_a_heartbeat_takes(

@@ -65,6 +65,9 @@ class HotStore(Protocol):
 
     async def last_beat(self, node_id: str) -> float | None: ...
 
+    async def last_beats(self, node_ids: Sequence[str]) -> list[float | None]:
+        """``last_beat`` of each of ``node_ids``, in order, in one call (one round trip)."""
+
     async def move_stale(self, src: str, dst: str | None, cutoff: float, limit: int) -> list[str]:
         """Atomically move members of stage ``src`` last seen at or before ``cutoff``
         to stage ``dst`` (or drop them when ``dst`` is None); return their ids."""
@@ -201,6 +204,15 @@ class RedisHotStore:
     async def last_beat(self, node_id: str) -> float | None:
         value = await self._r.hget(self._k("hb", node_id), "at")
         return float(value) if value is not None else None
+
+    async def last_beats(self, node_ids: Sequence[str]) -> list[float | None]:
+        if not node_ids:
+            return []
+        async with self._r.pipeline(transaction=False) as pipe:  # one round trip, no MULTI
+            for node_id in node_ids:
+                pipe.hget(self._k("hb", node_id), "at")
+            values = await pipe.execute()
+        return [float(v) if v is not None else None for v in values]
 
     async def move_stale(self, src: str, dst: str | None, cutoff: float, limit: int) -> list[str]:
         keys = [self._k("live", src), self._k("live", dst) if dst else ""]
@@ -389,8 +401,15 @@ class MemoryHotStore:
         self._beats[node_id] = (at, dict(metrics), self._monotonic() + ttl_s)
 
     async def last_beat(self, node_id: str) -> float | None:
+        return self._beat_at(node_id, self._monotonic())
+
+    async def last_beats(self, node_ids: Sequence[str]) -> list[float | None]:
+        now = self._monotonic()
+        return [self._beat_at(node_id, now) for node_id in node_ids]
+
+    def _beat_at(self, node_id: str, now: float) -> float | None:
         entry = self._beats.get(node_id)
-        if entry is None or entry[2] <= self._monotonic():
+        if entry is None or entry[2] <= now:
             return None
         return entry[0]
 

@@ -26,6 +26,12 @@ async def node_out(state: AppState, node: Node) -> NodeOut:
     last = await state.hot_store.last_beat(node.id)
     session = async_object_session(node)  # the request's session the node was loaded in
     memberships = await pools_repo.memberships_of_node(session, node.id) if session is not None else []
+    return _node_view(node, last, memberships)
+
+
+def _node_view(node: Node, last: float | None, memberships: list[tuple[str, str]]) -> NodeOut:
+    """The node as its views give it, with its last beat in the hot store (None: not there) and
+    its memberships by pool id."""
     return NodeOut(
         id=node.id,
         provider_id=node.provider_id,
@@ -60,13 +66,17 @@ async def nodes_page(
     limit: int,
 ) -> Page[NodeOut]:
     """One page of nodes by id (``status``, ``provider_id``: only those), each as ``node_out``
-    gives it: the admin's node list and a provider's list of its own nodes."""
+    gives it: the admin's node list and a provider's list of its own nodes. Whatever its size,
+    the page's last beats are one hot-store call and its memberships one SQL query."""
     nodes = await repo.list_nodes(
         session, status=status, provider_id=provider_id, after=scope.decode(cursor), limit=limit + 1
     )
     more = len(nodes) > limit
     nodes = nodes[:limit]
-    items = [await node_out(state, n) for n in nodes]
+    ids = [n.id for n in nodes]
+    beats = await state.hot_store.last_beats(ids)
+    memberships = await pools_repo.memberships_of_nodes(session, ids)
+    items = [_node_view(n, last, memberships.get(n.id, [])) for n, last in zip(nodes, beats, strict=True)]
     return Page[NodeOut](items=items, next_cursor=scope.encode(nodes[-1].id) if more else None)
 
 

@@ -17,7 +17,6 @@ usual ``dead_after_s``.
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import math
 from collections.abc import Sequence
@@ -115,8 +114,8 @@ class SweepReport:
 async def _keep_last_beats(session: AsyncSession, store: HotStore, node_ids: Sequence[str]) -> None:
     """The last beat of each node just marked dead, into SQL: the hot store's entry expires
     (``beat_ttl_s``: a day, or twice the dead threshold if longer) and the node views then fall
-    back on this."""
-    beats = await asyncio.gather(*(store.last_beat(node_id) for node_id in node_ids))
+    back on this. One read of the hot store for them all."""
+    beats = await store.last_beats(node_ids)
     rows = [
         {"id": node_id, "last_heartbeat_at": dt.datetime.fromtimestamp(at, dt.UTC)}
         for node_id, at in zip(node_ids, beats, strict=True)

@@ -207,6 +207,24 @@ async def memberships_of_node(session: AsyncSession, node_id: str) -> list[tuple
     return [(pool_id, status) for pool_id, status in rows.all()]
 
 
+async def memberships_of_nodes(
+    session: AsyncSession, node_ids: Sequence[str]
+) -> dict[str, list[tuple[str, str]]]:
+    """``memberships_of_node`` of each of ``node_ids`` (a page of a node list), in one query;
+    a node with none is absent."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    if not node_ids:
+        return out
+    rows = await session.execute(
+        select(PoolMembership.node_id, PoolMembership.pool_id, PoolMembership.status)
+        .where(PoolMembership.node_id.in_(node_ids))
+        .order_by(PoolMembership.node_id, PoolMembership.pool_id)
+    )
+    for node_id, pool_id, status in rows.all():
+        out.setdefault(node_id, []).append((pool_id, status))
+    return out
+
+
 async def count_live(
     session: AsyncSession, pool_id: str, *, provider_id: str | None = None, ip_address: str | None = None
 ) -> int:
