@@ -187,7 +187,8 @@ class VerifierSettings(BaseModel):
         default=0.8,
         gt=0,
         le=3600,
-        description="How long one verifier tick (every second) keeps taking batches while results wait.",
+        description="How long one verifier tick (every second) keeps taking batches while results wait; "
+        "a tick that runs out of it still deciding results is followed at once by the next.",
     )
     quorum_wait_s: float = Field(
         default=3600,

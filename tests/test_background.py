@@ -250,6 +250,26 @@ async def test_a_tick_that_cannot_reach_redis_or_the_database_logs_a_line_not_a_
     ]
 
 
+async def test_a_tick_that_says_there_is_more_is_followed_at_once_by_the_next() -> None:
+    """The verifier's tick stopped by its budget with results still waiting says ``more``: the
+    next starts at once, not at the next interval (here an hour away); others wait as before."""
+    stop = asyncio.Event()
+    reports = [SimpleNamespace(more=True), SimpleNamespace(more=True), SimpleNamespace(more=False)]
+    ran = 0
+
+    async def tick(_: Any) -> Any:
+        nonlocal ran
+        ran += 1
+        report = reports.pop(0)
+        if not reports:
+            stop.set()
+        return report
+
+    state = SimpleNamespace(clock=SystemClock())
+    await asyncio.wait_for(run_periodically(state, "verifier", 3600, tick, stop), timeout=10)  # type: ignore[arg-type]
+    assert ran == 3
+
+
 def test_the_command_refuses_a_metrics_port_in_use_before_starting() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -131,6 +131,51 @@ async def test_a_tick_stops_taking_batches_when_its_budget_is_spent(app: Any, ap
         assert await decided(app_state) == (5, Counter(done=5))
 
 
+async def test_a_tick_its_budget_stops_while_results_wait_says_there_is_more(
+    app: Any, app_state: Any, clock: Any, monkeypatch: Any
+) -> None:
+    """The loop starts the next tick at once after one that says ``more`` (``core.loops``): a tick
+    that waited for the next second left the verifier idle between ticks while a backlog waited."""
+    app_state.settings.verifier = VerifierSettings(batch_size=2, tick_budget_s=1.5)
+    real = service.process_pending
+
+    async def taking_a_second(*args: Any, **kwargs: Any) -> Any:
+        batch = await real(*args, **kwargs)
+        clock.advance(1)  # each batch takes a second
+        return batch
+
+    monkeypatch.setattr(service, "process_pending", taking_a_second)
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=8) as s:
+        await results(s, 5)
+        first = await verify_once(app_state)
+        assert (first.processed, first.more) == (4, True)  # two batches, then out of time
+        last = await verify_once(app_state)
+        assert (last.processed, last.more) == (1, False)  # the backlog is done
+        assert await decided(app_state) == (5, Counter(done=5))
+        idle = await verify_once(app_state)
+        assert (idle.processed, idle.more) == (0, False)
+
+
+async def test_prescoring_reads_a_batch_in_the_same_few_statements_whatever_its_size(
+    app: Any, app_state: Any
+) -> None:
+    """SQLite scores a batch before its transaction (``service.prescore``): its rows were read two
+    statements a result, 40 for a batch of 20, each a round trip to SQLite's thread."""
+    from orchestrator.verification.scoring import scorer_for
+    from tests.test_hot_paths import sql_log
+
+    scorer = scorer_for(app_state.settings.verifier)
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=8) as s:
+        await results(s, 6)
+        counts = []
+        for size in (2, 6):
+            async with sql_log(app_state) as statements:
+                scored = await service.prescore(app_state.sessionmaker, scorer, limit=size, after_id=0)
+            assert len(scored.scored) == size
+            counts.append(len(statements))
+        assert counts[0] == counts[1], counts
+
+
 def poison(monkeypatch: Any, submission_id: int) -> None:
     """The verdict on this submission fails (as a bad result would), the others are decided."""
     real_decide = service.decide

@@ -25,13 +25,19 @@ async def run_periodically(
     """Call ``tick(state)`` at each multiple of ``interval_s`` until ``stop`` is set.
 
     ``tick`` claims its own tick number (``core.ticks.claim_tick``); an error is logged and the
-    loop goes on, so one bad tick never stops liveness or payouts.
+    loop goes on, so one bad tick never stops liveness or payouts. A tick that returns a result
+    whose ``more`` is True (the verifier's, stopped by its time budget with work left) is
+    followed at once by the next, not at the next multiple: a backlog is worked without pauses.
     """
     while not stop.is_set():
+        more = False
         try:
-            await tick(state)
+            more = getattr(await tick(state), "more", False) is True
         except Exception as exc:
             tick_failed(name, exc)
+        if more:
+            await asyncio.sleep(0)  # let the stop, and everything else, in between
+            continue
         delay = interval_s - (state.clock.now() % interval_s) + 0.05
         try:
             await asyncio.wait_for(stop.wait(), timeout=delay)

@@ -1,7 +1,8 @@
 """Background loops of verification: run the checks, release held rewards, expire validator leases.
 
 The verifier runs in every process that runs background loops: each tick takes waiting results
-in small batches, each committed on its own, for up to a time budget. Only the tick's
+in small batches, each committed on its own, for up to a time budget (a tick that runs out of
+it while still deciding results is followed at once by the next). Only the tick's
 housekeeping is once per tick across processes (``core.ticks.claim_tick``): the process that
 claims the tick also withdraws the validator jobs past their wait, in a transaction of its own
 right after."""
@@ -48,6 +49,9 @@ class VerifyReport:
     validator_leases_expired: int = 0
     quorum_waits_expired: int = 0
     validator_waits_expired: int = 0
+    # The tick's budget ran out while it was still deciding results: the loop starts the next
+    # tick at once instead of at the next second (``core.loops.run_periodically``).
+    more: bool = False
 
 
 async def verify_once(state: AppState) -> VerifyReport:
@@ -77,11 +81,12 @@ async def verify_once(state: AppState) -> VerifyReport:
             validator_waits = await _validator_waits(state)
         except Exception as exc:
             tick_failed(VERIFIER, exc, part="validator_waits")
-    processed = await verify_batches(state, budget_s=state.settings.verifier.tick_budget_s)
+    processed, cut_short = await _verify_batches(state, budget_s=state.settings.verifier.tick_budget_s)
     return VerifyReport(
         tick=tick,
         ran=ran,
         processed=processed,
+        more=cut_short and processed > 0,
         validator_leases_expired=expired,
         quorum_waits_expired=waits,
         validator_waits_expired=validator_waits,
@@ -122,6 +127,11 @@ async def verify_batches(state: AppState, *, budget_s: float) -> int:
     share the backlog, each provider's results are decided in order and no partition falls
     behind the others. A job that failed is not retried within the call (the next batch starts
     after it). Returns how many jobs were processed."""
+    return (await _verify_batches(state, budget_s=budget_s))[0]
+
+
+async def _verify_batches(state: AppState, *, budget_s: float) -> tuple[int, bool]:
+    """``verify_batches``, and whether it stopped at its budget (not for want of results)."""
     size = state.settings.verifier.batch_size
     secret = state.settings.seed_key
     scorer = scorer_for(state.settings.verifier)
@@ -176,10 +186,10 @@ async def verify_batches(state: AppState, *, budget_s: float) -> int:
             if partition is not None and batch.processed < batch.picked:
                 state.verifier_failed_at[partition] = state.clock.monotonic()
             if state.clock.monotonic() >= deadline:
-                return total
+                return total, True
             if batch.picked < size:
                 break  # this partition is done, or another verifier is working it
-    return total
+    return total, False
 
 
 async def drain(state: AppState, *, max_rounds: int = 100) -> int:

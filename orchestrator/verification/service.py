@@ -467,10 +467,13 @@ async def prescore(
     """SQLite: score the next batch's results with no transaction open. Every SQLite transaction
     holds the database's one write lock (``BEGIN IMMEDIATE``), so a batch that scored inside its
     own would hold up every claim, result and heartbeat for as long as its reward functions ran
-    (up to ``reward_timeout_s`` per result). The inputs are read in a short transaction first."""
+    (up to ``reward_timeout_s`` per result). The inputs are read in a short transaction first,
+    the batch's rows in a few reads (``_load``), not two a result."""
     async with sessionmaker() as session, session.begin():
         jobs = list((await session.execute(_waiting(after_id, limit))).scalars())
+        _, loaded = await _load(session, jobs) if jobs else ([], [])
         inputs = await _inputs(session, jobs)
+        del loaded  # held until the inputs are read (the identity map holds rows weakly)
     scored = await _score_inputs(inputs, scorer, Retry(now, reward_retry_s))
     return Prescored(frozenset(j.id for j in jobs), scored)
 
