@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from api_schemas.common import StrictModel, Text
+from api_schemas.common import KeyId, StrictModel, Text
 from api_schemas.identity import NodeOut
 
 
@@ -67,3 +67,47 @@ class TokenOut(BaseModel):
 
 class TokenCreatedOut(TokenOut):
     token: str = Field(description="The bearer token, shown only in this answer (only its hash is kept)")
+
+
+class RetireIn(StrictModel):
+    successor_id: KeyId = Field(
+        description="The registered provider (not retired, not this one) that receives the retired "
+        "provider's money, now and as it matures"
+    )
+    reason: Text = Field(min_length=1, max_length=500, description="Why (the key lost, stolen); audited")
+
+
+class ProviderDetailOut(BaseModel):
+    id: str
+    display_name: str | None
+    registered_ip: str | None
+    created_at: dt.datetime
+    retired_at: dt.datetime | None = Field(
+        description="When an admin retired it (its key lost or stolen); null: not retired"
+    )
+    successor_id: str | None = Field(description="Who receives its money, now and as it matures")
+    retirement_reason: str | None
+    retired_by: str | None = Field(description="The admin token that retired it")
+
+
+class RetirementOut(BaseModel):
+    provider: ProviderDetailOut
+    revoked_nodes: dict[str, list[str]] = Field(
+        description="The provider's nodes this retirement revoked, each with the pools it was ejected from"
+    )
+    moved: dict[str, int] = Field(
+        description="What moved to the successor at once, by the retired provider's account "
+        "(stake_free and stake_locked to the successor's stake_free, rewards_claimable to its "
+        "rewards_claimable)"
+    )
+    maturing: dict[str, int] = Field(
+        description="What was not free yet and reaches the successor as it matures: rewards_pending "
+        "(as each hold is released), stake_unbonding (as each unbonding completes)"
+    )
+    payouts_requested: list[int] = Field(
+        description="The provider's requested payouts, left for an admin to settle or reject (a "
+        "rejected payout's amount goes to the successor)"
+    )
+    blacklists_copied: list[str] = Field(
+        description="The pools that blacklist the retired provider and now blacklist the successor too"
+    )

@@ -1399,3 +1399,44 @@ def test_0042_counts_what_each_nodes_verdicts_credited_and_leaves_pools_without_
     upgrade(scratch_url)
     assert asyncio.run(_rows(scratch_url, pools)) == [("pool-mig", "paused", None, None)]
     assert asyncio.run(_rows(scratch_url, credited)) == [("M" * 43, 0), ("N" * 43, 31)]
+
+
+def test_0043_downgrade_refuses_while_a_provider_is_retired(scratch_url: str) -> None:
+    # 0042 would see a plain provider: its key, lost or stolen, would be accepted again, and what
+    # it still has maturing would no longer go to its successor.
+    upgrade(scratch_url, "0043")
+    retired, successor = "P" * 43, "S" * 43
+    asyncio.run(
+        _run_sql(
+            scratch_url,
+            "INSERT INTO providers (id, created_at) VALUES (:successor, :at)",
+            "INSERT INTO providers (id, created_at, retired_at, successor_id, retirement_reason, "
+            "retirement_key, retired_by) VALUES (:retired, :at, :at, :successor, 'key lost', "
+            "'retire-0001', 'tok_admin')",
+            retired=retired,
+            successor=successor,
+            at=AT,
+        )
+    )
+    with pytest.raises(RuntimeError, match="1 providers are retired"):
+        downgrade(scratch_url, "0042")
+    assert asyncio.run(_run_sql(scratch_url)) == "0043"
+    found = "SELECT id, successor_id FROM providers WHERE retired_at IS NOT NULL"
+    assert asyncio.run(_rows(scratch_url, found)) == [(retired, successor)]
+
+    # A retirement is recorded whole or not at all.
+    with pytest.raises(Exception, match=r"(?i)retirement_complete|constraint"):
+        asyncio.run(_run_sql(scratch_url, "UPDATE providers SET retirement_key = NULL"))
+
+    # Without a retirement the downgrade goes ahead, and the providers stay.
+    asyncio.run(
+        _run_sql(
+            scratch_url,
+            "UPDATE providers SET retired_at = NULL, successor_id = NULL, retirement_reason = NULL, "
+            "retirement_key = NULL, retired_by = NULL",
+        )
+    )
+    downgrade(scratch_url, "0042")
+    assert sorted(asyncio.run(_rows(scratch_url, "SELECT id FROM providers"))) == [(retired,), (successor,)]
+    upgrade(scratch_url)
+    assert asyncio.run(_rows(scratch_url, found)) == []

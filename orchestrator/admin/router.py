@@ -1,16 +1,20 @@
-"""Admin API for the node registry: list, inspect, ban and unban nodes."""
+"""Admin API for the node registry (list, inspect, ban and unban nodes), providers (inspect,
+retire) and API tokens."""
 
 from __future__ import annotations
 
 import datetime as dt
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Path, Query
+from fastapi import APIRouter, Depends, Path, Query, Response
 from sqlalchemy import select
 
 from api_schemas.admin import (
     BanIn,
     NodeDetailOut,
+    ProviderDetailOut,
+    RetireIn,
+    RetirementOut,
     StatusChangeOut,
     TokenCreatedOut,
     TokenIn,
@@ -28,8 +32,10 @@ from orchestrator.core.pagination import CursorScope
 from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import Session, State
 from orchestrator.identity import repository as repo
-from orchestrator.identity.models import NODE_STATUSES, Node
+from orchestrator.identity import retirement
+from orchestrator.identity.models import NODE_STATUSES, Node, Provider
 from orchestrator.identity.service import node_out, nodes_page
+from orchestrator.ledger.router import IdempotencyKey
 from orchestrator.liveness.serving import leases_caught_up
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=PROBLEM_RESPONSES, route_class=GuardedRoute)
@@ -100,6 +106,78 @@ async def _detail(session: Session, state: State, node_id: str, node: Node) -> N
             )
             for h in history
         ],
+    )
+
+
+# ---------------------------------------------------------------- providers
+
+
+async def _provider_or_404(session: Session, provider_id: str) -> Provider:
+    provider = await repo.get_provider(session, provider_id)
+    if provider is None:
+        raise NotFound("no provider with this id", code="provider_not_found")
+    return provider
+
+
+@router.get(
+    "/providers/{provider_id}",
+    response_model=ProviderDetailOut,
+    summary="One provider, with its retirement if an admin retired it",
+)
+async def get_provider(provider_id: KeyId, _: AdminOnly, session: Session) -> ProviderDetailOut:
+    return ProviderDetailOut(**retirement.provider_detail(await _provider_or_404(session, provider_id)))
+
+
+@router.post(
+    "/providers/{provider_id}/retire",
+    response_model=RetirementOut,
+    status_code=201,
+    summary="Retire a provider whose key is lost or stolen; its money goes to a successor "
+    "(idempotent by Idempotency-Key)",
+    description="In one transaction: the provider is retired, so every request its key signs "
+    "is refused 403 `provider_retired` (its registration included) and no node may register "
+    "under it; every node of the provider is revoked as the provider's own revocation does "
+    "(banned for good, ejected from its pools, leases reissued, stake unbonding); the successor "
+    "is blacklisted in every pool that blacklists the provider; and what is free now (free "
+    "stake, stake no membership locks any more, claimable rewards) moves to the successor. "
+    "What is not free yet (rewards on hold, stake unbonding) reaches the successor as it "
+    "matures; requested payouts are left for an admin to settle or reject (a rejected one's "
+    "amount goes to the successor). Refused, changing nothing: 404 `provider_not_found`; 422 "
+    "`successor_is_provider`, `successor_not_found` (not registered); 409 `successor_retired`, "
+    "`provider_retired` (retired already, with another Idempotency-Key), "
+    "`idempotency_key_reused` (this key with another successor or reason). Audited "
+    "`provider.retire`.",
+    responses={200: {"model": RetirementOut, "description": "A retry: the first answer, nothing changed"}},
+    dependencies=[Depends(leases_caught_up)],
+)
+async def retire_provider(
+    provider_id: KeyId,
+    body: RetireIn,
+    idempotency_key: IdempotencyKey,
+    principal: AdminOnly,
+    session: Session,
+    state: State,
+    response: Response,
+) -> RetirementOut:
+    done = await retirement.retire(
+        session,
+        state,
+        provider_id,
+        body.successor_id,
+        body.reason,
+        key=idempotency_key,
+        principal=principal,
+    )
+    if not done.created:
+        response.status_code = 200
+    after = done.after
+    return RetirementOut(
+        provider=ProviderDetailOut(**retirement.provider_detail(done.provider)),
+        revoked_nodes=after["revoked_nodes"],
+        moved=after["moved"],
+        maturing=after["maturing"],
+        payouts_requested=after["payouts_requested"],
+        blacklists_copied=after["blacklists_copied"],
     )
 
 

@@ -32,7 +32,7 @@ from orchestrator.core.signing import (
 from orchestrator.core.state import AppState, Session, State, app_state
 from orchestrator.identity import repository as repo
 from orchestrator.identity.models import Node, NodeStatus, Provider
-from orchestrator.identity.service import network_of
+from orchestrator.identity.service import network_of, retired_provider
 
 # Declares the scheme in the OpenAPI document; the checks are ours (auto_error=False).
 signature_scheme = APIKeyHeader(
@@ -321,6 +321,8 @@ async def current_provider(signed: ProviderSigned, session: Session) -> Provider
     provider = await repo.get_provider(session, signed.keyid)
     if provider is None:
         raise unknown_provider()
+    if provider.retired_at is not None:
+        raise retired_provider()
     structlog.contextvars.bind_contextvars(provider_id=provider.id)
     return provider
 

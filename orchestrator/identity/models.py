@@ -24,13 +24,37 @@ class NodeStatus(enum.StrEnum):
 NODE_STATUSES = tuple(s.value for s in NodeStatus)
 
 
+RETIREMENT_COMPLETE = (
+    "(retired_at IS NULL AND successor_id IS NULL AND retirement_reason IS NULL"
+    " AND retirement_key IS NULL AND retired_by IS NULL)"
+    " OR (retired_at IS NOT NULL AND successor_id IS NOT NULL AND retirement_reason IS NOT NULL"
+    " AND retirement_key IS NOT NULL AND retired_by IS NOT NULL)"
+)
+
+
 class Provider(Base):
     __tablename__ = "providers"
+    __table_args__ = (
+        # A retirement (``identity.retirement``) records all four, once; a provider never
+        # succeeds itself.
+        CheckConstraint(RETIREMENT_COMPLETE, name="retirement_complete"),
+        CheckConstraint("successor_id IS NULL OR successor_id <> id", name="successor_not_self"),
+    )
 
     id: Mapped[str] = mapped_column(KEY_ID, primary_key=True)
     display_name: Mapped[str | None] = mapped_column(String(100))
     registered_ip: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    #: When an admin retired the provider (its key lost or stolen): every request the key signs
+    #: is refused 403 ``provider_retired``, and its money goes to ``successor_id``, now and as it
+    #: matures (``ledger.succession``). NULL: not retired.
+    retired_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    successor_id: Mapped[str | None] = mapped_column(KEY_ID, ForeignKey("providers.id", ondelete="RESTRICT"))
+    retirement_reason: Mapped[str | None] = mapped_column(String(500))
+    #: The admin's ``Idempotency-Key``: the same call again is answered as the first was.
+    retirement_key: Mapped[str | None] = mapped_column(String(100))
+    #: The admin token that retired it.
+    retired_by: Mapped[str | None] = mapped_column(String(32))
 
 
 class Node(Base):

@@ -17,10 +17,12 @@ memberships, the stake accounts, the leases).
 
 from __future__ import annotations
 
+import datetime as dt
+
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from orchestrator.admin import service as admin_service
-from orchestrator.audit.service import ProviderActor, last_entry, record
+from orchestrator.audit.service import Actor, ProviderActor, last_entry, record
 from orchestrator.core.errors import NotFound
 from orchestrator.core.state import AppState
 from orchestrator.identity import repository as repo
@@ -47,6 +49,26 @@ async def revoke_node(
         return node, list((entry.after or {}).get("ejected_from", [])) if entry is not None else []
     now = state.clock.utcnow()
     said = f"{REVOKED}: {reason}" if reason else REVOKED
+    ejected = await revoke_locked(session, state, node, actor, said=said, reason=reason, now=now)
+    await session.refresh(node)
+    return node, ejected
+
+
+async def revoke_locked(
+    session: AsyncSession,
+    state: AppState,
+    node: Node,
+    actor: Actor,
+    *,
+    said: str,
+    reason: str | None,
+    now: dt.datetime,
+) -> list[str]:
+    """Revoke ``node`` (locked by the caller, first, and not revoked yet) for ``actor``: banned
+    and ejected (``admin.service.take_out``), ``revoked_at`` set, audited ``node.revoke``.
+    ``said`` is the ban reason and the history's. Returns the pools it was ejected from. What
+    a provider's revocation and an admin's retirement of the provider
+    (``identity.retirement``) share."""
     before = {"status": node.status, "ban_reason": node.ban_reason}
     ejected = await admin_service.take_out(
         session,
@@ -68,7 +90,7 @@ async def revoke_node(
         actor,
         ACTION,
         target_type="node",
-        target_id=node_id,
+        target_id=node.id,
         before=before,
         after={
             "status": NodeStatus.banned.value,
@@ -77,5 +99,4 @@ async def revoke_node(
             "ejected_from": ejected,
         },
     )
-    await session.refresh(node)
-    return node, ejected
+    return ejected

@@ -89,13 +89,26 @@ def revoked_key() -> Forbidden:
     )
 
 
+def retired_provider() -> Forbidden:
+    """A request signed with the key of a provider an admin retired (``identity.retirement``),
+    or a node's registration naming it: the key is lost or stolen, and never comes back."""
+    return Forbidden(
+        "this provider was retired by an admin (its key lost or stolen): its money went to its "
+        "successor, and the key can do nothing any more; sign with the successor's key",
+        code="provider_retired",
+    )
+
+
 async def register_provider(
     session: AsyncSession, provider_id: str, display_name: str | None, ip: str
 ) -> tuple[Provider, bool]:
     """Idempotent: the same key again returns the existing record (created=False). A key
     registered as a node cannot become a provider: the key that gets paid stays off the workers'
     machines (a key registered as both before this rule keeps working)."""
-    new = await repo.get_provider(session, provider_id) is None
+    known = await repo.get_provider(session, provider_id)
+    if known is not None and known.retired_at is not None:
+        raise retired_provider()
+    new = known is None
     if new:
         # Checked and inserted under the key's lock: a node registering it at the same moment
         # waits for this transaction, then finds the provider (and the other way round).
@@ -133,7 +146,8 @@ async def register_node(
 ) -> tuple[Node, bool]:
     """Register a node under its provider; re-registering updates specs and version. The key
     may be no provider's (a node registered with one before this rule keeps working). A key its
-    provider revoked is refused before anything else is looked at (``revoked_key``)."""
+    provider revoked is refused before anything else is looked at (``revoked_key``); a provider
+    an admin retired takes no node (``retired_provider``)."""
     known = await repo.get_node(session, node_id)
     if known is not None and known.revoked_at is not None:
         raise revoked_key()
@@ -147,11 +161,16 @@ async def register_node(
             "not be on a worker's machine): generate one with `orchestrator keys generate`",
             code="node_key_is_provider_key",
         )
-    if await repo.get_provider(session, body.provider_id) is None:
+    # Shared: a retirement of the provider in flight (which takes its row first, then its
+    # nodes) is waited for, and then refuses this node, which it would not have revoked.
+    provider = await repo.get_provider(session, body.provider_id, for_share=True)
+    if provider is None:
         raise NotFound(
             "the provider is not registered; register it first (POST /v1/providers)",
             code="provider_not_found",
         )
+    if provider.retired_at is not None:
+        raise retired_provider()
     if not verify_attestation(body.provider_id, node_id, body.attestation):
         raise Forbidden(
             "the attestation is not the provider's signature over this node id", code="attestation_invalid"

@@ -39,6 +39,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from orchestrator.core.errors import Conflict
 from orchestrator.core.sql import insert_ignore
 from orchestrator.core.ticks import Keyset
+from orchestrator.ledger.heirs import heirs
 from orchestrator.ledger.models import LedgerAccount, LedgerTransfer, StakeUnbonding
 
 log = structlog.get_logger(__name__)
@@ -598,7 +599,9 @@ async def release_due_unbondings(
     session: AsyncSession, now: dt.datetime, *, limit: int = 500, keyset: Keyset | None = None
 ) -> int:
     """Move the unbondings whose time has come back to free stake, up to ``limit`` of them (after
-    ``keyset``'s place, which is moved on); returns how many were released.
+    ``keyset``'s place, which is moved on); returns how many were released. A retired
+    provider's goes on to its heir's free stake in the same savepoint (``ledger.succession``);
+    one whose provider was retired while this batch locked is left for the next tick.
 
     Each is released in its own savepoint: one whose transfer fails (its provider's unbonding
     stake holds less than it, say) is logged and left unreleased, and the others are still
@@ -618,16 +621,27 @@ async def release_due_unbondings(
     )
     due = list((await session.execute(stmt)).scalars())
     keyset.saw([(u.release_at, u.id) for u in due])
+    # A retired provider's stake goes on to its heir (``ledger.succession``): the heirs' free
+    # stake is locked with the rest, and read again once it is.
+    providers = sorted({u.provider_id for u in due})
+    heirs_before = await heirs(session, providers)
     await lock_accounts(
         session,
         [
-            provider_account(u.provider_id, kind)
-            for u in due
-            for kind in (ProviderAccount.stake_unbonding, ProviderAccount.stake_free)
+            *(
+                provider_account(p, kind)
+                for p in providers
+                for kind in (ProviderAccount.stake_unbonding, ProviderAccount.stake_free)
+            ),
+            *(provider_account(h, ProviderAccount.stake_free) for h in sorted(set(heirs_before.values()))),
         ],
     )
+    heir_of = await heirs(session, providers)
     released = 0
     for unbonding, unbonding_id, provider_id in [(u, u.id, u.provider_id) for u in due]:
+        heir = heir_of.get(provider_id)
+        if heir != heirs_before.get(provider_id):
+            continue  # retired while this locked: its heir's stake is not locked; the next tick
         try:
             async with session.begin_nested():
                 result = await transfer(
@@ -640,6 +654,17 @@ async def release_due_unbondings(
                     actor="system",
                     reference=("unbonding", str(unbonding_id)),
                 )
+                if heir is not None:
+                    await transfer(
+                        session,
+                        debit=provider_account(provider_id, ProviderAccount.stake_free),
+                        credit=provider_account(heir, ProviderAccount.stake_free),
+                        amount=unbonding.amount,
+                        key=f"unbonding-release:{unbonding_id}:succession",
+                        reason="succession",
+                        actor="system",
+                        reference=("unbonding", str(unbonding_id)),
+                    )
                 unbonding.released = True
                 unbonding.release_transfer_id = result.transfer.id
                 await session.flush()  # in the savepoint: a failure rolls back the transfer with it

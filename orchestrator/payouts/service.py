@@ -34,6 +34,7 @@ from orchestrator.admin.tokens import Principal
 from orchestrator.audit.service import record
 from orchestrator.core.errors import Conflict, NotFound
 from orchestrator.ledger import service as ledger
+from orchestrator.ledger import succession
 from orchestrator.ledger.service import IdempotencyKeyReused, ProviderAccount, provider_account
 from orchestrator.payouts import repository as repo
 from orchestrator.payouts.models import Payout, PayoutRun
@@ -173,7 +174,10 @@ async def reject(
     returns (payout, changed).
 
     Rejecting it again changes nothing (whatever the reason: the first is kept); a paid payout
-    is refused (``payout_already_paid``), since its money has left.
+    is refused (``payout_already_paid``), since its money has left. A retired provider's
+    amount goes on to its heir's claimable rewards in the same transaction
+    (``ledger.succession``); a retirement committed while this locked is 503
+    ``transient_conflict`` (nothing changed: send it again).
     """
     payout = await repo.get(session, payout_id, for_update=True)
     if payout is None:
@@ -185,10 +189,20 @@ async def reject(
             "this payout is already marked paid; it cannot be rejected",
             extra={"payout_id": payout.id, "external_reference": payout.external_reference},
         )
+    provider = payout.provider_id
+    claimable = provider_account(provider, ProviderAccount.rewards_claimable)
+    heir_of, unsettled = await succession.lock_with_heirs(
+        session,
+        [provider_account(provider, ProviderAccount.withdrawn), claimable],
+        [provider],
+        [ProviderAccount.rewards_claimable],
+    )
+    if unsettled:
+        raise succession.heir_changed()
     returned = await ledger.transfer(
         session,
-        debit=provider_account(payout.provider_id, ProviderAccount.withdrawn),
-        credit=provider_account(payout.provider_id, ProviderAccount.rewards_claimable),
+        debit=provider_account(provider, ProviderAccount.withdrawn),
+        credit=claimable,
         amount=payout.amount,
         key=reject_key(payout.id),
         reason="payout_rejected",
@@ -197,6 +211,18 @@ async def reject(
         reference=("payout", str(payout.id)),
         reverses=payout.transfer_id,
     )
+    if (heir := heir_of.get(provider)) is not None:
+        # The provider was retired: what comes back goes on to its heir (``ledger.succession``).
+        await ledger.transfer(
+            session,
+            debit=claimable,
+            credit=provider_account(heir, ProviderAccount.rewards_claimable),
+            amount=payout.amount,
+            key=f"{reject_key(payout.id)}:succession",
+            reason=succession.REASON,
+            actor=principal.token_id,
+            reference=("payout", str(payout.id)),
+        )
     payout.status = PayoutStatus.rejected.value
     payout.rejected_at = now
     payout.rejected_by = principal.token_id

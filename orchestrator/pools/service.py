@@ -1047,6 +1047,21 @@ async def blacklist_provider(
     return entry, removed, created
 
 
+async def blacklist_locked(
+    session: AsyncSession,
+    principal: Principal,
+    pool: Pool,
+    provider_id: str,
+    reason: str,
+    *,
+    now: dt.datetime,
+) -> tuple[list[str], bool]:
+    """Blacklist a registered provider in a pool the caller locked, with the memberships and
+    accounts it ends (a retirement copying the retired provider's blacklistings to its
+    successor, ``identity.retirement``); as ``_blacklist``, whatever the pool's status."""
+    return await _blacklist(session, principal, pool, provider_id, reason, now=now)
+
+
 async def _blacklist(
     session: AsyncSession,
     principal: Principal,

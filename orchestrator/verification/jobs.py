@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from orchestrator.core.loops import tick_failed
 from orchestrator.core.state import AppState
 from orchestrator.core.ticks import Keyset, claim_tick, tick_in_batches
+from orchestrator.ledger import succession
 from orchestrator.verification import service, validators
 from orchestrator.verification.scoring import scorer_for
 
@@ -208,7 +209,10 @@ async def release_once(state: AppState) -> int:
     """One tick of the reward release: due holds in transactions of ``RELEASE_BATCH``, the
     first with the tick's claim, each reading on from where the last one stopped (a hold that
     cannot be released is logged and tried again by the next tick), until a batch comes back
-    short or the tick's interval has passed. Returns how many were released."""
+    short or the tick's interval has passed; then, in a transaction of its own, what retired
+    providers were credited since by paths that do not forward it themselves (an appeal's
+    restoration, say) goes on to their heirs (``ledger.succession.sweep``). Returns how many
+    rewards were released."""
     tick = int(state.clock.now() // RELEASE_INTERVAL_S)
     keyset = Keyset()
 
@@ -230,4 +234,10 @@ async def release_once(state: AppState) -> int:
     released = sum(batches or ())
     if released:
         log.info("rewards_released", count=released)
+    if batches is not None:  # once per tick: what retired providers were credited otherwise
+        try:
+            async with state.sessionmaker() as session, session.begin():
+                await succession.sweep(session)
+        except Exception as exc:
+            tick_failed(REWARD_RELEASE, exc, part="succession_sweep")
     return released

@@ -83,6 +83,7 @@ from orchestrator.core.sql import insert_ignore, is_postgres
 from orchestrator.core.ticks import Keyset
 from orchestrator.identity.models import Node
 from orchestrator.ledger import service as ledger
+from orchestrator.ledger import succession
 from orchestrator.ledger.models import LedgerTransfer
 from orchestrator.ledger.service import ProviderAccount, SystemAccount, provider_account, system_account
 from orchestrator.pools.models import Pool, PoolMembership
@@ -1535,7 +1536,15 @@ async def release_due_rewards(
     if not candidates:
         return 0
     kinds = (ProviderAccount.rewards_pending, ProviderAccount.rewards_claimable)
-    await ledger.lock_accounts(session, [provider_account(p, k) for _, p, _ in candidates for k in kinds])
+    providers = sorted({p for _, p, _ in candidates})
+    # A retired provider's rewards go on to its heir (``ledger.succession``), whose claimable
+    # rewards are locked with the rest; a provider retired while this locked waits a tick.
+    heir_of, unsettled = await succession.lock_with_heirs(
+        session,
+        [provider_account(p, k) for p in providers for k in kinds],
+        providers,
+        [ProviderAccount.rewards_claimable],
+    )
     due = list(
         (
             await session.execute(
@@ -1549,9 +1558,11 @@ async def release_due_rewards(
     )
     released = 0
     for hold, hold_id, provider_id in [(h, h.id, h.provider_id) for h in due]:
+        if provider_id in unsettled:
+            continue
         try:
             async with session.begin_nested():
-                await _release(session, hold)
+                await _release(session, hold, heir_of.get(provider_id))
         except Exception:  # a rolled-back savepoint expires the hold: log with what was read
             log.exception("reward_release_failed", hold_id=hold_id, provider_id=provider_id)
             continue
@@ -1559,20 +1570,33 @@ async def release_due_rewards(
     return released
 
 
-async def _release(session: AsyncSession, hold: RewardHold) -> None:
-    """The provider's part of the hold (what no forfeit in force took) becomes claimable."""
+async def _release(session: AsyncSession, hold: RewardHold, heir: str | None) -> None:
+    """The provider's part of the hold (what no forfeit in force took) becomes claimable; a
+    retired provider's then goes on to ``heir``'s claimable rewards."""
     amount = hold.amount - hold.forfeited_amount
     if amount > 0:
+        claimable = provider_account(hold.provider_id, ProviderAccount.rewards_claimable)
         await ledger.transfer(
             session,
             debit=provider_account(hold.provider_id, ProviderAccount.rewards_pending),
-            credit=provider_account(hold.provider_id, ProviderAccount.rewards_claimable),
+            credit=claimable,
             amount=amount,
             key=f"reward-hold:{hold.id}:release",
             reason="reward_release",
             actor="system",
             reference=("verdict", str(hold.verdict_id)),
         )
+        if heir is not None:
+            await ledger.transfer(
+                session,
+                debit=claimable,
+                credit=provider_account(heir, ProviderAccount.rewards_claimable),
+                amount=amount,
+                key=f"reward-hold:{hold.id}:succession",
+                reason=succession.REASON,
+                actor="system",
+                reference=("verdict", str(hold.verdict_id)),
+            )
     hold.status = "released"
     await session.flush()  # in the savepoint: a failure here rolls back the transfer with it
 

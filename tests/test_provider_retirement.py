@@ -1,0 +1,467 @@
+"""An admin retires a provider whose key is lost or stolen, naming a successor: the key is refused
+from then on, its nodes are revoked, and its money goes to the successor, what is free at once
+and the rest as it matures; none is stranded and none is paid twice."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import select, update
+
+from orchestrator.core.clock import FakeClock
+from orchestrator.core.keys import generate_key, key_id_of
+from orchestrator.identity.models import Provider
+from orchestrator.ledger import jobs as ledger_jobs
+from orchestrator.ledger import service as ledger
+from orchestrator.ledger.service import ProviderAccount, SystemAccount, provider_account, system_account
+from orchestrator.verification.jobs import release_once
+from orchestrator.verification.models import RewardHold
+from tests.conftest import Contributor, new_contributor, postgres_only, problem
+from tests.pools_helpers import join
+from tests.tasks_helpers import PoolSetup, Worker, pool_setup
+from tests.test_ban_ejects import audit, statuses
+from tests.test_verification import one_lease
+from tests.verification_helpers import books_balance, submit, verify_all
+from tests.waits import until_waiting
+
+pytestmark = pytest.mark.usefixtures("no_audits")
+
+ECON = {
+    "min_stake_per_node": 1000,
+    "unbonding_period_s": 86_400,
+    "reward_per_sample": 7,
+    "reward_hold_s": 3600,
+    "fraud_slash_amount": 200,
+}
+HOLD_S = 3600
+UNBONDING_S = 86_400
+
+
+def retire_url(provider_id: str) -> str:
+    return f"/v1/admin/providers/{provider_id}/retire"
+
+
+async def retire(
+    s: PoolSetup, provider_id: str, successor_id: str, *, key: str = "retire-0001", reason: str = "key lost"
+) -> httpx.Response:
+    return await s.admin.post(
+        retire_url(provider_id),
+        json={"successor_id": successor_id, "reason": reason},
+        headers={**s.admin_headers, "Idempotency-Key": key},
+    )
+
+
+async def registered_provider(s: PoolSetup) -> Contributor:
+    """A provider (with no node yet) that can be named successor."""
+    c = new_contributor()
+    r = await s.admin.post("/v1/providers", json={"display_name": "heir"}, auth=c.provider_auth)
+    assert r.status_code == 201, r.text
+    return c
+
+
+async def provider_balances(s: PoolSetup, provider_id: str) -> dict[str, int]:
+    r = await s.admin.get(f"/v1/admin/providers/{provider_id}/balance", headers=s.admin_headers)
+    assert r.status_code == 200, r.text
+    return {k: v for k, v in r.json().items() if k != "provider_id"}
+
+
+async def earn(s: PoolSetup, app_state: Any, w: Worker) -> None:
+    """One correct result of ``w``'s, decided: 7 more on hold for ``HOLD_S``."""
+    await submit(w, await one_lease(s, w), ["4"])
+    await verify_all(app_state)
+
+
+async def release_now(app_state: Any, clock: FakeClock) -> int:
+    """Release the rewards on hold now, at the next release tick (the clock moves 31 s only: the
+    signatures of the tests' requests, made at the real time, stay within their window)."""
+    async with app_state.sessionmaker() as session, session.begin():
+        await session.execute(
+            update(RewardHold).where(RewardHold.status == "held").values(release_at=clock.utcnow())
+        )
+    clock.advance(31)
+    return await release_once(app_state)
+
+
+async def test_retiring_moves_free_money_at_once_and_the_rest_as_it_matures(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1500) as s:
+        [lost] = s.workers
+        await earn(s, app_state, lost)
+        assert await release_now(app_state, clock) == 1  # 7 claimable
+        await earn(s, app_state, lost)  # 7 more, on hold
+        heir = await registered_provider(s)
+        p, h = lost.contributor.provider_id, heir.provider_id
+        assert await provider_balances(s, p) == {
+            "stake_free": 500,
+            "stake_locked": 1000,
+            "stake_unbonding": 0,
+            "rewards_pending": 7,
+            "rewards_claimable": 7,
+            "withdrawn": 0,
+        }
+
+        r = await retire(s, p, h, reason="laptop with the provider key stolen")
+        assert r.status_code == 201, r.text
+        out = r.json()
+        assert out["provider"]["id"] == p
+        assert out["provider"]["successor_id"] == h
+        assert out["provider"]["retirement_reason"] == "laptop with the provider key stolen"
+        assert out["provider"]["retired_at"] is not None
+        assert out["revoked_nodes"] == {lost.node_id: [s.pool_id]}
+        assert out["moved"] == {"stake_free": 500, "rewards_claimable": 7}
+        assert out["maturing"] == {"rewards_pending": 7, "stake_unbonding": 1000}
+        assert out["payouts_requested"] == [] and out["blacklists_copied"] == []
+
+        # Free now: moved at once. The node's stake unbonds, its reward stays on hold.
+        assert await provider_balances(s, p) == {
+            "stake_free": 0,
+            "stake_locked": 0,
+            "stake_unbonding": 1000,
+            "rewards_pending": 7,
+            "rewards_claimable": 0,
+            "withdrawn": 0,
+        }
+        heirs = await provider_balances(s, h)
+        assert (heirs["stake_free"], heirs["rewards_claimable"]) == (500, 7)
+        await books_balance(app_state)
+        # The node is revoked, as its provider's own revocation does, by the admin.
+        assert await statuses(s, s.pool_id) == {lost.node_id: "ejected"}
+        view = (await s.admin.get(f"/v1/admin/nodes/{lost.node_id}", headers=s.admin_headers)).json()
+        assert view["status"] == "banned" and view["revoked_at"] is not None
+        [revoked] = await audit(s, "node.revoke")
+        assert (revoked["actor_role"], revoked["target_id"]) == ("admin", lost.node_id)
+        [entry] = await audit(s, "provider.retire")
+        assert (entry["target_type"], entry["target_id"], entry["actor_role"]) == ("provider", p, "admin")
+        assert entry["after"]["successor_id"] == h and entry["after"]["moved"] == out["moved"]
+
+        # The reward on hold, released later, lands on the successor.
+        clock.advance(HOLD_S + 1)
+        assert await release_once(app_state) == 1
+        assert (await provider_balances(s, p))["rewards_pending"] == 0
+        assert (await provider_balances(s, p))["rewards_claimable"] == 0
+        assert (await provider_balances(s, h))["rewards_claimable"] == 14
+        await books_balance(app_state)
+
+        # The stake unbonding, completed later, lands on the successor.
+        clock.advance(UNBONDING_S)
+        assert (await ledger_jobs.release_once(app_state)).released == 1
+        assert (await provider_balances(s, p))["stake_unbonding"] == 0
+        assert (await provider_balances(s, p))["stake_free"] == 0
+        assert (await provider_balances(s, h))["stake_free"] == 1500
+        await books_balance(app_state)
+
+        # The admin view of the provider shows the retirement.
+        r = await s.admin.get(f"/v1/admin/providers/{p}", headers=s.admin_headers)
+        assert r.status_code == 200, r.text
+        assert r.json() == out["provider"]
+
+
+async def test_the_retired_key_is_refused_everywhere(app: Any, app_state: Any, clock: FakeClock) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1500) as s:
+        [lost] = s.workers
+        heir = await registered_provider(s)
+        c, http = lost.contributor, lost.client
+        assert (await retire(s, c.provider_id, heir.provider_id)).status_code == 201
+
+        auth = c.provider_auth
+        problem(await http.get("/v1/providers/me/balance", auth=auth), 403, "provider_retired")
+        problem(await http.get("/v1/providers/me/nodes", auth=auth), 403, "provider_retired")
+        problem(await http.get("/v1/providers/me/verdicts", auth=auth), 403, "provider_retired")
+        problem(await http.get("/v1/providers/me/payouts", auth=auth), 403, "provider_retired")
+        r = await http.post(
+            "/v1/providers/me/withdrawals",
+            json={"amount": 1},
+            headers={"Idempotency-Key": "thief-0001"},
+            auth=auth,
+        )
+        problem(r, 403, "provider_retired")
+        r = await http.post(f"/v1/providers/me/nodes/{c.node_id}/revoke", auth=auth)
+        problem(r, 403, "provider_retired")
+        # The key cannot come back: not by registering again, nor with a node naming it.
+        problem(await http.post("/v1/providers", json={}, auth=auth), 403, "provider_retired")
+        thief = Contributor(provider_key=c.provider_key, node_key=generate_key())
+        r = await http.post("/v1/nodes", json=thief.node_body(), auth=thief.node_auth)
+        problem(r, 403, "provider_retired")
+        # Its node was revoked.
+        problem(await lost.beat(), 403, "node_banned")
+        problem(await http.post("/v1/nodes", json=c.node_body(), auth=c.node_auth), 403, "node_key_revoked")
+        # The successor's key works.
+        r = await http.get("/v1/providers/me/balance", auth=heir.provider_auth)
+        assert r.status_code == 200, r.text
+        assert r.json()["stake_free"] == 500
+
+
+async def test_the_same_call_again_is_answered_the_same_and_changes_nothing(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1500) as s:
+        [lost] = s.workers
+        heir, other = await registered_provider(s), await registered_provider(s)
+        p = lost.contributor.provider_id
+        first = await retire(s, p, heir.provider_id, key="retire-same")
+        assert first.status_code == 201, first.text
+        before = await provider_balances(s, heir.provider_id)
+        clock.advance(5)
+
+        again = await retire(s, p, heir.provider_id, key="retire-same")
+        assert again.status_code == 200, again.text
+        assert again.json() == first.json()
+        assert await provider_balances(s, heir.provider_id) == before
+        assert len(await audit(s, "provider.retire")) == 1
+
+        # The same key with another body, and another key: refused, nothing changes.
+        body = problem(
+            await retire(s, p, other.provider_id, key="retire-same"), 409, "idempotency_key_reused"
+        )
+        assert body["successor_id"] == heir.provider_id
+        problem(
+            await retire(s, p, heir.provider_id, key="retire-same", reason="other"),
+            409,
+            "idempotency_key_reused",
+        )
+        body = problem(await retire(s, p, other.provider_id, key="retire-other"), 409, "provider_retired")
+        assert body["successor_id"] == heir.provider_id
+        assert await provider_balances(s, heir.provider_id) == before
+        assert await provider_balances(s, other.provider_id) == dict.fromkeys(before, 0)
+        await books_balance(app_state)
+
+
+async def test_bad_retirements_are_refused_and_change_nothing(app: Any, app_state: Any) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1500) as s:
+        [lost] = s.workers
+        p = lost.contributor.provider_id
+        heir, retired, next_ = [await registered_provider(s) for _ in range(3)]
+        assert (
+            await retire(s, retired.provider_id, next_.provider_id, key="retire-first")
+        ).status_code == 201
+        before = await provider_balances(s, p)
+
+        unknown = key_id_of(generate_key())
+        problem(await retire(s, unknown, heir.provider_id), 404, "provider_not_found")
+        problem(await retire(s, p, p), 422, "successor_is_provider")
+        problem(await retire(s, p, unknown), 422, "successor_not_found")
+        body = problem(await retire(s, p, retired.provider_id), 409, "successor_retired")
+        assert body["successor_id"] == next_.provider_id
+        problem(
+            await s.admin.post(
+                retire_url(p),
+                json={"successor_id": heir.provider_id, "reason": ""},
+                headers={**s.admin_headers, "Idempotency-Key": "retire-0001"},
+            ),
+            422,
+            "validation_failed",
+        )
+        r = await s.admin.post(
+            retire_url(p), json={"successor_id": heir.provider_id, "reason": "x"}, headers=s.admin_headers
+        )
+        problem(r, 400, "invalid_header")  # no Idempotency-Key
+        # An operator is no admin.
+        r = await s.admin.post(
+            retire_url(p),
+            json={"successor_id": heir.provider_id, "reason": "x"},
+            headers={**s.headers, "Idempotency-Key": "retire-0001"},
+        )
+        problem(r, 403, "role_forbidden")
+
+        assert await provider_balances(s, p) == before
+        detail = (await s.admin.get(f"/v1/admin/providers/{p}", headers=s.admin_headers)).json()
+        assert (detail["retired_at"], detail["successor_id"], detail["retirement_reason"]) == (
+            None,
+            None,
+            None,
+        )
+        assert (await lost.beat()).status_code == 200
+        problem(
+            await s.admin.get(f"/v1/admin/providers/{unknown}", headers=s.admin_headers),
+            404,
+            "provider_not_found",
+        )
+
+
+async def test_a_requested_payout_rejected_after_the_retirement_goes_to_the_successor(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        [lost] = s.workers
+        await earn(s, app_state, lost)
+        assert await release_now(app_state, clock) == 1
+        r = await lost.client.post(
+            "/v1/providers/me/withdrawals",
+            json={"amount": 7},
+            headers={"Idempotency-Key": "before-0001"},
+            auth=lost.contributor.provider_auth,
+        )
+        assert r.status_code == 201, r.text
+        payout_id = r.json()["payout"]["id"] if "payout" in r.json() else r.json()["id"]
+        heir = await registered_provider(s)
+        out = (await retire(s, lost.contributor.provider_id, heir.provider_id)).json()
+        assert out["payouts_requested"] == [payout_id]
+
+        r = await s.admin.post(
+            f"/v1/admin/payouts/{payout_id}/reject",
+            json={"reason": "provider key stolen"},
+            headers=s.admin_headers,
+        )
+        assert r.status_code == 200, r.text
+        p = await provider_balances(s, lost.contributor.provider_id)
+        assert (p["withdrawn"], p["rewards_claimable"]) == (0, 0)
+        assert (await provider_balances(s, heir.provider_id))["rewards_claimable"] == 7
+        await books_balance(app_state)
+
+
+async def test_the_successor_is_blacklisted_where_the_retired_provider_is(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        [lost] = s.workers
+        heir_worker = await s.add_worker(stake=1000)
+        r = await s.admin.post(
+            f"/v1/admin/pools/{s.pool_id}/blacklist",
+            json={"provider_id": lost.contributor.provider_id, "reason": "cheating"},
+            headers=s.headers,
+        )
+        assert r.status_code in (200, 201), r.text
+        out = (await retire(s, lost.contributor.provider_id, heir_worker.contributor.provider_id)).json()
+        assert out["blacklists_copied"] == [s.pool_id]
+        assert (await statuses(s, s.pool_id))[heir_worker.node_id] == "left"
+        r = await join(heir_worker.client, heir_worker.contributor, s.pool_id)
+        assert r.status_code == 403, r.text
+        await books_balance(app_state)
+
+
+async def test_money_a_retired_provider_is_credited_later_is_swept_to_its_heir_down_the_chain(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A successor retired in turn hands on to its own: a reward of the first provider released
+    after both retirements lands on the last; and money credited to a retired provider by a
+    path that does not forward it (an appeal's restoration) is swept there by the release tick."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        [lost] = s.workers
+        middle, last = await registered_provider(s), await registered_provider(s)
+        await earn(s, app_state, lost)
+        p = lost.contributor.provider_id
+        assert (await retire(s, p, middle.provider_id, key="retire-p-0001")).status_code == 201
+        assert (await retire(s, middle.provider_id, last.provider_id, key="retire-m-0001")).status_code == 201
+        async with app_state.sessionmaker() as session, session.begin():
+            await ledger.transfer(
+                session,
+                debit=system_account(SystemAccount.rewards),
+                credit=provider_account(p, ProviderAccount.rewards_claimable),
+                amount=5,
+                key="as-an-appeal-gives-back",
+                reason="forfeit_restore",
+                actor="test",
+            )
+        clock.advance(HOLD_S + 1)
+        assert await release_once(app_state) == 1
+        for provider in (p, middle.provider_id):
+            b = await provider_balances(s, provider)
+            assert (b["rewards_pending"], b["rewards_claimable"]) == (0, 0)
+        assert (await provider_balances(s, last.provider_id))["rewards_claimable"] == 12
+        await books_balance(app_state)
+
+
+@postgres_only
+async def test_a_retirement_racing_a_withdrawal_cannot_both_take_the_claimable_rewards(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        [lost] = s.workers
+        await earn(s, app_state, lost)
+        assert await release_now(app_state, clock) == 1
+        heir = await registered_provider(s)
+        p = lost.contributor.provider_id
+        # The withdrawal holds the claimable rewards (its transaction open): the retirement waits.
+        session = app_state.sessionmaker()
+        await session.begin()
+        try:
+            from orchestrator.payouts import service as payouts
+
+            await payouts.request_withdrawal(session, p, 7, "thief-0001", now=clock.utcnow())
+            retiring = asyncio.create_task(retire(s, p, heir.provider_id))
+            await until_waiting(app_state, 1, retiring, on="row")
+            assert not retiring.done()
+            await session.commit()
+        finally:
+            await session.close()
+        out = (await retiring).json()
+        # The retirement found nothing claimable: the payout has it, left for an admin.
+        assert "rewards_claimable" not in out["moved"]
+        assert len(out["payouts_requested"]) == 1
+        assert (await provider_balances(s, heir.provider_id))["rewards_claimable"] == 0
+        assert (await provider_balances(s, p))["withdrawn"] == 7
+        await books_balance(app_state)
+
+        # The other way round: the retirement holds the accounts, a withdrawal signed with the
+        # key waits, then finds nothing (and the key refused from then on).
+        await earn(s, app_state, (w2 := await s.add_worker(stake=1000)))
+        assert await release_now(app_state, clock) == 1
+        heir2 = await registered_provider(s)
+        session = app_state.sessionmaker()
+        await session.begin()
+        try:
+            from orchestrator.admin.tokens import Principal, Role
+            from orchestrator.identity import retirement
+
+            admin = Principal(token_id="tok_test_admin", name="admin", role=Role.admin)
+            await retirement.retire(
+                session,
+                app_state,
+                w2.contributor.provider_id,
+                heir2.provider_id,
+                "stolen",
+                key="retire-race-2",
+                principal=admin,
+            )
+            withdrawing = asyncio.create_task(
+                w2.client.post(
+                    "/v1/providers/me/withdrawals",
+                    json={"amount": 7},
+                    headers={"Idempotency-Key": "thief-0002"},
+                    auth=w2.contributor.provider_auth,
+                )
+            )
+            await until_waiting(app_state, 1, withdrawing, on="row")
+            assert not withdrawing.done()
+            await session.commit()
+        finally:
+            await session.close()
+        r = await withdrawing
+        assert r.status_code in (403, 409), r.text
+        assert (await provider_balances(s, heir2.provider_id))["rewards_claimable"] == 7
+        assert (await provider_balances(s, w2.contributor.provider_id))["withdrawn"] == 0
+        await books_balance(app_state)
+
+
+async def test_a_provider_row_records_a_retirement_whole_or_not_at_all(app_state: Any) -> None:
+    from sqlalchemy.exc import IntegrityError
+
+    async with app_state.sessionmaker() as session:
+        a, b = key_id_of(generate_key()), key_id_of(generate_key())
+        async with session.begin():
+            session.add_all([Provider(id=a), Provider(id=b)])
+        with pytest.raises(IntegrityError):
+            async with session.begin():
+                await session.execute(
+                    Provider.__table__.update().where(Provider.id == a).values(successor_id=b)
+                )
+        with pytest.raises(IntegrityError):
+            async with session.begin():
+                await session.execute(
+                    Provider.__table__.update()
+                    .where(Provider.id == a)
+                    .values(
+                        successor_id=a,
+                        retired_at=Provider.created_at,
+                        retirement_reason="r",
+                        retirement_key="k",
+                        retired_by="tok_x",
+                    )
+                )
+        assert (
+            await session.execute(select(Provider.retired_at).where(Provider.id == a))
+        ).scalar_one() is None
