@@ -780,6 +780,110 @@ def rotate_token_cmd(
     typer.echo(secret)
 
 
+def _provider_key_id(value: str) -> str:
+    """--provider-id, --successor-id: a provider id as the API takes it (43 characters of
+    unpadded base64url, an Ed25519 public key)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from api_schemas.common import KeyId
+
+    try:
+        TypeAdapter(KeyId).validate_python(value)
+    except ValidationError as exc:
+        raise typer.BadParameter("; ".join(str(e["msg"]) for e in exc.errors())) from None
+    return value
+
+
+@admin_app.command("retire-provider")
+def retire_provider_cmd(
+    provider_id: Annotated[
+        str, typer.Option(help="The provider whose key is lost or stolen", callback=_provider_key_id)
+    ],
+    successor_id: Annotated[
+        str,
+        typer.Option(
+            help="The registered provider that receives its money, now and as it matures",
+            callback=_provider_key_id,
+        ),
+    ],
+    reason: Annotated[str, typer.Option(help="Why (1 to 500 characters); audited")],
+    idempotency_key: Annotated[
+        str | None,
+        typer.Option(
+            help="As the API's Idempotency-Key (8 to 100 of A-Z a-z 0-9 . _ : -): the same command "
+            "again with it is answered as the first was; default: a new one"
+        ),
+    ] = None,
+) -> None:
+    """Retire a provider whose key is lost or stolen, for good, as POST
+    /v1/admin/providers/{id}/retire does: its key is refused from then on, its nodes are
+    revoked, the successor is blacklisted where it is, and its money goes to the successor (what
+    is free at once, the rest as it matures). Audited by the actor ``cli``."""
+    import re
+    import secrets
+
+    from pydantic import ValidationError
+
+    from api_schemas.admin import RetireIn
+    from orchestrator.core.clock import SystemClock
+    from orchestrator.core.db import run_after_commit
+    from orchestrator.core.hotstore import make_hot_store
+    from orchestrator.core.state import AppState
+    from orchestrator.identity.retirement import retire
+    from orchestrator.ledger import IDEMPOTENCY_KEY_PATTERN
+
+    try:
+        RetireIn(successor_id=successor_id, reason=reason)
+    except ValidationError as exc:
+        raise typer.BadParameter(
+            "; ".join(str(e["msg"]) for e in exc.errors()), param_hint="--reason"
+        ) from None
+    key = idempotency_key or f"cli-{secrets.token_hex(12)}"
+    if not (8 <= len(key) <= 100 and re.fullmatch(IDEMPOTENCY_KEY_PATTERN, key)):
+        raise typer.BadParameter(
+            "8 to 100 of A-Z a-z 0-9 . _ : - (as the API's Idempotency-Key)", param_hint="--idempotency-key"
+        )
+
+    async def work(sessionmaker: async_sessionmaker[AsyncSession]) -> Any:
+        settings = _settings()
+        # The server's hot store (Redis, if it has one): the revoked nodes are forgotten there
+        # once the retirement commits, as the API's retirement does.
+        state = AppState(
+            settings=settings,
+            engine=sessionmaker.kw["bind"],
+            sessionmaker=sessionmaker,
+            hot_store=make_hot_store(settings.redis_url, settings.redis),
+            clock=SystemClock(),
+        )
+        try:
+            async with sessionmaker() as session:
+                async with session.begin():
+                    done = await retire(
+                        session, state, provider_id, successor_id, reason, key=key, principal=_cli_actor()
+                    )
+                await run_after_commit(session)
+            return done
+        finally:
+            await state.hot_store.aclose()
+
+    done = _run_on_database(lambda: _with_schema(work))
+    after = done.after
+    if not done.created:
+        console.print(f"provider {provider_id} was retired already with this idempotency key:")
+    console.print(f"provider {provider_id} retired; its money goes to {successor_id}")
+    moved = ", ".join(f"{v} {k}" for k, v in after["moved"].items()) or "nothing"
+    console.print(f"moved at once: {moved}")
+    maturing = ", ".join(f"{v} {k}" for k, v in after["maturing"].items() if v) or "nothing"
+    console.print(f"reaches the successor as it matures: {maturing}")
+    nodes = after["revoked_nodes"]
+    console.print(f"nodes revoked: {len(nodes)}" + (f" ({', '.join(nodes)})" if nodes else ""))
+    if after["blacklists_copied"]:
+        console.print(f"successor blacklisted in: {', '.join(after['blacklists_copied'])}")
+    if after["payouts_requested"]:
+        ids = ", ".join(str(i) for i in after["payouts_requested"])
+        console.print(f"requested payouts left to settle or reject: {ids}")
+
+
 @admin_app.command("prune-evidence")
 def prune_evidence_cmd(
     older_than_days: Annotated[

@@ -9,6 +9,7 @@ import socket
 import stat
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import select
@@ -20,7 +21,7 @@ from orchestrator.admin.models import ApiToken
 from orchestrator.admin.tokens import hash_token
 from orchestrator.audit.models import AuditEntry
 from orchestrator.cli import app
-from orchestrator.core.keys import key_id_of, read_key_file
+from orchestrator.core.keys import generate_key, key_id_of, read_key_file
 from orchestrator.settings import get_settings
 from tests.conftest import DATABASE_URL, postgres_only
 from tests.process_helpers import free_port
@@ -684,3 +685,75 @@ def test_the_demo_table_written_to_a_file_keeps_its_names_whole(monkeypatch: pyt
     narrow = io.StringIO()
     wide_console(narrow).print(_table(summary))
     assert max(len(line) for line in narrow.getvalue().splitlines()) <= 60
+
+
+def test_a_provider_is_retired_from_the_command_line(database_url: str) -> None:
+    """retire-provider retires as the API does: the free stake moves to the successor, the
+    retirement is audited by the CLI, the same key again is answered the same, another is refused."""
+    from orchestrator.core.db import make_sessionmaker
+    from orchestrator.identity.models import Provider
+    from orchestrator.ledger import service as ledger
+    from orchestrator.ledger.service import ProviderAccount, SystemAccount, provider_account, system_account
+
+    lost, heir = key_id_of(generate_key()), key_id_of(generate_key())
+
+    async def seed() -> None:
+        engine = create_async_engine(database_url)
+        try:
+            async with make_sessionmaker(engine)() as session, session.begin():
+                session.add_all([Provider(id=lost), Provider(id=heir)])
+                await session.flush()
+                await ledger.transfer(
+                    session,
+                    debit=system_account(SystemAccount.deposits),
+                    credit=provider_account(lost, ProviderAccount.stake_free),
+                    amount=900,
+                    key=f"deposit:{lost}:cli-test",
+                    reason="deposit",
+                    actor="test",
+                )
+        finally:
+            await engine.dispose()
+
+    async def stored() -> tuple[Any, dict[str, int], list[tuple[str, str]]]:
+        engine = create_async_engine(database_url)
+        try:
+            async with make_sessionmaker(engine)() as session:
+                row = (
+                    await session.execute(
+                        select(Provider.retired_at, Provider.successor_id).where(Provider.id == lost)
+                    )
+                ).one()
+                heirs = await ledger.provider_balances(session, heir)
+                audit = (
+                    await session.execute(
+                        select(AuditEntry.action, AuditEntry.actor).where(AuditEntry.target_id == lost)
+                    )
+                ).all()
+                return row, heirs, [tuple(a) for a in audit]
+        finally:
+            await engine.dispose()
+
+    asyncio.run(seed())
+    env = {"ORCH_DB__URL": database_url, "COLUMNS": "300"}
+    args = ["admin", "retire-provider", "--provider-id", lost, "--successor-id", heir, "--reason", "key lost"]
+    done = runner.invoke(app, [*args, "--idempotency-key", "cli-retire-1"], env=env)
+    assert done.exit_code == 0, done.output
+    assert f"provider {lost} retired" in done.output and "900 stake_free" in done.output
+    (retired_at, successor), heirs, audit = asyncio.run(stored())
+    assert retired_at is not None and successor == heir
+    assert heirs["stake_free"] == 900
+    assert audit == [("provider.retire", "cli")]
+
+    again = runner.invoke(app, [*args, "--idempotency-key", "cli-retire-1"], env=env)
+    assert again.exit_code == 0, again.output
+    assert "retired already with this idempotency key" in again.output and "900 stake_free" in again.output
+    other = runner.invoke(app, [*args, "--idempotency-key", "cli-retire-2"], env=env)
+    assert other.exit_code == 2 and "retired already" in other.output
+    assert asyncio.run(stored())[1]["stake_free"] == 900
+    bad = runner.invoke(
+        app,
+        ["admin", "retire-provider", "--provider-id", "x", "--successor-id", heir, "--reason", "r"],
+        env=env,
+    )
+    assert bad.exit_code == 2
