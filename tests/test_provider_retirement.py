@@ -465,3 +465,62 @@ async def test_a_provider_row_records_a_retirement_whole_or_not_at_all(app_state
         assert (
             await session.execute(select(Provider.retired_at).where(Provider.id == a))
         ).scalar_one() is None
+
+
+async def test_two_retirements_at_once_with_one_key_move_the_money_once(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1500) as s:
+        [lost] = s.workers
+        heir = await registered_provider(s)
+        p = lost.contributor.provider_id
+        answers = await asyncio.gather(
+            *(retire(s, p, heir.provider_id, key="retire-twice") for _ in range(2))
+        )
+        assert sorted(r.status_code for r in answers) == [200, 201], [r.text for r in answers]
+        assert answers[0].json() == answers[1].json()
+        assert (await provider_balances(s, heir.provider_id))["stake_free"] == 500
+        assert len(await audit(s, "provider.retire")) == 1
+        await books_balance(app_state)
+
+
+@postgres_only
+async def test_a_reward_release_racing_the_retirement_of_its_provider_pays_the_successor_a_tick_later(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """The release read the provider as not retired, then waited for the retirement's locks on
+    its accounts: it leaves the hold for the next tick (the successor's account is not among
+    its locks), which pays it to the successor. Neither strands it on the retired provider."""
+    from orchestrator.admin.tokens import Principal, Role
+    from orchestrator.identity import retirement
+
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        [lost] = s.workers
+        await earn(s, app_state, lost)
+        heir = await registered_provider(s)
+        p = lost.contributor.provider_id
+        async with app_state.sessionmaker() as session, session.begin():
+            await session.execute(
+                update(RewardHold).where(RewardHold.status == "held").values(release_at=clock.utcnow())
+            )
+        clock.advance(31)
+        session = app_state.sessionmaker()
+        await session.begin()
+        try:
+            admin = Principal(token_id="tok_test_admin", name="admin", role=Role.admin)
+            await retirement.retire(
+                session, app_state, p, heir.provider_id, "stolen", key="retire-race-3", principal=admin
+            )
+            releasing = asyncio.create_task(release_once(app_state))
+            await until_waiting(app_state, 1, releasing, on="row")
+            assert not releasing.done()
+            await session.commit()
+        finally:
+            await session.close()
+        assert await releasing == 0
+        assert (await provider_balances(s, p))["rewards_pending"] == 7
+        clock.advance(31)
+        assert await release_once(app_state) == 1
+        assert (await provider_balances(s, p))["rewards_claimable"] == 0
+        assert (await provider_balances(s, heir.provider_id))["rewards_claimable"] == 7
+        await books_balance(app_state)
