@@ -524,3 +524,43 @@ async def test_a_reward_release_racing_the_retirement_of_its_provider_pays_the_s
         assert (await provider_balances(s, p))["rewards_claimable"] == 0
         assert (await provider_balances(s, heir.provider_id))["rewards_claimable"] == 7
         await books_balance(app_state)
+
+
+@postgres_only
+async def test_a_node_registration_racing_the_retirement_of_its_provider_waits_and_is_refused(
+    app: Any, app_state: Any
+) -> None:
+    """A node registered while the retirement ran would be a node it never revoked: the
+    registration waits for the provider's row, then finds it retired."""
+    from orchestrator.admin.tokens import Principal, Role
+    from orchestrator.identity import retirement
+    from orchestrator.identity.models import Node
+
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        [lost] = s.workers
+        heir = await registered_provider(s)
+        thief = Contributor(provider_key=lost.contributor.provider_key, node_key=generate_key())
+        session = app_state.sessionmaker()
+        await session.begin()
+        try:
+            admin = Principal(token_id="tok_test_admin", name="admin", role=Role.admin)
+            await retirement.retire(
+                session,
+                app_state,
+                lost.contributor.provider_id,
+                heir.provider_id,
+                "stolen",
+                key="retire-race-4",
+                principal=admin,
+            )
+            registering = asyncio.create_task(
+                lost.client.post("/v1/nodes", json=thief.node_body(), auth=thief.node_auth)
+            )
+            await until_waiting(app_state, 1, registering, on="row")
+            assert not registering.done()
+            await session.commit()
+        finally:
+            await session.close()
+        problem(await registering, 403, "provider_retired")
+        async with app_state.sessionmaker() as check:
+            assert await check.get(Node, thief.node_id) is None

@@ -37,15 +37,16 @@ async def lock_key(session: AsyncSession, key_id: str) -> None:
 async def get_provider(
     session: AsyncSession, provider_id: str, *, for_update: bool = False, for_share: bool = False
 ) -> Provider | None:
-    """The provider; locked (``FOR UPDATE``, or ``FOR SHARE``) and read afresh if asked: a
-    retirement takes the row ``FOR UPDATE``, and a node's registration ``FOR SHARE`` so that it
-    waits for a retirement in flight and then sees it."""
+    """The provider; locked and read afresh if asked: a retirement takes the row ``for_update``
+    (``FOR NO KEY UPDATE``: rows that refer to the provider are still written meanwhile), and a
+    node's registration ``for_share`` (``FOR SHARE``) so that it waits for a retirement in
+    flight and then sees it."""
     if not (for_update or for_share):
         return await session.get(Provider, provider_id)
     stmt = (
         select(Provider)
         .where(Provider.id == provider_id)
-        .with_for_update(read=for_share and not for_update)
+        .with_for_update(key_share=for_update, read=not for_update)
         .execution_options(populate_existing=True)
     )
     return (await session.execute(stmt)).scalar_one_or_none()

@@ -21,7 +21,7 @@ withdraw its claimable rewards and register nodes. A retirement, in one transact
   payout is left for an admin to settle or reject, and a rejected one's amount goes to the
   successor.
 
-Lock order: the two providers' rows in id order (the provider ``FOR UPDATE``, the successor
+Lock order: the two providers' rows in id order (the provider ``FOR NO KEY UPDATE``, the successor
 ``FOR SHARE``: a retirement of the successor in flight is waited for, and then refuses this
 one), the provider's nodes (by id, as a ban or revocation takes a node first), then as the
 ejections and blacklistings lock: the pools (by id), the memberships (by provider, then id),
