@@ -170,7 +170,9 @@ async def test_prescoring_reads_a_batch_in_the_same_few_statements_whatever_its_
         counts = []
         for size in (2, 6):
             async with sql_log(app_state) as statements:
-                scored = await service.prescore(app_state.sessionmaker, scorer, limit=size, after_id=0)
+                scored = await service.prescore(
+                    app_state.sessionmaker, scorer, limit=size, after_id=0, now=app_state.clock.utcnow()
+                )
             assert len(scored.scored) == size
             counts.append(len(statements))
         assert counts[0] == counts[1], counts
