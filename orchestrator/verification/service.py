@@ -1171,7 +1171,7 @@ async def decide(
             trust.consecutive_valid += 1
         # In the row's one UPDATE: what the pool's reward_budget counts (pools.service.spent).
         trust.rewards_credited += verdict.reward_amount
-        await _reward(session, pool, verdict, now=now)
+        await _reward(session, verdict, now=now)
     elif decision.category == "fraud":
         trust.fraud += 1
         trust.consecutive_valid = 0
@@ -1282,29 +1282,57 @@ async def _trust(session: AsyncSession, pool_id: str, node_id: str, provider_id:
     return trust
 
 
-async def _reward(session: AsyncSession, pool: Pool, verdict: Verdict, *, now: dt.datetime) -> None:
+async def _reward(session: AsyncSession, verdict: Verdict, *, now: dt.datetime) -> None:
     amount = verdict.reward_amount  # set when the verdict was written
     if amount <= 0:
         return
     assert verdict.hold_until is not None  # a rewarded verdict is accepted
+    await _credit_held(
+        session,
+        verdict,
+        amount,
+        debit=_system_account(session, SystemAccount.rewards),
+        key=f"submission:{verdict.submission_id}:reward",
+        actor="verifier",
+        release_at=verdict.hold_until,
+        now=now,
+    )
+
+
+async def _credit_held(
+    session: AsyncSession,
+    verdict: Verdict,
+    amount: int,
+    *,
+    debit: ledger.AccountRef,
+    key: str,
+    actor: str,
+    release_at: dt.datetime,
+    now: dt.datetime,
+    memo: str | None = None,
+) -> None:
+    """``amount`` from the system's ``debit`` rewards account to the provider's pending
+    rewards, with the verdict's ``RewardHold`` that releases it at ``release_at`` (or that a
+    fraud verdict within the window forfeits): an acceptance's reward, and an appeal's."""
     await ledger.transfer(
         session,
-        debit=_system_account(session, SystemAccount.rewards),
+        debit=debit,
         credit=provider_account(verdict.provider_id, ProviderAccount.rewards_pending),
         amount=amount,
-        key=f"submission:{verdict.submission_id}:reward",
+        key=key,
         reason="reward",
-        actor="verifier",
+        actor=actor,
+        memo=memo,
         reference=("verdict", str(verdict.id)),
     )
     session.add(
         RewardHold(
             verdict_id=verdict.id,
-            pool_id=pool.id,
+            pool_id=verdict.pool_id,
             node_id=verdict.node_id,
             provider_id=verdict.provider_id,
             amount=amount,
-            release_at=verdict.hold_until,
+            release_at=release_at,
             status="held",
             created_at=now,
         )
@@ -2021,28 +2049,16 @@ async def _pay_on_appeal(
     amount = _or(submission.reward_per_sample, pool.reward_per_sample) * samples
     if amount <= 0:
         return
-    await ledger.transfer(
+    await _credit_held(
         session,
+        verdict,
+        amount,
         debit=system_account(SystemAccount.rewards),  # the unsharded one, which the appeal locked
-        credit=provider_account(verdict.provider_id, ProviderAccount.rewards_pending),
-        amount=amount,
         key=f"verdict:{verdict.id}:reverse:reward",
-        reason="reward",
         actor=actor,
         memo=memo,
-        reference=("verdict", str(verdict.id)),
-    )
-    session.add(
-        RewardHold(
-            verdict_id=verdict.id,
-            pool_id=verdict.pool_id,
-            node_id=verdict.node_id,
-            provider_id=verdict.provider_id,
-            amount=amount,
-            release_at=now + dt.timedelta(seconds=_or(submission.reward_hold_s, pool.reward_hold_s)),
-            status="held",
-            created_at=now,
-        )
+        release_at=now + dt.timedelta(seconds=_or(submission.reward_hold_s, pool.reward_hold_s)),
+        now=now,
     )
     verdict.reward_paid_on_appeal = amount
 
