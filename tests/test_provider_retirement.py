@@ -5,6 +5,8 @@ and the rest as it matures; none is stranded and none is paid twice."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -23,21 +25,15 @@ from tests.conftest import Contributor, new_contributor, postgres_only, problem
 from tests.pools_helpers import join
 from tests.tasks_helpers import PoolSetup, Worker, pool_setup
 from tests.test_ban_ejects import audit, statuses
+from tests.test_node_revocation import ECON
 from tests.test_verification import one_lease
 from tests.verification_helpers import books_balance, submit, verify_all
 from tests.waits import until_waiting
 
 pytestmark = pytest.mark.usefixtures("no_audits")
 
-ECON = {
-    "min_stake_per_node": 1000,
-    "unbonding_period_s": 86_400,
-    "reward_per_sample": 7,
-    "reward_hold_s": 3600,
-    "fraud_slash_amount": 200,
-}
-HOLD_S = 3600
-UNBONDING_S = 86_400
+HOLD_S = ECON["reward_hold_s"]
+UNBONDING_S = ECON["unbonding_period_s"]
 
 
 def retire_url(provider_id: str) -> str:
@@ -52,6 +48,27 @@ async def retire(
         json={"successor_id": successor_id, "reason": reason},
         headers={**s.admin_headers, "Idempotency-Key": key},
     )
+
+
+@asynccontextmanager
+async def retirement_held(
+    app_state: Any, provider_id: str, successor_id: str, key: str
+) -> AsyncIterator[None]:
+    """An admin's retirement of ``provider_id`` (reason "stolen") done in a transaction that
+    stays open, holding its locks, until the block ends; then committed."""
+    from orchestrator.identity import retirement
+    from tests.test_node_revocation import ADMIN
+
+    session = app_state.sessionmaker()
+    await session.begin()
+    try:
+        await retirement.retire(
+            session, app_state, provider_id, successor_id, "stolen", key=key, principal=ADMIN
+        )
+        yield
+        await session.commit()
+    finally:
+        await session.close()
 
 
 async def registered_provider(s: PoolSetup) -> Contributor:
@@ -401,22 +418,7 @@ async def test_a_retirement_racing_a_withdrawal_cannot_both_take_the_claimable_r
         await earn(s, app_state, (w2 := await s.add_worker(stake=1000)))
         assert await release_now(app_state, clock) == 1
         heir2 = await registered_provider(s)
-        session = app_state.sessionmaker()
-        await session.begin()
-        try:
-            from orchestrator.admin.tokens import Principal, Role
-            from orchestrator.identity import retirement
-
-            admin = Principal(token_id="tok_test_admin", name="admin", role=Role.admin)
-            await retirement.retire(
-                session,
-                app_state,
-                w2.contributor.provider_id,
-                heir2.provider_id,
-                "stolen",
-                key="retire-race-2",
-                principal=admin,
-            )
+        async with retirement_held(app_state, w2.contributor.provider_id, heir2.provider_id, "retire-race-2"):
             withdrawing = asyncio.create_task(
                 w2.client.post(
                     "/v1/providers/me/withdrawals",
@@ -427,9 +429,6 @@ async def test_a_retirement_racing_a_withdrawal_cannot_both_take_the_claimable_r
             )
             await until_waiting(app_state, 1, withdrawing, on="row")
             assert not withdrawing.done()
-            await session.commit()
-        finally:
-            await session.close()
         r = await withdrawing
         assert r.status_code in (403, 409), r.text
         assert (await provider_balances(s, heir2.provider_id))["rewards_claimable"] == 7
@@ -532,35 +531,20 @@ async def test_a_node_registration_racing_the_retirement_of_its_provider_waits_a
 ) -> None:
     """A node registered while the retirement ran would be a node it never revoked: the
     registration waits for the provider's row, then finds it retired."""
-    from orchestrator.admin.tokens import Principal, Role
-    from orchestrator.identity import retirement
     from orchestrator.identity.models import Node
 
     async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
         [lost] = s.workers
         heir = await registered_provider(s)
         thief = Contributor(provider_key=lost.contributor.provider_key, node_key=generate_key())
-        session = app_state.sessionmaker()
-        await session.begin()
-        try:
-            admin = Principal(token_id="tok_test_admin", name="admin", role=Role.admin)
-            await retirement.retire(
-                session,
-                app_state,
-                lost.contributor.provider_id,
-                heir.provider_id,
-                "stolen",
-                key="retire-race-4",
-                principal=admin,
-            )
+        async with retirement_held(
+            app_state, lost.contributor.provider_id, heir.provider_id, "retire-race-4"
+        ):
             registering = asyncio.create_task(
                 lost.client.post("/v1/nodes", json=thief.node_body(), auth=thief.node_auth)
             )
             await until_waiting(app_state, 1, registering, on="row")
             assert not registering.done()
-            await session.commit()
-        finally:
-            await session.close()
         problem(await registering, 403, "provider_retired")
         async with app_state.sessionmaker() as check:
             assert await check.get(Node, thief.node_id) is None
