@@ -1483,6 +1483,28 @@ def _invite_code(value: str | None) -> str | None:
     return value
 
 
+async def _leave(server: str, node_key: Any, pool: str) -> Any:
+    from orchestrator.worker.client import WorkerClient
+
+    async with WorkerClient(server, node_key) as client:
+        return await client.leave(pool)
+
+
+@worker_app.command("leave")
+def worker_leave(
+    pool: Annotated[str, typer.Option("--pool", help="The pool to leave", callback=_pool_id)],
+    node_key: NodeKeyOpt,
+    server: ServerOpt = DEFAULT_SERVER,
+) -> None:
+    """Leave a pool, or withdraw a pending join (idempotent), and print the membership as JSON.
+    The node's stake there starts unbonding (the pool's unbonding_period_s; a pending join's
+    comes back at once), and leases it still holds there are given back. `worker run` never
+    leaves: stopping it keeps the node a member."""
+    key = _key_file(node_key, "--node-key")
+    with _worker_errors():
+        _print_model(asyncio.run(_leave(server, key, pool)))
+
+
 @worker_app.command("run")
 def worker_run(
     pool: Annotated[str, typer.Option("--pool", help="The pool to work for", callback=_pool_id)],

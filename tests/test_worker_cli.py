@@ -331,6 +331,16 @@ def test_worker_run_submits_results_and_exits_cleanly_on_sigint(
         listed = runner.invoke(app, ["provider", "payouts", *provider])
         assert listed.exit_code == 0 and listed.stdout == ""
 
+        # The node leaves the pool (the run never does): its stake there starts unbonding.
+        leave = ["worker", "leave", "--server", url, "--pool", staked, "--node-key", str(keys["node"])]
+        left = runner.invoke(app, leave)
+        assert left.exit_code == 0, left.output
+        assert (json.loads(left.stdout)["status"], json.loads(left.stdout)["pool_id"]) == ("left", staked)
+        balance = json.loads(runner.invoke(app, ["provider", "balance", *provider]).stdout)
+        assert (balance["stake_locked"], balance["stake_unbonding"]) == (0, 100)
+        again = runner.invoke(app, leave)  # idempotent
+        assert again.exit_code == 0 and json.loads(again.stdout)["status"] == "left", again.output
+
         # A node never registered, run without the provider key: refused, with what to do.
         stranger = tmp_path / "stranger.key"
         assert runner.invoke(app, ["keys", "generate", str(stranger)]).exit_code == 0

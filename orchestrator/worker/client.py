@@ -218,10 +218,10 @@ class WorkerClient(Backoff):
             MembershipOut, "POST", f"/v1/pools/{_seg(pool_id)}/join", body, interrupt=stop
         )
 
-    async def leave(self, pool_id: str) -> None:
-        """Leave a pool, or withdraw a pending join (idempotent). The membership's stake goes
-        to unbonding."""
-        await self._call("POST", f"/v1/pools/{_seg(pool_id)}/leave")
+    async def leave(self, pool_id: str) -> MembershipOut:
+        """Leave a pool, or withdraw a pending join (idempotent): the membership as it is now.
+        Its stake goes to unbonding."""
+        return await self._call_model(MembershipOut, "POST", f"/v1/pools/{_seg(pool_id)}/leave")
 
     async def heartbeat(
         self,
