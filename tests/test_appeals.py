@@ -784,6 +784,27 @@ async def test_an_appeal_pays_only_what_the_recorded_scores_say_was_right(app: A
         assert await pool_money(s) == (0, 0)
 
 
+async def test_an_appeal_pays_nothing_for_samples_sent_without_their_text(app: Any, app_state: Any) -> None:
+    """A result sent as token ids alone is judged invalid (completion_missing) without being
+    scored: nothing knows whether its samples were right. Its appeal pays nothing, as an
+    inconclusive verdict's; before, the unscored samples counted as paid (a sample with no
+    reward is paid), so the appeal paid every one of them, the check the verdict made skipped."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        lease = await one_lease(s, w, n=3)
+        sample = {"token_ids": [19], "finish_reason": "stop", "prompt_tokens": 10, "completion_tokens": 1}
+        await submit(w, lease, ["4", "5", "6"], samples=[sample] * 3)
+        await verify_all(app_state)
+        [v] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (v["category"], v["reason"]) == ("invalid", "completion_missing")
+        r = await reverse(s, v["id"], "the worker SDK sent ids only")
+        assert r.status_code == 200, r.text
+        assert r.json()["reward_paid_on_appeal"] == 0
+        assert (await provider_balance(w))["rewards_pending"] == 0
+        assert await pool_money(s) == (0, 0)
+        await books_balance(app_state)
+
+
 @postgres_only
 async def test_two_appeals_of_one_rejection_at_once_pay_its_reward_once(
     app: Any, app_state: Any, client: Any

@@ -257,6 +257,44 @@ async def test_a_reward_function_that_raises_makes_the_result_inconclusive(
         assert "'raises' raised IndexError" in odd["details"]["findings"][0]["detail"]
 
 
+async def test_an_appeal_of_a_rejection_its_reward_function_could_not_score_pays_nothing(
+    plugin_installed: None, app: Any, app_state: Any
+) -> None:
+    """A result the reward function failed on (``reward_invalid``) that the checks also reject
+    (a finish reason they do not take: invalid) was never scored. Its appeal pays nothing, as
+    an inconclusive verdict's; before, its samples, with no reward, counted as paid, and the
+    appeal paid all three of them, the wrong answer too."""
+    from tests.tasks_helpers import pool_setup
+    from tests.verification_helpers import FixedDraw, answer_body, books_balance, submit, verdicts, verify_all
+
+    app_state.rng = FixedDraw(1.0)
+    async with pool_setup(
+        app, app_state, workers=1, reward_function="raises", economics={"reward_per_sample": 7}
+    ) as s:
+        task = {
+            "prompt": "What is 3 + 4?",
+            "sampling": {"max_tokens": 8, "n": 3},
+            "verification": {"answer": "7"},
+        }
+        await s.enqueue([task])
+        [lease] = (await s.workers[0].claim(s.pool_id)).json()["leases"]
+        samples = answer_body(lease, ["seven", "7", "8"])["samples"]
+        samples[1]["finish_reason"] = "length"  # with fewer tokens than max_tokens
+        await submit(s.workers[0], lease, ["seven", "7", "8"], samples=samples)
+        await verify_all(app_state)
+        [v] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (v["category"], v["reason"]) == ("invalid", "finish_reason"), v
+        assert [f["code"] for f in v["details"]["findings"]] == ["finish_reason", "reward_invalid"]
+        r = await s.admin.post(
+            f"/v1/admin/verdicts/{v['id']}/reverse", json={"reason": "appeal"}, headers=s.admin_headers
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["reward_paid_on_appeal"] == 0
+        stats = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/stats", headers=s.headers)).json()
+        assert stats["rewards_credited"] == 0
+        await books_balance(app_state)
+
+
 async def test_a_result_whose_reward_function_is_unavailable_is_tried_again_until_reward_retry_s(
     plugin_installed: None, app: Any, app_state: Any, tmp_path: Path
 ) -> None:

@@ -2028,7 +2028,8 @@ async def _pay_on_appeal(
     """A fraud or invalid verdict reversed on appeal pays what ``decide`` would have credited
     had it accepted the result: the rate recorded with the result (else the pool's now) x the
     samples its checks recorded as paid (``correct_samples``: right, or with no reward to check;
-    none for a wrong answer), not scored again. Paid as an acceptance's reward (``_reward``)
+    none for a wrong answer), not scored again. A result the server did not score at all pays
+    nothing (``_scored``), as an inconclusive verdict's appeal. Paid as an acceptance's reward (``_reward``)
     from the system ``rewards`` account to the provider's ``rewards_pending``, whatever became
     of the membership since, with a ``RewardHold`` of the verdict's (it has none: it was
     rejected) released ``reward_hold_s`` (as recorded) after the appeal, so that a fraud verdict
@@ -2045,7 +2046,7 @@ async def _pay_on_appeal(
     pool = await session.get(Pool, verdict.pool_id)
     assert submission is not None
     assert pool is not None
-    samples = (job.correct_samples or 0) if job is not None else 0
+    samples = (job.correct_samples or 0) if job is not None and _scored(job) else 0
     amount = _or(submission.reward_per_sample, pool.reward_per_sample) * samples
     if amount <= 0:
         return
@@ -2061,6 +2062,20 @@ async def _pay_on_appeal(
         now=now,
     )
     verdict.reward_paid_on_appeal = amount
+
+
+# Findings that mean the server never scored the result: its reward function failed
+# (``reward_unscorable``, ``reward_invalid``, ``reward_unavailable``: category inconclusive), or a
+# sample came without its text. Its samples then have no reward because nothing looked at them,
+# not because there was nothing to check them against, and ``correct_samples`` counts them.
+NOT_SCORED = "completion_missing"
+
+
+def _scored(job: VerificationJob) -> bool:
+    """Whether the server scored the job's result (see ``NOT_SCORED``), as its checks recorded."""
+    return not any(
+        f.get("category") == "inconclusive" or f.get("code") == NOT_SCORED for f in job.findings or []
+    )
 
 
 async def _holds_by_id(session: AsyncSession, ids: list[int]) -> dict[int, RewardHold]:
