@@ -27,7 +27,7 @@ from tests.tasks_helpers import PoolSetup, Worker, pool_setup
 from tests.test_ban_ejects import audit, statuses
 from tests.test_node_revocation import ECON
 from tests.test_verification import one_lease
-from tests.verification_helpers import books_balance, submit, verify_all
+from tests.verification_helpers import books_balance, submit, verdicts, verify_all
 from tests.waits import until_waiting
 
 pytestmark = pytest.mark.usefixtures("no_audits")
@@ -548,3 +548,51 @@ async def test_a_node_registration_racing_the_retirement_of_its_provider_waits_a
         problem(await registering, 403, "provider_retired")
         async with app_state.sessionmaker() as check:
             assert await check.get(Node, thief.node_id) is None
+
+
+async def test_an_appeal_after_the_retirement_pays_and_gives_back_to_the_successor(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A right result of the retired provider's node rejected as fraud: its appeal after the
+    retirement gives the slashed stake back and pays the reward the result was due, both to the
+    retired provider first, and they reach the successor (the stake at the next release tick,
+    the reward when its hold ends); the pool counts what the appeal paid as spent, in its view
+    as in its stats. A reward released and moved on before the appeal of its verdict cannot be
+    taken back (409 reversal_impossible), and nothing changes."""
+    from tests.test_appeals import rejected_right, reverse
+
+    econ = {**ECON, "reward_budget": 1000}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        [lost] = s.workers
+        await earn(s, app_state, lost)
+        assert await release_now(app_state, clock) == 1  # 7 claimable
+        v = await rejected_right(s, lost, app_state, "fraud")  # 200 slashed, 14 due
+        heir = await registered_provider(s)
+        p, h = lost.contributor.provider_id, heir.provider_id
+        assert (await retire(s, p, h)).status_code == 201
+        assert (await provider_balances(s, h))["rewards_claimable"] == 7
+
+        r = await reverse(s, v["id"])
+        assert r.status_code == 200 and r.json()["reward_paid_on_appeal"] == 14, r.text
+        view = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}", headers=s.headers)).json()
+        stats = (await s.admin.get(f"/v1/admin/pools/{s.pool_id}/stats", headers=s.headers)).json()
+        assert view["rewards_credited"] == stats["rewards_credited"] == 7 + 14
+        await books_balance(app_state)
+
+        assert await release_now(app_state, clock) == 1
+        assert await provider_balances(s, p) == {
+            "stake_free": 0,
+            "stake_locked": 0,
+            "stake_unbonding": 800,
+            "rewards_pending": 0,
+            "rewards_claimable": 0,
+            "withdrawn": 0,
+        }
+        heirs = await provider_balances(s, h)
+        assert (heirs["stake_free"], heirs["rewards_claimable"]) == (200, 7 + 14)
+        await books_balance(app_state)
+
+        [accepted] = [x for x in await verdicts(s.admin, s.headers, s.pool_id) if x["category"] == "valid"]
+        problem(await reverse(s, accepted["id"]), 409, "reversal_impossible")
+        assert (await provider_balances(s, h))["rewards_claimable"] == 7 + 14
+        await books_balance(app_state)

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from orchestrator.core.clock import FakeClock
 from orchestrator.pools import jobs as pool_jobs
 from tests.tasks_helpers import pool_setup, task
-from tests.verification_helpers import submit, verdicts, verify_all
+from tests.verification_helpers import books_balance, pending_matches_holds, submit, verdicts, verify_all
 
 pytestmark = pytest.mark.usefixtures("no_audits")
 
@@ -288,3 +288,47 @@ async def test_a_reward_that_a_later_fraud_verdict_forfeits_stays_spent(app: Any
         assert (st["rewards_credited"], st["slashed"], st["reward_budget_remaining"]) == (7, 17, 43)
         view = await pool_view(s)
         assert (view["rewards_credited"], view["reward_budget_remaining"]) == (7, 43)
+
+
+async def test_the_budgets_running_total_is_what_the_stats_count_through_appeals_and_forfeits(
+    app: Any, app_state: Any
+) -> None:
+    """The pool view's rewards_credited (the nodes' running totals, which the budget loop sums)
+    and the stats' (counted from the verdicts) agree after every step of a sequence that moves
+    them both ways: a reward, a fraud verdict forfeiting it, that verdict's appeal, the reward's
+    appeal (twice: the second changes nothing), a rejection's appeal that pays, and a fraud
+    verdict forfeiting what that appeal paid."""
+    from tests.test_appeals import fraud, honest, rejected_right, reverse
+
+    econ = {
+        "min_stake_per_node": 1000,
+        "reward_per_sample": 7,
+        "reward_hold_s": 3600,
+        "fraud_slash_amount": 200,
+        "reward_budget": 1000,
+    }
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        w = s.workers[0]
+
+        async def agree(expected: int) -> None:
+            view, st = await pool_view(s), await stats(s)
+            assert (view["rewards_credited"], st["rewards_credited"]) == (expected, expected)
+            assert view["reward_budget_remaining"] == st["reward_budget_remaining"] == 1000 - expected
+
+        a = await honest(s, w, app_state)
+        await agree(7)
+        f = await fraud(s, w, app_state)  # forfeits a's 7: still spent
+        await agree(7)
+        assert (await reverse(s, f["id"])).status_code == 200
+        await agree(7)
+        assert (await reverse(s, a["id"])).status_code == 200
+        await agree(0)
+        assert (await reverse(s, a["id"])).status_code == 200
+        await agree(0)
+        v = await rejected_right(s, w, app_state, "invalid")
+        assert (await reverse(s, v["id"])).json()["reward_paid_on_appeal"] == 14
+        await agree(14)
+        await fraud(s, w, app_state)  # forfeits what the appeal paid: still spent
+        await agree(14)
+        await books_balance(app_state)
+        await pending_matches_holds(app_state)
