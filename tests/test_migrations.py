@@ -1358,6 +1358,27 @@ async def _column_names(url: str, table: str) -> set[str]:
         await engine.dispose()
 
 
+def test_0041_downgrade_refuses_while_an_appeal_paid_a_reward(scratch_url: str) -> None:
+    # 0040 cannot record what an appeal paid: upgraded again, it would be 0, and the pools'
+    # stats and reward budgets (0042) would forget money the ledger paid.
+    upgrade(scratch_url, "0041")
+    asyncio.run(_seed_ended_tasks(scratch_url))
+    asyncio.run(_seed_forfeited_holds(scratch_url))
+    paid = "UPDATE verdicts SET reversed_at = :at, reward_paid_on_appeal = 3 WHERE id = 5"
+    asyncio.run(_run_sql(scratch_url, paid, at=AT))
+    with pytest.raises(RuntimeError, match="1 verdicts were reversed on appeal with a reward paid"):
+        downgrade(scratch_url, "0040")
+    assert asyncio.run(_run_sql(scratch_url)) == "0041"
+    assert asyncio.run(_rows(scratch_url, "SELECT reward_paid_on_appeal FROM verdicts WHERE id = 5")) == [
+        (3,)
+    ]
+
+    asyncio.run(_run_sql(scratch_url, "UPDATE verdicts SET reward_paid_on_appeal = 0"))
+    downgrade(scratch_url, "0040")
+    assert "reward_paid_on_appeal" not in asyncio.run(_column_names(scratch_url, "verdicts"))
+    upgrade(scratch_url)
+
+
 def test_0042_counts_what_each_nodes_verdicts_credited_and_leaves_pools_without_a_budget(
     scratch_url: str,
 ) -> None:

@@ -9,7 +9,9 @@ paid the reward the result was due: an honest node wrongly judged kept its stake
 pay. The appeal now pays what an acceptance would have (the rate recorded with the result x the
 samples the checks found right or could not score), held like any reward, and records the
 amount in ``verdicts.reward_paid_on_appeal`` (0: nothing paid on appeal; every verdict before
-this revision). The downgrade drops the column: the money and its hold stay as they are.
+this revision). The downgrade refuses while an appeal has paid something: revision 0040 could
+not record it, and an upgrade again would count it as 0 (the pool's stats and the reward
+budget's running total, 0042, would forget it though the ledger paid it).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
+
+from migrations.guards import refuse_downgrade_while
 
 revision: str = "0041"
 down_revision: str | None = "0040"
@@ -34,4 +38,10 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    refuse_downgrade_while(
+        "SELECT count(*) FROM verdicts WHERE reward_paid_on_appeal > 0",
+        "verdicts were reversed on appeal with a reward paid, which revision 0040 cannot record "
+        "(an upgrade again would count those payments as 0 in the pools' stats and reward "
+        "budgets, though the ledger paid them): not downgrading",
+    )
     op.drop_column("verdicts", "reward_paid_on_appeal")
