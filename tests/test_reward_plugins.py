@@ -347,6 +347,50 @@ async def test_a_result_whose_reward_function_is_unavailable_is_tried_again_unti
         assert "sandbox: connection refused" in late["details"]["findings"][0]["detail"]
 
 
+async def test_results_whose_reward_function_is_down_do_not_hold_up_the_results_after_them(
+    plugin_installed: None, app: Any, app_state: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An outage with a backlog: more results wait on a sandbox that is down than a tick's
+    budget gets through (here each batch takes a second of a 1.5 s budget: two batches of two).
+    A tick goes on from where the last one stopped, so the result after them, whose reward
+    function answers, is decided within a pass over the backlog, and each waiting result is
+    tried again once a pass. Before, every tick started again at the oldest result: it tried the
+    same four stuck results again and again, and nothing behind them was decided, in any pool,
+    until they ran out of ``reward_retry_s`` (an hour), for as long as the outage lasted."""
+    from orchestrator.settings import VerifierSettings
+    from orchestrator.verification import service
+    from orchestrator.verification.jobs import verify_once
+    from tests.tasks_helpers import pool_setup
+    from tests.verification_helpers import FixedDraw, submit, verdicts
+
+    app_state.rng = FixedDraw(1.0)
+    app_state.settings.verifier = VerifierSettings(batch_size=2, tick_budget_s=1.5)
+    real = service.process_pending
+
+    async def taking_a_second(*args: Any, **kwargs: Any) -> Any:
+        batch = await real(*args, **kwargs)
+        app_state.clock.advance(1)  # the sandbox's connect timeout, say
+        return batch
+
+    monkeypatch.setattr(service, "process_pending", taking_a_second)
+    down = tmp_path / "down"
+    down.write_text("")
+    async with pool_setup(app, app_state, workers=1, reward_function="sandbox", max_leases_per_node=8) as s:
+        stuck = {"prompt": "print(7)", "sampling": {"max_tokens": 8}}
+        await s.enqueue(
+            [{**stuck, "verification": {"answer": "7", "down": str(down)}} for _ in range(6)]
+            + [{**stuck, "verification": {"answer": "7", "down": str(tmp_path / "up")}}]
+        )
+        leases = (await s.workers[0].claim(s.pool_id, max_tasks=7)).json()["leases"]
+        assert len(leases) == 7
+        for lease in leases:  # in the order enqueued: the answered one is the newest result
+            await submit(s.workers[0], lease, ["7"])
+        for _ in range(4):
+            await verify_once(app_state)
+        decided = await verdicts(s.admin, s.headers, s.pool_id)
+        assert [v["category"] for v in decided] == ["valid"], decided
+
+
 async def test_a_result_scored_in_part_pays_its_right_and_unscored_samples_not_its_wrong_ones(
     plugin_installed: None, app: Any, app_state: Any
 ) -> None:

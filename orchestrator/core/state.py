@@ -50,6 +50,9 @@ class AppState:
     # Per verifier partition, when (``clock.monotonic()``) one of this process's batches there last
     # left a result undecided (``verification.jobs.verify_batches``: that partition goes last).
     verifier_failed_at: dict[int, float] = field(default_factory=dict)
+    # Per verifier partition (None: SQLite's one backlog), the job id after which this process's
+    # next batches go on, where its last tick ran out of budget (``verification.jobs``).
+    verifier_resume: dict[int | None, int] = field(default_factory=dict)
     # Spent nonces in the database, when the hot store is this process's own (``core.nonces``).
     spent_nonces: NonceLedger | None = field(init=False)
 

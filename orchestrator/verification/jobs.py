@@ -126,8 +126,10 @@ async def verify_batches(state: AppState, *, budget_s: float) -> int:
     partition by partition (by provider, see ``service.PARTITIONS``), the one whose oldest result
     has waited longest first, one batch per partition at a time across processes, so processes
     share the backlog, each provider's results are decided in order and no partition falls
-    behind the others. A job that failed is not retried within the call (the next batch starts
-    after it). Returns how many jobs were processed."""
+    behind the others. A call the budget stops is taken up by the next where it stopped (per
+    partition, in this process), so results that cannot be decided yet do not hold up those
+    behind them. A job that failed is not retried within the call (the next batch starts after
+    it). Returns how many jobs were processed."""
     return (await _verify_batches(state, budget_s=budget_s))[0]
 
 
@@ -154,8 +156,16 @@ async def _verify_batches(state: AppState, *, budget_s: float) -> tuple[int, boo
             *(p for p in oldest_first if p in failing),
         ]
     total = 0
-    for partition in partitions:
-        after = 0
+    for i, partition in enumerate(partitions):
+        if i and state.clock.monotonic() >= deadline:
+            return total, True
+        # Where this process's last call stopped for its budget: results it cannot decide yet
+        # (a reward function that is down, a job that fails) stay the oldest, and a call that
+        # started at the oldest at every tick spent its budget on them, again and again, and
+        # never reached the results behind them. From there to the newest, then from the oldest
+        # up to there: every waiting result is tried once a pass, however long the pass.
+        start = state.verifier_resume.pop(partition, 0)
+        after, wrapped = start, start == 0
         while True:
             prescored = None
             if partition is None:  # SQLite: score with no transaction (the write lock) open
@@ -168,7 +178,10 @@ async def _verify_batches(state: AppState, *, budget_s: float) -> tuple[int, boo
                     reward_retry_s=retry_s,
                 )
                 if not prescored.attempted:
-                    break
+                    if wrapped:
+                        break
+                    after, wrapped = 0, True
+                    continue
             async with state.sessionmaker() as session, session.begin():
                 batch = await service.process_pending(
                     session,
@@ -186,10 +199,16 @@ async def _verify_batches(state: AppState, *, budget_s: float) -> tuple[int, boo
             after = batch.last_id
             if partition is not None and batch.processed < batch.picked:
                 state.verifier_failed_at[partition] = state.clock.monotonic()
-            if state.clock.monotonic() >= deadline:
+            # At the newest: this partition is done, or another verifier is working it.
+            end = batch.picked < size
+            done = wrapped and (end or 0 < start <= after)  # the pass is back where it started
+            if not done and state.clock.monotonic() >= deadline:
+                state.verifier_resume[partition] = 0 if end else after
                 return total, True
-            if batch.picked < size:
-                break  # this partition is done, or another verifier is working it
+            if done:
+                break
+            if end:
+                after, wrapped = 0, True
     return total, False
 
 
