@@ -3,6 +3,7 @@ address and per key, and every signed request per key."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -291,3 +292,38 @@ async def _spent_rows(state: Any) -> int:
     """Rows of ``spent_nonces`` (the embedded default's; a shared hot store writes none)."""
     async with state.sessionmaker() as session:
         return int(await session.scalar(select(func.count()).select_from(SpentNonce)) or 0)
+
+
+async def test_a_request_refused_for_the_limit_and_sent_again_twice_at_once_is_served_once(
+    settings: Settings, clock: FakeClock, hot_store: HotStore, second_store: HotStore
+) -> None:
+    """The refusal leaves the nonce unspent, but not for a second serving: the same signed request
+    sent again twice at once after Retry-After, to two API processes (one Redis with its own
+    connections; the in-process store: one process), is served once and refused once as a replay
+    (the nonce is checked, counted and spent in one step), and only the served one is counted."""
+    limited = settings.model_copy(update={"limits": LimitSettings(signed_per_key=2, signed_window_s=10)})
+    apps = [
+        create_app(limited, clock=clock, hot_store=hot_store),
+        create_app(limited, clock=clock, hot_store=second_store),
+    ]
+    async with LifespanManager(apps[0]), LifespanManager(apps[1]):
+        clients = [
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=a), base_url="http://testserver")
+            for a in apps
+        ]
+        c = new_contributor()
+        await c.register(clients[0])
+        next_window(clock, 10)
+        for _ in range(2):
+            assert (await clients[0].get("/v1/nodes/me", auth=c.node_auth)).status_code == 200
+        retried = sign_headers(c.node_key, method="GET", url="http://testserver/v1/nodes/me")
+        problem(await clients[1].get("/v1/nodes/me", headers=retried), 429, "rate_limited")
+        next_window(clock, 10)
+        answers = await asyncio.gather(*(client.get("/v1/nodes/me", headers=retried) for client in clients))
+        assert sorted(r.status_code for r in answers) == [200, 401]
+        problem(next(r for r in answers if r.status_code == 401), 401, "nonce_replayed")
+        # The window's second request is still there for a fresh one; then it is over.
+        assert (await clients[0].get("/v1/nodes/me", auth=c.node_auth)).status_code == 200
+        problem(await clients[1].get("/v1/nodes/me", auth=c.node_auth), 429, "rate_limited")
+        for client in clients:
+            await client.aclose()
