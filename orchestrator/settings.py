@@ -231,9 +231,9 @@ class VerifierSettings(BaseModel):
         le=7 * 86_400,
         description=(
             "How long after a result arrived the verifier keeps trying it again while its reward "
-            "function raises RewardUnavailable (a service it needs is down), once a pass over the "
-            "waiting results; past it the result is inconclusive (reward_unavailable). 0: "
-            "inconclusive at once."
+            "function raises RewardUnavailable (a service it needs is down), 1 s after the first "
+            "try, then twice as long each time, at most a minute apart; past it the result is "
+            "inconclusive (reward_unavailable). 0: inconclusive at once."
         ),
     )
     reward_memory_mb: int = Field(

@@ -90,6 +90,9 @@ class Sandbox:
         return completion.strip().splitlines()[-1]
 
     def reward(self, completion: str, spec: Mapping[str, Any]) -> float | None:
+        if "calls" in spec:  # counted in that file, one character a call
+            with Path(spec["calls"]).open("a") as calls:
+                calls.write("x")
         if Path(spec["down"]).exists():
             raise rewards.RewardUnavailable("sandbox: connection refused")
         return 1.0 if self.canonical(completion) == str(spec["answer"]) else 0.0
@@ -324,7 +327,8 @@ async def test_a_result_whose_reward_function_is_unavailable_is_tried_again_unti
         await verify_all(app_state)
         assert await verdicts(s.admin, s.headers, s.pool_id) == []
 
-        down.unlink()  # the sandbox is back
+        down.unlink()  # the sandbox is back, and the result's next try is due
+        app_state.clock.advance(1)
         await verify_all(app_state)
         [paid] = await verdicts(s.admin, s.headers, s.pool_id)
         assert (paid["category"], paid["reward_amount"]) == ("valid", 7)
@@ -389,6 +393,45 @@ async def test_results_whose_reward_function_is_down_do_not_hold_up_the_results_
             await verify_once(app_state)
         decided = await verdicts(s.admin, s.headers, s.pool_id)
         assert [v["category"] for v in decided] == ["valid"], decided
+
+
+async def test_a_result_whose_reward_function_is_unavailable_is_tried_again_less_and_less_often(
+    plugin_installed: None, app: Any, app_state: Any, tmp_path: Path
+) -> None:
+    """While a reward function's service is down, each waiting result is tried again 1 s after
+    the first try, then 2 s, 4 s ... (at most a minute) later, not at every pass of the verifier
+    (every second, or back to back while the backlog lasts), which called the service for every
+    waiting result as fast as the verifier went."""
+    from tests.tasks_helpers import pool_setup
+    from tests.verification_helpers import FixedDraw, submit, verdicts, verify_all
+
+    app_state.rng = FixedDraw(1.0)
+    down, calls = tmp_path / "down", tmp_path / "calls"
+    down.write_text("")
+    spec = {"answer": "7", "down": str(down), "calls": str(calls)}
+    async with pool_setup(app, app_state, workers=1, reward_function="sandbox") as s:
+        await s.enqueue([{"prompt": "print(7)", "sampling": {"max_tokens": 8}, "verification": spec}])
+        [lease] = (await s.workers[0].claim(s.pool_id)).json()["leases"]
+        await submit(s.workers[0], lease, ["7"])
+
+        def tried() -> int:
+            return len(calls.read_text()) if calls.exists() else 0
+
+        seen = []
+        for _ in range(8):  # 4 s, a pass every half second
+            await verify_all(app_state)
+            seen.append(tried())
+            app_state.clock.advance(0.5)
+        # Tries at 0 s, 1 s and 3 s (the next at 7 s): 3 in these 4 s, where a try a pass made 8.
+        assert seen == [1, 1, 2, 2, 2, 2, 3, 3], seen
+        assert await verdicts(s.admin, s.headers, s.pool_id) == []
+
+        down.unlink()
+        app_state.clock.advance(4)
+        await verify_all(app_state)
+        [v] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert v["category"] == "valid"
+        assert app_state.reward_backoff == {}
 
 
 async def test_a_result_scored_in_part_pays_its_right_and_unscored_samples_not_its_wrong_ones(

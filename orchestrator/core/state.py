@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import os
 import random
 import socket
@@ -53,6 +54,9 @@ class AppState:
     # Per verifier partition (None: SQLite's one backlog), the job id after which this process's
     # next batches go on, where its last tick ran out of budget (``verification.jobs``).
     verifier_resume: dict[int | None, int] = field(default_factory=dict)
+    # Per verification job whose reward function was unavailable, when (the clock's UTC) this
+    # process may score it again, and the wait that led there (``verification.service.Retry``).
+    reward_backoff: dict[int, tuple[dt.datetime, float]] = field(default_factory=dict)
     # Spent nonces in the database, when the hot store is this process's own (``core.nonces``).
     spent_nonces: NonceLedger | None = field(init=False)
 

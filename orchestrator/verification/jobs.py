@@ -176,6 +176,7 @@ async def _verify_batches(state: AppState, *, budget_s: float) -> tuple[int, boo
                     after_id=after,
                     now=state.clock.utcnow(),
                     reward_retry_s=retry_s,
+                    reward_backoff=state.reward_backoff,
                 )
                 if not prescored.attempted:
                     if wrapped:
@@ -194,6 +195,7 @@ async def _verify_batches(state: AppState, *, budget_s: float) -> tuple[int, boo
                     partition=partition,
                     prescored=prescored,
                     reward_retry_s=retry_s,
+                    reward_backoff=state.reward_backoff,
                 )
             total += batch.processed
             after = batch.last_id

@@ -213,6 +213,7 @@ async def process_pending(
     partition: int | None = None,
     prescored: Prescored | None = None,
     reward_retry_s: float = 0.0,
+    reward_backoff: dict[int, tuple[dt.datetime, float]] | None = None,
 ) -> Batch:
     """Run the cheap checks of up to ``limit`` waiting jobs with ids above ``after_id``, in the
     caller's transaction (one small batch: its verdicts are visible when it commits).
@@ -224,7 +225,8 @@ async def process_pending(
     batch's locks are taken up front (``lock_for_verdicts``, and its replicated tasks, so that
     two verifiers never both leave a quorum for the other to decide). A result whose reward
     function is unavailable (``RewardUnavailable``) is left for a later batch until
-    ``reward_retry_s`` after it arrived."""
+    ``reward_retry_s`` after it arrived, tried again as ``reward_backoff`` (the process's, see
+    ``Retry``) allows."""
     stmt = _waiting(after_id, limit)
     if partition is not None:
         lock = func.pg_try_advisory_xact_lock(VERIFIER_LOCK, partition)
@@ -240,7 +242,7 @@ async def process_pending(
     # The session's identity map holds its rows weakly: ``loaded`` keeps the batch's rows in it
     # until the batch ends, so that the per-job ``session.get`` calls find them there.
     submissions, loaded = await _load(session, jobs)
-    retry = Retry(now, reward_retry_s)
+    retry = Retry(now, reward_retry_s, {} if reward_backoff is None else reward_backoff)
     if prescored is None:
         scored = await _score_all(session, jobs, scorer, retry)
     else:  # jobs scored before this transaction; any other (none, with one writer) scored now
@@ -310,13 +312,42 @@ class ScoreInput:
 @dataclass(frozen=True)
 class Retry:
     """How long a result whose reward function raised ``RewardUnavailable`` is tried again:
-    until ``reward_retry_s`` after it arrived, counted at ``now``."""
+    until ``reward_retry_s`` after it arrived, counted at ``now``; and when: ``backoff`` (the
+    process's, by job id: when it may be scored again, and the wait that led there) spaces the
+    tries of each result out, 1 s after the first, then twice as long each time up to
+    ``RETRY_BACKOFF_MAX_S``, so that a service that is down is not called for every waiting
+    result at every pass of the verifier."""
 
     now: dt.datetime
     reward_retry_s: float
+    backoff: dict[int, tuple[dt.datetime, float]]
 
     def wanted(self, given: ScoreInput) -> bool:
         return (self.now - given.received_at).total_seconds() < self.reward_retry_s
+
+    def due(self, given: ScoreInput) -> bool:
+        """Whether the result may be scored now (not waiting out its backoff)."""
+        waiting = self.backoff.get(given.job_id)
+        return waiting is None or waiting[0] <= self.now
+
+    def unavailable(self, given: ScoreInput) -> None:
+        """Its reward function was unavailable again: its next try waits twice as long."""
+        if len(self.backoff) >= RETRY_BACKOFF_KEYS:  # jobs decided by other processes meanwhile
+            stale = self.now - dt.timedelta(seconds=2 * RETRY_BACKOFF_MAX_S)
+            for job_id in [j for j, (at, _) in self.backoff.items() if at < stale]:
+                del self.backoff[job_id]
+        previous = self.backoff.get(given.job_id, (self.now, 0.0))[1]
+        wait = min(RETRY_BACKOFF_MAX_S, max(1.0, 2 * previous))
+        self.backoff[given.job_id] = (self.now + dt.timedelta(seconds=wait), wait)
+
+    def scored(self, given: ScoreInput) -> None:
+        self.backoff.pop(given.job_id, None)
+
+
+#: The longest wait between two tries of a result whose reward function is unavailable.
+RETRY_BACKOFF_MAX_S = 60.0
+#: Results a process keeps a backoff for before it forgets those long past theirs.
+RETRY_BACKOFF_KEYS = 10_000
 
 
 async def score_input(session: AsyncSession, job: VerificationJob) -> ScoreInput:
@@ -416,10 +447,12 @@ async def _score_inputs(inputs: list[ScoreInput], scorer: Scorer, retry: Retry) 
     when a process takes it). A job whose scoring failed otherwise (its reward function is not
     installed in this process, or is unavailable within ``retry``) is logged and left for a
     later tick; one whose reward function raised is judged inconclusive (``score_result``)."""
+    inputs = [i for i in inputs if retry.due(i)]  # the others wait out their backoff
     outcomes = await asyncio.gather(*(score_result(i, scorer, retry) for i in inputs), return_exceptions=True)
     scored: dict[int, Scored] = {}
     for given, outcome in zip(inputs, outcomes, strict=True):
         if isinstance(outcome, RewardUnavailable):
+            retry.unavailable(given)
             log.warning(
                 "reward_function_unavailable",
                 job_id=given.job_id,
@@ -437,6 +470,7 @@ async def _score_inputs(inputs: list[ScoreInput], scorer: Scorer, retry: Retry) 
         elif isinstance(outcome, BaseException):
             raise outcome
         else:
+            retry.scored(given)
             scored[given.job_id] = outcome
     return scored
 
@@ -464,6 +498,7 @@ async def prescore(
     after_id: int,
     now: dt.datetime,
     reward_retry_s: float = 0.0,
+    reward_backoff: dict[int, tuple[dt.datetime, float]] | None = None,
 ) -> Prescored:
     """SQLite: score the next batch's results with no transaction open. Every SQLite transaction
     holds the database's one write lock (``BEGIN IMMEDIATE``), so a batch that scored inside its
@@ -475,7 +510,8 @@ async def prescore(
         _, loaded = await _load(session, jobs) if jobs else ([], [])
         inputs = await _inputs(session, jobs)
         del loaded  # held until the inputs are read (the identity map holds rows weakly)
-    scored = await _score_inputs(inputs, scorer, Retry(now, reward_retry_s))
+    retry = Retry(now, reward_retry_s, {} if reward_backoff is None else reward_backoff)
+    scored = await _score_inputs(inputs, scorer, retry)
     return Prescored(frozenset(j.id for j in jobs), scored)
 
 
