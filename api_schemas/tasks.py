@@ -376,8 +376,15 @@ class ClaimOut(BaseModel):
 
 
 class Sample(StrictModel):
-    completion: str | None = Field(default=None, max_length=4_000_000)
-    token_ids: list[TokenId] | None = Field(default=None, max_length=1_000_000)
+    completion: str | None = Field(
+        default=None,
+        max_length=4_000_000,
+        description="The sample's text, which the server grades: a result with a sample without it "
+        "(token_ids alone) is judged invalid (completion_missing), not paid",
+    )
+    token_ids: list[TokenId] | None = Field(
+        default=None, max_length=1_000_000, description="Optional, beside the text (for the trainer)"
+    )
     finish_reason: str = Field(
         min_length=1, max_length=32, description="stop | length (others are rejected later)"
     )

@@ -342,7 +342,7 @@ async def test_a_result_sent_as_token_ids_alone_is_invalid_not_graded_as_empty(
         [v] = await verdicts(s.admin, s.headers, s.pool_id)
         assert (v["outcome"], v["category"], v["reason"]) == ("rejected", "invalid", "completion_missing")
         assert v["reward_amount"] == 0 and v["server_reward"] is None
-        assert "token_ids alone cannot be checked" in v["details"]["findings"][0]["detail"]
+        assert "no completion text (the server grades text" in v["details"]["findings"][0]["detail"]
         assert (await balances(client, w))["stake_locked"] == 1000
 
 

@@ -81,7 +81,8 @@ def sanity(result: Mapping[str, Any], expect: Expectations) -> list[Finding]:
                 Finding(
                     "completion_missing",
                     "invalid",
-                    f"sample {i} has no completion text (token_ids alone cannot be checked)",
+                    f"sample {i} has no completion text (the server grades text; it has no tokenizer "
+                    "for token_ids)",
                 )
             )
     step = result.get("policy_step", -1)
