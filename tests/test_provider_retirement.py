@@ -22,7 +22,7 @@ from orchestrator.ledger.service import ProviderAccount, SystemAccount, provider
 from orchestrator.verification.jobs import release_once
 from orchestrator.verification.models import RewardHold
 from tests.conftest import Contributor, new_contributor, postgres_only, problem
-from tests.pools_helpers import join
+from tests.pools_helpers import join, leave
 from tests.tasks_helpers import PoolSetup, Worker, pool_setup
 from tests.test_ban_ejects import audit, statuses
 from tests.test_node_revocation import ECON
@@ -69,6 +69,17 @@ async def retirement_held(
         await session.commit()
     finally:
         await session.close()
+
+
+async def blacklisted_in(app_state: Any, pool_id: str) -> list[str]:
+    """The providers the pool blacklists."""
+    from orchestrator.pools.models import PoolProviderBlacklist
+
+    async with app_state.sessionmaker() as session:
+        rows = await session.execute(
+            select(PoolProviderBlacklist.provider_id).where(PoolProviderBlacklist.pool_id == pool_id)
+        )
+        return sorted(rows.scalars())
 
 
 async def registered_provider(s: PoolSetup) -> Contributor:
@@ -595,4 +606,82 @@ async def test_an_appeal_after_the_retirement_pays_and_gives_back_to_the_success
         [accepted] = [x for x in await verdicts(s.admin, s.headers, s.pool_id) if x["category"] == "valid"]
         problem(await reverse(s, accepted["id"]), 409, "reversal_impossible")
         assert (await provider_balances(s, h))["rewards_claimable"] == 7 + 14
+        await books_balance(app_state)
+
+
+@postgres_only
+async def test_a_provider_ban_the_verifier_commits_while_the_retirement_waits_reaches_the_successor(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The verifier's fraud verdict on a result of a node that has left the pool since blacklists
+    its provider (the second strike of its two nodes, one each: no ejection) and holds its
+    transaction open; the retirement started meanwhile waits for it, and then copies that
+    blacklisting to the successor as well. Before, it read the blacklists before its locks and
+    the successor was left out: the retirement was a way out of the verifier's ban."""
+    from orchestrator.pools import service as pools_service
+    from tests.test_appeals import forged
+
+    econ = {**ECON, "strikes_before_ejection": 2, "strikes_before_provider_ban": 2}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=2000) as s:
+        [lost] = s.workers
+        sibling = await s.add_worker(provider_key=lost.contributor.provider_key, stake=2000)
+        heir = await s.add_worker(stake=1000)
+        p, h = lost.contributor.provider_id, heir.contributor.provider_id
+        await forged(s, sibling)
+        await verify_all(app_state)  # the provider's first strike
+        await forged(s, lost)
+        for w in (lost, sibling):  # the blacklisting ends no membership then, and locks no node
+            assert (await leave(w.client, w.contributor, s.pool_id)).status_code == 200
+        banned, go = asyncio.Event(), asyncio.Event()
+        real = pools_service.blacklist_for_fraud
+
+        async def held(*args: Any, **kwargs: Any) -> bool:
+            created = await real(*args, **kwargs)
+            banned.set()
+            await go.wait()  # the verdict's transaction stays open, its locks held
+            return created
+
+        monkeypatch.setattr(pools_service, "blacklist_for_fraud", held)
+        verifying = asyncio.create_task(verify_all(app_state))
+        await asyncio.wait_for(banned.wait(), 60)
+        retiring = asyncio.create_task(retire(s, p, h, key="retire-race-5"))
+        await until_waiting(app_state, 1, retiring, on="row")
+        assert not retiring.done()
+        go.set()
+        await verifying
+        r = await retiring
+        assert r.status_code == 201, r.text
+        assert r.json()["blacklists_copied"] == [s.pool_id]
+        assert (await statuses(s, s.pool_id))[heir.node_id] == "left"
+        assert await blacklisted_in(app_state, s.pool_id) == sorted([p, h])
+        assert (await join(heir.client, heir.contributor, s.pool_id)).status_code == 403
+        await books_balance(app_state)
+
+
+async def test_a_provider_ban_decided_after_the_retirement_reaches_the_successor(
+    app: Any, app_state: Any
+) -> None:
+    """A result the retired provider's node sent before the retirement is found fraud after it,
+    and its strike reaches the pool's provider limit: the verifier blacklists the retired
+    provider and its successor with it (an entry no appeal lifts, as a retirement's copies; an
+    operator removes it), ending the successor's membership there. Before, only the retired
+    provider was blacklisted, whose nodes are revoked anyway: the successor went on."""
+    from tests.test_appeals import forged
+
+    econ = {**ECON, "strikes_before_ejection": 1, "strikes_before_provider_ban": 1}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        [lost] = s.workers
+        heir = await s.add_worker(stake=1000)
+        p, h = lost.contributor.provider_id, heir.contributor.provider_id
+        await forged(s, lost)
+        r = await retire(s, p, h)
+        assert r.status_code == 201 and r.json()["blacklists_copied"] == [], r.text
+        assert (await statuses(s, s.pool_id))[heir.node_id] == "active"
+        await verify_all(app_state)
+        [v] = await verdicts(s.admin, s.headers, s.pool_id)
+        assert (v["node_id"], v["category"]) == (lost.node_id, "fraud")
+        assert await blacklisted_in(app_state, s.pool_id) == sorted([p, h])
+        assert (await statuses(s, s.pool_id))[heir.node_id] == "left"
+        problem(await join(heir.client, heir.contributor, s.pool_id), 403, "provider_blacklisted")
+        assert (await provider_balances(s, h))["stake_unbonding"] == 1000
         await books_balance(app_state)

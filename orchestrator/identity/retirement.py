@@ -14,7 +14,10 @@ withdraw its claimable rewards and register nodes. A retirement, in one transact
 * blacklists the successor in every pool that blacklists the provider (an admin's tool must
   not become a way out of a blacklist), ending the successor's memberships there as any
   blacklisting does; the copies are the admin's (an appeal of the verifier's strikes against
-  the retired provider's nodes does not lift them: an operator removes them);
+  the retired provider's nodes does not lift them: an operator removes them). The blacklists
+  are read under the pools' locks, so a verifier's ban committed while the retirement waited
+  is copied too; one decided after the retirement reaches the heir from the verdict
+  (``pools.service.blacklist_heir_for_fraud``);
 * moves what is free now to the successor (``ledger.succession.forward``): free stake, stake
   no membership locks any more, claimable rewards. What is not free yet (rewards on hold,
   stake unbonding) reaches the successor as it matures (``ledger.succession``); a requested
@@ -24,7 +27,8 @@ withdraw its claimable rewards and register nodes. A retirement, in one transact
 Lock order: the two providers' rows in id order (the provider ``FOR NO KEY UPDATE``, the successor
 ``FOR SHARE``: a retirement of the successor in flight is waited for, and then refuses this
 one), the provider's nodes (by id, as a ban or revocation takes a node first), then as the
-ejections and blacklistings lock: the pools (by id), the memberships (by provider, then id),
+ejections and blacklistings lock: the pools (by id: every pool the provider has a membership
+in, and those that blacklist it), the memberships (by provider, then id),
 every account of the provider and the successor's at once, then leases.
 """
 
@@ -122,8 +126,7 @@ async def retire(
         )
     now = state.clock.utcnow()
     nodes = await _nodes_for_update(session, provider_id)
-    blacklisted = await _blacklisting_pools(session, provider_id)
-    await _lock_pools_and_memberships(session, provider_id, successor_id, nodes, blacklisted)
+    blacklisted = await _lock_pools_and_memberships(session, provider_id, successor_id, nodes)
     await ledger.lock_accounts(
         session,
         [
@@ -239,33 +242,49 @@ async def _blacklisting_pools(session: AsyncSession, provider_id: str) -> dict[s
 
 
 async def _lock_pools_and_memberships(
-    session: AsyncSession,
-    provider_id: str,
-    successor_id: str,
-    nodes: list[Node],
-    blacklisted: dict[str, str],
-) -> None:
-    """Before any account: the pools the provider's nodes are live members of and those that
-    blacklist it (by id), then the memberships there of the provider's nodes and of the
-    successor (by provider, then id), as the ejections and blacklistings that follow take them."""
+    session: AsyncSession, provider_id: str, successor_id: str, nodes: list[Node]
+) -> dict[str, str]:
+    """Before any account: the pools the provider has a membership in (any status: a verdict on
+    a result of a node that left since is decided there, and may ban the provider) and those
+    that blacklist it (by id), then the memberships there of the provider's nodes and of the
+    successor (by provider, then id), as the ejections and blacklistings that follow take them.
+    Returns the pools that blacklist the provider, with why, read once the pools are locked.
+
+    A verdict transaction holds its pools shared until it commits (``lock_for_verdicts``), so
+    with the pools locked every verifier's ban of the provider is committed, and read here, or
+    waits for the retirement (and then reaches the successor: ``verification.service``). Read
+    before these locks, a ban committed while the retirement waited for them was never copied.
+    An operator's blacklisting of the provider in a pool it never joined, committed meanwhile,
+    is locked after the others (out of id order: it is rare, and was committed already)."""
     node_ids = [n.id for n in nodes]
-    live = set()
-    for node_id in node_ids:
-        live.update(await pools_repo.live_pool_ids_of_node(session, node_id))
-    pool_ids = sorted(live | set(blacklisted))
-    for pool_id in pool_ids:
-        await pools_repo.get_pool(session, pool_id, for_update=True)
-    if not pool_ids:
-        return
+    joined = set(
+        (
+            await session.execute(
+                select(PoolMembership.pool_id).where(PoolMembership.provider_id == provider_id).distinct()
+            )
+        ).scalars()
+    )
+    blacklisted = await _blacklisting_pools(session, provider_id)
+    locked: list[str] = []
+    todo = sorted(joined | set(blacklisted))
+    while todo:
+        for pool_id in todo:
+            await pools_repo.get_pool(session, pool_id, for_update=True)
+        locked += todo
+        blacklisted = await _blacklisting_pools(session, provider_id)
+        todo = sorted(set(blacklisted) - set(locked))
+    if not locked:
+        return blacklisted
     await session.execute(
         select(PoolMembership.id)
         .where(
-            PoolMembership.pool_id.in_(pool_ids),
+            PoolMembership.pool_id.in_(locked),
             or_(PoolMembership.node_id.in_(node_ids), PoolMembership.provider_id == successor_id),
         )
         .order_by(PoolMembership.provider_id, PoolMembership.id)
         .with_for_update()
     )
+    return blacklisted
 
 
 def provider_detail(provider: Provider) -> dict[str, Any]:

@@ -1185,6 +1185,24 @@ async def blacklist_for_fraud(
     return created
 
 
+#: The actor of a retired provider's blacklisting copied to its heir after the retirement: not
+#: the verifier's (no appeal lifts it, as a retirement's own copies), an operator removes it.
+SUCCESSION = Principal(token_id="succession", name="retirement", role=Role.admin)  # noqa: S106 - an actor, not a secret
+
+
+async def blacklist_heir_for_fraud(
+    session: AsyncSession, pool: Pool, heir_id: str, retired_id: str, *, reason: str, now: dt.datetime
+) -> bool:
+    """The verifier's provider ban of ``retired_id``, decided after its retirement (for results
+    its nodes sent before), copied to its heir as the retirement copied the ones before it
+    (``identity.retirement``): a retirement is no way out of a blacklist. The caller locked the
+    heir's memberships and accounts (``verification.service.lock_for_verdicts``). True if new."""
+    _, created = await _blacklist(
+        session, SUCCESSION, pool, heir_id, f"successor of retired provider {retired_id}: {reason}", now=now
+    )
+    return created
+
+
 async def lift_fraud_ejection(
     session: AsyncSession, principal: Principal, m: PoolMembership, *, reason: str, now: dt.datetime
 ) -> bool:

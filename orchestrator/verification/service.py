@@ -84,6 +84,7 @@ from orchestrator.core.ticks import Keyset
 from orchestrator.identity.models import Node
 from orchestrator.ledger import service as ledger
 from orchestrator.ledger import succession
+from orchestrator.ledger.heirs import heirs
 from orchestrator.ledger.models import LedgerTransfer
 from orchestrator.ledger.service import ProviderAccount, SystemAccount, provider_account, system_account
 from orchestrator.pools.models import Pool, PoolMembership
@@ -603,6 +604,10 @@ async def lock_for_verdicts(session: AsyncSession, submissions: list[Submission]
             )
         ).scalars()
     ) | {s.provider_id for s in submissions}
+    # A retired provider's ban reaches its heir (``_punish``): the heir's memberships and
+    # accounts are locked with the rest. A retirement that begins meanwhile waits for the pools
+    # locked above; one committed already is seen here.
+    providers |= set((await heirs(session, providers)).values())
     await session.execute(
         select(PoolMembership)
         .where(
@@ -1448,6 +1453,18 @@ async def _punish(
             reason=f"{provider_strikes} fraud strikes across its nodes",
             now=now,
         )
+        # Decided after the provider's retirement (a result its nodes sent before): its heir,
+        # which the retirement blacklisted where the provider was then, is blacklisted here too.
+        heir = (await heirs(session, [verdict.provider_id])).get(verdict.provider_id)
+        if heir is not None:
+            await pools_service.blacklist_heir_for_fraud(
+                session,
+                pool,
+                heir,
+                verdict.provider_id,
+                reason=f"{provider_strikes} fraud strikes across its nodes",
+                now=now,
+            )
 
 
 async def _penalise(session: AsyncSession, verdict: Verdict, *, penalty: int, now: dt.datetime) -> None:
