@@ -797,6 +797,56 @@ async def test_a_slash_takes_what_the_latest_episode_lacks_from_the_earlier_ones
         await books_balance(app_state)
 
 
+async def test_a_slash_of_a_live_membership_takes_what_its_locked_stake_lacks_from_earlier_episodes_unbonding(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    """A node left (its first episode's 1000 unbonding) and joined again (1000 locked); two
+    fraud verdicts of 700 each: the first takes 700 of the locked stake, the second the 300
+    left there and 400 of the first episode's stake still unbonding (slashable until due, as
+    for a membership that ended). Before, the second took 300 only, while 1000 of the node's
+    stake was still unbonding. Its appeal gives back both parts: 300 locked again (its episode
+    is live), 400 free at once; the episodes' unbondings release the 600 and 300 they hold."""
+    econ = {**ECON, "fraud_slash_amount": 700, "unbonding_period_s": 86_400}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=2000) as s:
+        w = s.workers[0]
+        pool_url = f"/v1/pools/{s.pool_id}"
+        r = await w.client.post(f"{pool_url}/leave", json={}, auth=w.contributor.node_auth)
+        assert r.status_code == 200, r.text
+        clock.advance(60)
+        r = await w.client.post(f"{pool_url}/join", json={}, auth=w.contributor.node_auth)
+        assert r.status_code == 201 and r.json()["episode"] == 2, r.text
+        for lease in [await one_lease(s, w) for _ in range(2)]:
+            await submit(w, lease, ["5"], claimed_reward=1.0)
+        await verify_all(app_state)
+        first, second = sorted(await verdicts(s.admin, s.headers, s.pool_id), key=lambda v: v["id"])
+        assert [(v["category"], v["slashed_amount"]) for v in (first, second)] == [("fraud", 700)] * 2
+        b = await balances(client, w)
+        assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (0, 600, 0)
+        await books_balance(app_state)
+
+        r = await s.admin.post(
+            f"/v1/admin/verdicts/{second['id']}/reverse", json={"reason": "bug"}, headers=s.admin_headers
+        )
+        assert r.status_code == 200 and r.json()["membership_status"] == "active", r.text
+        b = await balances(client, w)
+        assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (300, 600, 400)
+        await books_balance(app_state)
+        again = await s.admin.post(
+            f"/v1/admin/verdicts/{second['id']}/reverse", json={"reason": "twice"}, headers=s.admin_headers
+        )
+        assert again.status_code == 200, again.text
+        assert await balances(client, w) == b
+        r = await w.client.post(f"{pool_url}/leave", json={}, auth=w.contributor.node_auth)
+        assert r.status_code == 200, r.text
+        b = await balances(client, w)
+        assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (0, 900, 400)
+        clock.advance(86_401)
+        assert (await stake_release_once(app_state)).released == 2
+        b = await balances(client, w)
+        assert (b["stake_locked"], b["stake_unbonding"], b["stake_free"]) == (0, 0, 1300)
+        await books_balance(app_state)
+
+
 async def test_an_appeal_gives_back_stake_slashed_while_it_was_unbonding(
     app: Any, app_state: Any, client: Any, clock: FakeClock
 ) -> None:

@@ -1380,6 +1380,11 @@ async def _credit_held(
     )
 
 
+#: The key of a fraud slash's part taken from a live membership's earlier episodes' stake still
+#: unbonding, for what its locked stake lacked (``_punish``); by ``submission_id``.
+UNBONDING_SLASH_KEY = "submission:{submission_id}:slash-unbonding"
+
+
 async def _punish(
     session: AsyncSession, pool: Pool, verdict: Verdict, trust: NodeTrust, *, slash: int, now: dt.datetime
 ) -> None:
@@ -1391,22 +1396,38 @@ async def _punish(
     slashed = 0
     live = membership is not None and membership.status in ("active", "pending")
     slash_key = f"submission:{verdict.submission_id}:slash-stake"
-    if membership is not None and live and slash > 0 and membership.stake > 0:
+    if membership is not None and live and slash > 0:
         # A live membership has its stake locked.
-        amount = min(slash, membership.stake)
-        await ledger.transfer(
-            session,
-            debit=provider_account(verdict.provider_id, ProviderAccount.stake_locked),
-            credit=_system_account(session, SystemAccount.slashed),
-            amount=amount,
-            key=slash_key,
-            reason="slash_stake",
-            actor="verifier",
-            reference=reference,
-            memo=f"fraud: {verdict.reason}",
-        )
-        membership.stake -= amount
-        slashed += amount
+        if membership.stake > 0:
+            amount = min(slash, membership.stake)
+            await ledger.transfer(
+                session,
+                debit=provider_account(verdict.provider_id, ProviderAccount.stake_locked),
+                credit=_system_account(session, SystemAccount.slashed),
+                amount=amount,
+                key=slash_key,
+                reason="slash_stake",
+                actor="verifier",
+                reference=reference,
+                memo=f"fraud: {verdict.reason}",
+            )
+            membership.stake -= amount
+            slashed += amount
+        if slashed < slash:
+            # What the locked stake lacks (earlier slashes took it) comes from the stake of the
+            # membership's earlier episodes still unbonding, latest first, slashable until due as
+            # an ended membership's is: the amount is taken in full while the node's stake lasts.
+            slashed += await ledger.slash_unbonding(
+                session,
+                pools_service.unbonding_keys(membership),
+                slash - slashed,
+                now=now,
+                credit=_system_account(session, SystemAccount.slashed),
+                key=UNBONDING_SLASH_KEY.format(submission_id=verdict.submission_id),
+                actor="verifier",
+                memo=f"fraud: {verdict.reason}",
+                reference=reference,
+            )
     elif membership is not None and not live and slash > 0:
         # An ended one (left, ejected, its pool completed) has its stake unbonding: slashable
         # until the unbonding period ends, so that leaving before the verdict escapes nothing.
@@ -1782,8 +1803,8 @@ async def reverse_verdict(
     trust = await session.get(NodeTrust, (verdict.pool_id, verdict.node_id), with_for_update=True)
     memo = f"appeal: {reason}"
     try:
-        stake_back, unbonding = (
-            await _reverse_stake_slash(session, verdict, actor=actor, memo=memo) if fraud else (0, False)
+        locked_back, unbonding_back = (
+            await _reverse_stake_slash(session, verdict, actor=actor, memo=memo) if fraud else (0, 0)
         )
         await _give_back_forfeits(session, verdict, actor=actor, memo=memo)
         await _reverse_reward(session, verdict, actor=actor, memo=memo)
@@ -1794,7 +1815,7 @@ async def reverse_verdict(
             code="reversal_impossible",
         ) from exc
     if fraud:
-        await _restore_after_fraud(session, verdict, stake_back, unbonding, membership, actor=actor)
+        await _restore_after_fraud(session, verdict, locked_back, unbonding_back, membership, actor=actor)
     verdict.reversed_at = now
     verdict.reversal_reason = reason
     if verdict.outcome == "accepted":
@@ -1936,17 +1957,27 @@ async def _lock_for_appeal(session: AsyncSession, verdict: Verdict) -> None:
 
 async def _reverse_stake_slash(
     session: AsyncSession, verdict: Verdict, *, actor: str, memo: str
-) -> tuple[int, bool]:
-    """The fraud verdict's stake slash, reversed; returns the amount (0 if it slashed none) and
-    whether it was slashed from stake unbonding (it is back there now) rather than locked."""
-    slash = await ledger.by_key(session, f"submission:{verdict.submission_id}:slash-stake")
-    if slash is None:
-        return 0, False
-    await ledger.reverse(
-        session, slash.id, key=f"verdict:{verdict.id}:reverse:{slash.id}", actor=actor, memo=memo
-    )
-    debit = await ledger.account_ref(session, slash.debit_account_id)
-    return slash.amount, debit.kind == ProviderAccount.stake_unbonding.value
+) -> tuple[int, int]:
+    """The fraud verdict's stake slashes, reversed: returns what they took from locked stake and
+    what from stake unbonding (back there now), 0 and 0 if none. A slash of a live membership
+    takes from its locked stake (keyed ``slash-stake``) and what that lacks from its earlier
+    episodes' stake unbonding (``slash-unbonding``); an ended one's, from unbonding only
+    (``slash-stake``)."""
+    locked = unbonding = 0
+    keys = ("submission:{submission_id}:slash-stake", UNBONDING_SLASH_KEY)
+    for key in keys:
+        slash = await ledger.by_key(session, key.format(submission_id=verdict.submission_id))
+        if slash is None:
+            continue
+        await ledger.reverse(
+            session, slash.id, key=f"verdict:{verdict.id}:reverse:{slash.id}", actor=actor, memo=memo
+        )
+        debit = await ledger.account_ref(session, slash.debit_account_id)
+        if debit.kind == ProviderAccount.stake_unbonding.value:
+            unbonding += slash.amount
+        else:
+            locked += slash.amount
+    return locked, unbonding
 
 
 async def _give_back_forfeits(session: AsyncSession, verdict: Verdict, *, actor: str, memo: str) -> None:
@@ -2182,32 +2213,35 @@ async def _slashed_this_episode(session: AsyncSession, verdict: Verdict, members
 async def _restore_after_fraud(
     session: AsyncSession,
     verdict: Verdict,
-    stake_back: int,
-    unbonding: bool,
+    locked_back: int,
+    unbonding_back: int,
     membership: PoolMembership | None,
     *,
     actor: str,
 ) -> None:
-    if stake_back <= 0:
-        return
-    if unbonding:  # slashed from an ended membership's unbonding: free at once, like a release
+    """Where the stake the appeal gave back (``_reverse_stake_slash``) goes: what was slashed
+    from unbonding is free at once, like a release; what was slashed from locked stake is locked
+    again for the episode it was slashed from if that is still live, else free."""
+    if unbonding_back > 0:
         await ledger.transfer(
             session,
             debit=provider_account(verdict.provider_id, ProviderAccount.stake_unbonding),
             credit=provider_account(verdict.provider_id, ProviderAccount.stake_free),
-            amount=stake_back,
+            amount=unbonding_back,
             key=f"verdict:{verdict.id}:reverse:release",
             reason="stake_release",
             actor=actor,
             reference=("verdict", str(verdict.id)),
         )
-    elif membership is not None and await _slashed_this_episode(session, verdict, membership):
-        membership.stake += stake_back  # locked again for the episode it was slashed from
+    if locked_back <= 0:
+        return
+    if membership is not None and await _slashed_this_episode(session, verdict, membership):
+        membership.stake += locked_back  # locked again for the episode it was slashed from
     else:  # that episode is over (the membership ended, or ended and began again): the stake is free
         await ledger.unlock_stake(
             session,
             verdict.provider_id,
-            stake_back,
+            locked_back,
             key=f"verdict:{verdict.id}:reverse:unlock",
             actor=actor,
             reference=("verdict", str(verdict.id)),
