@@ -21,7 +21,7 @@ import structlog
 from orchestrator import __version__
 from orchestrator.core import metrics
 from orchestrator.core.alive import keep_alive
-from orchestrator.core.loops import run_periodically, stop_loops
+from orchestrator.core.loops import pause_after_more, run_periodically, stop_loops
 from orchestrator.core.state import AppState, open_state
 from orchestrator.ledger import jobs as ledger_jobs
 from orchestrator.liveness import service as liveness
@@ -65,8 +65,11 @@ for _name in (*TICK_NAMES, SERVING_MARKS):
 
 
 def start(state: AppState, stop: asyncio.Event) -> list[asyncio.Task[None]]:
+    pause = pause_after_more(state)
     return [
-        asyncio.create_task(run_periodically(state, name, interval, tick, stop), name=name)
+        asyncio.create_task(
+            run_periodically(state, name, interval, tick, stop, more_pause_s=pause), name=name
+        )
         for name, interval, tick in loops(state.settings)
     ]
 

@@ -188,7 +188,8 @@ class VerifierSettings(BaseModel):
         gt=0,
         le=3600,
         description="How long one verifier tick (every second) keeps taking batches while results wait; "
-        "a tick that runs out of it still deciding results is followed at once by the next.",
+        "a tick that runs out of it still deciding results is followed by the next at once "
+        "(SQLite: after 0.4 s, for the requests waiting for the write lock).",
     )
     quorum_wait_s: float = Field(
         default=3600,

@@ -32,7 +32,7 @@ from orchestrator.core.alive import ALIVE_INTERVAL_S, alive_age, keep_alive
 from orchestrator.core.clock import SystemClock
 from orchestrator.core.loops import STOP_GRACE_S, run_periodically
 from orchestrator.settings import Settings, get_settings
-from tests.conftest import REDIS_URL, postgres_only
+from tests.conftest import IS_POSTGRES, REDIS_URL, postgres_only
 from tests.process_helpers import free_port
 from tests.scoring_helpers import Gate
 from tests.tasks_helpers import pool_setup, task
@@ -268,6 +268,43 @@ async def test_a_tick_that_says_there_is_more_is_followed_at_once_by_the_next() 
     state = SimpleNamespace(clock=SystemClock())
     await asyncio.wait_for(run_periodically(state, "verifier", 3600, tick, stop), timeout=10)  # type: ignore[arg-type]
     assert ran == 3
+
+
+@pytest.mark.skipif(IS_POSTGRES, reason="SQLite's one write lock")
+async def test_on_sqlite_a_write_gets_in_between_verifier_ticks_that_say_there_is_more(
+    app_state: Any, monkeypatch: Any
+) -> None:
+    """A verifier working a backlog ticks back to back (``more``), each tick holding the write
+    lock for its batches. A claim, result or beat that waits for the lock meanwhile is let in
+    after the next tick, not after the backlog: the loop, ticking at once, took the lock again
+    before SQLite's busy handler retried the waiting transaction, which waited for seconds."""
+    stop, deciding = asyncio.Event(), asyncio.Event()
+    ticks = 0
+    wrote_after: list[int] = []
+
+    async def verifier_tick(state: Any) -> Any:
+        nonlocal ticks
+        async with state.sessionmaker() as session, session.begin():  # BEGIN IMMEDIATE
+            await session.execute(text("SELECT 1"))
+            deciding.set()
+            await asyncio.sleep(0.1)  # deciding a batch, with the write lock held
+        ticks += 1
+        if ticks == 8:
+            stop.set()  # the backlog is done
+        return SimpleNamespace(more=ticks < 8)
+
+    async def a_claim() -> None:
+        await deciding.wait()  # the verifier is working its backlog
+        async with app_state.sessionmaker() as session, session.begin():  # waits for the lock
+            await session.execute(text("SELECT 1"))
+        wrote_after.append(ticks)
+
+    monkeypatch.setattr(background, "loops", lambda settings: [("verifier", 3600, verifier_tick)])
+    claim = asyncio.create_task(a_claim())
+    tasks = background.start(app_state, stop)
+    await asyncio.wait_for(asyncio.gather(*tasks, claim), timeout=HANG_S)
+    assert ticks == 8
+    assert wrote_after == [1]  # after the first tick, not after the whole backlog (8)
 
 
 def test_the_command_refuses_a_metrics_port_in_use_before_starting() -> None:

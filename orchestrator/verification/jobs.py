@@ -2,7 +2,8 @@
 
 The verifier runs in every process that runs background loops: each tick takes waiting results
 in small batches, each committed on its own, for up to a time budget (a tick that runs out of
-it while still deciding results is followed at once by the next). Only the tick's
+it while still deciding results is followed by the next at once, on SQLite after a short pause
+for the requests waiting for the write lock: ``core.loops.pause_after_more``). Only the tick's
 housekeeping is once per tick across processes (``core.ticks.claim_tick``): the process that
 claims the tick also withdraws the validator jobs past their wait, in a transaction of its own
 right after."""
@@ -51,7 +52,8 @@ class VerifyReport:
     quorum_waits_expired: int = 0
     validator_waits_expired: int = 0
     # The tick's budget ran out while it was still deciding results: the loop starts the next
-    # tick at once instead of at the next second (``core.loops.run_periodically``).
+    # tick at once (SQLite: after ``core.loops.SQLITE_MORE_PAUSE_S``) instead of at the next
+    # second (``core.loops.run_periodically``).
     more: bool = False
 
 
