@@ -1041,7 +1041,7 @@ async def blacklist_provider(
     _writable(pool)
     if await identity_repo.get_provider(session, provider_id) is None:
         raise NotFound("no provider with this id", code="provider_not_found")
-    removed, created = await _blacklist(session, principal, pool, provider_id, reason, now=now)
+    removed, created = await blacklist_locked(session, principal, pool, provider_id, reason, now=now)
     entry = await repo.get_blacklisting(session, pool.id, provider_id)
     assert entry is not None
     return entry, removed, created
@@ -1056,23 +1056,10 @@ async def blacklist_locked(
     *,
     now: dt.datetime,
 ) -> tuple[list[str], bool]:
-    """Blacklist a registered provider in a pool the caller locked, with the memberships and
-    accounts it ends (a retirement copying the retired provider's blacklistings to its
-    successor, ``identity.retirement``); as ``_blacklist``, whatever the pool's status."""
-    return await _blacklist(session, principal, pool, provider_id, reason, now=now)
-
-
-async def _blacklist(
-    session: AsyncSession,
-    principal: Principal,
-    pool: Pool,
-    provider_id: str,
-    reason: str,
-    *,
-    now: dt.datetime,
-) -> tuple[list[str], bool]:
-    """Record the blacklisting (once) and end the provider's live memberships in the pool;
-    returns the nodes removed and whether the entry is new. An operator's (or admin's)
+    """Record the blacklisting (once) and end the provider's live memberships in a pool the
+    caller locked, whatever its status (the operator's route, the verifier's ban, a retirement
+    copying its blacklistings to the successor, ``identity.retirement``); returns the nodes
+    removed and whether the entry is new. An operator's (or admin's)
     blacklisting of a provider the verifier blacklisted already takes the entry over
     (``_take_over``), so that an appeal of the verifier's strikes does not lift it."""
     for _ in range(2):
@@ -1181,7 +1168,7 @@ async def blacklist_for_fraud(
     session: AsyncSession, pool: Pool, provider_id: str, *, reason: str, now: dt.datetime
 ) -> bool:
     """The verifier's provider ban after the pool's provider strike limit; True if new."""
-    _, created = await _blacklist(session, SYSTEM, pool, provider_id, reason, now=now)
+    _, created = await blacklist_locked(session, SYSTEM, pool, provider_id, reason, now=now)
     return created
 
 
@@ -1197,7 +1184,7 @@ async def blacklist_heir_for_fraud(
     its nodes sent before), copied to its heir as the retirement copied the ones before it
     (``identity.retirement``): a retirement is no way out of a blacklist. The caller locked the
     heir's memberships and accounts (``verification.service.lock_for_verdicts``). True if new."""
-    _, created = await _blacklist(
+    _, created = await blacklist_locked(
         session, SUCCESSION, pool, heir_id, f"successor of retired provider {retired_id}: {reason}", now=now
     )
     return created
@@ -1240,7 +1227,7 @@ async def lift_fraud_blacklisting(
     """After an appeal brought the provider's strikes in the pool below its limit: the
     verifier's blacklisting of the provider (``created_by`` the system actor) is removed, so its
     nodes may join again; an operator's stays. Its nodes that the blacklisting removed are
-    ``left`` (``_blacklist`` ends memberships, it does not eject them): nothing to reinstate.
+    ``left`` (``blacklist_locked`` ends memberships, it does not eject them): nothing to reinstate.
     Audited as ``pool.unblacklist_provider`` by ``principal``. Returns whether it was removed."""
     entry = await repo.get_blacklisting(session, pool_id, provider_id, for_update=True)
     if entry is None or entry.created_by != SYSTEM.token_id:
