@@ -43,8 +43,18 @@ class VerdictOut(BaseModel):
         default=0,
         description="A fraud or invalid verdict reversed on appeal: the reward the appeal paid, what an "
         "acceptance would have (the rate recorded with the result x the samples its checks found right "
-        "or could not score), held for the pool's reward_hold_s from the appeal like any reward; 0 "
-        "otherwise (an inconclusive verdict's appeal pays nothing)",
+        "or could not score), held as that acceptance's reward would have been: to the end of the "
+        "result's own hold window (reward_hold_s from this verdict's decided_at; due at once if that "
+        "has passed), and forfeited by a fraud verdict against the node decided within it (see "
+        "reward_forfeited_by); 0 otherwise (an inconclusive verdict's appeal pays nothing)",
+    )
+    reward_forfeited_by: int | None = Field(
+        default=None,
+        description="A verdict whose appeal paid a reward: the fraud verdict against the same node, "
+        "decided within the result's own hold window, that forfeited the payment at once, as it would "
+        "have forfeited the reward had the result been accepted (the money went to the system's "
+        "slashed account; that verdict's appeal gives it back to the provider, and this field still "
+        "names it). Null if nothing forfeited it when the appeal paid it",
     )
     slashed_amount: int
     decided_at: dt.datetime

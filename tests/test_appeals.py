@@ -13,11 +13,13 @@ from sqlalchemy import func, select, update
 
 from orchestrator.audit.models import AuditEntry
 from orchestrator.core.clock import FakeClock
-from orchestrator.ledger.models import LedgerAccount
+from orchestrator.ledger import service as ledger
+from orchestrator.ledger.models import LedgerAccount, LedgerTransfer
+from orchestrator.ledger.service import ProviderAccount, provider_account
 from orchestrator.payouts.service import request_withdrawal
 from orchestrator.verification import service
 from orchestrator.verification.jobs import RELEASE_INTERVAL_S, release_once
-from orchestrator.verification.models import RewardHold, Verdict
+from orchestrator.verification.models import RewardForfeit, RewardHold, Verdict
 from tests.conftest import postgres_only, problem
 from tests.tasks_helpers import pool_setup
 from tests.test_queue_metrics import scrape, value
@@ -822,5 +824,206 @@ async def test_two_appeals_of_one_rejection_at_once_pay_its_reward_once(
         b = await provider_balance(w)
         assert (b["rewards_pending"], b["stake_locked"]) == (14, 1000)
         assert await hold_statuses(app_state) == {w.node_id: ["held"]}
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+
+# ------------------------------------------------------------------ what is paid on appeal follows the result's window
+
+
+async def result_decided_ago(app_state: Any, verdict_id: int, seconds: int) -> None:
+    """Date the verdict back, as if it had been decided ``seconds`` ago (the tests cannot move
+    the server's clock far: the workers' signatures would fall outside its window)."""
+    async with app_state.sessionmaker() as session, session.begin():
+        verdict = await session.get(Verdict, verdict_id)
+        assert verdict is not None
+        verdict.decided_at -= dt.timedelta(seconds=seconds)
+
+
+async def appeal_audit(app_state: Any) -> list[Any]:
+    async with app_state.sessionmaker() as session:
+        return list(
+            (
+                await session.scalars(
+                    select(AuditEntry.after)
+                    .where(AuditEntry.action == "verdict.reverse")
+                    .order_by(AuditEntry.id)
+                )
+            ).all()
+        )
+
+
+@pytest.mark.parametrize("category", ["fraud", "invalid"])
+async def test_an_appeal_pays_what_a_fraud_verdict_within_the_results_own_window_forfeits_to_it(
+    app: Any, app_state: Any, client: Any, category: str
+) -> None:
+    """R is rejected (wrongly) at t0; a fraud verdict F against the node follows within R's hold
+    window; then R's appeal. Had R been accepted at t0, F would have forfeited its reward: the
+    appeal pays it and F forfeits it at once, in the ledger as F's forfeit of any reward on hold
+    (F's appeal gives it back). Before, the payment was held from the appeal, after F, and the
+    node kept a reward the rules forfeit."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        v = await rejected_right(s, w, app_state, category)
+        f = await fraud(s, w, app_state)
+        assert f["slashed_amount"] == 200  # nothing of R's on hold yet
+        r = await reverse(s, v["id"], "the checks were wrong")
+        assert r.status_code == 200, r.text
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (0, 0)
+        body = r.json()
+        assert (body["reward_paid_on_appeal"], body["reward_forfeited_by"]) == (14, f["id"])
+        assert await hold_statuses(app_state) == {w.node_id: ["forfeited"]}
+        assert (await appeal_audit(app_state))[-1]["reward_forfeited_by"] == f["id"]
+        assert await pool_money(s) == (14, 200 + 14)  # as F's slash of R's reward had R been accepted
+        listed = {x["id"]: x for x in await verdicts(s.admin, s.headers, s.pool_id)}
+        assert listed[v["id"]]["reward_forfeited_by"] == f["id"]
+        async with app_state.sessionmaker() as session:
+            reasons = (
+                await session.scalars(
+                    select(LedgerTransfer.reason).where(
+                        LedgerTransfer.reference_type == "verdict",
+                        LedgerTransfer.reference_id == str(f["id"]),
+                    )
+                )
+            ).all()
+        assert sorted(reasons) == ["slash_pending_rewards", "slash_stake"]
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+        # F was wrong too: its appeal gives the forfeited payment back, as any forfeit of F's.
+        r = await reverse(s, f["id"])
+        assert r.status_code == 200, r.text
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["stake_locked"]) == (14, 1000)
+        assert await hold_statuses(app_state) == {w.node_id: ["held"]}
+        assert await pool_money(s) == (14, 0)
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+
+async def test_a_payment_whose_results_window_passed_is_due_at_once_and_no_later_fraud_takes_it(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    """R's hold window ended before its appeal: had R been accepted, its reward would be
+    claimable by now, and no fraud verdict decided after the window could take it. The appeal's
+    payment is due at once (the release loop's next tick makes it claimable) and a fraud
+    verdict after the appeal leaves it alone. Before, it was held a whole reward_hold_s from the
+    appeal, and that fraud verdict forfeited it: an honest node lost more than under a right
+    first verdict."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        v = await rejected_right(s, w, app_state, "invalid")
+        await result_decided_ago(app_state, v["id"], 3600 + 10)
+        r = await reverse(s, v["id"])
+        assert r.status_code == 200, r.text
+        f = await fraud(s, w, app_state)
+        assert f["slashed_amount"] == 200  # the stake only: R's reward was out of its window
+        assert await hold_statuses(app_state) == {w.node_id: ["held"]}
+        assert await release_once(app_state) == 1  # due: no wait for a window from the appeal
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (0, 14)
+        assert await pool_money(s) == (14, 200)
+        assert (r.json()["reward_paid_on_appeal"], r.json()["reward_forfeited_by"]) == (14, None)
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+
+async def test_a_payment_is_held_to_the_end_of_the_results_own_window_not_the_appeals(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    """Appealed 3000 s after its rejection, R's payment is held for the 600 s left of R's
+    window, as its reward would have been, not 3600 s from the appeal."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        v = await rejected_right(s, w, app_state, "invalid")
+        await result_decided_ago(app_state, v["id"], 3000)
+        assert (await reverse(s, v["id"])).status_code == 200
+        clock.advance(590)
+        assert await release_once(app_state) == 0
+        clock.advance(RELEASE_INTERVAL_S)
+        assert await release_once(app_state) == 1
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (0, 14)
+        await books_balance(app_state)
+
+
+@pytest.mark.parametrize("first_reversed", ["after_the_second", "before_the_second"])
+async def test_of_two_fraud_verdicts_in_the_window_the_one_that_would_have_held_the_reward_forfeits_it(
+    app: Any, app_state: Any, client: Any, clock: FakeClock, first_reversed: str
+) -> None:
+    """F1 and F2, fraud verdicts in R's window; F1 reversed since. Had R been accepted, F1
+    forfeited its reward; F2 took nothing if F1 still held it when F2 was decided (F1's appeal
+    then gave it back: the node keeps it), and all of it if F1 had been reversed before. The
+    appeal pays as that would have."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        v = await rejected_right(s, w, app_state, "invalid")
+        clock.advance(1)
+        f1 = await fraud(s, w, app_state)
+        clock.advance(1)
+        if first_reversed == "before_the_second":
+            assert (await reverse(s, f1["id"])).status_code == 200
+            clock.advance(1)
+        f2 = await fraud(s, w, app_state)
+        clock.advance(1)
+        if first_reversed == "after_the_second":
+            assert (await reverse(s, f1["id"])).status_code == 200
+        r = await reverse(s, v["id"])
+        assert r.status_code == 200, r.text
+        b = await balances(client, w)
+        if first_reversed == "after_the_second":
+            assert b["rewards_pending"] == 14
+            assert await hold_statuses(app_state) == {w.node_id: ["held"]}
+            assert r.json()["reward_forfeited_by"] is None
+        else:
+            assert b["rewards_pending"] == 0
+            assert await hold_statuses(app_state) == {w.node_id: ["forfeited"]}
+            assert r.json()["reward_forfeited_by"] == f2["id"]
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+
+@postgres_only
+@pytest.mark.parametrize("first", ["appeal", "fraud"])
+async def test_an_appeal_racing_a_fraud_verdict_in_the_window_is_forfeited_once(
+    app: Any, app_state: Any, client: Any, first: str
+) -> None:
+    """R's appeal and a fraud verdict against the node wait for the provider's accounts at once:
+    whichever commits first, the payment is forfeited exactly once (by the verdict if the appeal
+    paid first, by the appeal if the verdict was there first), never paid and never taken twice."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        v = await rejected_right(s, w, app_state, "invalid")
+        await submit(w, await one_lease(s, w), ["5"], claimed_reward=1.0)  # to be judged fraud
+        pending = provider_account(w.contributor.provider_id, ProviderAccount.rewards_pending)
+        async with app_state.sessionmaker() as session:
+            await session.begin()
+            await ledger.lock_accounts(session, [pending])
+            if first == "appeal":
+                appeal = asyncio.create_task(reverse(s, v["id"]))
+                await until_waiting(app_state, 1, appeal, on="row")
+                verdict = asyncio.create_task(verify_all(app_state))
+                await until_waiting(app_state, 2, appeal, verdict, on="row")
+            else:
+                verdict = asyncio.create_task(verify_all(app_state))
+                await until_waiting(app_state, 1, verdict, on="row")
+                appeal = asyncio.create_task(reverse(s, v["id"]))
+                await until_waiting(app_state, 2, appeal, verdict, on="row")
+            assert not appeal.done() and not verdict.done()
+            await session.commit()
+        r = await appeal
+        await verdict
+        assert r.status_code == 200, r.text
+        f = (await verdicts(s.admin, s.headers, s.pool_id))[-1]
+        assert f["category"] == "fraud"
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (0, 0)
+        assert await hold_statuses(app_state) == {w.node_id: ["forfeited"]}
+        assert await system(app_state) == {"deposits": -1000, "rewards": -14, "slashed": 200 + 14}
+        assert await pool_money(s) == (14, 200 + 14)
+        async with app_state.sessionmaker() as session:
+            forfeits = (await session.scalars(select(RewardForfeit.verdict_id))).all()
+        assert forfeits == [f["id"]]
         await pending_matches_holds(app_state)
         await books_balance(app_state)

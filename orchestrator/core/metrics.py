@@ -131,7 +131,8 @@ REWARDS_CREDITED = Counter(
 SLASHED = Counter(
     "orchestrator_slashed_total",
     "Stake slashed and pending rewards forfeited by verdicts (fraud, and the soft-invalid "
-    "penalty), in ledger units",
+    "penalty), in ledger units; with the rewards appeals paid that a fraud verdict of the result's "
+    "hold window forfeited at once (counted by the API process that took the appeal)",
 )
 VERDICTS_REVERSED = Counter(
     "orchestrator_verdicts_reversed_total",

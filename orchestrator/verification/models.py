@@ -154,6 +154,12 @@ class Verdict(Base):
         server_default="0",
         doc="a fraud or invalid verdict reversed on appeal: the reward that paid (its RewardHold's amount)",
     )
+    reward_forfeited_by: Mapped[int | None] = mapped_column(
+        ID,
+        doc="a verdict whose appeal paid a reward: the fraud verdict against the node, decided within "
+        "the result's own hold window, that forfeited the payment at once, as it would have forfeited "
+        "the reward of an acceptance (NULL: nothing forfeited it when the appeal paid it)",
+    )
 
 
 def withdrawn_by() -> ScalarSelect[int]:

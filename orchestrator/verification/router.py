@@ -77,6 +77,7 @@ def verdict_out(v: Verdict, ref_key: bytes | None = None, withdrawn: int | None 
         server_reward=v.server_reward,
         reward_amount=v.reward_amount,
         reward_paid_on_appeal=v.reward_paid_on_appeal,
+        reward_forfeited_by=v.reward_forfeited_by,
         slashed_amount=v.slashed_amount,
         decided_at=v.decided_at,
         reversed_at=v.reversed_at,
@@ -247,6 +248,11 @@ async def reverse(
                 **(
                     {"reward_paid_on_appeal": verdict.reward_paid_on_appeal}
                     if verdict.reward_paid_on_appeal
+                    else {}
+                ),
+                **(
+                    {"reward_forfeited_by": verdict.reward_forfeited_by}
+                    if verdict.reward_forfeited_by is not None
                     else {}
                 ),
             },

@@ -1351,7 +1351,7 @@ async def _credit_held(
     release_at: dt.datetime,
     now: dt.datetime,
     memo: str | None = None,
-) -> None:
+) -> RewardHold:
     """``amount`` from the system's ``debit`` rewards account to the provider's pending
     rewards, with the verdict's ``RewardHold`` that releases it at ``release_at`` (or that a
     fraud verdict within the window forfeits): an acceptance's reward, and an appeal's."""
@@ -1366,18 +1366,18 @@ async def _credit_held(
         memo=memo,
         reference=("verdict", str(verdict.id)),
     )
-    session.add(
-        RewardHold(
-            verdict_id=verdict.id,
-            pool_id=verdict.pool_id,
-            node_id=verdict.node_id,
-            provider_id=verdict.provider_id,
-            amount=amount,
-            release_at=release_at,
-            status="held",
-            created_at=now,
-        )
+    hold = RewardHold(
+        verdict_id=verdict.id,
+        pool_id=verdict.pool_id,
+        node_id=verdict.node_id,
+        provider_id=verdict.provider_id,
+        amount=amount,
+        release_at=release_at,
+        status="held",
+        created_at=now,
     )
+    session.add(hold)
+    return hold
 
 
 #: The key of a fraud slash's part taken from a live membership's earlier episodes' stake still
@@ -1556,11 +1556,14 @@ async def _forfeit(
     key: str,
     memo: str,
     now: dt.datetime,
+    actor: str = "verifier",
+    slashed: ledger.AccountRef | None = None,
 ) -> int:
     """Forfeit ``amount`` of each ``(hold, amount)`` for ``verdict``: the sum moves from the
-    provider's pending rewards to the slashed account (in parts of at most the ledger's largest
-    transfer: a node may have many rewards on hold), and each part is recorded as a
-    ``RewardForfeit``, so that an appeal gives back exactly these. Returns the sum."""
+    provider's pending rewards to the slashed account (``slashed``; by default the one this
+    transaction's verdicts use) in parts of at most the ledger's largest transfer (a node may
+    have many rewards on hold), and each part is recorded as a ``RewardForfeit``, so that an
+    appeal gives back exactly these. Returns the sum."""
     takes = [(hold, amount) for hold, amount in takes if amount > 0]
     total = sum(amount for _, amount in takes)
     if total <= 0:
@@ -1568,11 +1571,11 @@ async def _forfeit(
     moved = await ledger.transfer_in_parts(
         session,
         debit=provider_account(verdict.provider_id, ProviderAccount.rewards_pending),
-        credit=_system_account(session, SystemAccount.slashed),
+        credit=slashed or _system_account(session, SystemAccount.slashed),
         amount=total,
         key=key,
         reason=reason,
-        actor="verifier",
+        actor=actor,
         reference=("verdict", str(verdict.id)),
         memo=memo,
     )
@@ -1729,6 +1732,14 @@ async def pool_stats(session: AsyncSession, pool_id: str) -> dict[str, Any]:
             Verdict.pool_id == pool_id, Verdict.reversed_at.is_not(None)
         )
     )
+    # Of that, what a fraud verdict of the result's window forfeited when the appeal paid it (not
+    # in that verdict's slashed_amount, its decision's), while that verdict stands.
+    forfeiter = aliased(Verdict)
+    forfeited_on_appeal = await session.scalar(
+        select(func.coalesce(func.sum(Verdict.reward_paid_on_appeal), 0))
+        .join(forfeiter, forfeiter.id == Verdict.reward_forfeited_by)
+        .where(Verdict.pool_id == pool_id, forfeiter.reversed_at.is_(None))
+    )
     counts = {c: int(n) for c, n, _, _ in rows}
     total = sum(counts.values())
     return {
@@ -1739,7 +1750,9 @@ async def pool_stats(session: AsyncSession, pool_id: str) -> dict[str, Any]:
         # A rejected verdict's reward_amount is 0 (set when it was written), so the sum is the valid
         # ones', and with it what their appeals paid.
         "rewards_credited": sum(int(credited) for _, _, credited, _ in rows) + int(paid_on_appeal or 0),
-        "slashed": sum(int(slashed) for _, _, _, slashed in rows) - int(returned or 0),
+        "slashed": sum(int(slashed) for _, _, _, slashed in rows)
+        - int(returned or 0)
+        + int(forfeited_on_appeal or 0),
     }
 
 
@@ -1764,8 +1777,10 @@ async def reverse_verdict(
       slashed from is still live, else free), a strike less; and, as for a soft-invalid
       penalty, its forfeits still in force are given back: to pending, the hold ``held`` again
       (released when due), or to claimable if the hold was released meanwhile.
-    * A fraud or invalid verdict: the reward an acceptance would have paid, paid and held as
-      one (``_pay_on_appeal``; ``reward_paid_on_appeal``). Not an inconclusive one's.
+    * A fraud or invalid verdict: the reward an acceptance would have paid, paid, held and
+      forfeited as that acceptance's would have been, in the result's own hold window
+      (``_pay_on_appeal``; ``reward_paid_on_appeal``, ``reward_forfeited_by``). Not an
+      inconclusive one's.
     * Every verdict leaves the node's track record (``_uncount``), which drives its audit rate
       and ejection: its counter one less, and the run of verified valid results counted again
       without it.
@@ -2116,9 +2131,16 @@ async def _pay_on_appeal(
     nothing (``_scored``), as an inconclusive verdict's appeal. Paid as an acceptance's reward (``_reward``)
     from the system ``rewards`` account to the provider's ``rewards_pending``, whatever became
     of the membership since, with a ``RewardHold`` of the verdict's (it has none: it was
-    rejected) released ``reward_hold_s`` (as recorded) after the appeal, so that a fraud verdict
-    against the node within that window forfeits it as any held reward. The caller holds the
-    verdict and the accounts (``_lock_for_appeal``); the transfer's key makes it once."""
+    rejected) held as that acceptance's reward would have been: to the end of the result's own
+    hold window, ``reward_hold_s`` (as recorded) after the verdict was decided, not after the
+    appeal. So a window that has passed makes it due at once (the release loop's next tick makes
+    it claimable; no later verdict takes it), and a fraud verdict against the node that would
+    have forfeited that reward (``_forfeiter``: decided within the window) forfeits it now, as
+    its own forfeit of a reward on hold (a ``RewardForfeit`` of its, which its appeal gives
+    back; ``reward_forfeited_by``); one decided later within the window forfeits it as any held
+    reward. The caller holds the verdict and the accounts (``_lock_for_appeal``), so a fraud
+    verdict of the node's decided meanwhile is wholly before this (read here) or wholly after
+    (it finds the hold); the transfers' keys make them once."""
     if verdict.outcome != "rejected" or verdict.category not in PAID_ON_APPEAL:
         return
     submission = await session.get(Submission, verdict.submission_id)
@@ -2134,7 +2156,8 @@ async def _pay_on_appeal(
     amount = _or(submission.reward_per_sample, pool.reward_per_sample) * samples
     if amount <= 0:
         return
-    await _credit_held(
+    window_end = verdict.decided_at + dt.timedelta(seconds=_or(submission.reward_hold_s, pool.reward_hold_s))
+    hold = await _credit_held(
         session,
         verdict,
         amount,
@@ -2142,10 +2165,63 @@ async def _pay_on_appeal(
         key=f"verdict:{verdict.id}:reverse:reward",
         actor=actor,
         memo=memo,
-        release_at=now + dt.timedelta(seconds=_or(submission.reward_hold_s, pool.reward_hold_s)),
+        release_at=window_end,
         now=now,
     )
     verdict.reward_paid_on_appeal = amount
+    fraud = await _forfeiter(session, verdict, window_end)
+    if fraud is None:
+        return
+    await session.flush()  # the hold's id, for its forfeit
+    forfeited = await _forfeit(
+        session,
+        fraud,
+        [(hold, amount)],
+        reason="slash_pending_rewards",
+        key=f"verdict:{verdict.id}:reverse:reward:forfeit",
+        memo=f"fraud: {fraud.reason} (within the hold window of verdict {verdict.id}, paid on appeal)",
+        now=now,
+        actor=actor,
+        slashed=system_account(SystemAccount.slashed),  # the unsharded one, which the appeal locked
+    )
+    verdict.reward_forfeited_by = fraud.id
+    metrics.on_commit(session, partial(metrics.SLASHED.inc, forfeited))
+
+
+async def _forfeiter(session: AsyncSession, verdict: Verdict, window_end: dt.datetime) -> Verdict | None:
+    """The fraud verdict that would hold the forfeit of ``verdict``'s reward now, had the verdict
+    accepted its result with a hold window to ``window_end``: of the node's fraud verdicts in
+    the pool decided after it and within that window (as ``withdrawn_by`` and ``_held`` count
+    them), replayed in time order, the first finds the reward on hold and forfeits all of it,
+    one decided while another holds it takes nothing, and an appeal of the one holding it gives
+    it back, to be forfeited by the next one decided within the window. None if none holds it
+    now (a decision and an appeal at the same instant: the decision first, the node's way).
+    Read under the accounts' locks, which a fraud verdict and an appeal of one hold too."""
+    frauds = (
+        await session.execute(
+            select(Verdict)
+            .where(
+                Verdict.node_id == verdict.node_id,
+                Verdict.pool_id == verdict.pool_id,
+                Verdict.category == "fraud",
+                Verdict.id > verdict.id,
+                Verdict.decided_at < window_end,
+            )
+            .order_by(Verdict.id)
+        )
+    ).scalars()
+    events: list[tuple[dt.datetime, int, int, Verdict]] = []
+    for fraud in frauds:
+        events.append((fraud.decided_at, 0, fraud.id, fraud))
+        if fraud.reversed_at is not None:
+            events.append((fraud.reversed_at, 1, fraud.id, fraud))
+    holder: Verdict | None = None
+    for _, reversal, _, fraud in sorted(events, key=lambda e: e[:3]):
+        if not reversal and holder is None:
+            holder = fraud
+        elif reversal and holder is fraud:
+            holder = None
+    return holder
 
 
 # Findings that mean the server never scored the result: its reward function failed
