@@ -721,7 +721,7 @@ async def test_a_rejection_reversed_on_appeal_pays_the_reward_its_result_was_due
         assert actions == [{"reversed": True, "reason": "appeal", "reward_paid_on_appeal": 14}]
 
         clock.advance(3590)
-        assert await release_once(app_state) == 0  # held from the appeal for the pool's 3600 s
+        assert await release_once(app_state) == 0  # held to the end of the result's window, 3600 s
         clock.advance(RELEASE_INTERVAL_S)  # the release's next tick
         assert await release_once(app_state) == 1
         b = await balances(client, w)
