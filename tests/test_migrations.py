@@ -1463,10 +1463,10 @@ def test_0043_downgrade_refuses_while_a_provider_is_retired(scratch_url: str) ->
     assert asyncio.run(_rows(scratch_url, found)) == []
 
 
-def test_0046_downgrade_refuses_while_an_appeals_payment_was_forfeited_on_appeal(scratch_url: str) -> None:
+def test_0044_downgrade_refuses_while_an_appeals_payment_was_forfeited_on_appeal(scratch_url: str) -> None:
     # 0043 could not say which fraud verdict forfeited an appeal's payment: the pools' slashed
     # totals would forget money the ledger moved to slashed.
-    upgrade(scratch_url, "0046")
+    upgrade(scratch_url, "0044")
     asyncio.run(_seed_ended_tasks(scratch_url))
     asyncio.run(_seed_forfeited_holds(scratch_url))
     forfeited = "UPDATE verdicts SET reversed_at = :at, reward_paid_on_appeal = 3, reward_forfeited_by = 3 WHERE id = 5"
@@ -1475,7 +1475,7 @@ def test_0046_downgrade_refuses_while_an_appeals_payment_was_forfeited_on_appeal
         RuntimeError, match="1 verdicts were reversed on appeal with a reward paid and forfeited"
     ):
         downgrade(scratch_url, "0043")
-    assert asyncio.run(_run_sql(scratch_url)) == "0046"
+    assert asyncio.run(_run_sql(scratch_url)) == "0044"
     assert asyncio.run(_rows(scratch_url, "SELECT reward_forfeited_by FROM verdicts WHERE id = 5")) == [(3,)]
 
     asyncio.run(_run_sql(scratch_url, "UPDATE verdicts SET reward_forfeited_by = NULL"))

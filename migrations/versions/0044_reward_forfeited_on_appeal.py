@@ -1,6 +1,6 @@
 """verdicts: the fraud verdict that forfeited what an appeal paid (reward_forfeited_by)
 
-Revision ID: 0046
+Revision ID: 0044
 Revises: 0043
 Create Date: 2026-12-04 22:00:00.000000
 
@@ -26,7 +26,7 @@ from alembic import op
 
 from migrations.guards import refuse_downgrade_while
 
-revision: str = "0046"
+revision: str = "0044"
 down_revision: str | None = "0043"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
