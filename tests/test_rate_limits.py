@@ -4,6 +4,7 @@ address and per key, and every signed request per key."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -327,3 +328,44 @@ async def test_a_request_refused_for_the_limit_and_sent_again_twice_at_once_is_s
         problem(await clients[1].get("/v1/nodes/me", auth=c.node_auth), 429, "rate_limited")
         for client in clients:
             await client.aclose()
+
+
+async def test_a_replayed_registration_counts_toward_no_registration_limit(
+    settings: Settings, clock: FakeClock, hot_store: HotStore
+) -> None:
+    """A registration's nonce is checked before it is counted toward its address's and its key's
+    registration limits: whoever captured a node's registration (one refused, here for its
+    attestation, so the key is still unregistered) and sends it again and again is refused
+    nonce_replayed each time, and the node's key and its address can still register. Before, each
+    replay counted toward both limits (a 429 once past them), and the node's own registration
+    was then refused 429."""
+    limited = settings.model_copy(
+        update={
+            "limits": LimitSettings(registration_per_ip=3, registration_per_key=2, registration_window_s=60)
+        }
+    )
+    app = create_app(limited, clock=clock, hot_store=hot_store)
+    async with (
+        LifespanManager(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as client,
+    ):
+        clock.advance(60 - clock.now() % 60 + 1)  # start of a window
+        c = new_contributor()
+        assert (await client.post("/v1/providers", json={}, auth=c.provider_auth)).status_code == 201
+        forged = json.dumps(c.node_body(attestation=attest_node(generate_key(), c.node_id))).encode()
+        captured = {
+            **sign_headers(c.node_key, method="POST", url="http://testserver/v1/nodes", body=forged),
+            "content-type": "application/json",
+        }
+        problem(await client.post("/v1/nodes", content=forged, headers=captured), 403, "attestation_invalid")
+        for _ in range(3):
+            problem(await client.post("/v1/nodes", content=forged, headers=captured), 401, "nonce_replayed")
+        # The key's second registration, the address's third: both within their limits.
+        r = await client.post("/v1/nodes", json=c.node_body(), auth=c.node_auth)
+        assert r.status_code == 201, r.text
+        # Past the address's three, a fresh registration is refused as ever.
+        problem(
+            await client.post("/v1/providers", json={}, auth=new_contributor().provider_auth),
+            429,
+            "rate_limited",
+        )

@@ -12,7 +12,7 @@ import heapq
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import redis.asyncio as aioredis
@@ -41,6 +41,27 @@ class RateDecision:
     retry_after_s: int
 
 
+@dataclass(frozen=True)
+class Quota:
+    """A rate limit a signed request counts toward (``HotStore.admit``): up to ``limit`` in
+    ``bucket`` in a fixed window of ``window_s`` (as ``HotStore.hit`` counts them; a limit of 0
+    counts nothing and allows all). ``what`` names what is counted, for the refusal's detail."""
+
+    bucket: str
+    limit: int
+    window_s: int
+    what: str = field(default="", compare=False)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """``HotStore.admit``'s answer for a nonce not spent yet: ``refused_by`` the first quota the
+    request is past (None: within them all, and its nonce is spent now)."""
+
+    refused_by: Quota | None
+    retry_after_s: int = 0
+
+
 class HotStore(Protocol):
     shared_across_processes: bool
 
@@ -51,13 +72,13 @@ class HotStore(Protocol):
         """Atomically remember (keyid, nonce); False if it was already seen."""
 
     async def admit(
-        self, keyid: str, nonce: str, ttl_s: int, limit: int, window_s: int, now: float
-    ) -> RateDecision | None:
-        """When the nonce is new, count one request of ``keyid`` in a fixed window of
-        ``window_s`` (allowed up to ``limit``; 0 counts nothing and allows all) and, if it is
-        allowed, spend the nonce (``claim_nonce``), in one step: None if the nonce was already
-        spent. A replay counts nothing, so replaying a captured request cannot spend its
-        signer's limit; a request refused for the limit spends no nonce, so the same signed
+        self, keyid: str, nonce: str, ttl_s: int, quotas: Sequence[Quota], now: float
+    ) -> Admitted | None:
+        """When the nonce is new, count the request toward each of ``quotas`` in turn, up to the
+        first it is past (none after that one counted), and, if it is within them all, spend the
+        nonce (``claim_nonce``), in one step: None if the nonce was already spent. A replay
+        counts nothing, so replaying a captured request cannot spend its signer's limits (nor a
+        registration's); a request refused for a limit spends no nonce, so the same signed
         request can be sent again after ``retry_after_s``."""
 
     async def record_beat(self, node_id: str, at: float, metrics: Mapping[str, str], ttl_s: int) -> None:
@@ -90,20 +111,24 @@ class HotStore(Protocol):
     async def aclose(self) -> None: ...
 
 
-# KEYS: the nonce, the key's counter; ARGV: the nonce's TTL, the counter's TTL, the limit. -1
-# for a spent nonce, else the count in the window; the nonce is spent only within the limit.
+# KEYS: the nonce, then the quotas' counters; ARGV: the nonce's TTL, then each counter's TTL
+# and limit. -1 for a spent nonce, else the position (from 1) among the counters of the first
+# past its limit (those after it not counted), or 0: within them all, and the nonce is spent.
 _ADMIT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return -1
 end
-local n = redis.call('INCR', KEYS[2])
-if n == 1 then
-  redis.call('EXPIRE', KEYS[2], ARGV[2])
+for i = 2, #KEYS do
+  local n = redis.call('INCR', KEYS[i])
+  if n == 1 then
+    redis.call('EXPIRE', KEYS[i], ARGV[2 * i - 2])
+  end
+  if n > tonumber(ARGV[2 * i - 1]) then
+    return i - 1
+  end
 end
-if n <= tonumber(ARGV[3]) then
-  redis.call('SET', KEYS[1], '1', 'EX', ARGV[1])
-end
-return n
+redis.call('SET', KEYS[1], '1', 'EX', ARGV[1])
+return 0
 """
 
 _MOVE_STALE = """
@@ -181,14 +206,23 @@ class RedisHotStore:
         return bool(await self._r.set(self._k("nonce", keyid, nonce), "1", nx=True, ex=ttl_s))
 
     async def admit(
-        self, keyid: str, nonce: str, ttl_s: int, limit: int, window_s: int, now: float
-    ) -> RateDecision | None:
-        if limit <= 0:
-            return _UNLIMITED if await self.claim_nonce(keyid, nonce, ttl_s) else None
-        window = int(now // window_s)
-        keys = [self._k("nonce", keyid, nonce), self._k("rl", "key", keyid, str(window))]
-        count = int(await self._admit(keys=keys, args=[ttl_s, window_s + 1, limit]))
-        return None if count < 0 else _decision(count, limit, window, window_s, now)
+        self, keyid: str, nonce: str, ttl_s: int, quotas: Sequence[Quota], now: float
+    ) -> Admitted | None:
+        counted = _counted(quotas)
+        keys = [self._k("nonce", keyid, nonce), *(self._counter(q, now) for q in counted)]
+        args: list[int] = [ttl_s]
+        for quota in counted:
+            args += [quota.window_s + 1, quota.limit]
+        refused = int(await self._admit(keys=keys, args=args))
+        if refused < 0:
+            return None
+        if refused == 0:
+            return ADMITTED
+        quota = counted[refused - 1]
+        return Admitted(quota, _window_left(quota.window_s, now))
+
+    def _counter(self, quota: Quota, now: float) -> str:
+        return self._k("rl", quota.bucket, str(int(now // quota.window_s)))  # as ``hit`` counts
 
     async def record_beat(self, node_id: str, at: float, metrics: Mapping[str, str], ttl_s: int) -> None:
         hb = self._k("hb", node_id)
@@ -247,18 +281,29 @@ class RedisHotStore:
             pipe.incr(key)
             pipe.expire(key, window_s + 1)
             count, _ = await pipe.execute()
-        return _decision(int(count), limit, window, window_s, now)
+        return _decision(int(count), limit, window_s, now)
 
     async def aclose(self) -> None:
         await self._r.aclose()
 
 
-_UNLIMITED = RateDecision(allowed=True, remaining=0, retry_after_s=0)
+ADMITTED = Admitted(refused_by=None)
 
 
-def _decision(count: int, limit: int, window: int, window_s: int, now: float) -> RateDecision:
-    retry = max(1, math.ceil((window + 1) * window_s - now))
-    return RateDecision(allowed=count <= limit, remaining=max(0, limit - count), retry_after_s=retry)
+def _counted(quotas: Sequence[Quota]) -> list[Quota]:
+    """The quotas that count (a limit of 0 counts nothing and allows all)."""
+    return [quota for quota in quotas if quota.limit > 0]
+
+
+def _window_left(window_s: int, now: float) -> int:
+    """Seconds until the fixed window of ``window_s`` that ``now`` is in ends, at least 1."""
+    return max(1, math.ceil((int(now // window_s) + 1) * window_s - now))
+
+
+def _decision(count: int, limit: int, window_s: int, now: float) -> RateDecision:
+    return RateDecision(
+        allowed=count <= limit, remaining=max(0, limit - count), retry_after_s=_window_left(window_s, now)
+    )
 
 
 class _Stage:
@@ -382,17 +427,19 @@ class MemoryHotStore:
         return True
 
     async def admit(
-        self, keyid: str, nonce: str, ttl_s: int, limit: int, window_s: int, now: float
-    ) -> RateDecision | None:
+        self, keyid: str, nonce: str, ttl_s: int, quotas: Sequence[Quota], now: float
+    ) -> Admitted | None:
         mono = self._monotonic()
         key = f"{keyid}\x00{nonce}"
         if self._nonces.live(key, mono) is not None:
             return None
         self._nonces.check_room(mono)  # a full store refuses before it counts anything
-        decision = _UNLIMITED if limit <= 0 else self._count(f"key:{keyid}", limit, window_s, now)
-        if decision.allowed:
-            self._nonces.add(key, None, mono + ttl_s, mono)
-        return decision
+        for quota in _counted(quotas):
+            decision = self._count(quota.bucket, quota.limit, quota.window_s, now)
+            if not decision.allowed:
+                return Admitted(quota, decision.retry_after_s)
+        self._nonces.add(key, None, mono + ttl_s, mono)
+        return ADMITTED
 
     async def record_beat(self, node_id: str, at: float, metrics: Mapping[str, str], ttl_s: int) -> None:
         self._stages[HEALTHY].add(node_id, at)
@@ -453,7 +500,7 @@ class MemoryHotStore:
         else:
             count = entry[0] + 1
             self._counters.replace(key, count)
-        return _decision(count, limit, window, window_s, now)
+        return _decision(count, limit, window_s, now)
 
     async def aclose(self) -> None:
         return None

@@ -1,14 +1,16 @@
 """Contributor authentication: RFC 9421 signed requests, resolved to a provider or node.
 
 ``signed_request`` checks the signature (``orchestrator.core.signing``), counts the request
-toward its key's rate limit and, within it, claims the nonce in the hot store (one round trip);
+toward its key's rate limit (a registration toward its address's and key's registration limits
+first) and, within them, claims the nonce in the hot store (one round trip; a replay counts
+nothing);
 ``current_node`` and ``current_provider`` then load the signer, so a handler can only ever
 act as the identity that signed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
@@ -20,6 +22,7 @@ from sqlalchemy import bindparam, select
 
 from orchestrator.core import ratelimit
 from orchestrator.core.errors import BadRequest, Forbidden, RateLimited, Unauthorized
+from orchestrator.core.hotstore import Quota
 from orchestrator.core.routing import before_body, guarded_answer
 from orchestrator.core.signing import (
     SIGNATURE_CHALLENGE,
@@ -59,8 +62,9 @@ _IS_REGISTERED = {
     "provider": select(Provider.id).where(Provider.id == bindparam("key")),
 }
 Kind = Literal["node", "provider"]
-# What a guard checks between the signature and the hot store, given the signer's key id.
-Admission = Callable[[str], Awaitable[None]]
+# What a guard checks between the signature and the hot store, given the signer's key id: it
+# answers the quotas the request counts toward before its key's own, with its nonce.
+Admission = Callable[[str], Awaitable[Sequence[Quota]]]
 
 
 async def is_registered(state: AppState, kind: Kind, keyid: str, address: str) -> bool:
@@ -96,9 +100,10 @@ def registered(request: Request, state: AppState, kind: Kind) -> Admission:
     costs nothing to make, so requests signed with fresh keys each left a nonce (and a
     rate-limit counter) in Redis for the nonce's lifetime, at whatever rate they came."""
 
-    async def check(keyid: str) -> None:
+    async def check(keyid: str) -> Sequence[Quota]:
         if not await is_registered(state, kind, keyid, client_ip(request)):
             raise unknown_node() if kind == "node" else unknown_provider()
+        return ()
 
     return check
 
@@ -107,24 +112,29 @@ def registering(request: Request, state: AppState, kind: Kind) -> Admission:
     """A registration's admission: a key registered already passes (registering again is
     idempotent; every machine of a provider registers the provider's key when its worker
     starts). A new key counts toward its address's registrations (an IPv6 /64 as one, as for
-    the pools' per-IP rules), then toward its own, attempts that fail later included, before
-    the hot store records its nonce: an address past its limit writes nothing more per key."""
+    the pools' per-IP rules), then toward its own, attempts that fail later included, in the
+    step that checks and records its nonce: a replayed registration counts toward neither (a
+    captured one sent again cannot use up the key's registrations), and one past a limit
+    records no nonce (an address past its limit writes nothing more per key)."""
 
-    async def check(keyid: str) -> None:
+    async def check(keyid: str) -> Sequence[Quota]:
         if await is_registered(state, kind, keyid, client_ip(request)):
-            return
+            return ()
         limits = state.settings.limits
-        await ratelimit.enforce(
-            state,
-            f"ip:register:{network_of(client_ip(request))}",
-            limit=limits.registration_per_ip,
-            window_s=limits.registration_window_s,
-        )
-        await ratelimit.enforce(
-            state,
-            f"key:register:{keyid}",
-            limit=limits.registration_per_key,
-            window_s=limits.registration_window_s,
+        window_s = limits.registration_window_s
+        return (
+            Quota(
+                f"ip:register:{network_of(client_ip(request))}",
+                limits.registration_per_ip,
+                window_s,
+                what=f"registrations in {window_s} s from this address (ORCH_LIMITS__REGISTRATION_PER_IP)",
+            ),
+            Quota(
+                f"key:register:{keyid}",
+                limits.registration_per_key,
+                window_s,
+                what=f"registrations in {window_s} s of this key (ORCH_LIMITS__REGISTRATION_PER_KEY)",
+            ),
         )
 
     return check
@@ -133,8 +143,9 @@ def registering(request: Request, state: AppState, kind: Kind) -> Admission:
 async def _verified(
     request: Request, state: AppState, *, limit: int, budget: str, admission: Admission
 ) -> SignedRequest:
-    """Check the signature and the signer (``admission``), then count the request toward its
-    key's ``limit`` (the settings field named ``budget``) and, within it, claim the nonce."""
+    """Check the signature and the signer (``admission``), then count the request toward the
+    admission's quotas and its key's ``limit`` (the settings field named ``budget``) and, within
+    them, claim the nonce."""
     body = await request.body()
     host = request.headers.get("host") or (
         f"{request.url.hostname}:{request.url.port}" if request.url.port else str(request.url.hostname)
@@ -172,29 +183,28 @@ async def _verified(
             raise refused from None
     # The signature holds: the request's log line names its key, a refusal's below included.
     structlog.contextvars.bind_contextvars(keyid=signed.keyid)
-    await admission(signed.keyid)
     window_s = state.settings.limits.signed_window_s
-    decision = await state.hot_store.admit(
-        signed.keyid,
-        signed.nonce,
-        state.settings.signature.effective_nonce_ttl_s,
-        limit,
-        window_s,
-        state.clock.now(),
-    )
+    quotas = [
+        *await admission(signed.keyid),
+        Quota(
+            f"key:{signed.keyid}",
+            limit,
+            window_s,
+            what=f"signed requests in {window_s} s with this key (ORCH_LIMITS__{budget.upper()})",
+        ),
+    ]
+    now, ttl_s = state.clock.now(), state.settings.signature.effective_nonce_ttl_s
+    decision = await state.hot_store.admit(signed.keyid, signed.nonce, ttl_s, quotas, now)
     replayed = signature_refused("this nonce was already used with this key", code="nonce_replayed")
     if decision is None:
         raise replayed
-    if not decision.allowed:
+    if decision.refused_by is not None:
         # Refused before it did anything: its nonce is not spent (in the hot store nor below),
         # so the same signed request may be sent again after Retry-After.
-        raise RateLimited(
-            f"more than {limit} signed requests in {window_s} s with this key "
-            f"(ORCH_LIMITS__{budget.upper()})",
-            retry_after=decision.retry_after_s,
-        )
+        past = decision.refused_by
+        raise RateLimited(f"more than {past.limit} {past.what}", retry_after=decision.retry_after_s)
     if state.spent_nonces is not None and not await state.spent_nonces.claim(
-        signed.keyid, signed.nonce, state.settings.signature.effective_nonce_ttl_s, state.clock.utcnow()
+        signed.keyid, signed.nonce, ttl_s, state.clock.utcnow()
     ):
         raise replayed
     return signed
