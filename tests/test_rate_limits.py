@@ -19,7 +19,7 @@ from sqlalchemy import func, select
 
 from orchestrator.app import create_app
 from orchestrator.core.clock import FakeClock
-from orchestrator.core.hotstore import HotStore, RedisHotStore
+from orchestrator.core.hotstore import HotStore, Quota, RedisHotStore
 from orchestrator.core.keys import attest_node, generate_key
 from orchestrator.core.nonces import SpentNonce
 from orchestrator.core.signing import sign_headers
@@ -369,3 +369,29 @@ async def test_a_replayed_registration_counts_toward_no_registration_limit(
             429,
             "rate_limited",
         )
+
+
+async def test_an_admission_undone_counts_nothing_and_leaves_its_nonce_as_it_says(
+    hot_store: HotStore,
+) -> None:
+    """``unadmit`` (the embedded default's undo of a request whose ``spent_nonces`` row was not
+    written) takes the request's count back from each quota and forgets its nonce unless it is
+    spent elsewhere (a replay); a quota's limit is then where it was (Redis or in-process)."""
+    now = 60 * 20_000 + 0.5  # the start of a window
+    quotas = [Quota("ip:register:test", 2, 60), Quota("key:test-key", 1, 60)]
+    admitted = await hot_store.admit("test-key", "nonce-0001", 601, quotas, now)
+    assert admitted is not None and admitted.refused_by is None
+    assert await hot_store.admit("test-key", "nonce-0001", 601, quotas, now) is None
+    await hot_store.unadmit("test-key", "nonce-0001", quotas, now, spent=False)
+    # The nonce is new again, and the key's one request of the window is still there.
+    admitted = await hot_store.admit("test-key", "nonce-0001", 601, quotas, now)
+    assert admitted is not None and admitted.refused_by is None
+    await hot_store.unadmit("test-key", "nonce-0001", quotas, now, spent=True)
+    assert await hot_store.admit("test-key", "nonce-0001", 601, quotas, now) is None  # still spent
+    admitted = await hot_store.admit("test-key", "nonce-0002", 601, quotas, now)
+    assert admitted is not None and admitted.refused_by is None
+    # Past the key's limit now: the first quota counted it (its second), the key's refused it.
+    refused = await hot_store.admit("test-key", "nonce-0003", 601, quotas, now)
+    assert refused is not None and refused.refused_by == quotas[1] and refused.retry_after_s == 60
+    refused = await hot_store.admit("test-key", "nonce-0004", 601, quotas, now)
+    assert refused is not None and refused.refused_by == quotas[0]

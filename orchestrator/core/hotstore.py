@@ -81,6 +81,13 @@ class HotStore(Protocol):
         registration's); a request refused for a limit spends no nonce, so the same signed
         request can be sent again after ``retry_after_s``."""
 
+    async def unadmit(
+        self, keyid: str, nonce: str, quotas: Sequence[Quota], now: float, *, spent: bool
+    ) -> None:
+        """Undo ``admit`` (same ``quotas`` and ``now``) of a request that then did nothing: take
+        its count back from each of ``quotas`` and, unless ``spent`` (a replay found elsewhere:
+        the nonce stays spent), forget its nonce."""
+
     async def record_beat(self, node_id: str, at: float, metrics: Mapping[str, str], ttl_s: int) -> None:
         """Mark the node healthy as of ``at`` and keep its latest metrics for ``ttl_s``."""
 
@@ -131,6 +138,20 @@ redis.call('SET', KEYS[1], '1', 'EX', ARGV[1])
 return 0
 """
 
+# KEYS: the nonce, then the counters to take one back from (those expired meanwhile are left
+# alone); ARGV: 1 to forget the nonce.
+_UNADMIT = """
+for i = 2, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    redis.call('DECR', KEYS[i])
+  end
+end
+if ARGV[1] == '1' then
+  redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
 _MOVE_STALE = """
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[2]))
 local out = {}
@@ -174,6 +195,7 @@ class RedisHotStore:
         self._move = client.register_script(_MOVE_STALE)
         self._watch = client.register_script(_WATCH_IF_ABSENT)
         self._admit = client.register_script(_ADMIT)
+        self._unadmit = client.register_script(_UNADMIT)
 
     @classmethod
     def from_url(
@@ -220,6 +242,12 @@ class RedisHotStore:
             return ADMITTED
         quota = counted[refused - 1]
         return Admitted(quota, _window_left(quota.window_s, now))
+
+    async def unadmit(
+        self, keyid: str, nonce: str, quotas: Sequence[Quota], now: float, *, spent: bool
+    ) -> None:
+        keys = [self._k("nonce", keyid, nonce), *(self._counter(q, now) for q in _counted(quotas))]
+        await self._unadmit(keys=keys, args=[0 if spent else 1])
 
     def _counter(self, quota: Quota, now: float) -> str:
         return self._k("rl", quota.bucket, str(int(now // quota.window_s)))  # as ``hit`` counts
@@ -392,6 +420,11 @@ class _ExpiringMap(Generic[V]):
         """Give the live ``key`` a new value; its expiry stays."""
         self._values[key] = (value, self._values[key][1])
 
+    def discard(self, key: str) -> None:
+        """Drop ``key`` before its expiry (its heap entry is skipped when it comes up: a key
+        added again meanwhile has another expiry)."""
+        self._values.pop(key, None)
+
 
 class MemoryHotStore:
     """In-process hot store for the embedded default. Correct only in a single process.
@@ -440,6 +473,18 @@ class MemoryHotStore:
                 return Admitted(quota, decision.retry_after_s)
         self._nonces.add(key, None, mono + ttl_s, mono)
         return ADMITTED
+
+    async def unadmit(
+        self, keyid: str, nonce: str, quotas: Sequence[Quota], now: float, *, spent: bool
+    ) -> None:
+        mono = self._monotonic()
+        for quota in _counted(quotas):
+            counter = f"{quota.bucket}\x00{int(now // quota.window_s)}"
+            entry = self._counters.live(counter, mono)
+            if entry is not None:
+                self._counters.replace(counter, entry[0] - 1)
+        if not spent:
+            self._nonces.discard(f"{keyid}\x00{nonce}")
 
     async def record_beat(self, node_id: str, at: float, metrics: Mapping[str, str], ttl_s: int) -> None:
         self._stages[HEALTHY].add(node_id, at)

@@ -6,7 +6,10 @@ and accept again, once, any signed request of the last signature window. So such
 also claims each nonce here, in a table keyed by the SHA-256 of key id and nonce: a claim that
 finds a live row is a replay. The memory store still refuses a replay within the process
 without touching the database; Redis, shared and outliving any API process, needs neither
-(with its persistence on: docs/PROTOCOL.md).
+(with its persistence on: docs/PROTOCOL.md). The claim is its own short transaction, after the
+memory store spent the nonce and before the request's transaction; when it raises,
+``identity.auth`` has the memory store forget the nonce (``unadmit``): the request did nothing,
+and a row that was written all the same still refuses it as a replay.
 
 Rows outlive their nonce's TTL only until a later claim prunes them: at most one batch of
 ``PRUNE_BATCH`` expired rows per ``PRUNE_EVERY_S`` seconds, more than the in-process store

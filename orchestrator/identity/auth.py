@@ -203,10 +203,21 @@ async def _verified(
         # so the same signed request may be sent again after Retry-After.
         past = decision.refused_by
         raise RateLimited(f"more than {past.limit} {past.what}", retry_after=decision.retry_after_s)
-    if state.spent_nonces is not None and not await state.spent_nonces.claim(
-        signed.keyid, signed.nonce, ttl_s, state.clock.utcnow()
-    ):
-        raise replayed
+    if state.spent_nonces is not None:
+        # The nonce's row, in a short transaction of its own before the request's. Unless it
+        # is written (a replay: the row was there), the request ends here having done nothing,
+        # so the hot store takes back what ``admit`` counted, and, when the write failed (its
+        # transaction aborted or the database unreachable: a 503, or the request cancelled),
+        # forgets the nonce, so the same signed request may be sent again; a row that was
+        # written all the same still refuses it as a replay.
+        claimed: bool | None = None
+        try:
+            claimed = await state.spent_nonces.claim(signed.keyid, signed.nonce, ttl_s, state.clock.utcnow())
+        finally:
+            if not claimed:
+                await state.hot_store.unadmit(signed.keyid, signed.nonce, quotas, now, spent=claimed is False)
+        if not claimed:
+            raise replayed
     return signed
 
 
