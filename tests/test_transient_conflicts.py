@@ -67,6 +67,8 @@ async def test_a_deadlocked_request_is_a_503_to_retry_and_writes_nothing(
     problem = r.json()
     assert problem["code"] == "transient_conflict" and problem["cause"] == "deadlock_detected"
     assert "nothing was recorded" in problem["detail"]
+    # Its nonce is spent: the detail says to sign the retry afresh, as PROTOCOL does.
+    assert "signed afresh, with a new nonce" in problem["detail"]
     async with app_state.engine.connect() as conn:
         rows = dict((await conn.execute(text(f"SELECT id, v FROM {PROBE}"))).all())
     assert rows == {1: "other", 2: "other"}  # the request's write to row 2 was rolled back

@@ -405,7 +405,7 @@ async def _database_unavailable(request: Request, exc: Exception) -> JSONRespons
         request,
         "database_unavailable",
         "The database could not be reached; the request was not completed. "
-        "Send it again once the service is back.",
+        "Send it again once the service is back (a signed request signed afresh, with a new nonce).",
         UNAVAILABLE_RETRY_AFTER_S,
     )
 
@@ -420,7 +420,8 @@ async def _database_error(request: Request, exc: Exception) -> JSONResponse:
         request,
         "transient_conflict",
         f"The database aborted this request's transaction ({cause}) to resolve a conflict "
-        "with concurrent work; nothing was recorded. Send the same request again.",
+        "with concurrent work; nothing was recorded. Send the request again (a signed request "
+        "signed afresh, with a new nonce).",
         TRANSIENT_RETRY_AFTER_S,
         extra={"cause": cause},
     )
@@ -446,7 +447,7 @@ async def _hot_store_error(request: Request, exc: Exception) -> JSONResponse:
         request,
         "hot_store_unavailable",
         "The hot store (Redis) did not answer in time or refused the write; the request was not "
-        "completed. Send the same request again.",
+        "completed. Send the request again (a signed request signed afresh, with a new nonce).",
         TRANSIENT_RETRY_AFTER_S,
     )
 
