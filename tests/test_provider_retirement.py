@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+import structlog
 from sqlalchemy import select, update
 
 from orchestrator.core.clock import FakeClock
@@ -684,4 +685,200 @@ async def test_a_provider_ban_decided_after_the_retirement_reaches_the_successor
         assert (await statuses(s, s.pool_id))[heir.node_id] == "left"
         problem(await join(heir.client, heir.contributor, s.pool_id), 403, "provider_blacklisted")
         assert (await provider_balances(s, h))["stake_unbonding"] == 1000
+        await books_balance(app_state)
+
+
+async def blacklist(s: PoolSetup, pool_id: str, provider_id: str, reason: str = "cheating") -> httpx.Response:
+    return await s.admin.post(
+        f"/v1/admin/pools/{pool_id}/blacklist",
+        json={"provider_id": provider_id, "reason": reason},
+        headers=s.headers,
+    )
+
+
+@asynccontextmanager
+async def blacklisting_held(app_state: Any, pool_id: str, provider_id: str) -> AsyncIterator[None]:
+    """An operator's blacklisting of ``provider_id`` in ``pool_id`` done in a transaction that
+    stays open, holding its locks, until the block ends; then committed."""
+    from orchestrator.pools import service as pools_service
+    from tests.test_node_revocation import ADMIN
+
+    session = app_state.sessionmaker()
+    await session.begin()
+    try:
+        await pools_service.blacklist_provider(
+            session, ADMIN, pool_id, provider_id, "cheating", now=app_state.clock.utcnow()
+        )
+        yield
+        await session.commit()
+    finally:
+        await session.close()
+
+
+async def test_a_blacklisting_after_the_retirement_reaches_the_heir_down_the_chain(
+    app: Any, app_state: Any
+) -> None:
+    """An operator blacklists a provider retired for a provider retired since: its heir (the
+    last successor) is blacklisted too, in a pool the retired provider never joined as in one it
+    did, where the heir's membership ends. Before, only the retired provider (whose nodes are
+    revoked anyway) was blacklisted, and the heir went on: a retirement was a way out of a
+    blacklisting an operator decided after it."""
+    from tests.pools_helpers import active_pool
+
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        [lost] = s.workers
+        middle = await registered_provider(s)
+        heir = await s.add_worker(stake=1000)
+        p, m, h = lost.contributor.provider_id, middle.provider_id, heir.contributor.provider_id
+        assert (await retire(s, p, m)).status_code == 201
+        assert (await retire(s, m, h, key="retire-0002")).status_code == 201
+        other = (await active_pool(s.admin, s.headers, name="never-joined"))["id"]
+
+        r = await blacklist(s, other, p)
+        assert r.status_code == 201, r.text
+        assert await blacklisted_in(app_state, other) == sorted([p, h])
+        r = await blacklist(s, s.pool_id, p)
+        assert r.status_code == 201, r.text
+        assert await blacklisted_in(app_state, s.pool_id) == sorted([p, h])
+        assert (await statuses(s, s.pool_id))[heir.node_id] == "left"
+        problem(await join(heir.client, heir.contributor, s.pool_id), 403, "provider_blacklisted")
+        copies = [e for e in await audit(s, "pool.blacklist_provider") if e["target_id"] == h]
+        assert sorted(e["pool_id"] for e in copies) == sorted([other, s.pool_id])
+        assert {e["actor"] for e in copies} == {"succession"}
+        await books_balance(app_state)
+
+
+@postgres_only
+async def test_a_blacklisting_committed_while_the_retirement_runs_reaches_the_successor(
+    app: Any, app_state: Any
+) -> None:
+    """An operator blacklists the provider in a pool it never joined while its retirement holds
+    its transaction open: the blacklisting waits for the retirement and then blacklists the
+    successor too."""
+    from tests.pools_helpers import active_pool
+
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        [lost] = s.workers
+        heir = await registered_provider(s)
+        p, h = lost.contributor.provider_id, heir.provider_id
+        other = (await active_pool(s.admin, s.headers, name="never-joined"))["id"]
+        async with retirement_held(app_state, p, h, "retire-race-6"):
+            blacklisting = asyncio.create_task(blacklist(s, other, p))
+            await until_waiting(app_state, 1, blacklisting, on="row")
+            assert not blacklisting.done()
+        assert (await blacklisting).status_code == 201
+        assert await blacklisted_in(app_state, other) == sorted([p, h])
+
+
+@postgres_only
+async def test_a_blacklisting_committed_after_the_retirement_began_reaches_the_successor(
+    app: Any, app_state: Any
+) -> None:
+    """An operator's blacklisting of the provider in a pool it never joined holds its
+    transaction open; the retirement started meanwhile waits for it, and then copies it to the
+    successor. Before, the retirement did not wait: it read the blacklists without this one,
+    which committed after it, and the successor was left out."""
+    from tests.pools_helpers import active_pool
+
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        [lost] = s.workers
+        heir = await registered_provider(s)
+        p, h = lost.contributor.provider_id, heir.provider_id
+        other = (await active_pool(s.admin, s.headers, name="never-joined"))["id"]
+        async with blacklisting_held(app_state, other, p):
+            retiring = asyncio.create_task(retire(s, p, h, key="retire-race-7"))
+            await until_waiting(app_state, 1, retiring, on="row")
+            waited = not retiring.done()
+        r = await retiring
+        assert r.status_code == 201, r.text
+        assert await blacklisted_in(app_state, other) == sorted([p, h])
+        assert r.json()["blacklists_copied"] == [other]
+        assert waited
+
+
+@postgres_only
+async def test_a_retirement_racing_a_verifier_ban_that_ends_live_memberships_does_not_deadlock(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The verifier's batch holds the pool (shared), the provider's memberships and accounts,
+    and is about to blacklist the provider (the second strike of its two nodes, one each: no
+    ejection), whose nodes are still live members; the retirement
+    starts and waits for the pool; then the ban ends the membership, which locks the nodes.
+    Before, the retirement took the provider's nodes before the pools, so it held the nodes the
+    ban waited for while it waited for the pool the batch held: PostgreSQL broke the deadlock by
+    aborting one of them (the retirement's 503 transient_conflict). Now the retirement takes the
+    pools, memberships and accounts before the nodes (the global order), waits for the batch,
+    and then copies its ban to the successor."""
+    from orchestrator.pools import service as pools_service
+    from tests.test_appeals import forged
+
+    econ = {**ECON, "strikes_before_ejection": 2, "strikes_before_provider_ban": 2}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=2000) as s:
+        [lost] = s.workers
+        sibling = await s.add_worker(provider_key=lost.contributor.provider_key, stake=2000)
+        heir = await s.add_worker(stake=1000)
+        p, h = lost.contributor.provider_id, heir.contributor.provider_id
+        await forged(s, sibling)
+        await verify_all(app_state)  # the provider's first strike
+        await forged(s, lost)  # its second (one for each node: no ejection), which bans it
+        deciding, go = asyncio.Event(), asyncio.Event()
+        real = pools_service.blacklist_for_fraud
+
+        async def held(*args: Any, **kwargs: Any) -> bool:
+            deciding.set()
+            await go.wait()  # the batch holds its locks: the pool, memberships and accounts
+            return await real(*args, **kwargs)
+
+        monkeypatch.setattr(pools_service, "blacklist_for_fraud", held)
+        verifying = asyncio.create_task(verify_all(app_state))
+        await asyncio.wait_for(deciding.wait(), 60)
+        retiring = asyncio.create_task(retire(s, p, h, key="retire-race-8"))
+        await until_waiting(app_state, 1, retiring, on="row")
+        assert not retiring.done()
+        go.set()
+        with structlog.testing.capture_logs() as logs:
+            await verifying
+            r = await retiring
+        assert r.status_code == 201, r.text
+        assert [e for e in logs if e["log_level"] in ("error", "critical")] == []
+        assert r.json()["blacklists_copied"] == [s.pool_id]
+        assert {(v["node_id"], v["category"]) for v in await verdicts(s.admin, s.headers, s.pool_id)} == {
+            (lost.node_id, "fraud"),
+            (sibling.node_id, "fraud"),
+        }
+        assert await blacklisted_in(app_state, s.pool_id) == sorted([p, h])
+        assert await statuses(s, s.pool_id) == {
+            lost.node_id: "left",
+            sibling.node_id: "left",
+            heir.node_id: "left",
+        }
+        await books_balance(app_state)
+
+
+@postgres_only
+async def test_a_join_committed_while_the_retirement_waits_for_the_pools_is_ejected_too(
+    app: Any, app_state: Any
+) -> None:
+    """The retirement read the provider's pools and waits for one of them (an operator's
+    blacklisting of another provider there holds it); meanwhile the provider's node joins
+    another pool. The retirement finds that pool once it holds the node, takes its locks again
+    with the new pool in order, and ejects the node from both."""
+    from tests.pools_helpers import active_pool
+
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        [lost] = s.workers
+        heir = await registered_provider(s)
+        bystander = await registered_provider(s)
+        p, h = lost.contributor.provider_id, heir.provider_id
+        other = (await active_pool(s.admin, s.headers, name="joined-meanwhile"))["id"]
+        async with blacklisting_held(app_state, s.pool_id, bystander.provider_id):
+            retiring = asyncio.create_task(retire(s, p, h, key="retire-race-9"))
+            await until_waiting(app_state, 1, retiring, on="row")
+            assert not retiring.done()
+            r = await join(lost.client, lost.contributor, other)
+            assert r.status_code in (200, 201), r.text
+        r = await retiring
+        assert r.status_code == 201, r.text
+        assert r.json()["revoked_nodes"] == {lost.node_id: sorted([s.pool_id, other])}
+        assert (await statuses(s, other))[lost.node_id] == "ejected"
         await books_balance(app_state)

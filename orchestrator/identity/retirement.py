@@ -15,9 +15,9 @@ withdraw its claimable rewards and register nodes. A retirement, in one transact
   not become a way out of a blacklist), ending the successor's memberships there as any
   blacklisting does; the copies are the admin's (an appeal of the verifier's strikes against
   the retired provider's nodes does not lift them: an operator removes them). The blacklists
-  are read under the pools' locks, so a verifier's ban committed while the retirement waited
-  is copied too; one decided after the retirement reaches the heir from the verdict
-  (``pools.service.blacklist_heir_for_fraud``);
+  are read under the locks (``_lock_in_order``), so a ban committed while the retirement
+  waited is copied too; any blacklisting of the provider after the retirement, an operator's
+  or the verifier's, in any pool, blacklists its heir there (``pools.service.blacklist_locked``);
 * moves what is free now to the successor (``ledger.succession.forward``): free stake, stake
   no membership locks any more, claimable rewards. What is not free yet (rewards on hold,
   stake unbonding) reaches the successor as it matures (``ledger.succession``); a requested
@@ -26,10 +26,11 @@ withdraw its claimable rewards and register nodes. A retirement, in one transact
 
 Lock order: the two providers' rows in id order (the provider ``FOR NO KEY UPDATE``, the successor
 ``FOR SHARE``: a retirement of the successor in flight is waited for, and then refuses this
-one), the provider's nodes (by id, as a ban or revocation takes a node first), then as the
-ejections and blacklistings lock: the pools (by id: every pool the provider has a membership
-in, and those that blacklist it), the memberships (by provider, then id),
-every account of the provider and the successor's at once, then leases.
+one), then the global order (docs/architecture.md, "Lock order"): the pools (by id: every pool
+the provider has a membership in, and those that blacklist it), the memberships there of the
+provider and the successor (by provider, then id), every account of both at once, the
+provider's nodes (by id), then what the ejections and blacklistings lock after (the successor's
+nodes, leases).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import or_, select
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from orchestrator.admin.tokens import Principal
@@ -125,15 +126,7 @@ async def retire(
             extra={"successor_id": successor.successor_id},
         )
     now = state.clock.utcnow()
-    nodes = await _nodes_for_update(session, provider_id)
-    blacklisted = await _lock_pools_and_memberships(session, provider_id, successor_id, nodes)
-    await ledger.lock_accounts(
-        session,
-        [
-            *(provider_account(provider_id, k) for k in ProviderAccount),
-            *(provider_account(successor_id, k) for k in ProviderAccount),
-        ],
-    )
+    nodes, blacklisted = await _lock_in_order(session, provider_id, successor_id)
     said = f"provider retired by an admin: {reason}"
     revoked: dict[str, list[str]] = {}
     for node in nodes:
@@ -241,50 +234,66 @@ async def _blacklisting_pools(session: AsyncSession, provider_id: str) -> dict[s
     return {str(p): str(r) for p, r in rows.all()}
 
 
-async def _lock_pools_and_memberships(
-    session: AsyncSession, provider_id: str, successor_id: str, nodes: list[Node]
-) -> dict[str, str]:
-    """Before any account: the pools the provider has a membership in (any status: a verdict on
-    a result of a node that left since is decided there, and may ban the provider) and those
-    that blacklist it (by id), then the memberships there of the provider's nodes and of the
-    successor (by provider, then id), as the ejections and blacklistings that follow take them.
-    Returns the pools that blacklist the provider, with why, read once the pools are locked.
-
-    A verdict transaction holds its pools shared until it commits (``lock_for_verdicts``), so
-    with the pools locked every verifier's ban of the provider is committed, and read here, or
-    waits for the retirement (and then reaches the successor: ``verification.service``). Read
-    before these locks, a ban committed while the retirement waited for them was never copied.
-    An operator's blacklisting of the provider in a pool it never joined, committed meanwhile,
-    is locked after the others (out of id order: it is rare, and was committed already)."""
-    node_ids = [n.id for n in nodes]
-    joined = set(
-        (
-            await session.execute(
-                select(PoolMembership.pool_id).where(PoolMembership.provider_id == provider_id).distinct()
-            )
-        ).scalars()
-    )
-    blacklisted = await _blacklisting_pools(session, provider_id)
-    locked: list[str] = []
-    todo = sorted(joined | set(blacklisted))
-    while todo:
-        for pool_id in todo:
-            await pools_repo.get_pool(session, pool_id, for_update=True)
-        locked += todo
-        blacklisted = await _blacklisting_pools(session, provider_id)
-        todo = sorted(set(blacklisted) - set(locked))
-    if not locked:
-        return blacklisted
-    await session.execute(
-        select(PoolMembership.id)
-        .where(
-            PoolMembership.pool_id.in_(locked),
-            or_(PoolMembership.node_id.in_(node_ids), PoolMembership.provider_id == successor_id),
+async def _pools_of(session: AsyncSession, provider_id: str) -> set[str]:
+    """The pools the provider has a membership in (any status: a verdict on a result of a node
+    that left since is decided there, and may ban the provider) and those that blacklist it."""
+    joined = (
+        await session.execute(
+            select(PoolMembership.pool_id).where(PoolMembership.provider_id == provider_id).distinct()
         )
-        .order_by(PoolMembership.provider_id, PoolMembership.id)
-        .with_for_update()
-    )
-    return blacklisted
+    ).scalars()
+    return set(joined) | set(await _blacklisting_pools(session, provider_id))
+
+
+async def _lock_in_order(
+    session: AsyncSession, provider_id: str, successor_id: str
+) -> tuple[list[Node], dict[str, str]]:
+    """After the providers' rows, in the global order: the provider's pools (``_pools_of``, by
+    id), the memberships there of the provider and the successor (by provider, then id), every
+    account of both at once, then the provider's nodes (by id), as a verifier's ban that ends
+    the provider's memberships takes them (pools, memberships, accounts, then the members'
+    nodes: ``pools.service._end_memberships``). Returns the nodes, and the pools that blacklist
+    the provider, with why, read once everything is locked.
+
+    Taken nodes first, a retirement deadlocked with a verifier's batch that held the pool
+    (shared) and was about to ban the provider there: the retirement held the nodes the ban's
+    ending of their memberships waited for, and waited for the pool the batch held.
+
+    Under these locks the set cannot grow: an operator's blacklisting of the provider waits for
+    its row (``pools.service.blacklist_provider``), a verdict that bans it holds one of its pools,
+    a verdict that blacklists it as a retired provider's heir holds its accounts, and a node's
+    join holds the node. One that committed between the first read and the locks (a join, or a
+    blacklisting of the provider as an heir) is found by the read after them: the locks taken
+    since a savepoint are given back (PostgreSQL releases them when it is rolled back) and taken
+    again, the new pools with the others in id order."""
+    pools: set[str] = set()
+    while True:
+        savepoint = await session.begin_nested()
+        pools |= await _pools_of(session, provider_id)
+        for pool_id in sorted(pools):
+            await pools_repo.get_pool(session, pool_id, for_update=True)
+        if pools:
+            await session.execute(
+                select(PoolMembership.id)
+                .where(
+                    PoolMembership.pool_id.in_(pools),
+                    PoolMembership.provider_id.in_((provider_id, successor_id)),
+                )
+                .order_by(PoolMembership.provider_id, PoolMembership.id)
+                .with_for_update()
+            )
+        await ledger.lock_accounts(
+            session,
+            [
+                *(provider_account(provider_id, k) for k in ProviderAccount),
+                *(provider_account(successor_id, k) for k in ProviderAccount),
+            ],
+        )
+        nodes = await _nodes_for_update(session, provider_id)
+        if await _pools_of(session, provider_id) <= pools:
+            await savepoint.commit()
+            return nodes, await _blacklisting_pools(session, provider_id)
+        await savepoint.rollback()
 
 
 def provider_detail(provider: Provider) -> dict[str, Any]:

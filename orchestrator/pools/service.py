@@ -83,6 +83,7 @@ from orchestrator.core.sql import is_postgres
 from orchestrator.identity import repository as identity_repo
 from orchestrator.identity.models import Node, NodeStatus
 from orchestrator.ledger import service as ledger
+from orchestrator.ledger.heirs import heirs
 from orchestrator.pools import repository as repo
 from orchestrator.pools.models import BUDGET_SPENT, Pool, PoolInvite, PoolMembership, PoolProviderBlacklist
 from orchestrator.pools.requirements import unmet_requirements
@@ -1036,15 +1037,35 @@ async def blacklist_provider(
     now: dt.datetime,
 ) -> tuple[PoolProviderBlacklist, list[str], bool]:
     """Shut a provider out of a pool: its live members leave (stake unbonds or comes back) and
-    none of its nodes may join. Returns the entry, the nodes removed and whether it is new."""
+    none of its nodes may join. Returns the entry, the nodes removed and whether it is new.
+
+    A retired provider's heir is blacklisted with it (``blacklist_locked``). The provider's row,
+    and its successors' down to its heir, are held ``FOR SHARE`` before the pool (a retirement
+    takes the providers' rows before its pools): a retirement of one of them in flight is waited
+    for, and then seen; one that begins meanwhile waits for this blacklisting, and then reads it
+    (``identity.retirement``) and copies it to its successor."""
+    known = await _lock_provider_and_heirs(session, provider_id)
     pool = await pool_for(session, principal, pool_id, for_update=True)
     _writable(pool)
-    if await identity_repo.get_provider(session, provider_id) is None:
+    if not known:
         raise NotFound("no provider with this id", code="provider_not_found")
     removed, created = await blacklist_locked(session, principal, pool, provider_id, reason, now=now)
     entry = await repo.get_blacklisting(session, pool.id, provider_id)
     assert entry is not None
     return entry, removed, created
+
+
+async def _lock_provider_and_heirs(session: AsyncSession, provider_id: str) -> bool:
+    """Hold the provider's row ``FOR SHARE``, and if it is retired its successor's, and so on
+    down to its heir (whose retirement then waits); False if there is no such provider."""
+    provider = await identity_repo.get_provider(session, provider_id, for_share=True)
+    if provider is None:
+        return False
+    seen = {provider_id}
+    while provider is not None and provider.successor_id is not None and provider.successor_id not in seen:
+        seen.add(provider.successor_id)
+        provider = await identity_repo.get_provider(session, provider.successor_id, for_share=True)
+    return True
 
 
 async def blacklist_locked(
@@ -1061,7 +1082,12 @@ async def blacklist_locked(
     copying its blacklistings to the successor, ``identity.retirement``); returns the nodes
     removed and whether the entry is new. An operator's (or admin's)
     blacklisting of a provider the verifier blacklisted already takes the entry over
-    (``_take_over``), so that an appeal of the verifier's strikes does not lift it."""
+    (``_take_over``), so that an appeal of the verifier's strikes does not lift it.
+
+    A new blacklisting of a retired provider blacklists its heir in the pool too (its successor,
+    or the successor's heir: ``ledger.heirs``, read now), as the retirement copied the ones
+    before it: a retirement is no way out of a blacklist, whoever decides it and whenever. The
+    copy's actor is ``SUCCESSION`` (no appeal lifts it; an operator removes it)."""
     for _ in range(2):
         created = await repo.insert_blacklisting(
             session,
@@ -1096,6 +1122,16 @@ async def blacklist_locked(
         before={"blacklisted": False},
         after={"blacklisted": True, "reason": reason, "removed_nodes": removed},
     )
+    heir = (await heirs(session, [provider_id])).get(provider_id)
+    if heir is not None:
+        await blacklist_locked(
+            session,
+            SUCCESSION,
+            pool,
+            heir,
+            f"successor of retired provider {provider_id}: {reason}",
+            now=now,
+        )
     return removed, True
 
 
@@ -1172,22 +1208,10 @@ async def blacklist_for_fraud(
     return created
 
 
-#: The actor of a retired provider's blacklisting copied to its heir after the retirement: not
-#: the verifier's (no appeal lifts it, as a retirement's own copies), an operator removes it.
+#: The actor of a retired provider's blacklisting copied to its heir after the retirement
+#: (``blacklist_locked``): not the verifier's (no appeal lifts it, as a retirement's own copies),
+#: an operator removes it.
 SUCCESSION = Principal(token_id="succession", name="retirement", role=Role.admin)  # noqa: S106 - an actor, not a secret
-
-
-async def blacklist_heir_for_fraud(
-    session: AsyncSession, pool: Pool, heir_id: str, retired_id: str, *, reason: str, now: dt.datetime
-) -> bool:
-    """The verifier's provider ban of ``retired_id``, decided after its retirement (for results
-    its nodes sent before), copied to its heir as the retirement copied the ones before it
-    (``identity.retirement``): a retirement is no way out of a blacklist. The caller locked the
-    heir's memberships and accounts (``verification.service.lock_for_verdicts``). True if new."""
-    _, created = await blacklist_locked(
-        session, SUCCESSION, pool, heir_id, f"successor of retired provider {retired_id}: {reason}", now=now
-    )
-    return created
 
 
 async def lift_fraud_ejection(

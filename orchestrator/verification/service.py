@@ -1474,18 +1474,9 @@ async def _punish(
             reason=f"{provider_strikes} fraud strikes across its nodes",
             now=now,
         )
-        # Decided after the provider's retirement (a result its nodes sent before): its heir,
-        # which the retirement blacklisted where the provider was then, is blacklisted here too.
-        heir = (await heirs(session, [verdict.provider_id])).get(verdict.provider_id)
-        if heir is not None:
-            await pools_service.blacklist_heir_for_fraud(
-                session,
-                pool,
-                heir,
-                verdict.provider_id,
-                reason=f"{provider_strikes} fraud strikes across its nodes",
-                now=now,
-            )
+        # Decided after the provider's retirement (a result its nodes sent before), the ban
+        # blacklists its heir too (``blacklist_locked``), whose memberships and accounts
+        # ``lock_for_verdicts`` locked.
 
 
 async def _penalise(session: AsyncSession, verdict: Verdict, *, penalty: int, now: dt.datetime) -> None:
