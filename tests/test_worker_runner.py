@@ -18,7 +18,7 @@ import structlog
 from sqlalchemy import select
 
 from api_schemas.tasks import LeasedTask, PolicyRef, Sample
-from orchestrator.core.keys import generate_key
+from orchestrator.core.keys import generate_key, key_id_of
 from orchestrator.tasks.models import Submission
 from orchestrator.verification.jobs import drain
 from orchestrator.worker.backends import ArithmeticBackend, BackendError, Generation, registry
@@ -1122,3 +1122,135 @@ async def test_a_lease_the_server_took_back_is_not_given_back_at_the_stop_while_
         stats = await run.finish()
         assert (stats.dropped, stats.released, stats.errors, stats.in_flight) == (1, 0, 0, 0)
         assert worker.dropped == set()
+
+
+# ------------------------------------------------------------------ ending on its own
+
+
+@dataclass
+class QuickNoWork(FaultyTransport):
+    """A claim without work is answered without a wait: the worker claims again after its
+    ``idle_wait_s``, not the server's 5 to 60 s."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await super().handle_async_request(request)
+        if request.url.path == "/v1/assignments/claim" and response.status_code == 200:
+            body = json.loads(await response.aread())
+            if not body["leases"]:
+                body["retry_after_s"] = None
+                return httpx.Response(200, json=body)
+        return response
+
+
+def start_quick(app: Any, pool_id: str, **overrides: Any) -> tuple[Run, QuickNoWork]:
+    wire = QuickNoWork(app_transport(app))
+    return start(app, pool_id, transport=wire, idle_wait_s=0.02, **overrides), wire
+
+
+async def ended(run: Run) -> Any:
+    """What the run raised: it must end on its own (a hang is bounded by HANG_S)."""
+    from orchestrator.worker.errors import WorkerEnded
+
+    with pytest.raises(WorkerEnded) as exc:
+        await asyncio.wait_for(asyncio.shield(run.task), HANG_S)
+    return exc.value
+
+
+async def test_a_paused_pool_keeps_the_worker_waiting_and_a_completed_one_ends_it(
+    app: Any, app_state: Any
+) -> None:
+    """A paused pool may resume: the worker waits. Completing it ends every membership: the
+    worker gives back nothing it holds (nothing), ends, and says so with its stats."""
+    async with pool_setup(app, app_state) as s:
+        run, wire = start_quick(app, s.pool_id)
+        await run.until(lambda st: st.idle_reason == "no_tasks")
+        url = f"/v1/admin/pools/{s.pool_id}"
+        assert (await s.admin.post(f"{url}/pause", headers=s.headers)).status_code == 200
+        await run.until(lambda st: st.idle_reason == "pool_paused")
+        paused_at = len(wire.to("/v1/assignments/claim"))
+        await until(lambda: len(wire.to("/v1/assignments/claim")) >= paused_at + 5, "enough claims or reads")
+        assert not run.task.done() and run.latest.idle_reason == "pool_paused"
+        assert (await s.admin.post(f"{url}/complete", headers=s.headers)).status_code == 200
+        end = await ended(run)
+        assert end.reason == "pool_completed"
+        assert f"the pool {s.pool_id} is over (the pool is completed)" in end.detail
+        assert end.stats.state == "stopped" and end.stats.idle_reason == "pool_not_active"
+        assert run.latest.state == "stopped"
+
+
+@pytest.mark.parametrize("how", ["left", "ejected"])
+async def test_a_worker_whose_membership_ended_stops_saying_why(
+    app: Any, app_state: Any, gate: asyncio.Event, how: str
+) -> None:
+    """After `worker leave` (or an operator's ejection) the claims answer not_a_member: the
+    worker reads its membership, sees it ended, settles the lease it held (the server took it
+    back: dropped) and ends, rather than ask every 60 s for ever."""
+    node_key = generate_key()
+    async with pool_setup(app, app_state) as s:
+        await s.enqueue(arithmetic_tasks(1, seed=31))
+        run, _ = start_quick(app, s.pool_id, node_key=node_key, backend="gated", concurrency=2)
+        await run.until(lambda st: st.in_flight == 1 and st.idle_reason == "no_tasks")
+        if how == "left":
+            async with WorkerClient(BASE_URL, node_key, transport=app_transport(app)) as node:
+                assert (await node.leave(s.pool_id)).status.value == "left"
+        else:
+            r = await s.admin.post(
+                f"/v1/admin/pools/{s.pool_id}/members/{run.latest.node_id}/eject",
+                json={"reason": "misbehaving"},
+                headers=s.headers,
+            )
+            assert r.status_code == 200, r.text
+        await run.until(lambda st: st.idle_reason == "not_a_member")
+        gate.set()  # the lease's work ends; its result is refused, the lease gone
+        end = await ended(run)
+        assert end.reason == "membership_ended"
+        assert (f"the node {how} the pool" if how == "left" else "was ejected from the pool") in end.detail
+        assert end.stats.in_flight == 0 and end.stats.submitted == 0
+
+
+async def test_a_pending_membership_keeps_the_worker_waiting_for_the_operator(
+    app: Any, app_state: Any
+) -> None:
+    async with pool_setup(app, app_state) as s:
+        url = f"/v1/admin/pools/{s.pool_id}"
+        r = await s.admin.patch(url, json={"admission": "approval"}, headers=s.headers)
+        assert r.status_code == 200, r.text
+        await s.enqueue(arithmetic_tasks(1, seed=32))
+        run, wire = start_quick(app, s.pool_id)
+        await run.until(lambda st: st.idle_reason == "not_a_member")
+        # It read its membership, pending, and went on asking.
+        await until(lambda: len(wire.to("/v1/nodes/me")) >= 5, "enough claims or reads")
+        assert not run.task.done()
+        r = await s.admin.post(f"{url}/members/{run.latest.node_id}/approve", headers=s.headers)
+        assert r.status_code == 200, r.text
+        await run.until(lambda st: st.submitted == 1)
+        assert (await run.finish()).state == "stopped"
+
+
+async def test_a_retired_providers_worker_ends_saying_its_money_went_to_the_successor(
+    app: Any, app_state: Any, gate: asyncio.Event
+) -> None:
+    """Its nodes are revoked (node_banned) and its key refused (provider_retired): the worker
+    ends at once, even with every slot taken by a lease it could not submit, says the provider
+    was retired, and shows no earnings (they are the successor's now)."""
+    from tests.test_provider_retirement import registered_provider, retire
+
+    provider_key = generate_key()
+    provider_id = key_id_of(provider_key)
+    async with pool_setup(app, app_state, economics=ECON) as s:
+        await s.enqueue(arithmetic_tasks(1, seed=33))
+        gate.set()
+        run, _ = start_quick(app, s.pool_id, backend="gated", provider_key=provider_key)
+        await run.until(lambda st: st.submitted == 1)
+        assert await drain(app_state) == 1
+        await run.until(lambda st: st.earnings == 7)
+        gate.clear()
+        await s.enqueue(arithmetic_tasks(1, seed=34), key="batch-2")
+        await run.until(lambda st: st.in_flight == 1)  # its one slot, held at the gate
+        heir = await registered_provider(s)
+        assert (await retire(s, provider_id, heir.provider_id)).status_code == 201
+        end = await ended(run)
+        assert end.reason == "provider_retired"
+        assert f"the provider {provider_id} was retired" in end.detail and "successor" in end.detail
+        assert end.stats.earnings is None and run.latest.earnings is None
+        assert end.stats.in_flight == 0 and end.stats.submitted == 1

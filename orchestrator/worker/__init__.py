@@ -12,6 +12,7 @@ from orchestrator.worker.errors import (
     NodeKeyRequired,
     OrchestratorAPIError,
     ProviderKeyRequired,
+    WorkerEnded,
     WorkerError,
 )
 from orchestrator.worker.runner import WorkerConfig, WorkerStats, run_worker
@@ -23,6 +24,7 @@ __all__ = [
     "ProviderKeyRequired",
     "WorkerClient",
     "WorkerConfig",
+    "WorkerEnded",
     "WorkerError",
     "WorkerStats",
     "run_worker",

@@ -5,7 +5,9 @@
     WorkerError
     ├── OrchestratorAPIError        the server answered with an error (RFC 9457 problem)
     ├── ProviderKeyRequired         a provider-signed call on a client without the provider key
-    └── BackendError                a rollout backend could not produce samples
+    ├── BackendError                a rollout backend could not produce samples
+    └── WorkerEnded                 ``run_worker`` ended on its own: the pool completed, the
+                                    node's membership ended, or its provider was retired
 
 Transport failures that outlast the retries are raised as the ``httpx.TransportError``
 they are (``httpx.ConnectError``, ``httpx.ReadTimeout`` ...).
@@ -80,6 +82,29 @@ class NodeKeyRequired(WorkerError):
 
 class BackendError(WorkerError):
     """A backend failed to generate samples for a lease (the lease should be given back)."""
+
+
+class WorkerEnded(WorkerError):
+    """``run_worker`` ended on its own, for good, after settling the leases it held (as a stop
+    does): waiting would bring no more work in the pool.
+
+    ``reason`` is one of ``ENDINGS``: ``pool_completed`` (the pool's operator completed it,
+    which ended every membership), ``membership_ended`` (the node left the pool, or an operator
+    or the verifier ejected it, or its join was rejected) or ``provider_retired`` (an admin
+    retired the provider: its nodes are revoked and its money went to its successor).
+    ``stats`` is the run's final ``WorkerStats`` (with ``provider_retired``, ``earnings`` is
+    None: the provider's earnings are its successor's now).
+    """
+
+    def __init__(self, reason: str, detail: str, stats: Any) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+        self.stats = stats
+
+
+#: The reasons a ``WorkerEnded`` gives.
+ENDINGS = ("pool_completed", "membership_ended", "provider_retired")
 
 
 def parse_retry_after(value: str | None, *, now: dt.datetime | None = None) -> float | None:

@@ -22,6 +22,15 @@ works those it does not know (``_recover``). A result still being submitted (the
 unreachable) gets the same ``grace_s`` and is then given up; its lease expires on the server.
 Signal handling belongs to the caller (the CLI installs SIGINT/SIGTERM handlers that set
 ``stop``). It never leaves the pool on stop: leaving would start unbonding the stake.
+
+It ends on its own, settling its leases as at the end of ``max_tasks`` (those running finish,
+but a revoked node's, whose results the server would refuse, stop at once), and raises
+``WorkerEnded`` with its stats, when waiting would bring no more work: a claim answered
+``pool_not_active`` or ``not_a_member`` and the node's record (``GET /v1/nodes/me``) shows its
+membership in the pool ended (``pool_completed``: completing a pool ends every membership;
+``membership_ended``: left, ejected or rejected; a pending one waits, as a paused pool does),
+or a refusal as ``node_banned`` while the provider key is refused as ``provider_retired``
+(``provider_retired``: its earnings, its successor's now, are no longer shown).
 """
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ from orchestrator import __version__
 from orchestrator.core.keys import read_key_file
 from orchestrator.worker.backends import Backend, BackendError, Generation, create_backend
 from orchestrator.worker.client import WorkerClient
-from orchestrator.worker.errors import OrchestratorAPIError
+from orchestrator.worker.errors import OrchestratorAPIError, WorkerEnded
 
 log = structlog.get_logger(__name__)
 
@@ -63,6 +72,13 @@ LEASE_GONE_CODES = frozenset({"lease_expired", "task_cancelled", "deadline_passe
 # server behind it): a result is submitted again, however long the outage, until the server
 # answers otherwise or a stop's grace period ends.
 NOT_REACHED_STATUSES = frozenset({429, 502, 503, 504})
+# No-work reasons after which the node's membership is read (``GET /v1/nodes/me``): the run
+# ends once it has ended. A member meets ``pool_not_active`` only once the pool has completed
+# (a pool that is not active yet has no members: joins are refused), which ends every
+# membership; ``not_a_member`` with a pending membership waits for the operator's approval.
+MEMBERSHIP_REASONS = frozenset({"pool_not_active", "not_a_member"})
+# Memberships that ended: no work comes to the node in the pool until it joins again.
+ENDED_MEMBERSHIPS = frozenset({"left", "ejected", "rejected"})
 
 
 def local_specs() -> NodeSpecs:
@@ -185,7 +201,9 @@ async def run_worker(
     here.
 
     Raises ``OrchestratorAPIError`` for refusals that waiting will not fix (a refused join,
-    an unknown pool, a banned node, a bad signature), after giving back the leases it holds.
+    an unknown pool, a banned node, a bad signature), after giving back the leases it holds;
+    ``WorkerEnded`` (with the final stats) when the pool completed, the node's membership
+    ended or its provider was retired.
     """
     try:
         node_key, provider_key = await config.load_keys()
@@ -262,6 +280,12 @@ class _Worker:
         self.recover = True
         #: Leases in flight that have ended, ever: a claim compares it across its round trip.
         self.ended = 0
+        #: Why the run ends on its own (``WorkerEnded``'s reason and detail); None: it does not.
+        self.end: tuple[str, str] | None = None
+        #: Set with ``end``: the claim loop's waits end at once, as on a stop.
+        self.ending = asyncio.Event()
+        #: The provider key was refused as ``provider_retired``: its earnings are not shown.
+        self.provider_retired = False
 
     # ------------------------------------------------------------------ top level
 
@@ -269,7 +293,11 @@ class _Worker:
         self._emit()
         try:
             interval = await self._start()
-        except (OrchestratorAPIError, httpx.HTTPError):
+        except (OrchestratorAPIError, httpx.HTTPError) as exc:
+            if isinstance(exc, OrchestratorAPIError) and exc.code == "provider_retired":
+                self._retired()  # its registration refused: nothing is held yet
+                assert self.end is not None
+                raise WorkerEnded(*self.end, self._stopped()) from exc
             if not self.stop.is_set():
                 raise
             # Stopped while the start waited out a retry (the server away or busy): nothing is
@@ -290,8 +318,11 @@ class _Worker:
                 # in-process transport, cancel the server's own handler mid-transaction).
                 self.closing.set()
                 await asyncio.gather(*background, return_exceptions=True)
-        await self._refresh()
-        return self._stopped()
+        await self._refresh(earnings=not self.provider_retired)
+        stats = self._stopped()
+        if self.end is not None:
+            raise WorkerEnded(*self.end, stats)
+        return stats
 
     def _stopped(self) -> WorkerStats:
         self._set_state("stopped")
@@ -326,12 +357,12 @@ class _Worker:
         c = self.config
         failures = 0
         beat_for_claim = False  # a beat was sent for a claim refused as node_unhealthy
-        while not self.stop.is_set():
+        while not self.stop.is_set() and not self.ending.is_set():
             if c.max_tasks is not None and self.stats.claimed >= c.max_tasks:
                 return
             free = c.concurrency - len(self.running)
             if free <= 0:
-                await self._wait_for_slot()
+                await self._wait_for_slot(ending=True)
                 continue
             if self.recover and await self._recover():
                 continue  # slots were filled: count them again
@@ -346,17 +377,18 @@ class _Worker:
             except OrchestratorAPIError as exc:
                 if exc.status in FATAL_STATUSES and exc.code not in RETRYABLE_CODES:
                     log.error("claim_refused", status=exc.status, code=exc.code, detail=exc.detail)
-                    raise
+                    await self._refused(exc)
+                    return
                 failures += 1
                 self._error("claim_failed", status=exc.status, code=exc.code)
                 self.recover = True
-                await self._pause(exc.retry_after or self._backoff(failures))
+                await self._pause(exc.retry_after or self._backoff(failures), ending=True)
                 continue
             except httpx.HTTPError as exc:
                 failures += 1
                 self._error("claim_failed", error=type(exc).__name__)
                 self.recover = True
-                await self._pause(self._backoff(failures))
+                await self._pause(self._backoff(failures), ending=True)
                 continue
             failures = 0
             if claim.reason != "node_unhealthy":
@@ -366,6 +398,8 @@ class _Worker:
                     log.info("no_work", reason=claim.reason, retry_after_s=claim.retry_after_s)
                 self.stats.idle_reason = claim.reason
                 self._emit()
+                if claim.reason in MEMBERSHIP_REASONS and await self._membership_ended(claim):
+                    return
                 wait = float(claim.retry_after_s or c.idle_wait_s)
                 if claim.reason == "node_unhealthy" and not beat_for_claim:
                     # The server has not had a beat lately (it was down, or restarted and lost
@@ -381,9 +415,9 @@ class _Worker:
                     if self.ended != ended_before:
                         continue
                     if self.running:
-                        await self._wait_for_slot(at_most_s=wait)
+                        await self._wait_for_slot(at_most_s=wait, ending=True)
                         continue
-                await self._pause(wait)
+                await self._pause(wait, ending=True)
                 continue
             self.stats.idle_reason = None
             self.stats.claimed += len(claim.leases)
@@ -391,6 +425,85 @@ class _Worker:
                 await asyncio.gather(*(self._release(lease.assignment_id) for lease in claim.leases))
                 return
             self._start_work(claim.leases)
+
+    async def _membership_ended(self, claim: ClaimOut) -> bool:
+        """After a claim answered ``pool_not_active`` or ``not_a_member``: reads the node's
+        record and, if its membership in the pool has ended (or there is none), sets why the run
+        ends and answers True. A pending membership (an ``approval`` pool's operator has not
+        decided yet) or an active one (approved since the claim) waits, as does a failed read."""
+        pool = self.config.pool_id
+        try:
+            node = await self.client.me(stop=self.stop)
+        except OrchestratorAPIError as exc:
+            if exc.status in FATAL_STATUSES and exc.code not in RETRYABLE_CODES:
+                await self._refused(exc)  # banned meanwhile: raised, or ends as retired
+                return True
+            log.warning("membership_read_failed", error=_why(exc))
+            return False
+        except httpx.HTTPError as exc:
+            log.warning("membership_read_failed", error=_why(exc))
+            return False
+        status = next((m.status for m in node.memberships if m.pool_id == pool), None)
+        if status is not None and status not in ENDED_MEMBERSHIPS:
+            return False
+        if claim.reason == "pool_not_active":
+            self._end(
+                "pool_completed",
+                f"the pool {pool} is over ({claim.detail}); completing it ended the node's "
+                f"membership ({status or 'none'}): no more work will come there",
+            )
+        elif status == "left":
+            self._end(
+                "membership_ended",
+                f"the node left the pool {pool} (`orchestrator worker leave`): it is no longer a "
+                "member, and its stake there unbonds; running the worker again joins it again",
+            )
+        elif status == "ejected":
+            self._end(
+                "membership_ended",
+                f"the node was ejected from the pool {pool} (by its operator or the verifier): it "
+                "may not join it again",
+            )
+        elif status == "rejected":
+            self._end("membership_ended", f"the pool {pool}'s operator rejected the node's join")
+        else:
+            self._end("membership_ended", f"the node is not a member of the pool {pool}")
+        return True
+
+    async def _refused(self, exc: OrchestratorAPIError) -> None:
+        """A refusal that waiting will not fix: raised, but for a node banned because an admin
+        retired its provider (the provider key is refused as ``provider_retired``), which sets
+        why the run ends instead."""
+        if exc.code == "node_banned" and self.has_provider_key:
+            try:
+                await self.client.balance(stop=self.stop)
+            except OrchestratorAPIError as refused:
+                if refused.code == "provider_retired":
+                    self._retired()
+                    return
+            except httpx.HTTPError:
+                pass
+        raise exc
+
+    def _retired(self) -> None:
+        """The provider key was refused as ``provider_retired``: the provider's money is its
+        successor's now, so no earnings are shown, and the run ends."""
+        self.provider_retired = True
+        self.stats.earnings = None
+        provider = self.client.provider_id or "of this worker"
+        self._end(
+            "provider_retired",
+            f"the provider {provider} was retired by an admin (its key lost or stolen): its "
+            "nodes are revoked and its money, these earnings included, went to the successor "
+            "provider the admin named; this provider key can do nothing any more",
+        )
+
+    def _end(self, reason: str, detail: str) -> None:
+        if self.end is None:
+            self.end = (reason, detail)
+            log.warning("worker_ending", reason=reason, detail=detail)
+        self.ending.set()
+        self._emit()
 
     def _start_work(self, leases: list[Lease]) -> None:
         for lease in leases:
@@ -467,22 +580,29 @@ class _Worker:
         ceiling = min(self.config.max_error_backoff_s, 0.5 * 2 ** min(failures, 64))
         return random.uniform(ceiling / 2, ceiling)  # noqa: S311 - jitter
 
-    async def _pause(self, seconds: float) -> None:
-        """Sleep, but wake at once when stop is set."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.stop.wait(), timeout=max(0.0, seconds))
+    async def _pause(self, seconds: float, *, ending: bool = False) -> None:
+        """Sleep, but wake at once when stop is set (or, with ``ending``, the run ends on its
+        own: the claim loop's waits)."""
+        await self._wait_for_slot(max(0.0, seconds), leases=False, ending=ending)
 
-    async def _wait_for_slot(self, at_most_s: float | None = None) -> None:
-        """Until a lease in flight ends, the stop, or ``at_most_s`` seconds."""
-        stopper = asyncio.create_task(self.stop.wait())
+    async def _wait_for_slot(
+        self, at_most_s: float | None = None, *, leases: bool = True, ending: bool = False
+    ) -> None:
+        """Until a lease in flight ends (with ``leases``), the stop, with ``ending`` the run's
+        end of its own, or ``at_most_s`` seconds."""
+        stoppers = [asyncio.create_task(self.stop.wait())]
+        if ending:
+            stoppers.append(asyncio.create_task(self.ending.wait()))
         try:
             await asyncio.wait(
-                [stopper, *self.running.values()], timeout=at_most_s, return_when=asyncio.FIRST_COMPLETED
+                [*stoppers, *(self.running.values() if leases else ())],
+                timeout=at_most_s,
+                return_when=asyncio.FIRST_COMPLETED,
             )
         finally:
-            stopper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await stopper
+            for stopper in stoppers:
+                stopper.cancel()
+            await asyncio.gather(*stoppers, return_exceptions=True)
 
     # ------------------------------------------------------------------ one lease
 
@@ -633,12 +753,15 @@ class _Worker:
             self.dropped.clear()
 
     async def _finish_held(self) -> None:
-        while self.running and not self.stop.is_set():
+        # A retired provider's nodes are revoked: the server refuses their results and releases
+        # (it released their leases itself), so what is still running is stopped at once.
+        revoked = self.provider_retired
+        while self.running and not self.stop.is_set() and not revoked:
             await self._wait_for_slot()
         if not self.running:
             return
         held = dict(self.running)
-        grace = self._grace_left()
+        grace = 0.0 if revoked else self._grace_left()
         log.info("finishing_leases", leases=len(held), grace_s=grace)
         if grace > 0:
             await asyncio.wait(held.values(), timeout=grace)
@@ -647,7 +770,7 @@ class _Worker:
         for task in late.values():
             task.cancel()
         await asyncio.gather(*held.values(), return_exceptions=True)
-        unfinished = [aid for aid in late if aid not in self.dropped]
+        unfinished = [] if revoked else [aid for aid in late if aid not in self.dropped]
         await asyncio.gather(*(self._release(aid) for aid in unfinished))
 
     # ------------------------------------------------------------------ background
@@ -717,10 +840,14 @@ class _Worker:
                         elif v.outcome == "rejected":
                             self.stats.rejected += 1
             self._count_awaiting()
-            if earnings and self.has_provider_key:
+            if earnings and self.has_provider_key and not self.provider_retired:
                 balance = await self.client.balance(stop=self.stop)
                 self.stats.earnings = balance.rewards_pending + balance.rewards_claimable + balance.withdrawn
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
+            if isinstance(exc, OrchestratorAPIError) and exc.code == "provider_retired":
+                # No longer shown, they are the successor's now; and the run ends, also while
+                # every slot is taken by a lease (its node is revoked: it cannot be submitted).
+                self._retired()
             log.warning("stats_refresh_failed", error=_why(exc))
             return
         self._emit()
