@@ -1214,22 +1214,27 @@ def _table_ends_its_line() -> Iterator[None]:
 
 
 @contextmanager
-def _worker_errors(hints: dict[str, str] | None = None) -> Iterator[None]:
+def _worker_errors(
+    hints: dict[str, str] | None = None, exits: dict[str, int] | None = None
+) -> Iterator[None]:
     """Refusals and failures as one readable line (plus a join's reasons, or the hint for the
-    problem's code) and exit 1."""
+    problem's code) and exit 1 (or the status ``exits`` gives the problem's code). A
+    ``WorkerEnded`` goes through, for the caller."""
     import httpx
 
-    from orchestrator.worker.errors import OrchestratorAPIError, WorkerError
+    from orchestrator.worker.errors import OrchestratorAPIError, WorkerEnded, WorkerError
 
     try:
         yield
+    except WorkerEnded:
+        raise
     except OrchestratorAPIError as exc:
         console.print(f"[red]the server refused: {exc.status} {exc.code}: {exc.detail}[/red]")
         for reason in exc.body.get("reasons") or []:
             console.print(f"[red]  - {reason.get('code')}: {reason.get('detail')}[/red]")
         if hints and exc.code in hints:
             console.print(escape(hints[exc.code]), style="red")
-        raise typer.Exit(1) from exc
+        raise typer.Exit((exits or {}).get(exc.code, 1)) from exc
     except httpx.TransportError as exc:  # after the client's retries
         console.print(
             escape(f"cannot reach {_server_of(exc)}: {type(exc).__name__}: {exc}"),
@@ -1505,6 +1510,22 @@ def worker_leave(
         _print_model(asyncio.run(_leave(server, key, pool)))
 
 
+# `worker run`'s exit statuses when the run ends on its own (``WorkerEnded``'s reasons) or the
+# server refuses the node or the provider for good (problem codes); 1 for other refusals.
+WORKER_EXITS = {
+    "pool_completed": 3,
+    "membership_ended": 4,
+    "node_banned": 4,
+    "provider_retired": 5,
+}
+BANNED_HINT = (
+    "the node is banned: it was ejected from every pool. An admin's or the verifier's ban may be "
+    "lifted (an appeal); a key its provider revoked, or its provider's retirement revoked, never "
+    "works again: generate a new node key and register it (with the successor's provider key, "
+    "after a retirement)"
+)
+
+
 @worker_app.command("run")
 def worker_run(
     pool: Annotated[str, typer.Option("--pool", help="The pool to work for", callback=_pool_id)],
@@ -1561,6 +1582,7 @@ def worker_run(
 
     from orchestrator.core.logging import configure_logging
     from orchestrator.worker.backends import available
+    from orchestrator.worker.errors import WorkerEnded
     from orchestrator.worker.runner import WorkerConfig, WorkerStats
 
     if backend not in available():
@@ -1609,10 +1631,11 @@ def worker_run(
         "the node is not registered: register it once with `orchestrator worker register "
         "--provider-key ... --node-key ...`, or pass --provider-key here"
     )
-    hints = {"unknown_key": unregistered} if provider_key is None else None
+    hints = {"unknown_key": unregistered} if provider_key is None else {}
+    hints["node_banned"] = BANNED_HINT
     try:
         with (
-            _worker_errors(hints),
+            _worker_errors(hints, WORKER_EXITS),
             _table_ends_its_line(),
             Live(_stats_table(WorkerStats()), console=console, refresh_per_second=4) as live,
         ):
@@ -1620,6 +1643,11 @@ def worker_run(
     except asyncio.CancelledError as exc:
         console.print("[red]stopped at once; held leases expire on the server[/red]")
         raise typer.Exit(130) from exc
+    except WorkerEnded as exc:
+        # It ended on its own, its leases settled: the stats, then why, and the status for it.
+        typer.echo(json.dumps(dataclasses.asdict(exc.stats)))
+        console.print(escape(f"the worker ended: {exc.detail}"), style="red", soft_wrap=True)
+        raise typer.Exit(WORKER_EXITS[exc.reason]) from exc
     typer.echo(json.dumps(dataclasses.asdict(stats)))
 
 

@@ -412,3 +412,88 @@ def test_the_live_table_shows_the_leases_the_server_took_back() -> None:
     out.print(_stats_table(stats))
     rows = {line.strip("│ ").split("│")[0].strip(): line for line in out.export_text().splitlines()}
     assert rows["dropped"].split("│")[-2].strip() == "2"
+
+
+@pytest.mark.timeout(180)
+def test_worker_run_ends_by_itself_with_a_status_of_its_own_when_no_work_can_come(
+    server: tuple[str, dict[str, str]], tmp_path: Path
+) -> None:
+    """A worker whose pool completed exits 3, one whose node left the pool 4, one whose provider
+    an admin retired 5, each with the stats (no earnings after a retirement: they are the
+    successor's) and a line saying why; before, each asked the server for ever."""
+    url, env = server
+    headers = admin_headers(env)
+
+    def keys(name: str) -> list[str]:
+        paths = [tmp_path / f"{name}-provider.key", tmp_path / f"{name}-node.key"]
+        for path in paths:
+            assert runner.invoke(app, ["keys", "generate", str(path)]).exit_code == 0
+        return ["--provider-key", str(paths[0]), "--node-key", str(paths[1])]
+
+    def ids(key_args: list[str]) -> dict[str, str]:
+        done = runner.invoke(app, ["worker", "register", "--server", url, *key_args])
+        assert done.exit_code == 0, done.output
+        return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+    with httpx.Client(base_url=url, timeout=10) as http:
+        done_pool = _pool(http, headers, {"reward_per_sample": 5}, tasks=0)
+        pool = _pool(http, headers, {"reward_per_sample": 5}, tasks=0)
+        runs: dict[str, tuple[list[str], str]] = {
+            "completed": (keys("completed"), done_pool),
+            "left": (keys("left"), pool),
+            "retired": (keys("retired"), pool),
+        }
+        procs = {
+            name: subprocess.Popen(
+                cli(*WORKER_ARGS, "--server", url, "--pool", pool_id, *key_args),
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for name, (key_args, pool_id) in runs.items()
+        }
+        try:
+
+            def members(pool_id: str) -> int:
+                for proc in procs.values():
+                    assert proc.poll() is None, proc.communicate()
+                r = http.get(
+                    f"/v1/admin/pools/{pool_id}/members", params={"status": "active"}, headers=headers
+                )
+                return len(r.json()["items"])
+
+            _wait(lambda: members(done_pool) == 1 and members(pool) == 2, HANG_S, "the workers' joins")
+            for action in ("pause", "complete"):
+                r = http.post(f"/v1/admin/pools/{done_pool}/{action}", headers=headers)
+                assert r.status_code == 200, r.text
+            node_key = runs["left"][0][3]
+            left = runner.invoke(
+                app, ["worker", "leave", "--server", url, "--pool", pool, "--node-key", node_key]
+            )
+            assert left.exit_code == 0, left.output
+            retired = ids(runs["retired"][0])["provider_id"]
+            heir = ids(keys("heir"))["provider_id"]
+            r = http.post(
+                f"/v1/admin/providers/{retired}/retire",
+                json={"successor_id": heir, "reason": "provider key stolen"},
+                headers={**headers, "Idempotency-Key": "cli-retire-1"},
+            )
+            assert r.status_code == 201, r.text
+            ended = {name: proc.communicate(timeout=HANG_S) for name, proc in procs.items()}
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+    codes = {name: proc.returncode for name, proc in procs.items()}
+    assert codes == {"completed": 3, "left": 4, "retired": 5}, ended
+    said = {name: " ".join(err.split()) for name, (_, err) in ended.items()}
+    stats = {name: json.loads(out.strip().splitlines()[-1]) for name, (out, _) in ended.items()}
+    assert f"the worker ended: the pool {done_pool} is over (the pool is completed)" in said["completed"]
+    assert f"the worker ended: the node left the pool {pool}" in said["left"]
+    assert f"the worker ended: the provider {retired} was retired by an admin" in said["retired"]
+    assert "went to the successor provider" in said["retired"]
+    assert stats["retired"]["earnings"] is None and stats["left"]["earnings"] == 0
+    assert all(s["state"] == "stopped" and s["in_flight"] == 0 for s in stats.values())
