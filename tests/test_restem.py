@@ -725,3 +725,170 @@ async def test_samples_the_server_could_not_check_are_not_counted_as_verified(
         assert t["mean_problem_solve_rate"] == pytest.approx(3 / 4)  # p1 has no rate, not 0.0
         lines = [json.loads(x) for x in (await dataset(s, it["id"])).splitlines()]
         assert {x["problem_id"] for x in lines} == {"p2"} and len(lines) == 2
+
+
+async def old_progress(session: Any, iteration: Any) -> dict[str, int]:
+    """An iteration's progress as it was computed before pages were counted together: two
+    statements of its own, its cutoff (if expired) bound as values."""
+    from sqlalchemy import and_, exists, func, select
+
+    from orchestrator.restem.models import RestemProblem
+    from orchestrator.tasks.models import Submission, Task
+    from orchestrator.verification.models import Verdict
+
+    cutoff = restem_service._cutoff(iteration)
+    counts = []
+    if cutoff is not None:
+        counts.append(Verdict.decided_at <= cutoff.decided_by)
+        if cutoff.bound is not None:
+            counts.append(Verdict.id <= cutoff.bound)
+    settled = ~exists().where(
+        Submission.task_id == Task.id, ~exists().where(Verdict.submission_id == Submission.id, *counts)
+    )
+    done = await session.scalar(
+        select(func.count())
+        .select_from(RestemProblem)
+        .join(Task, Task.id == RestemProblem.task_id)
+        .where(
+            RestemProblem.iteration_id == iteration.id,
+            Task.status.in_(restem_service.FINISHED_TASK),
+            settled,
+        )
+    )
+    received, verified = (
+        await session.execute(
+            select(func.count(Submission.id), func.count(Verdict.id))
+            .select_from(RestemProblem)
+            .join(Submission, Submission.task_id == RestemProblem.task_id)
+            .outerjoin(Verdict, and_(Verdict.submission_id == Submission.id, *counts))
+            .where(RestemProblem.iteration_id == iteration.id)
+        )
+    ).one()
+    return {
+        "problems": iteration.problem_count,
+        "problems_done": int(done or 0),
+        "samples_requested": iteration.problem_count * iteration.samples_per_problem,
+        "results_received": int(received),
+        "results_verified": int(verified),
+    }
+
+
+async def listed(s: PoolSetup, limit: int) -> list[dict[str, Any]]:
+    """Every iteration of the pool, newest first, through pages of ``limit``."""
+    items: list[dict[str, Any]] = []
+    cursor = None
+    while True:
+        params: dict[str, Any] = {"limit": limit, **({"cursor": cursor} if cursor else {})}
+        r = await s.admin.get(base(s), params=params, headers=s.headers)
+        assert r.status_code == 200, r.text
+        items += r.json()["items"]
+        cursor = r.json()["next_cursor"]
+        if cursor is None:
+            return items
+
+
+async def test_a_page_of_iterations_counts_each_as_alone_whatever_its_cutoff(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A page counts its iterations' progress together; each stands as it would alone: an
+    expired one's counts stop at its own deadline and verdict bound (or its deadline alone, when
+    it expired before verdict bounds), a complete or running one counts every verdict."""
+    from sqlalchemy import update
+
+    from orchestrator.restem.models import RestemIteration
+
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=10) as s:
+        w = s.workers[0]
+
+        def soon() -> str:
+            return (clock.utcnow() + dt.timedelta(seconds=60)).isoformat()
+
+        # 1: complete.
+        complete = await create(s, name="complete")
+        leases = await claim_all(w, s.pool_id, 2)
+        await submit(w, leases["p1"], ["4", "4", "1", "2"])
+        await submit(w, leases["p2"], ["1", "1", "1", "1"])
+        await verify_all(app_state)
+        # 2: expired; p2's verdict is decided after the deadline, p3 was never claimed.
+        late_decided = await create(s, name="late-decided", problems=("p1", "p2", "p3"), deadline_at=soon())
+        leases = await claim_all(w, s.pool_id, 2)
+        await submit(w, leases["p1"], ["4", "4", "4", "1"])
+        await verify_all(app_state)
+        await submit(w, leases["p2"], ["6", "6", "6", "6"])
+        clock.advance(61)
+        # 3 and 4: expired; the verdict is dated before the deadline but written after the
+        # expiry. 4 expired before verdict bounds (NULL): its deadline alone counts it.
+        written_late = []
+        for name in ("late-written", "unbounded"):
+            deadline = clock.utcnow() + dt.timedelta(seconds=60)
+            it = await create(s, name=name, problems=("p1",), deadline_at=deadline.isoformat())
+            sent = await submit(w, (await claim_all(w, s.pool_id, 1))["p1"], ["4"] * 4)
+            clock.advance(61)
+            assert (await get(s, it["id"]))["status"] == "expired"
+            await accept_in_transaction(
+                app_state, sent["submission_id"], samples=4, now=deadline - dt.timedelta(seconds=5)
+            )
+            written_late.append(it)
+        await verify_all(app_state)  # 2's p2, after its deadline and expiry
+        async with app_state.sessionmaker() as session, session.begin():
+            await session.execute(
+                update(RestemIteration)
+                .where(RestemIteration.id == written_late[1]["id"])
+                .values(verdict_bound=None)
+            )
+        # 5: running; one result verified, one waiting.
+        running = await create(s, name="running")
+        leases = await claim_all(w, s.pool_id, 2)
+        await submit(w, leases["p1"], ["4", "4", "4", "4"])
+        await verify_all(app_state)
+        await submit(w, leases["p2"], ["6", "1", "6", "1"])
+
+        ids = [
+            running["id"],
+            written_late[1]["id"],
+            written_late[0]["id"],
+            late_decided["id"],
+            complete["id"],
+        ]
+        page = await listed(s, 100)
+        assert [(i["id"], i["status"]) for i in page] == list(
+            zip(ids, ["running", "expired", "expired", "expired", "complete"], strict=True)
+        )
+        progress = [
+            (p["problems_done"], p["results_received"], p["results_verified"])
+            for p in (i["progress"] for i in page)
+        ]
+        assert progress == [(1, 2, 1), (1, 1, 1), (0, 1, 0), (2, 2, 1), (2, 2, 2)]
+        # The same on pages of two, and one by one; and as each was counted alone before.
+        assert await listed(s, 2) == page
+        assert [await get(s, i) for i in ids] == page
+        async with app_state.sessionmaker() as session:
+            for item in page:
+                iteration = await session.get(RestemIteration, item["id"])
+                assert item["progress"] == await old_progress(session, iteration), item["name"]
+
+
+async def test_a_page_of_iterations_runs_the_same_statements_for_one_iteration_or_many(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A page counted each iteration's progress with two statements of its own: 200 for a page
+    of 100. Now the page's progress is two statements whatever its size."""
+    from tests.test_hot_paths import sql_log
+
+    async with pool_setup(app, app_state, workers=1) as s:
+        for i in range(6):  # each expires at its deadline, the last one runs
+            await create(
+                s, name=f"it-{i}", deadline_at=(clock.utcnow() + dt.timedelta(seconds=2)).isoformat()
+            )
+            clock.advance(3 if i < 5 else 0)
+        leases = await claim_all(s.workers[0], s.pool_id, 2)
+        await submit(s.workers[0], leases["p1"], ["4", "4", "4", "4"])
+        await verify_all(app_state)
+        pages = {}
+        for limit in (1, 6):
+            async with sql_log(app_state) as statements:
+                r = await s.admin.get(base(s), params={"limit": limit}, headers=s.headers)
+            assert r.status_code == 200 and len(r.json()["items"]) == limit, r.text
+            pages[limit] = statements
+        assert len(pages[6]) == len(pages[1]), pages[6]
+        assert [i["status"] for i in r.json()["items"]] == ["running"] + ["expired"] * 5

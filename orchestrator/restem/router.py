@@ -8,7 +8,13 @@ from fastapi import APIRouter, Depends, Path, Query, Response
 from fastapi.responses import StreamingResponse
 
 from api_schemas.common import NO_NUL, PROBLEM_RESPONSES, Page
-from api_schemas.restem import IterationIn, IterationOut, IterationReport, IterationStatus
+from api_schemas.restem import (
+    IterationIn,
+    IterationOut,
+    IterationProgress,
+    IterationReport,
+    IterationStatus,
+)
 from orchestrator.admin.tokens import Principal, Role, require_roles
 from orchestrator.audit.service import record
 from orchestrator.core.pagination import ID_MAX, CursorScope
@@ -38,6 +44,10 @@ RunnerPool = Annotated[Pool, Depends(_runner_pool)]
 
 
 async def _out(session: Session, it: RestemIteration) -> IterationOut:
+    return _shown(it, await service.progress(session, it))
+
+
+def _shown(it: RestemIteration, progress: IterationProgress) -> IterationOut:
     return IterationOut(
         id=it.id,
         pool_id=it.pool_id,
@@ -51,7 +61,7 @@ async def _out(session: Session, it: RestemIteration) -> IterationOut:
         created_at=it.created_at,
         deadline_at=it.deadline_at,
         finished_at=it.finished_at,
-        progress=await service.progress(session, it),
+        progress=progress,
     )
 
 
@@ -119,8 +129,9 @@ async def list_iterations(
     )
     more = len(rows) > limit
     rows = rows[:limit]
+    progress = await service.progresses(session, rows)  # two statements for the page
     return Page[IterationOut](
-        items=[await _out(session, it) for it in rows],
+        items=[_shown(it, progress[it.id]) for it in rows],
         next_cursor=scope.encode(rows[-1].id) if more else None,
     )
 

@@ -361,36 +361,68 @@ async def newest_first(
 
 
 async def progress(session: AsyncSession, iteration: RestemIteration) -> IterationProgress:
-    """Counts of an expired iteration stand as they were when it expired: a verdict its cutoff
+    return (await progresses(session, [iteration]))[iteration.id]
+
+
+async def progresses(
+    session: AsyncSession, iterations: Sequence[RestemIteration]
+) -> dict[int, IterationProgress]:
+    """Each iteration's progress, by id: two statements however many iterations (a page).
+
+    Counts of an expired iteration stand as they were when it expired: a verdict its cutoff
     leaves out (decided after the deadline, or written after the expiry) is not counted, nor does
-    it make its problem done when it finishes the task late."""
-    counts = _counted_verdict(_cutoff(iteration))
-    settled = ~exists().where(
-        Submission.task_id == Task.id,
-        ~exists().where(Verdict.submission_id == Submission.id, *counts),
+    it make its problem done when it finishes the task late. Which iterations have a cutoff is
+    read from the objects given (the status a page shows); its values from their rows, which
+    do not change once expired."""
+    if not iterations:
+        return {}
+    ids = [it.id for it in iterations]
+    expired = [it.id for it in iterations if _cutoff(it) is not None]
+    counts = _counted_verdict_of(expired)
+    # Not settled: a result of the problem's task without a verdict that counts. (One level of
+    # subquery, so that the cutoff's columns correlate with the problem's row.)
+    unsettled = (
+        select(Submission.id)
+        .outerjoin(Verdict, and_(Verdict.submission_id == Submission.id, *counts))
+        .where(Submission.task_id == Task.id, Verdict.id.is_(None))
+        .exists()
     )
-    done = await session.scalar(
-        select(func.count())
-        .select_from(RestemProblem)
-        .join(Task, Task.id == RestemProblem.task_id)
-        .where(RestemProblem.iteration_id == iteration.id, Task.status.in_(FINISHED_TASK), settled)
+    problems = select(RestemProblem.iteration_id).select_from(RestemProblem)
+    if expired:
+        problems = problems.join(RestemIteration, RestemIteration.id == RestemProblem.iteration_id)
+    done: dict[int, int] = dict(
+        (
+            await session.execute(
+                problems.add_columns(func.count())
+                .join(Task, Task.id == RestemProblem.task_id)
+                .where(RestemProblem.iteration_id.in_(ids), Task.status.in_(FINISHED_TASK), ~unsettled)
+                .group_by(RestemProblem.iteration_id)
+            )
+        ).all()
     )
-    received, verified = (
-        await session.execute(
-            select(func.count(Submission.id), func.count(Verdict.id))
-            .select_from(RestemProblem)
-            .join(Submission, Submission.task_id == RestemProblem.task_id)
-            .outerjoin(Verdict, and_(Verdict.submission_id == Submission.id, *counts))
-            .where(RestemProblem.iteration_id == iteration.id)
+    results = {
+        iteration_id: (received, verified)
+        for iteration_id, received, verified in (
+            await session.execute(
+                problems.add_columns(func.count(Submission.id), func.count(Verdict.id))
+                .join(Submission, Submission.task_id == RestemProblem.task_id)
+                .outerjoin(Verdict, and_(Verdict.submission_id == Submission.id, *counts))
+                .where(RestemProblem.iteration_id.in_(ids))
+                .group_by(RestemProblem.iteration_id)
+            )
         )
-    ).one()
-    return IterationProgress(
-        problems=iteration.problem_count,
-        problems_done=int(done or 0),
-        samples_requested=iteration.problem_count * iteration.samples_per_problem,
-        results_received=int(received),
-        results_verified=int(verified),
-    )
+    }
+    out = {}
+    for it in iterations:
+        received, verified = results.get(it.id, (0, 0))
+        out[it.id] = IterationProgress(
+            problems=it.problem_count,
+            problems_done=int(done.get(it.id, 0)),
+            samples_requested=it.problem_count * it.samples_per_problem,
+            results_received=int(received),
+            results_verified=int(verified),
+        )
+    return out
 
 
 def sampling_of(iteration: RestemIteration) -> RestemSampling:
@@ -422,14 +454,22 @@ def _cutoff(iteration: RestemIteration) -> Cutoff | None:
     return Cutoff(iteration.finished_at, iteration.verdict_bound)
 
 
-def _counted_verdict(cutoff: Cutoff | None) -> list[ColumnElement[bool]]:
-    """The conditions on a ``Verdict`` row that ``cutoff`` counts (none: every verdict counts)."""
-    if cutoff is None:
+def _counted_verdict_of(expired: list[int]) -> list[ColumnElement[bool]]:
+    """The conditions on a ``Verdict`` row that count, in a query over several iterations'
+    ``RestemProblem`` rows (joined to their ``RestemIteration`` when ``expired`` is not empty):
+    every verdict of an iteration not in ``expired``; of one in it, those its ``Cutoff`` counts
+    (decided by its deadline, and no later than its verdict bound when it has one)."""
+    if not expired:
         return []
-    conditions = [Verdict.decided_at <= cutoff.decided_by]
-    if cutoff.bound is not None:
-        conditions.append(Verdict.id <= cutoff.bound)
-    return conditions
+    return [
+        or_(
+            RestemProblem.iteration_id.not_in(expired),
+            and_(
+                Verdict.decided_at <= RestemIteration.finished_at,
+                or_(RestemIteration.verdict_bound.is_(None), Verdict.id <= RestemIteration.verdict_bound),
+            ),
+        )
+    ]
 
 
 def _checked(details: dict[str, Any] | None, server_reward: float | None, n: int) -> int:
