@@ -1254,3 +1254,27 @@ async def test_a_retired_providers_worker_ends_saying_its_money_went_to_the_succ
         assert f"the provider {provider_id} was retired" in end.detail and "successor" in end.detail
         assert end.stats.earnings is None and run.latest.earnings is None
         assert end.stats.in_flight == 0 and end.stats.submitted == 1
+
+
+async def test_a_worker_whose_provider_was_blacklisted_from_the_pool_does_not_say_it_left(
+    app: Any, app_state: Any
+) -> None:
+    """A blacklisting of the provider ends its nodes' memberships as `left`, as a `worker leave`
+    does: the worker ends, but must not tell its user that the node left by `worker leave`
+    and that running it again joins the pool again (the join is refused provider_blacklisted)."""
+    provider_key = generate_key()
+    async with pool_setup(app, app_state) as s:
+        run, _ = start_quick(app, s.pool_id, provider_key=provider_key)
+        await run.until(lambda st: st.idle_reason == "no_tasks")
+        r = await s.admin.post(
+            f"/v1/admin/pools/{s.pool_id}/blacklist",
+            json={"provider_id": key_id_of(provider_key), "reason": "sybil"},
+            headers=s.headers,
+        )
+        assert r.status_code in (200, 201), r.text
+        end = await ended(run)
+        assert end.reason == "membership_ended"
+        # It cannot tell a blacklisting from a leave (both `left`): it says either may be why,
+        # and that running it again joins the pool again only without a blacklisting.
+        assert "blacklisted its provider there" in end.detail, end.detail
+        assert "joins it again, unless its provider is blacklisted there" in end.detail, end.detail

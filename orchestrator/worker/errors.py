@@ -89,9 +89,10 @@ class WorkerEnded(WorkerError):
     does): waiting would bring no more work in the pool.
 
     ``reason`` is one of ``ENDINGS``: ``pool_completed`` (the pool's operator completed it,
-    which ended every membership), ``membership_ended`` (the node left the pool, or an operator
-    or the verifier ejected it, or its join was rejected) or ``provider_retired`` (an admin
-    retired the provider: its nodes are revoked and its money went to its successor).
+    which ended every membership), ``membership_ended`` (the node left the pool, or its provider
+    was blacklisted there, or an operator or the verifier ejected it, or its join was rejected)
+    or ``provider_retired`` (an admin retired the provider: its nodes are revoked and its money
+    went to its successor).
     ``stats`` is the run's final ``WorkerStats`` (with ``provider_retired``, ``earnings`` is
     None: the provider's earnings are its successor's now).
     """

@@ -455,14 +455,16 @@ class _Worker:
         elif status == "left":
             self._end(
                 "membership_ended",
-                f"the node left the pool {pool} (`orchestrator worker leave`): it is no longer a "
-                "member, and its stake there unbonds; running the worker again joins it again",
+                f"the node left the pool {pool}: it is no longer a member (it left, `orchestrator "
+                "worker leave`, or the pool's operator blacklisted its provider there), and its "
+                "stake there unbonds; running the worker again joins it again, unless its provider "
+                "is blacklisted there (the join is refused `provider_blacklisted`)",
             )
         elif status == "ejected":
             self._end(
                 "membership_ended",
                 f"the node was ejected from the pool {pool} (by its operator or the verifier): it "
-                "may not join it again",
+                "may not join it again, unless an appeal of the verifier's ejection reinstates it",
             )
         elif status == "rejected":
             self._end("membership_ended", f"the pool {pool}'s operator rejected the node's join")
