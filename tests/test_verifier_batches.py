@@ -18,7 +18,7 @@ from orchestrator.core.ticks import tick_runs
 from orchestrator.ledger.models import LedgerTransfer
 from orchestrator.settings import VerifierSettings
 from orchestrator.tasks.models import Submission
-from orchestrator.verification import service
+from orchestrator.verification import jobs, service
 from orchestrator.verification.jobs import VERIFIER, verify_batches, verify_once
 from orchestrator.verification.models import Verdict, VerificationJob
 from tests.conftest import postgres_only
@@ -239,13 +239,16 @@ async def test_a_batch_whose_last_job_fails_still_commits_the_others_verdicts(
 
 @postgres_only
 async def test_two_verifiers_share_a_backlog_and_decide_and_pay_each_result_once(
-    app: Any, app_state: Any, client: Any
+    app: Any, app_state: Any, client: Any, monkeypatch: Any
 ) -> None:
     """Two verifier loops over one backlog of 120 results (correct, wrong and fraudulent, from
-    eight providers): every job is decided once, rewards and slashes are paid once, and each
-    provider's results are decided in order (each fraud forfeits the rewards of the node's two
-    earlier correct results, still on hold)."""
+    eight providers), each working two partitions at once: every job is decided once, rewards
+    and slashes are paid once, and each provider's results are decided in order (each fraud
+    forfeits the rewards of the node's two earlier correct results, still on hold)."""
     batches_of(app_state, 4)
+    # Two lanes each, so that the first does not hold every partition with work when the second
+    # looks (eight providers fill at most eight of the sixteen).
+    monkeypatch.setattr(jobs, "VERIFIER_LANES", 2)
     async with pool_setup(app, app_state, workers=8, economics=ECON, stake=1000, max_leases_per_node=16) as s:
         await results(s, 15, answers=["4", "4", "5", "fraud", "4"])
         counts = await asyncio.gather(*(verify_batches(app_state, budget_s=math.inf) for _ in range(2)))
@@ -395,6 +398,57 @@ async def test_a_partition_whose_oldest_result_keeps_failing_does_not_hold_up_th
         async with app_state.sessionmaker() as session:
             decided_ids = set((await session.execute(select(Verdict.submission_id))).scalars())
         assert decided_ids == set(ids[1:])
+
+
+@postgres_only
+async def test_a_tick_decides_other_providers_results_while_one_partitions_batch_waits(
+    app: Any, app_state: Any
+) -> None:
+    """A tick works several partitions at once (``VERIFIER_LANES``), as several verifier
+    processes do. One batch at a time, the results of every provider waited behind the oldest
+    partition's batch; inside ``orchestrator serve``, where that batch's every statement waits
+    its turn behind the requests on the event loop, a backlog of results grew ten times faster
+    than the verdicts. Here the oldest provider's batch waits for a lock (its membership, held
+    by another transaction): the other provider's results are decided meanwhile, and the
+    waiting batch goes on once the lock is released."""
+    batches_of(app_state, 10)
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=8) as s:
+        held = s.workers[0]
+        while True:  # a second provider in another partition
+            free = await s.add_worker()
+            if service.partition_of(free.contributor.provider_id) != service.partition_of(
+                held.contributor.provider_id
+            ):
+                break
+            s.workers.remove(free)
+        s.workers[:] = [held, free]
+        await s.enqueue([task() for _ in range(6)], key="backlog")
+        for w in [held] * 3 + [free] * 3:  # the held provider's results are the oldest
+            await submit(w, (await w.claim(s.pool_id)).json()["leases"][0], ["4"])
+
+        async def verdicts_of() -> Counter[str]:
+            async with app_state.sessionmaker() as session:
+                return Counter((await session.execute(select(Verdict.node_id))).scalars())
+
+        async with app_state.engine.connect() as other:  # a transaction holding the membership
+            await other.execute(
+                text("SELECT 1 FROM pool_memberships WHERE node_id = :n FOR UPDATE"), {"n": held.node_id}
+            )
+            tick = asyncio.create_task(verify_batches(app_state, budget_s=math.inf))
+            try:
+                for _ in range(100):  # up to 10 s
+                    if await verdicts_of() == Counter({free.node_id: 3}):
+                        break
+                    await asyncio.sleep(0.1)
+                assert await verdicts_of() == Counter({free.node_id: 3})
+                assert not tick.done()  # the held provider's batch still waits
+            finally:
+                await other.rollback()
+                if not tick.done():
+                    await asyncio.wait({tick}, timeout=10)
+        assert tick.done() and tick.result() == 6
+        assert await verdicts_of() == Counter({held.node_id: 3, free.node_id: 3})
+        assert await decided(app_state) == (6, Counter(done=6))
 
 
 def test_verifier_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

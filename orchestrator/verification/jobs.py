@@ -1,7 +1,8 @@
 """Background loops of verification: run the checks, release held rewards, expire validator leases.
 
 The verifier runs in every process that runs background loops: each tick takes waiting results
-in small batches, each committed on its own, for up to a time budget (a tick that runs out of
+in small batches, each committed on its own (on PostgreSQL several partitions' batches at once:
+``VERIFIER_LANES``), for up to a time budget (a tick that runs out of
 it while still deciding results is followed by the next at once, on SQLite after a short pause
 for the requests waiting for the write lock: ``core.loops.pause_after_more``). Only the tick's
 housekeeping is once per tick across processes (``core.ticks.claim_tick``): the process that
@@ -10,6 +11,7 @@ right after."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import dataclass
 
@@ -21,7 +23,7 @@ from orchestrator.core.state import AppState
 from orchestrator.core.ticks import Keyset, claim_tick, tick_in_batches
 from orchestrator.ledger import succession
 from orchestrator.verification import service, validators
-from orchestrator.verification.scoring import scorer_for
+from orchestrator.verification.scoring import Scorer, scorer_for
 
 log = structlog.get_logger(__name__)
 
@@ -30,6 +32,13 @@ REWARD_RELEASE = "reward_release"
 VERIFY_INTERVAL_S = 1.0
 # How long a partition where a batch left a result undecided is worked after the others.
 FAILING_PARTITION_LAST_S = 60.0
+#: Partitions a tick works at once (PostgreSQL), each batch on a connection of its own. Inside
+#: ``orchestrator serve`` every statement of a batch waits its turn on the event loop behind the
+#: steps of the requests in flight: with one batch at a time, eight workers' claims and results
+#: got some ten steps for each of the verifier's, and the verdicts fell ten times behind the
+#: results (benchmarks/RESULTS.md, "The verifier inside orchestrator serve"). At most a third
+#: of the process's database connections (``ORCH_DB__POOL_SIZE`` + ``ORCH_DB__MAX_OVERFLOW``).
+VERIFIER_LANES = 8
 RELEASE_INTERVAL_S = 30.0
 #: Holds released per transaction. A tick goes on with further batches while they release
 #: something, for up to its interval: one batch of 1,000 per tick released at most 33 rewards
@@ -126,9 +135,10 @@ async def verify_batches(state: AppState, *, budget_s: float) -> int:
     committed before the next is taken, until none is left or ``budget_s`` has passed on
     ``state.clock.monotonic()``. Needs no tick claim. On PostgreSQL the backlog is worked
     partition by partition (by provider, see ``service.PARTITIONS``), the one whose oldest result
-    has waited longest first, one batch per partition at a time across processes, so processes
-    share the backlog, each provider's results are decided in order and no partition falls
-    behind the others. A call the budget stops is taken up by the next where it stopped (per
+    has waited longest first, up to ``VERIFIER_LANES`` partitions at once in each process and one
+    batch per partition at a time across processes, so processes share the backlog, each
+    provider's results are decided in order and no partition falls behind the others. A call
+    the budget stops is taken up by the next where it stopped (per
     partition, in this process), so results that cannot be decided yet do not hold up those
     behind them. A job that failed is not retried within the call (the next batch starts after
     it). Returns how many jobs were processed."""
@@ -138,7 +148,6 @@ async def verify_batches(state: AppState, *, budget_s: float) -> int:
 async def _verify_batches(state: AppState, *, budget_s: float) -> tuple[int, bool]:
     """``verify_batches``, and whether it stopped at its budget (not for want of results)."""
     size = state.settings.verifier.batch_size
-    secret = state.settings.seed_key
     scorer = scorer_for(state.settings.verifier)
     retry_s = state.settings.verifier.reward_retry_s
     deadline = state.clock.monotonic() + budget_s
@@ -157,62 +166,99 @@ async def _verify_batches(state: AppState, *, budget_s: float) -> tuple[int, boo
             *(p for p in oldest_first if p not in failing),
             *(p for p in oldest_first if p in failing),
         ]
+    # Partitions are worked by up to VERIFIER_LANES batches at once, each lane taking the next
+    # partition in that order; a partition is begun only before the deadline (the first always).
+    todo = iter(partitions)
+    begun = 0
+    cut = False
+
+    async def lane() -> int:
+        nonlocal begun, cut
+        done = 0
+        for partition in todo:
+            if begun and state.clock.monotonic() >= deadline:
+                cut = True
+                return done
+            begun += 1
+            n, stopped = await _verify_partition(
+                state, partition, scorer=scorer, size=size, retry_s=retry_s, deadline=deadline
+            )
+            done += n
+            cut = cut or stopped
+        return done
+
+    # At most a third of the process's connections, so that its requests still get theirs.
+    db = state.settings.db
+    lanes = 1 if partitions == [None] else min(VERIFIER_LANES, len(partitions))
+    lanes = max(1, min(lanes, (db.pool_size + db.max_overflow) // 3))
+    # Every lane ends (at the deadline at the latest) before a failure is raised: none goes on
+    # beside the next tick.
+    outcomes = await asyncio.gather(*(lane() for _ in range(lanes)), return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return sum(n for n in outcomes if isinstance(n, int)), cut
+
+
+async def _verify_partition(
+    state: AppState, partition: int | None, *, scorer: Scorer, size: int, retry_s: float, deadline: float
+) -> tuple[int, bool]:
+    """One partition's batches (``None``: SQLite's one backlog) until it is done or the
+    deadline passes; returns how many jobs were processed and whether the deadline stopped it."""
+    secret = state.settings.seed_key
     total = 0
-    for i, partition in enumerate(partitions):
-        if i and state.clock.monotonic() >= deadline:
-            return total, True
-        # Where this process's last call stopped for its budget: results it cannot decide yet
-        # (a reward function that is down, a job that fails) stay the oldest, and a call that
-        # started at the oldest at every tick spent its budget on them, again and again, and
-        # never reached the results behind them. From there to the newest, then from the oldest
-        # up to there: every waiting result is tried once a pass, however long the pass.
-        start = state.verifier_resume.pop(partition, 0)
-        after, wrapped = start, start == 0
-        while True:
-            prescored = None
-            if partition is None:  # SQLite: score with no transaction (the write lock) open
-                prescored = await service.prescore(
-                    state.sessionmaker,
-                    scorer,
-                    limit=size,
-                    after_id=after,
-                    now=state.clock.utcnow(),
-                    reward_retry_s=retry_s,
-                    reward_backoff=state.reward_backoff,
-                )
-                if not prescored.attempted:
-                    if wrapped:
-                        break
-                    after, wrapped = 0, True
-                    continue
-            async with state.sessionmaker() as session, session.begin():
-                batch = await service.process_pending(
-                    session,
-                    secret=secret,
-                    rng=state.rng,
-                    now=state.clock.utcnow(),
-                    scorer=scorer,
-                    limit=size,
-                    after_id=after,
-                    partition=partition,
-                    prescored=prescored,
-                    reward_retry_s=retry_s,
-                    reward_backoff=state.reward_backoff,
-                )
-            total += batch.processed
-            after = batch.last_id
-            if partition is not None and batch.processed < batch.picked:
-                state.verifier_failed_at[partition] = state.clock.monotonic()
-            # At the newest: this partition is done, or another verifier is working it.
-            end = batch.picked < size
-            done = wrapped and (end or 0 < start <= after)  # the pass is back where it started
-            if not done and state.clock.monotonic() >= deadline:
-                state.verifier_resume[partition] = 0 if end else after
-                return total, True
-            if done:
-                break
-            if end:
+    # Where this process's last call stopped for its budget: results it cannot decide yet
+    # (a reward function that is down, a job that fails) stay the oldest, and a call that
+    # started at the oldest at every tick spent its budget on them, again and again, and
+    # never reached the results behind them. From there to the newest, then from the oldest
+    # up to there: every waiting result is tried once a pass, however long the pass.
+    start = state.verifier_resume.pop(partition, 0)
+    after, wrapped = start, start == 0
+    while True:
+        prescored = None
+        if partition is None:  # SQLite: score with no transaction (the write lock) open
+            prescored = await service.prescore(
+                state.sessionmaker,
+                scorer,
+                limit=size,
+                after_id=after,
+                now=state.clock.utcnow(),
+                reward_retry_s=retry_s,
+                reward_backoff=state.reward_backoff,
+            )
+            if not prescored.attempted:
+                if wrapped:
+                    break
                 after, wrapped = 0, True
+                continue
+        async with state.sessionmaker() as session, session.begin():
+            batch = await service.process_pending(
+                session,
+                secret=secret,
+                rng=state.rng,
+                now=state.clock.utcnow(),
+                scorer=scorer,
+                limit=size,
+                after_id=after,
+                partition=partition,
+                prescored=prescored,
+                reward_retry_s=retry_s,
+                reward_backoff=state.reward_backoff,
+            )
+        total += batch.processed
+        after = batch.last_id
+        if partition is not None and batch.processed < batch.picked:
+            state.verifier_failed_at[partition] = state.clock.monotonic()
+        # At the newest: this partition is done, or another verifier is working it.
+        end = batch.picked < size
+        done = wrapped and (end or 0 < start <= after)  # the pass is back where it started
+        if not done and state.clock.monotonic() >= deadline:
+            state.verifier_resume[partition] = 0 if end else after
+            return total, True
+        if done:
+            break
+        if end:
+            after, wrapped = 0, True
     return total, False
 
 
