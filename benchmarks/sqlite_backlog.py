@@ -75,9 +75,12 @@ def start(code: str, url: str, port: int, *, loops: bool, log: IO[bytes]) -> sub
 
 
 class Cycles:
-    """Closed claim -> result cycles of some nodes, each on its own connection."""
+    """Closed claim -> result cycles of some nodes, each on its own connection; with ``pace_s``,
+    each node starts a cycle every ``pace_s`` seconds (the nodes' starts spread over the first;
+    a node behind its pace goes on at once and does not catch up)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pace_s: float = 0.0) -> None:
+        self.pace_s = pace_s
         self.claims: list[float] = []
         self.results: list[float] = []
         self.done = 0
@@ -89,10 +92,16 @@ class Cycles:
         claim = orjson.dumps({"pool_id": pool_id, "max_tasks": 1})
         stop = time.monotonic() + seconds
 
-        async def node(key: Any) -> None:
+        async def node(i: int, key: Any) -> None:
             signer, conn = FastSigner(bytes(key), host), Conn(address, int(port))
+            due = time.monotonic() + self.pace_s * i / len(nodes)
             try:
                 while time.monotonic() < stop and not (limit and self.done >= limit):
+                    if self.pace_s:
+                        now = time.monotonic()
+                        if due > now:
+                            await asyncio.sleep(due - now)
+                        due = max(due, now) + self.pace_s
                     t0 = time.perf_counter()
                     status, raw = await conn.request(signer.request("/v1/assignments/claim", claim))
                     self.claims.append(time.perf_counter() - t0)
@@ -124,7 +133,7 @@ class Cycles:
                 await conn.close()
 
         t0 = time.monotonic()
-        await asyncio.gather(*(node(k) for k in nodes))
+        await asyncio.gather(*(node(i, k) for i, k in enumerate(nodes)))
         return time.monotonic() - t0
 
 
