@@ -856,13 +856,13 @@ async def test_a_retirement_racing_a_verifier_ban_that_ends_live_memberships_doe
 
 
 @postgres_only
-async def test_a_join_committed_while_the_retirement_waits_for_the_pools_is_ejected_too(
+async def test_a_join_sent_while_the_retirement_waits_for_the_pools_waits_for_it_and_is_refused(
     app: Any, app_state: Any
 ) -> None:
     """The retirement read the provider's pools and waits for one of them (an operator's
-    blacklisting of another provider there holds it); meanwhile the provider's node joins
-    another pool. The retirement finds that pool once it holds the node, takes its locks again
-    with the new pool in order, and ejects the node from both."""
+    blacklisting of another provider there holds it); meanwhile the provider's node asks to join
+    another pool. The join waits for the retirement at the provider's row (before it takes the
+    node), and is then refused: the node is banned, and no membership is left behind."""
     from tests.pools_helpers import active_pool
 
     async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
@@ -874,11 +874,135 @@ async def test_a_join_committed_while_the_retirement_waits_for_the_pools_is_ejec
         async with blacklisting_held(app_state, s.pool_id, bystander.provider_id):
             retiring = asyncio.create_task(retire(s, p, h, key="retire-race-9"))
             await until_waiting(app_state, 1, retiring, on="row")
-            assert not retiring.done()
-            r = await join(lost.client, lost.contributor, other)
-            assert r.status_code in (200, 201), r.text
+            joining = asyncio.create_task(join(lost.client, lost.contributor, other))
+            await until_waiting(app_state, 2, retiring, joining, on="row")
+            assert not retiring.done() and not joining.done()
         r = await retiring
         assert r.status_code == 201, r.text
-        assert r.json()["revoked_nodes"] == {lost.node_id: sorted([s.pool_id, other])}
-        assert (await statuses(s, other))[lost.node_id] == "ejected"
+        assert r.json()["revoked_nodes"] == {lost.node_id: [s.pool_id]}
+        problem(await joining, 403, "node_banned")
+        assert lost.node_id not in await statuses(s, other)
+        await books_balance(app_state)
+
+
+@postgres_only
+async def test_an_heirs_blacklisting_committed_while_the_retirement_waits_is_copied_on(
+    app: Any, app_state: Any
+) -> None:
+    """The retirement of M (the heir of Q, retired before) read M's pools and waits for one of
+    them; meanwhile the verifier bans Q in another pool, which blacklists M there as Q's heir.
+    The retirement finds that pool once it holds its locks, gives them back (its savepoint) and
+    takes them again with the new pool, and copies both blacklistings to M's successor."""
+    from tests.pools_helpers import active_pool
+    from tests.test_appeals import forged
+
+    econ = {**ECON, "strikes_before_ejection": 1, "strikes_before_provider_ban": 1}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        [lost] = s.workers
+        middle = await registered_provider(s)
+        heir = await registered_provider(s)
+        bystander = await registered_provider(s)
+        q, m, h = lost.contributor.provider_id, middle.provider_id, heir.provider_id
+        z = (await active_pool(s.admin, s.headers, name="blacklists-middle"))["id"]
+        assert (await blacklist(s, z, m)).status_code == 201
+        await forged(s, lost)
+        assert (await retire(s, q, m)).status_code == 201
+        async with blacklisting_held(app_state, z, bystander.provider_id):
+            retiring = asyncio.create_task(retire(s, m, h, key="retire-race-13"))
+            await until_waiting(app_state, 1, retiring, on="row")
+            await verify_all(app_state)  # Q's fraud bans it in the pool, and M with it
+            assert await blacklisted_in(app_state, s.pool_id) == sorted([q, m])
+            assert not retiring.done()
+        r = await retiring
+        assert r.status_code == 201, r.text
+        assert sorted(r.json()["blacklists_copied"]) == sorted([s.pool_id, z])
+        assert await blacklisted_in(app_state, s.pool_id) == sorted([q, m, h])
+        assert await blacklisted_in(app_state, z) == sorted([bystander.provider_id, m, h])
+        await books_balance(app_state)
+
+
+@postgres_only
+async def test_a_retirement_racing_a_join_of_the_providers_node_does_not_deadlock(
+    app: Any, app_state: Any
+) -> None:
+    """The retirement waits for the provider's pool (an operator's blacklisting of another
+    provider there holds it); the provider's node sends a join to that pool, which locks the
+    node's row (as a join does, first) and waits for the pool too. When the pool is free, the
+    retirement takes it and then waits for the node the join holds, while the join waits for the
+    pool the retirement holds: PostgreSQL aborts one of them (503 transient_conflict). Before
+    bbd9169 the retirement took the nodes first, as a join and a ban do: the join waited for it
+    and was then refused (the node banned)."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        [lost] = s.workers
+        heir = await registered_provider(s)
+        bystander = await registered_provider(s)
+        p, h = lost.contributor.provider_id, heir.provider_id
+        async with blacklisting_held(app_state, s.pool_id, bystander.provider_id):
+            retiring = asyncio.create_task(retire(s, p, h, key="retire-race-10"))
+            await until_waiting(app_state, 1, retiring, on="row")
+            joining = asyncio.create_task(join(lost.client, lost.contributor, s.pool_id))
+            await until_waiting(app_state, 2, retiring, joining, on="row")
+            assert not retiring.done() and not joining.done()
+        r = await retiring
+        j = await joining
+        assert r.status_code == 201, r.text
+        problem(j, 403, "node_banned")
+        await books_balance(app_state)
+
+
+@postgres_only
+async def test_a_retirement_racing_an_admins_ban_of_the_providers_node_does_not_deadlock(
+    app: Any, app_state: Any
+) -> None:
+    """As a join, an admin's ban of the provider's node locks the node's row, then the node's
+    pools: while the retirement holds the pool and waits for the node, PostgreSQL aborted one of
+    them. The ban now waits for the retirement at the provider's row, holding nothing, and then
+    finds the node revoked (banned already: nothing more to do)."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        [lost] = s.workers
+        heir = await registered_provider(s)
+        bystander = await registered_provider(s)
+        p, h = lost.contributor.provider_id, heir.provider_id
+        async with blacklisting_held(app_state, s.pool_id, bystander.provider_id):
+            retiring = asyncio.create_task(retire(s, p, h, key="retire-race-11"))
+            await until_waiting(app_state, 1, retiring, on="row")
+            banning = asyncio.create_task(
+                s.admin.post(
+                    f"/v1/admin/nodes/{lost.node_id}/ban", json={"reason": "stolen"}, headers=s.admin_headers
+                )
+            )
+            await until_waiting(app_state, 2, retiring, banning, on="row")
+            assert not retiring.done() and not banning.done()
+        r = await retiring
+        b = await banning
+        assert r.status_code == 201, r.text
+        assert b.status_code == 200, b.text
+        assert b.json()["status"] == "banned"
+        await books_balance(app_state)
+
+
+@postgres_only
+async def test_a_retirement_racing_the_providers_revocation_of_its_node_does_not_deadlock(
+    app: Any, app_state: Any
+) -> None:
+    """A revocation locks the node's row, then the node's pools, as a ban: it now waits for the
+    retirement in flight at the provider's row, holding nothing, instead of deadlocking with it,
+    and then finds the node revoked (answered as it is)."""
+    from tests.test_node_revocation import revoke
+
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        [lost] = s.workers
+        heir = await registered_provider(s)
+        bystander = await registered_provider(s)
+        p, h = lost.contributor.provider_id, heir.provider_id
+        async with blacklisting_held(app_state, s.pool_id, bystander.provider_id):
+            retiring = asyncio.create_task(retire(s, p, h, key="retire-race-12"))
+            await until_waiting(app_state, 1, retiring, on="row")
+            revoking = asyncio.create_task(revoke(lost.client, lost.contributor, lost.node_id))
+            await until_waiting(app_state, 2, retiring, revoking, on="row")
+            assert not retiring.done() and not revoking.done()
+        r = await retiring
+        v = await revoking
+        assert r.status_code == 201, r.text
+        assert v.status_code == 200, v.text
         await books_balance(app_state)

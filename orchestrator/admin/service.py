@@ -22,6 +22,17 @@ from orchestrator.identity.models import NODE_STATUSES, Node, NodeStatus
 from orchestrator.pools import service as pools_service
 
 
+async def lock_provider_of(session: AsyncSession, node_id: str) -> None:
+    """Hold the node's provider's row ``FOR SHARE`` (nothing if the node is unknown), before the
+    node's: a retirement of the provider takes its pools before its nodes, so a ban that held
+    the node while it waited for one of the node's pools deadlocked with it (PostgreSQL aborted
+    one of them). Providers' rows come first in the lock order (docs/architecture.md); a ban
+    waits for a retirement in flight holding nothing, and then finds the node revoked."""
+    node = await repo.get_node(session, node_id)
+    if node is not None:
+        await repo.get_provider(session, node.provider_id, for_share=True)
+
+
 async def node_or_404(session: AsyncSession, node_id: str, *, for_update: bool = False) -> Node:
     node = await repo.get_node(session, node_id, for_update=for_update)
     if node is None:
@@ -73,7 +84,10 @@ async def ban(
     session: AsyncSession, state: AppState, node_id: str, reason: str, *, principal: Principal
 ) -> Node:
     """Ban the node and eject it from every pool it is a live member of (``take_out``).
-    Idempotent: banning a banned node changes nothing."""
+    Idempotent: banning a banned node changes nothing.
+
+    The node's provider's row is held ``FOR SHARE`` before the node (``lock_provider_of``)."""
+    await lock_provider_of(session, node_id)
     node = await node_or_404(session, node_id, for_update=True)
     before = {"status": node.status}
     ejected = await take_out(

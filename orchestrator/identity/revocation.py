@@ -10,7 +10,8 @@ and the key cannot register again (403 ``node_key_revoked``, ``identity.service.
 Results the node submitted before are judged as usual, and the provider's stake answers for
 them: nothing is undone.
 
-Lock order as a ban's: the node's row first (a ban, an unban, a registration, a claim of the
+Lock order as a ban's: the provider's row ``FOR SHARE`` (a retirement in flight, which takes the
+pools before the nodes, is waited for), then the node's row (a ban, an unban, a registration, a claim of the
 node and another revocation queue on it), then what the ejections lock (the pools, the
 memberships, the stake accounts, the leases).
 """
@@ -39,6 +40,9 @@ async def revoke_node(
     it from, by id. Another provider's node is the same 404 as an unknown one. Idempotent: a
     revoked node is answered as it is, with the same pools, and nothing changes. A node an
     admin had banned becomes revoked; its ban's ejections stay as they are (none is added)."""
+    # The provider's row first (``FOR SHARE``), as a ban holds it (``admin.service.lock_provider_of``):
+    # a retirement in flight takes the pools before the nodes.
+    await repo.get_provider(session, provider_id, for_share=True)
     node = await repo.get_provider_node_for_update(session, provider_id, node_id)
     if node is None:
         raise NotFound("this provider has no node with this id", code="node_not_found")

@@ -39,7 +39,8 @@ before it commits, and locks are always taken in the order pool -> membership ->
 accounts -> the node's row (taken when its leases are given back, to exclude a concurrent
 claim). A change that ends several memberships locks all their stake accounts up front
 (``ledger.lock_accounts``) before the first transfer. A join and a ban lock the node's row
-first (so a join never commits a membership that a concurrent ban did not see); a ban or a
+first (so a join never commits a membership that a concurrent ban did not see), after only the
+provider's row (``FOR SHARE``: a retirement in flight is waited for); a ban or a
 join racing a leave or an ejection of the same node can deadlock, which PostgreSQL resolves by
 refusing one of them (503 ``transient_conflict``, nothing recorded).
 
@@ -725,7 +726,12 @@ async def join(
     if is_postgres(session):
         # A ban locks the node's row, then ends its memberships in the pools it reads: a join
         # must not commit a membership the ban did not see. Lock the row first, as the ban
-        # does, and read the status again (the signer check read it before any lock).
+        # does, and read the status again (the signer check read it before any lock). Before
+        # it, the provider's row (``FOR SHARE``, as a node's registration): a retirement of the
+        # provider in flight takes its pools before its nodes, so a join holding the node while
+        # it waited for the pool deadlocked with it; it now waits for the retirement holding
+        # nothing, and then finds the node banned.
+        await identity_repo.get_provider(session, node.provider_id, for_share=True)
         await session.refresh(node, ["status"], with_for_update={"key_share": True})
         if node.status == NodeStatus.banned:
             raise Forbidden("this node is banned", code="node_banned")
