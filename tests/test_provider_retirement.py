@@ -1006,3 +1006,31 @@ async def test_a_retirement_racing_the_providers_revocation_of_its_node_does_not
         assert r.status_code == 201, r.text
         assert v.status_code == 200, v.text
         await books_balance(app_state)
+
+
+@postgres_only
+async def test_a_retirement_racing_a_join_of_the_successors_node_does_not_deadlock(
+    app: Any, app_state: Any
+) -> None:
+    """The provider is blacklisted where its successor's node is a member, so the retirement
+    copies the blacklisting to the successor and ends that membership, which locks the node.
+    A join of that node sent while the retirement waited for the pool held the node and waited
+    for the pool: PostgreSQL aborted one of them. The retirement now holds the successor's row
+    so that the join waits for it there, holding nothing, and is then refused."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        [lost] = s.workers
+        heir = await s.add_worker(stake=1000)
+        bystander = await registered_provider(s)
+        p, h = lost.contributor.provider_id, heir.contributor.provider_id
+        assert (await blacklist(s, s.pool_id, p)).status_code == 201
+        async with blacklisting_held(app_state, s.pool_id, bystander.provider_id):
+            retiring = asyncio.create_task(retire(s, p, h, key="retire-race-14"))
+            await until_waiting(app_state, 1, retiring, on="row")
+            joining = asyncio.create_task(join(heir.client, heir.contributor, s.pool_id))
+            await until_waiting(app_state, 2, retiring, joining, on="row")
+            assert not retiring.done() and not joining.done()
+        r = await retiring
+        assert r.status_code == 201, r.text
+        problem(await joining, 403, "provider_blacklisted")
+        assert (await statuses(s, s.pool_id))[heir.node_id] == "left"
+        await books_balance(app_state)

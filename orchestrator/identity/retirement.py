@@ -24,10 +24,14 @@ withdraw its claimable rewards and register nodes. A retirement, in one transact
   payout is left for an admin to settle or reject, and a rejected one's amount goes to the
   successor.
 
-Lock order: the two providers' rows in id order (the provider ``FOR NO KEY UPDATE``, the successor
-``FOR SHARE``: a retirement of the successor in flight is waited for, and then refuses this
-one), then the global order (docs/architecture.md, "Lock order"): the pools (by id: every pool
-the provider has a membership in, and those that blacklist it), the memberships there of the
+Lock order: the two providers' rows in id order, both ``FOR NO KEY UPDATE`` (a retirement of the
+successor in flight is waited for, and then refuses this one; and a join, ban or revocation of
+one of the successor's nodes, which holds its provider's row ``FOR SHARE`` before the node,
+waits for the retirement there holding nothing: with the successor's row only shared, such a
+join held the node that the blacklisting copied to the successor ends the membership of, while
+it waited for the pool the retirement held, and PostgreSQL aborted one of them), then the
+global order (docs/architecture.md, "Lock order"): the pools (by id: every pool the provider
+has a membership in, and those that blacklist it), the memberships there of the
 provider and the successor (by provider, then id), every account of both at once, the
 provider's nodes (by id), then what the ejections and blacklistings lock after (the successor's
 nodes, leases).
@@ -100,8 +104,7 @@ async def retire(
         )
     rows: dict[str, Provider | None] = {}
     for pid in sorted((provider_id, successor_id)):
-        mine = pid == provider_id
-        rows[pid] = await repo.get_provider(session, pid, for_update=mine, for_share=not mine)
+        rows[pid] = await repo.get_provider(session, pid, for_update=True)
     provider, successor = rows[provider_id], rows[successor_id]
     if provider is None:
         raise NotFound("no provider with this id", code="provider_not_found")
