@@ -167,6 +167,7 @@ def serve(
         access_log=False,
         log_level=settings.log_level.lower(),
         timeout_worker_healthcheck=WORKER_HEALTHCHECK_TIMEOUT_S,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
 
 
@@ -177,6 +178,14 @@ def serve(
 # never served. The answer comes from a thread of its own, not the event loop, so only a process
 # that is wholly stuck misses it.
 WORKER_HEALTHCHECK_TIMEOUT_S = 60
+
+# On SIGTERM (or SIGINT) uvicorn stops accepting, closes idle keep-alive connections and lets the
+# requests under way finish: for this long at most, then it cancels them (their transactions roll
+# back, or stand whole if they had committed, unanswered) and the app stops its loops
+# (core.loops.STOP_GRACE_S). uvicorn's default is no bound: one client whose upload stalled
+# mid-body (a worker whose link died with no FIN or RST to say so) or a slow reader of a
+# streamed export kept the server from stopping for as long as its connection lived.
+SHUTDOWN_GRACE_S = 5
 
 
 def _require_free_port(host: str, port: int, option: str = "--port or ORCH_SERVER__PORT") -> None:

@@ -1,0 +1,150 @@
+"""``orchestrator serve`` on the embedded default stops promptly on SIGTERM while workers claim and
+submit and the verifier works their results, and loses no result it answered 201."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from nacl.signing import SigningKey
+
+from api_schemas.tasks import ResultIn
+from orchestrator.worker.client import WorkerClient
+from orchestrator.worker.problems import arithmetic_tasks
+from tests.conftest import GPU_SPECS
+from tests.process_helpers import embedded_env, serving
+from tests.tasks_helpers import result_body
+from tests.waits import HANG_S
+
+pytestmark = pytest.mark.skipif(
+    bool(os.environ.get("ORCH_TEST_DATABASE_URL")),
+    reason="the embedded default (SQLite, in-process hot store): runs in the SQLite pass",
+)
+
+NODES = 4
+
+# A worker's result upload whose link died mid-body: the head and the first bytes of a body that
+# never comes, on a connection that stays open (no FIN or RST reaches the server).
+STALLED_UPLOAD = (
+    b"POST /v1/assignments/claim HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+)
+
+
+def _admin_headers(cwd: Path, env: dict[str, str]) -> dict[str, str]:
+    made = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "admin", "create-token", "--role", "admin", "--name", "t"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+        check=True,
+    )
+    return {"Authorization": f"Bearer {made.stdout.strip().splitlines()[-1]}"}
+
+
+def _pool(base: str, headers: dict[str, str], tasks: int) -> str:
+    with httpx.Client(base_url=base, headers=headers, timeout=HANG_S) as http:
+        r = http.post(
+            "/v1/admin/pools",
+            json={
+                "name": "stop",
+                "economics": {"reward_per_sample": 5},
+                "policy": {"max_leases_per_node": 4},
+            },
+        )
+        assert r.status_code == 201, r.text
+        pool_id = str(r.json()["id"])
+        assert http.post(f"/v1/admin/pools/{pool_id}/activate").status_code == 200
+        policy = {"step": 1, "uri": "s3://ckpt/1", "sha256": "b" * 64, "size": 10}
+        assert http.post(f"/v1/admin/pools/{pool_id}/policies", json=policy).status_code == 201
+        batch = {"batch_key": "stop", "tasks": arithmetic_tasks(tasks, seed=7)}
+        r = http.post(f"/v1/admin/pools/{pool_id}/tasks", json=batch)
+        assert r.status_code == 201, r.text
+    return pool_id
+
+
+async def _load_then_sigterm(
+    base: str, pool_id: str, server: subprocess.Popen[bytes]
+) -> tuple[list[str], float | None]:
+    """Nodes claim and submit until the server has exited; SIGTERM once they have had 20 results
+    accepted, with an upload stalled mid-body. The assignments answered 201, and how long the
+    server took to exit (None: not within ``HANG_S``)."""
+    accepted: list[str] = []
+    errors: list[str] = []
+    stop = asyncio.Event()
+    clients = [
+        WorkerClient(base, SigningKey.generate(), SigningKey.generate(), max_retries=0) for _ in range(NODES)
+    ]
+    for client in clients:
+        await client.register(GPU_SPECS, "test")
+        await client.join(pool_id)
+        await client.heartbeat()
+
+    async def work(client: WorkerClient) -> None:
+        while not stop.is_set():
+            try:
+                claimed = await client.claim(pool_id, stop=stop)
+                if not claimed.leases:
+                    errors.append(f"no lease: {claimed.reason}")
+                    await asyncio.sleep(0.05)
+                for lease in claimed.leases:
+                    result = ResultIn.model_validate(result_body(lease.model_dump(mode="json")))
+                    await client.submit(lease, result, stop=stop)
+                    accepted.append(lease.assignment_id)  # answered 201
+            except Exception as exc:  # refused, or the server is going: go on until it has exited
+                errors.append(repr(exc))
+                await asyncio.sleep(0.05)
+
+    workers = [asyncio.create_task(work(c)) for c in clients]
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    stalled = socket.create_connection((host, int(port)))
+    try:
+        started = asyncio.get_running_loop().time()
+        while len(accepted) < 20:
+            assert asyncio.get_running_loop().time() - started < HANG_S, errors[-5:]
+            await asyncio.sleep(0.05)
+        stalled.sendall(STALLED_UPLOAD)
+        await asyncio.sleep(0.5)
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
+        server.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(server.wait, HANG_S)
+            took: float | None = loop.time() - sent
+        except subprocess.TimeoutExpired:
+            took = None
+    finally:
+        stop.set()
+        await asyncio.gather(*workers)
+        stalled.close()
+        for client in clients:
+            await client.aclose()
+    return accepted, took
+
+
+@pytest.mark.timeout(4 * HANG_S)
+def test_sigterm_under_load_stops_the_server_promptly_and_keeps_every_accepted_result(tmp_path: Path) -> None:
+    env = embedded_env(ORCH_LOG_LEVEL="WARNING")
+    with serving(tmp_path, env) as (server, port):
+        base = f"http://127.0.0.1:{port}"
+        pool_id = _pool(base, _admin_headers(tmp_path, env), tasks=2000)
+        accepted, took = asyncio.run(_load_then_sigterm(base, pool_id, server))
+    log = (tmp_path / "serve.log").read_text()
+    # Within the requests' grace (5 s) and the loops' (5 s) at most, usually about a second; the
+    # stalled upload held the old server for as long as its connection lived.
+    assert took is not None, f"the server had not exited {HANG_S:g} s after SIGTERM\n{log[-3000:]}"
+    assert "timeout graceful shutdown exceeded" in log  # the stalled upload was cancelled
+    with sqlite3.connect(tmp_path / "orchestrator.db") as db:
+        stored = {row[0] for row in db.execute("SELECT assignment_id FROM submissions")}
+    assert len(accepted) >= 20
+    assert set(accepted) <= stored
