@@ -302,6 +302,7 @@ def background_cmd(
     ORCH_SERVER__BACKGROUND_LOOPS=false and one or more of these beside them; each tick still runs
     once across processes, and verifiers share the backlog. Needs Redis and a shared database.
     With --metrics-port it serves what it measures to Prometheus."""
+    _refuse_a_metrics_directory()
     from orchestrator import background
     from orchestrator.core.logging import configure_logging
 
@@ -330,6 +331,28 @@ def background_cmd(
             _cannot_listen(metrics_host, metrics_port, exc, "--metrics-port")
     configure_logging(settings.log_level, json=settings.log_json)
     asyncio.run(background.run(settings, alive_file=alive_file, metrics_server=metrics_server))
+
+
+def _refuse_a_metrics_directory() -> None:
+    """``orchestrator background`` with ``PROMETHEUS_MULTIPROC_DIR`` set is one line and exit 2,
+    before anything is imported that writes there. Its counters went into that directory, which
+    is the API processes' (a variable set for every process, on one host or in a shared env
+    file): their /metrics added its verdicts, rewards, slashes and failed ticks to their own and
+    served them too, so a sum over both scrape targets counted each twice (and in another PID
+    namespace, a process with the same PID shares its files). It serves what it measures itself,
+    on --metrics-port, from its own memory: the directory is of no use to it."""
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if directory:
+        console.print(
+            escape(
+                f"PROMETHEUS_MULTIPROC_DIR is set ({directory}): unset it for orchestrator background, "
+                "which serves its own metrics on --metrics-port (in the API processes' directory its "
+                "counters would show on their /metrics too and be counted twice)"
+            ),
+            style="red",
+            soft_wrap=True,
+        )
+        raise typer.Exit(2)
 
 
 def _require_redis(url: str) -> None:

@@ -425,3 +425,30 @@ async def test_a_stop_is_prompt_while_the_verifier_scores_and_leaves_no_scoring_
         while multiprocessing.active_children():
             assert time.monotonic() < until, "a scoring process was left behind"
             await asyncio.sleep(0.1)
+
+
+def test_the_command_refuses_a_prometheus_multiproc_dir_and_writes_nothing_there(tmp_path: Path) -> None:
+    """README: `orchestrator background` serves what it measures on its own --metrics-port. Given
+    PROMETHEUS_MULTIPROC_DIR (set for every process: on one host, in a shared env file), it wrote
+    its counters into the API processes' directory, whose /metrics then served its verdicts,
+    rewards and failed ticks as well: summed over both scrape targets, each was counted twice. It
+    refuses now, in one line, before writing anything there."""
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_")}
+    env |= {
+        "PROMETHEUS_MULTIPROC_DIR": str(prom),
+        "ORCH_REDIS__URL": "redis://127.0.0.1:1/0",  # nothing it could reach: it must not get there
+        "ORCH_DB__URL": "postgresql+asyncpg://u@127.0.0.1:1/db",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "background", "--metrics-port", str(free_port())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    [line] = done.stderr.strip().splitlines()
+    assert "PROMETHEUS_MULTIPROC_DIR is set" in line and "unset it for orchestrator background" in line
+    assert list(prom.iterdir()) == []  # no counter files for the API's /metrics to add up

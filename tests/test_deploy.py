@@ -259,6 +259,7 @@ def assert_stack(config: Mapping[str, Any], *, seed_secret: str) -> None:
     for name in ("ORCH_DB__URL", "ORCH_REDIS__URL", "ORCH_SEED_SECRET", "ORCH_ENV"):
         assert background_env[name] == env[name], name
     assert not background.get("ports")  # nothing published: its metrics are for the compose network
+    assert "PROMETHEUS_MULTIPROC_DIR" not in background_env, "orchestrator background refuses it"
     assert argv[argv.index("--metrics-host") + 1] == "0.0.0.0"  # reachable from another container
     assert 1 <= int(argv[argv.index("--metrics-port") + 1]) <= 65535
 

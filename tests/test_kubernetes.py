@@ -228,6 +228,12 @@ def test_the_api_pods_aggregate_their_workers_metrics_in_a_fresh_volume() -> Non
     assert "emptyDir" in volumes[mounts[directory]], "per-pod and empty at start"
 
 
+def test_the_background_pods_are_given_no_metrics_directory() -> None:
+    """`orchestrator background` refuses PROMETHEUS_MULTIPROC_DIR (exit 2): it serves its own
+    metrics, and in the API's directory they were counted twice."""
+    assert "PROMETHEUS_MULTIPROC_DIR" not in _environment(BACKGROUND)
+
+
 @WORKLOADS
 def test_a_metrics_directory_a_pod_is_given_exists_in_that_pod(workload: dict[str, Any]) -> None:
     """prometheus_client writes its files into PROMETHEUS_MULTIPROC_DIR as soon as the metrics
