@@ -114,7 +114,7 @@ async def _load_then_sigterm(
             assert asyncio.get_running_loop().time() - started < HANG_S, errors[-5:]
             await asyncio.sleep(0.05)
         stalled.sendall(STALLED_UPLOAD)
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(2)  # its head read: a request under way, waiting for its body
         loop = asyncio.get_running_loop()
         sent = loop.time()
         server.send_signal(signal.SIGTERM)
