@@ -921,90 +921,53 @@ async def test_an_heirs_blacklisting_committed_while_the_retirement_waits_is_cop
         await books_balance(app_state)
 
 
-@postgres_only
-async def test_a_retirement_racing_a_join_of_the_providers_node_does_not_deadlock(
-    app: Any, app_state: Any
-) -> None:
-    """The retirement waits for the provider's pool (an operator's blacklisting of another
-    provider there holds it); the provider's node sends a join to that pool, which locks the
-    node's row (as a join does, first) and waits for the pool too. When the pool is free, the
-    retirement takes it and then waits for the node the join holds, while the join waits for the
-    pool the retirement holds: PostgreSQL aborts one of them (503 transient_conflict). Before
-    bbd9169 the retirement took the nodes first, as a join and a ban do: the join waited for it
-    and was then refused (the node banned)."""
-    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
-        [lost] = s.workers
-        heir = await registered_provider(s)
-        bystander = await registered_provider(s)
-        p, h = lost.contributor.provider_id, heir.provider_id
-        async with blacklisting_held(app_state, s.pool_id, bystander.provider_id):
-            retiring = asyncio.create_task(retire(s, p, h, key="retire-race-10"))
-            await until_waiting(app_state, 1, retiring, on="row")
-            joining = asyncio.create_task(join(lost.client, lost.contributor, s.pool_id))
-            await until_waiting(app_state, 2, retiring, joining, on="row")
-            assert not retiring.done() and not joining.done()
-        r = await retiring
-        j = await joining
-        assert r.status_code == 201, r.text
-        problem(j, 403, "node_banned")
-        await books_balance(app_state)
-
-
-@postgres_only
-async def test_a_retirement_racing_an_admins_ban_of_the_providers_node_does_not_deadlock(
-    app: Any, app_state: Any
-) -> None:
-    """As a join, an admin's ban of the provider's node locks the node's row, then the node's
-    pools: while the retirement holds the pool and waits for the node, PostgreSQL aborted one of
-    them. The ban now waits for the retirement at the provider's row, holding nothing, and then
-    finds the node revoked (banned already: nothing more to do)."""
-    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
-        [lost] = s.workers
-        heir = await registered_provider(s)
-        bystander = await registered_provider(s)
-        p, h = lost.contributor.provider_id, heir.provider_id
-        async with blacklisting_held(app_state, s.pool_id, bystander.provider_id):
-            retiring = asyncio.create_task(retire(s, p, h, key="retire-race-11"))
-            await until_waiting(app_state, 1, retiring, on="row")
-            banning = asyncio.create_task(
-                s.admin.post(
-                    f"/v1/admin/nodes/{lost.node_id}/ban", json={"reason": "stolen"}, headers=s.admin_headers
-                )
-            )
-            await until_waiting(app_state, 2, retiring, banning, on="row")
-            assert not retiring.done() and not banning.done()
-        r = await retiring
-        b = await banning
-        assert r.status_code == 201, r.text
-        assert b.status_code == 200, b.text
-        assert b.json()["status"] == "banned"
-        await books_balance(app_state)
-
-
-@postgres_only
-async def test_a_retirement_racing_the_providers_revocation_of_its_node_does_not_deadlock(
-    app: Any, app_state: Any
-) -> None:
-    """A revocation locks the node's row, then the node's pools, as a ban: it now waits for the
-    retirement in flight at the provider's row, holding nothing, instead of deadlocking with it,
-    and then finds the node revoked (answered as it is)."""
+async def _node_request(s: PoolSetup, node: Worker, action: str) -> httpx.Response:
+    """A request that locks the node's row, then its pools: its join, an admin's ban of it, or
+    its provider's revocation of it."""
+    if action == "join":
+        return await join(node.client, node.contributor, s.pool_id)
+    if action == "ban":
+        return await s.admin.post(
+            f"/v1/admin/nodes/{node.node_id}/ban", json={"reason": "stolen"}, headers=s.admin_headers
+        )
     from tests.test_node_revocation import revoke
 
+    return await revoke(node.client, node.contributor, node.node_id)
+
+
+@postgres_only
+@pytest.mark.parametrize("action", ["join", "ban", "revoke"])
+async def test_a_retirement_racing_a_join_ban_or_revocation_of_the_providers_node_does_not_deadlock(
+    app: Any, app_state: Any, action: str
+) -> None:
+    """The retirement waits for the provider's pool (an operator's blacklisting of another
+    provider there holds it); meanwhile the provider's node sends a join to that pool, an admin
+    bans the node or the provider revokes it, each of which locks the node's row, then its
+    pools. Before, when the pool was free the retirement took it and then waited for the node
+    the other held, while the other waited for the pool the retirement held: PostgreSQL aborted
+    one of them (503 transient_conflict; bbd9169 had moved the retirement's nodes after its
+    pools). The other now waits for the retirement at the provider's row, holding nothing, and
+    then finds the node revoked: a join is refused (node_banned), a ban or a revocation answers
+    the node as it is."""
     async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
         [lost] = s.workers
         heir = await registered_provider(s)
         bystander = await registered_provider(s)
         p, h = lost.contributor.provider_id, heir.provider_id
         async with blacklisting_held(app_state, s.pool_id, bystander.provider_id):
-            retiring = asyncio.create_task(retire(s, p, h, key="retire-race-12"))
+            retiring = asyncio.create_task(retire(s, p, h, key=f"retire-race-{action}"))
             await until_waiting(app_state, 1, retiring, on="row")
-            revoking = asyncio.create_task(revoke(lost.client, lost.contributor, lost.node_id))
-            await until_waiting(app_state, 2, retiring, revoking, on="row")
-            assert not retiring.done() and not revoking.done()
+            other = asyncio.create_task(_node_request(s, lost, action))
+            await until_waiting(app_state, 2, retiring, other, on="row")
+            assert not retiring.done() and not other.done()
         r = await retiring
-        v = await revoking
+        o = await other
         assert r.status_code == 201, r.text
-        assert v.status_code == 200, v.text
+        if action == "join":
+            problem(o, 403, "node_banned")
+        else:
+            assert o.status_code == 200, o.text
+            assert action != "ban" or o.json()["status"] == "banned"
         await books_balance(app_state)
 
 
