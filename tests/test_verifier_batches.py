@@ -451,6 +451,41 @@ async def test_a_tick_decides_other_providers_results_while_one_partitions_batch
         assert await decided(app_state) == (6, Counter(done=6))
 
 
+@postgres_only
+async def test_when_two_lanes_of_a_tick_fail_both_failures_are_reported(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two partitions' batches fail in one tick: the first failure is raised (the loop logs it
+    as the tick's), the other is logged as ``verifier_lane_failed``; before, it was dropped
+    without a trace. Nothing was decided."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        first = s.workers[0]
+        while True:  # a second provider in another partition
+            second = await s.add_worker()
+            if service.partition_of(second.contributor.provider_id) != service.partition_of(
+                first.contributor.provider_id
+            ):
+                break
+            s.workers.remove(second)
+        await s.enqueue([task() for _ in range(2)], key="two")
+        for w in (first, second):
+            await submit(w, (await w.claim(s.pool_id)).json()["leases"][0], ["4"])
+
+        async def failing(session: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(f"partition {kwargs['partition']} failed")
+
+        monkeypatch.setattr(service, "process_pending", failing)
+        with (
+            structlog.testing.capture_logs() as logs,
+            pytest.raises(RuntimeError, match="partition") as raised,
+        ):
+            await verify_batches(app_state, budget_s=math.inf)
+        reported = [e for e in logs if e["event"] == "verifier_lane_failed"]
+        assert len(reported) == 1 and reported[0]["error"] == "RuntimeError"
+        assert str(reported[0]["exc_info"]) != str(raised.value)  # the other partition's
+        assert await decided(app_state) == (0, Counter(checks=2))
+
+
 def test_verifier_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     from orchestrator.settings import Settings
 

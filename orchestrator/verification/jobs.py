@@ -193,10 +193,14 @@ async def _verify_batches(state: AppState, *, budget_s: float) -> tuple[int, boo
     lanes = max(1, min(lanes, (db.pool_size + db.max_overflow) // 3))
     # Every lane ends (at the deadline at the latest) before a failure is raised: none goes on
     # beside the next tick.
+    # The first failure is raised (logged as the tick's); any other lane's is logged here, or
+    # it would be lost.
     outcomes = await asyncio.gather(*(lane() for _ in range(lanes)), return_exceptions=True)
-    for outcome in outcomes:
-        if isinstance(outcome, BaseException):
-            raise outcome
+    failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+    for failure in failures[1:]:
+        log.error("verifier_lane_failed", error=type(failure).__name__, exc_info=failure)
+    if failures:
+        raise failures[0]
     return sum(n for n in outcomes if isinstance(n, int)), cut
 
 
