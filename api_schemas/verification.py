@@ -46,15 +46,17 @@ class VerdictOut(BaseModel):
         "or could not score), held as that acceptance's reward would have been: to the end of the "
         "result's own hold window (reward_hold_s from this verdict's decided_at; due at once if that "
         "has passed), and forfeited by a fraud verdict against the node decided within it (see "
-        "reward_forfeited_by); 0 otherwise (an inconclusive verdict's appeal pays nothing)",
+        "reward_forfeited_by), or in part by a soft-invalid penalty decided within it, for what the "
+        "rewards then on hold lacked; 0 otherwise (an inconclusive verdict's appeal pays nothing)",
     )
     reward_forfeited_by: int | None = Field(
         default=None,
         description="A verdict whose appeal paid a reward: the fraud verdict against the same node, "
         "decided within the result's own hold window, that forfeited the payment at once, as it would "
-        "have forfeited the reward had the result been accepted (the money went to the system's "
+        "have forfeited the reward had the result been accepted (all of it, or what soft-invalid "
+        "penalties decided before it left; the money went to the system's "
         "slashed account; that verdict's appeal gives it back to the provider, and this field still "
-        "names it). Null if nothing forfeited it when the appeal paid it",
+        "names it). Null if no fraud verdict forfeited it when the appeal paid it",
     )
     slashed_amount: int
     decided_at: dt.datetime

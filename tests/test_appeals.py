@@ -1027,3 +1027,198 @@ async def test_an_appeal_racing_a_fraud_verdict_in_the_window_is_forfeited_once(
         assert forfeits == [f["id"]]
         await pending_matches_holds(app_state)
         await books_balance(app_state)
+
+
+# ------------------------------------------------------------------ soft penalties of the result's window
+
+
+async def forfeits_of_payment(app_state: Any, verdict_id: int) -> list[tuple[int, int, str]]:
+    """(forfeiting verdict, amount, status) of each forfeit of what the appeal of ``verdict_id`` paid."""
+    async with app_state.sessionmaker() as session:
+        rows = await session.execute(
+            select(RewardForfeit.verdict_id, RewardForfeit.amount, RewardForfeit.status)
+            .join(RewardHold, RewardHold.id == RewardForfeit.hold_id)
+            .where(RewardHold.verdict_id == verdict_id)
+            .order_by(RewardForfeit.id)
+        )
+        return [(int(v), int(a), str(st)) for v, a, st in rows.all()]
+
+
+@pytest.mark.parametrize("category", ["fraud", "invalid"])
+async def test_a_soft_invalid_penalty_in_the_results_window_takes_from_what_its_appeal_pays(
+    app: Any, app_state: Any, client: Any, category: str
+) -> None:
+    """R is rejected (wrongly) at t0; an invalid verdict I with a soft penalty of 5 follows in R's
+    window, while the node has nothing on hold (its penalty takes nothing). Had R been accepted,
+    I's penalty would have taken 5 of R's reward on hold: the appeal pays 14 of which 5 is
+    forfeited to I at once, as I's own forfeit, which I's appeal gives back. Before, the appeal
+    paid the whole 14."""
+    econ = {**ECON, "soft_invalid_penalty": 5}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        w = s.workers[0]
+        v = await rejected_right(s, w, app_state, category)
+        i = await rejected_right(s, w, app_state, "invalid")
+        assert i["slashed_amount"] == 0  # nothing on hold
+        r = await reverse(s, v["id"])
+        assert r.status_code == 200, r.text
+        assert (r.json()["reward_paid_on_appeal"], r.json()["reward_forfeited_by"]) == (14, None)
+        b = await balances(client, w)
+        assert b["rewards_pending"] == 14 - 5, b
+        assert await forfeits_of_payment(app_state, v["id"]) == [(i["id"], 5, "forfeited")]
+        assert await hold_statuses(app_state) == {w.node_id: ["held"]}
+        assert await pool_money(s) == (14, 5)
+        async with app_state.sessionmaker() as session:
+            reasons = (
+                await session.scalars(
+                    select(LedgerTransfer.reason).where(
+                        LedgerTransfer.reference_type == "verdict",
+                        LedgerTransfer.reference_id == str(i["id"]),
+                    )
+                )
+            ).all()
+        assert reasons == ["soft_invalid_penalty"]
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+        # I was wrong too: its appeal gives the 5 back, and pays I's own reward (14).
+        r = await reverse(s, i["id"])
+        assert r.status_code == 200, r.text
+        b = await balances(client, w)
+        assert b["rewards_pending"] == 14 + 14, b
+        assert await forfeits_of_payment(app_state, v["id"]) == [(i["id"], 5, "restored")]
+        assert await pool_money(s) == (28, 0)
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+
+@pytest.mark.parametrize(("penalty", "forfeited"), [(5, 0), (10, 3)])
+async def test_a_penalty_takes_from_the_appeals_payment_only_what_the_rewards_on_hold_lacked(
+    app: Any, app_state: Any, client: Any, penalty: int, forfeited: int
+) -> None:
+    """R is rejected (wrongly), an honest result H is accepted (7 on hold), then an invalid
+    verdict I's penalty takes from H: all it asked (5 of 7), or 7 of 10. The appeal of R pays 14
+    and I takes from it only what it lacked (nothing, or 3): the node ends with what it would
+    have had had R been accepted, 21 less the penalty."""
+    econ = {**ECON, "soft_invalid_penalty": penalty}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        w = s.workers[0]
+        v = await rejected_right(s, w, app_state, "invalid")
+        await honest(s, w, app_state)
+        i = await rejected_right(s, w, app_state, "invalid")
+        assert i["slashed_amount"] == min(penalty, 7)
+        r = await reverse(s, v["id"])
+        assert r.status_code == 200, r.text
+        b = await balances(client, w)
+        assert b["rewards_pending"] == 7 + 14 - penalty, b
+        want = [(i["id"], forfeited, "forfeited")] if forfeited else []
+        assert await forfeits_of_payment(app_state, v["id"]) == want
+        assert await pool_money(s) == (7 + 14, penalty)
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+
+async def test_a_penalty_takes_what_it_lacked_once_across_the_appeals_of_two_results(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    """R1 and R2 are rejected (wrongly), then I's penalty of 5 finds nothing on hold. Appealed,
+    each pays 14; I takes its 5 from the first payment and nothing from the second, as it would
+    have taken 5 in all had both been accepted."""
+    econ = {**ECON, "soft_invalid_penalty": 5}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        w = s.workers[0]
+        v1 = await rejected_right(s, w, app_state, "invalid")
+        v2 = await rejected_right(s, w, app_state, "invalid")
+        i = await rejected_right(s, w, app_state, "invalid")
+        for v in (v2, v1):
+            r = await reverse(s, v["id"])
+            assert r.status_code == 200, r.text
+        assert await forfeits_of_payment(app_state, v2["id"]) == [(i["id"], 5, "forfeited")]
+        assert await forfeits_of_payment(app_state, v1["id"]) == []
+        b = await balances(client, w)
+        assert b["rewards_pending"] == 28 - 5, b
+        assert await pool_money(s) == (28, 5)
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+
+async def test_a_penalty_then_a_fraud_verdict_in_the_window_take_the_payment_in_their_order(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    """R rejected (wrongly), then I (penalty 5, nothing on hold), then a fraud verdict F, all in
+    R's window. Had R been accepted, I would have taken 5 of its reward and F the other 9: the
+    appeal's payment goes so, F named as reward_forfeited_by; F's appeal gives its 9 back, I's
+    its 5."""
+    econ = {**ECON, "soft_invalid_penalty": 5}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        w = s.workers[0]
+        v = await rejected_right(s, w, app_state, "invalid")
+        i = await rejected_right(s, w, app_state, "invalid")
+        f = await fraud(s, w, app_state)
+        r = await reverse(s, v["id"])
+        assert r.status_code == 200, r.text
+        assert (r.json()["reward_paid_on_appeal"], r.json()["reward_forfeited_by"]) == (14, f["id"])
+        assert await forfeits_of_payment(app_state, v["id"]) == [
+            (i["id"], 5, "forfeited"),
+            (f["id"], 9, "forfeited"),
+        ]
+        assert await hold_statuses(app_state) == {w.node_id: ["forfeited"]}
+        assert await pool_money(s) == (14, 5 + 200 + 9)
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+        r = await reverse(s, f["id"])
+        assert r.status_code == 200, r.text
+        assert (await balances(client, w))["rewards_pending"] == 9
+        assert await pool_money(s) == (14, 5)
+        r = await reverse(s, i["id"])
+        assert r.status_code == 200, r.text
+        # I's appeal: its 5 back, and I's own reward (its window holds no standing verdict).
+        assert (await balances(client, w))["rewards_pending"] == 14 + 14
+        assert await pool_money(s) == (28, 0)
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+
+@postgres_only
+@pytest.mark.parametrize("first", ["appeal", "verdict"])
+async def test_an_appeal_racing_a_penalty_in_the_window_is_penalised_once(
+    app: Any, app_state: Any, client: Any, first: str
+) -> None:
+    """R's appeal and an invalid verdict I (penalty 5, nothing else on hold) wait for the
+    provider's accounts at once: whichever commits first, I takes 5 of the payment exactly once
+    (at its decision if the appeal paid first, at the appeal if I was there first)."""
+    econ = {**ECON, "soft_invalid_penalty": 5}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        w = s.workers[0]
+        v = await rejected_right(s, w, app_state, "invalid")
+        lease = await one_lease(s, w, n=3)
+        samples = answer_body(lease, ["4", "5", "4"])["samples"]
+        samples[1]["finish_reason"] = "length"  # to be judged invalid
+        await submit(w, lease, ["4", "5", "4"], samples=samples)
+        pending = provider_account(w.contributor.provider_id, ProviderAccount.rewards_pending)
+        async with app_state.sessionmaker() as session:
+            await session.begin()
+            await ledger.lock_accounts(session, [pending])
+            if first == "appeal":
+                appeal = asyncio.create_task(reverse(s, v["id"]))
+                await until_waiting(app_state, 1, appeal, on="row")
+                verdict = asyncio.create_task(verify_all(app_state))
+                await until_waiting(app_state, 2, appeal, verdict, on="row")
+            else:
+                verdict = asyncio.create_task(verify_all(app_state))
+                await until_waiting(app_state, 1, verdict, on="row")
+                appeal = asyncio.create_task(reverse(s, v["id"]))
+                await until_waiting(app_state, 2, appeal, verdict, on="row")
+            assert not appeal.done() and not verdict.done()
+            await session.commit()
+        r = await appeal
+        await verdict
+        assert r.status_code == 200, r.text
+        i = (await verdicts(s.admin, s.headers, s.pool_id))[-1]
+        assert i["category"] == "invalid" and i["id"] != v["id"]
+        assert i["slashed_amount"] == (5 if first == "appeal" else 0)
+        b = await balances(client, w)
+        assert b["rewards_pending"] == 14 - 5, b
+        assert await forfeits_of_payment(app_state, v["id"]) == [(i["id"], 5, "forfeited")]
+        assert await pool_money(s) == (14, 5)
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)

@@ -62,6 +62,7 @@ from sqlalchemy import (
     SmallInteger,
     String,
     bindparam,
+    cast,
     exists,
     false,
     func,
@@ -1723,13 +1724,25 @@ async def pool_stats(session: AsyncSession, pool_id: str) -> dict[str, Any]:
             Verdict.pool_id == pool_id, Verdict.reversed_at.is_not(None)
         )
     )
-    # Of that, what a fraud verdict of the result's window forfeited when the appeal paid it (not
-    # in that verdict's slashed_amount, its decision's), while that verdict stands.
+    # Of that, what verdicts of the result's window forfeited when the appeal paid it (a fraud
+    # verdict's, a soft penalty's: their transfers keyed by the appeal, ``APPEAL_FORFEIT_KEY``;
+    # not in that verdict's slashed_amount, its decision's, which counts what a verdict decided
+    # after the appeal took of the payment), while that verdict stands.
     forfeiter = aliased(Verdict)
     forfeited_on_appeal = await session.scalar(
-        select(func.coalesce(func.sum(Verdict.reward_paid_on_appeal), 0))
-        .join(forfeiter, forfeiter.id == Verdict.reward_forfeited_by)
-        .where(Verdict.pool_id == pool_id, forfeiter.reversed_at.is_(None))
+        select(func.coalesce(func.sum(LedgerTransfer.amount), 0))
+        .select_from(forfeiter)
+        .join(
+            LedgerTransfer,
+            (LedgerTransfer.reference_type == "verdict")
+            & (LedgerTransfer.reference_id == cast(forfeiter.id, String)),
+        )
+        .where(
+            forfeiter.pool_id == pool_id,
+            forfeiter.reversed_at.is_(None),
+            forfeiter.category.in_(PAID_ON_APPEAL),
+            LedgerTransfer.idempotency_key.like("verdict:%:reverse:reward:forfeit%"),  # either form
+        )
     )
     counts = {c: int(n) for c, n, _, _ in rows}
     total = sum(counts.values())
@@ -1769,7 +1782,8 @@ async def reverse_verdict(
       penalty, its forfeits still in force are given back: to pending, the hold ``held`` again
       (released when due), or to claimable if the hold was released meanwhile.
     * A fraud or invalid verdict: the reward an acceptance would have paid, paid, held and
-      forfeited as that acceptance's would have been, in the result's own hold window
+      forfeited (by fraud verdicts and soft-invalid penalties) as that acceptance's would have
+      been, in the result's own hold window
       (``_pay_on_appeal``; ``reward_paid_on_appeal``, ``reward_forfeited_by``). Not an
       inconclusive one's.
     * Every verdict leaves the node's track record (``_uncount``), which drives its audit rate
@@ -2107,6 +2121,11 @@ async def _reverse_reward(session: AsyncSession, verdict: Verdict, *, actor: str
     hold.status = "reversed"
 
 
+#: The key of a forfeit of what the appeal of ``verdict_id`` paid, taken at once by a verdict of
+#: the result's window (``forfeiter``; ``_pay_on_appeal``). Before penalties took part in it, the
+#: one fraud verdict's was ``verdict:{verdict_id}:reverse:reward:forfeit`` (a prefix of this).
+APPEAL_FORFEIT_KEY = "verdict:{verdict_id}:reverse:reward:forfeit:{forfeiter}"
+
 # A rejection whose appeal pays the reward an acceptance would have: the node was judged wrongly.
 # An inconclusive verdict judged nothing against the node, and nobody judged its answers right.
 PAID_ON_APPEAL = ("invalid", "fraud")
@@ -2125,11 +2144,13 @@ async def _pay_on_appeal(
     rejected) held as that acceptance's reward would have been: to the end of the result's own
     hold window, ``reward_hold_s`` (as recorded) after the verdict was decided, not after the
     appeal. So a window that has passed makes it due at once (the release loop's next tick makes
-    it claimable; no later verdict takes it), and a fraud verdict against the node that would
-    have forfeited that reward (``_forfeiter``: decided within the window) forfeits it now, as
-    its own forfeit of a reward on hold (a ``RewardForfeit`` of its, which its appeal gives
-    back; ``reward_forfeited_by``); one decided later within the window forfeits it as any held
-    reward. The caller holds the verdict and the accounts (``_lock_for_appeal``), so a fraud
+    it claimable; no later verdict takes it), and the node's verdicts decided within the window
+    that would have forfeited some of that reward (``_appeal_forfeits``: a fraud verdict all of
+    it, a soft-invalid penalty what it lacked) forfeit it now, each as its own forfeit of a
+    reward on hold (a ``RewardForfeit`` of its, which its appeal gives back;
+    ``reward_forfeited_by`` names the fraud verdict); one decided later within the window
+    forfeits it as any held reward. The caller holds the verdict and the accounts
+    (``_lock_for_appeal``), so a fraud or invalid
     verdict of the node's decided meanwhile is wholly before this (read here) or wholly after
     (it finds the hold); the transfers' keys make them once."""
     if verdict.outcome != "rejected" or verdict.category not in PAID_ON_APPEAL:
@@ -2160,59 +2181,101 @@ async def _pay_on_appeal(
         now=now,
     )
     verdict.reward_paid_on_appeal = amount
-    fraud = await _forfeiter(session, verdict, window_end)
-    if fraud is None:
+    takes = await _appeal_forfeits(session, verdict, window_end, amount)
+    if not takes:
         return
-    await session.flush()  # the hold's id, for its forfeit
-    forfeited = await _forfeit(
-        session,
-        fraud,
-        [(hold, amount)],
-        reason="slash_pending_rewards",
-        key=f"verdict:{verdict.id}:reverse:reward:forfeit",
-        memo=f"fraud: {fraud.reason} (within the hold window of verdict {verdict.id}, paid on appeal)",
-        now=now,
-        actor=actor,
-        slashed=system_account(SystemAccount.slashed),  # the unsharded one, which the appeal locked
-    )
-    verdict.reward_forfeited_by = fraud.id
+    await session.flush()  # the hold's id, for its forfeits
+    forfeited = 0
+    for forfeiter, take in takes:
+        fraud = forfeiter.category == "fraud"
+        forfeited += await _forfeit(
+            session,
+            forfeiter,
+            [(hold, take)],
+            reason="slash_pending_rewards" if fraud else "soft_invalid_penalty",
+            key=APPEAL_FORFEIT_KEY.format(verdict_id=verdict.id, forfeiter=forfeiter.id),
+            memo=f"{forfeiter.category}: {forfeiter.reason} (within the hold window of verdict {verdict.id}, "
+            "paid on appeal)",
+            now=now,
+            actor=actor,
+            slashed=system_account(SystemAccount.slashed),  # the unsharded one, which the appeal locked
+        )
+        if fraud and verdict.reward_forfeited_by is None:
+            verdict.reward_forfeited_by = forfeiter.id
     metrics.on_commit(session, partial(metrics.SLASHED.inc, forfeited))
 
 
-async def _forfeiter(session: AsyncSession, verdict: Verdict, window_end: dt.datetime) -> Verdict | None:
-    """The fraud verdict that would hold the forfeit of ``verdict``'s reward now, had the verdict
-    accepted its result with a hold window to ``window_end``: of the node's fraud verdicts in
-    the pool decided after it and within that window (as ``withdrawn_by`` and ``_held`` count
-    them), replayed in time order, the first finds the reward on hold and forfeits all of it,
-    one decided while another holds it takes nothing, and an appeal of the one holding it gives
-    it back, to be forfeited by the next one decided within the window. None if none holds it
-    now (a decision and an appeal at the same instant: the decision first, the node's way).
-    Read under the accounts' locks, which a fraud verdict and an appeal of one hold too."""
-    frauds = (
-        await session.execute(
-            select(Verdict)
-            .where(
-                Verdict.node_id == verdict.node_id,
-                Verdict.pool_id == verdict.pool_id,
-                Verdict.category == "fraud",
-                Verdict.id > verdict.id,
-                Verdict.decided_at < window_end,
+async def _appeal_forfeits(
+    session: AsyncSession, verdict: Verdict, window_end: dt.datetime, amount: int
+) -> list[tuple[Verdict, int]]:
+    """What the node's verdicts in the pool decided after ``verdict`` and within the window to
+    ``window_end`` (as ``withdrawn_by`` and ``_held`` count them) would hold now of ``amount``,
+    had the verdict accepted its result and held that reward to ``window_end``: their decisions
+    and reversals replayed in time order on it. A fraud verdict takes all that is left of it
+    (``_punish``); an invalid one takes up to its penalty's shortfall still unmet (``_penalise``
+    took oldest first up to what was on hold, so one that took less than its penalty took every
+    reward then on hold, and would have taken the rest from this one: the penalty recorded with
+    its result, else the pool's now, less all its forfeits so far, those of earlier appeals'
+    payments included); an appeal of one gives back what it took, which a later decision may
+    take again. Returns the verdicts that stand with what they hold, in the order they took it
+    (none for a decision and an appeal at the same instant: the decision first, the node's way).
+    Read under the accounts' locks, which a verdict's forfeits and an appeal of one hold too."""
+    rows = list(
+        (
+            await session.execute(
+                select(Verdict)
+                .where(
+                    Verdict.node_id == verdict.node_id,
+                    Verdict.pool_id == verdict.pool_id,
+                    Verdict.category.in_(("fraud", "invalid")),
+                    Verdict.id > verdict.id,
+                    Verdict.decided_at < window_end,
+                )
+                .order_by(Verdict.id)
             )
-            .order_by(Verdict.id)
+        ).scalars()
+    )
+    if not rows:
+        return []
+    short: dict[int, int] = {}
+    penalised = [v for v in rows if v.category == "invalid"]
+    if penalised:
+        pool = await session.get(Pool, verdict.pool_id)
+        assert pool is not None
+        ids = [v.id for v in penalised]
+        recorded = await session.execute(
+            select(Verdict.id, Submission.soft_invalid_penalty)
+            .join(Submission, Submission.id == Verdict.submission_id)
+            .where(Verdict.id.in_(ids))
         )
-    ).scalars()
+        penalties: dict[int, int | None] = dict(recorded.all())
+        taken: dict[int, int] = {
+            vid: int(total or 0)
+            for vid, total in await session.execute(
+                select(RewardForfeit.verdict_id, func.sum(RewardForfeit.amount))
+                .where(RewardForfeit.verdict_id.in_(ids))
+                .group_by(RewardForfeit.verdict_id)
+            )
+        }
+        for v in penalised:
+            penalty = _or(penalties.get(v.id), pool.soft_invalid_penalty)
+            short[v.id] = max(0, penalty - taken.get(v.id, 0))
     events: list[tuple[dt.datetime, int, int, Verdict]] = []
-    for fraud in frauds:
-        events.append((fraud.decided_at, 0, fraud.id, fraud))
-        if fraud.reversed_at is not None:
-            events.append((fraud.reversed_at, 1, fraud.id, fraud))
-    holder: Verdict | None = None
-    for _, reversal, _, fraud in sorted(events, key=lambda e: e[:3]):
-        if not reversal and holder is None:
-            holder = fraud
-        elif reversal and holder is fraud:
-            holder = None
-    return holder
+    for v in rows:
+        events.append((v.decided_at, 0, v.id, v))
+        if v.reversed_at is not None:
+            events.append((v.reversed_at, 1, v.id, v))
+    left = amount
+    holding: dict[int, tuple[Verdict, int]] = {}
+    for _, reversal, _, v in sorted(events, key=lambda e: e[:3]):
+        if reversal:
+            left += holding.pop(v.id, (v, 0))[1]
+            continue
+        take = left if v.category == "fraud" else min(short.get(v.id, 0), left)
+        if take > 0:
+            holding[v.id] = (v, take)
+            left -= take
+    return list(holding.values())
 
 
 # Findings that mean the server never scored the result: its reward function failed
