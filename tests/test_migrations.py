@@ -1482,3 +1482,25 @@ def test_0044_downgrade_refuses_while_an_appeals_payment_was_forfeited_on_appeal
     downgrade(scratch_url, "0043")
     assert "reward_forfeited_by" not in asyncio.run(_column_names(scratch_url, "verdicts"))
     upgrade(scratch_url)
+
+
+def test_0044_downgrade_refuses_while_a_penalty_took_part_of_a_payment(scratch_url: str) -> None:
+    # An invalid verdict's soft penalty took, at the appeal, what the rewards on hold lacked of
+    # it from the payment (its own forfeit, keyed by the appeal; reward_forfeited_by stays NULL):
+    # revision 0043's slashed totals would forget it as they would a fraud verdict's forfeit.
+    upgrade(scratch_url, "0044")
+    asyncio.run(_seed_ended_tasks(scratch_url))
+    asyncio.run(_seed_forfeited_holds(scratch_url))
+    paid = "UPDATE verdicts SET reversed_at = :at, reward_paid_on_appeal = 3 WHERE id = 5"
+    part = (
+        "INSERT INTO ledger_transfers (id, debit_account_id, credit_account_id, amount, idempotency_key, "
+        "reason, actor, created_at, reference_type, reference_id) VALUES (10, 1, 2, 2, "
+        "'verdict:5:reverse:reward:forfeit:3', 'soft_invalid_penalty', 'admin', :at, 'verdict', '3')"
+    )
+    asyncio.run(_run_sql(scratch_url, paid, part, at=AT))
+    with pytest.raises(RuntimeError, match="1 forfeits by soft-invalid penalties of what appeals paid"):
+        downgrade(scratch_url, "0043")
+    assert asyncio.run(_run_sql(scratch_url)) == "0044"
+    assert "reward_forfeited_by" in asyncio.run(_column_names(scratch_url, "verdicts"))
+    # (Without it the downgrade goes ahead: the test above. The ledger is append-only on
+    # PostgreSQL, so the transfer stays, and so does the refusal, as 0041's for the payment.)

@@ -14,7 +14,8 @@ a fraud verdict of that window stands, forfeited to it at once; ``verdicts.rewar
 records that verdict (NULL: the appeal paid nothing, or nothing forfeited it when it paid).
 The pool's ``slashed`` total counts such a forfeit while that fraud verdict stands. The
 downgrade refuses while one is recorded: revision 0043 could not say why the payment went to
-``slashed``, and the pools' stats would forget it.
+``slashed``, and the pools' stats would forget it; so it does while a soft-invalid penalty of
+the window took part of a payment at the appeal (a ledger transfer keyed by the appeal).
 """
 
 from __future__ import annotations
@@ -46,5 +47,15 @@ def downgrade() -> None:
         "verdicts were reversed on appeal with a reward paid and forfeited at once by a fraud "
         "verdict of the result's hold window, which revision 0043 cannot record (the pools' "
         "slashed totals would forget those forfeits, though the ledger made them): not downgrading",
+    )
+    # Since, a soft-invalid penalty of the window takes from the payment what the rewards on hold
+    # lacked of it (its own forfeit, keyed by the appeal: APPEAL_FORFEIT_KEY), which 0043's
+    # slashed totals would forget too, though reward_forfeited_by stays NULL for it.
+    refuse_downgrade_while(
+        "SELECT count(*) FROM ledger_transfers WHERE reason = 'soft_invalid_penalty' "
+        "AND idempotency_key LIKE 'verdict:%:reverse:reward:forfeit:%'",
+        "forfeits by soft-invalid penalties of what appeals paid (taken at the appeal, for what the "
+        "rewards on hold lacked), which revision 0043 cannot record (the pools' slashed totals would "
+        "forget them, though the ledger made them): not downgrading",
     )
     op.drop_column("verdicts", "reward_forfeited_by")
