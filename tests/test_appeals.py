@@ -1222,3 +1222,42 @@ async def test_an_appeal_racing_a_penalty_in_the_window_is_penalised_once(
         assert await pool_money(s) == (14, 5)
         await pending_matches_holds(app_state)
         await books_balance(app_state)
+
+
+@postgres_only
+@pytest.mark.parametrize("order", ["R1 R2", "R1 I", "I R1"])
+async def test_appeals_racing_over_one_penalty_shortfall_take_it_once(
+    app: Any, app_state: Any, client: Any, order: str
+) -> None:
+    """R1, R2 and I are rejected (wrongly) as invalid in turn, each with a penalty of 5 and nothing
+    on hold (R1's 14 is in the window of R2's and I's penalties, R2's in I's). Two appeals wait
+    for the provider's accounts at once: whichever commits first, the standing penalties take
+    their 5 once in all, and an appealed one's part comes back: the node keeps 28 less the 5 of
+    the one penalty left standing (R2's or I's; found by review of 504041e, held)."""
+    econ = {**ECON, "soft_invalid_penalty": 5}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        w = s.workers[0]
+        named = {
+            "R1": await rejected_right(s, w, app_state, "invalid"),
+            "R2": await rejected_right(s, w, app_state, "invalid"),
+            "I": await rejected_right(s, w, app_state, "invalid"),
+        }
+        pending = provider_account(w.contributor.provider_id, ProviderAccount.rewards_pending)
+        appeals = []
+        async with app_state.sessionmaker() as session:
+            await session.begin()
+            await ledger.lock_accounts(session, [pending])
+            for n, name in enumerate(order.split(), 1):
+                appeals.append(asyncio.create_task(reverse(s, named[name]["id"])))
+                await until_waiting(app_state, n, *appeals, on="row")
+            await session.commit()
+        for appeal in appeals:
+            r = await appeal
+            assert r.status_code == 200, r.text
+        b = await balances(client, w)
+        assert b["rewards_pending"] == 28 - 5, b
+        assert await pool_money(s) == (28, 5)
+        standing = await forfeits_of_payment(app_state, named["R1"]["id"])
+        assert sum(a for _, a, st in standing if st == "forfeited") == 5, standing
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
