@@ -25,7 +25,7 @@ from orchestrator.core.health import router as health_router
 from orchestrator.core.hotstore import HotStore
 from orchestrator.core.instance_lock import InstanceLock
 from orchestrator.core.logging import configure_logging
-from orchestrator.core.loops import stop_loops
+from orchestrator.core.loops import exit_within, stop_loops
 from orchestrator.core.middleware import BodyLimitMiddleware, HostCheckMiddleware, RequestContextMiddleware
 from orchestrator.core.state import open_state
 from orchestrator.feed.router import router as feed_router
@@ -108,6 +108,13 @@ ROUTERS = (
 """Every router of the service, in the order the app matches them."""
 
 
+def serve_app() -> FastAPI:
+    """The application of ``orchestrator serve`` (uvicorn's factory): its process exits promptly
+    once stopped even when a request or tick it cancelled waits for another process's SQLite
+    write lock (``core.loops.CANCEL_WAIT_S``)."""
+    return create_app(exit_after_stop=True)
+
+
 def create_app(
     settings: Settings | None = None,
     *,
@@ -115,11 +122,14 @@ def create_app(
     hot_store: HotStore | None = None,
     serving_marks: bool = True,
     close_scoring: bool = True,
+    exit_after_stop: bool = False,
 ) -> FastAPI:
     """The application. ``clock``, ``hot_store``, ``serving_marks`` and ``close_scoring`` are for
     tests: a test that drives the clock itself writes the serving marks itself
     (``liveness.serving``), or the sweeper would find them stale whenever it moves the clock; and
-    tests keep the scoring processes (process-wide) from one app to the next."""
+    tests keep the scoring processes (process-wide) from one app to the next. ``exit_after_stop``
+    (``serve_app``) ends the process ``core.loops.CANCEL_WAIT_S`` after the lifespan's cleanup if
+    anything still runs then (``core.loops.exit_within``)."""
     settings = settings or get_settings()
     configure_logging(settings.log_level, json=settings.log_json)
 
@@ -165,6 +175,8 @@ def create_app(
             await lock.release()
             await engine.dispose()
             metrics.process_ended()
+            if exit_after_stop:
+                exit_within()
 
     app = FastAPI(
         title="orchestrator",

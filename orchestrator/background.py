@@ -21,7 +21,7 @@ import structlog
 from orchestrator import __version__
 from orchestrator.core import metrics
 from orchestrator.core.alive import keep_alive
-from orchestrator.core.loops import pause_after_more, run_periodically, stop_loops
+from orchestrator.core.loops import exit_within, pause_after_more, run_periodically, stop_loops
 from orchestrator.core.state import AppState, open_state
 from orchestrator.ledger import jobs as ledger_jobs
 from orchestrator.liveness import service as liveness
@@ -88,10 +88,12 @@ async def run(
     stop: asyncio.Event | None = None,
     alive_file: Path | None = None,
     metrics_server: WSGIServer | None = None,
+    exit_after_stop: bool = False,
 ) -> None:
     """Run the loops in this process until ``stop`` is set (or SIGINT/SIGTERM arrives); with
     ``alive_file``, keep that file fresh for a liveness probe (``orchestrator alive``); a
-    ``metrics_server`` (``core.metrics.serve_background``) is shut down when the loops stop."""
+    ``metrics_server`` (``core.metrics.serve_background``) is shut down when the loops stop;
+    ``exit_after_stop`` (the CLI) ends the process soon after (``core.loops.exit_within``)."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     handled = []
@@ -118,3 +120,5 @@ async def run(
         for sig in handled:
             loop.remove_signal_handler(sig)
         log.info("background_stopped")
+        if exit_after_stop:  # the CLI's process: what a cancelled tick left waiting ends with it
+            exit_within()

@@ -154,7 +154,7 @@ def serve(
 
         metrics.process_ended()
     uvicorn.run(
-        "orchestrator.app:create_app",
+        "orchestrator.app:serve_app",
         factory=True,
         host=bind[0],
         port=bind[1],
@@ -330,7 +330,9 @@ def background_cmd(
         except OSError as exc:
             _cannot_listen(metrics_host, metrics_port, exc, "--metrics-port")
     configure_logging(settings.log_level, json=settings.log_json)
-    asyncio.run(background.run(settings, alive_file=alive_file, metrics_server=metrics_server))
+    asyncio.run(
+        background.run(settings, alive_file=alive_file, metrics_server=metrics_server, exit_after_stop=True)
+    )
 
 
 def _refuse_a_metrics_directory() -> None:

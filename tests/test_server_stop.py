@@ -10,6 +10,8 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -148,3 +150,51 @@ def test_sigterm_under_load_stops_the_server_promptly_and_keeps_every_accepted_r
         stored = {row[0] for row in db.execute("SELECT assignment_id FROM submissions")}
     assert len(accepted) >= 20
     assert set(accepted) <= stored
+
+
+@pytest.mark.timeout(4 * HANG_S)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_server_stops_promptly_while_another_process_holds_the_write_lock(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """Another process (the ``sqlite3`` shell, an ``orchestrator admin`` command) holds the
+    database's write lock, a write request and the loops' ticks wait for it, and the server is
+    stopped: it exits within its graces while the lock is still held. Before, the cancelled
+    request's and ticks' rollbacks waited behind SQLite's busy wait (30 s), and the process with
+    them (measured: 33 s after SIGTERM; with SIGINT, asyncio's last cancellation could then wait
+    for good)."""
+    env = embedded_env(ORCH_LOG_LEVEL="WARNING")
+    answers: list[object] = []
+    with serving(tmp_path, env) as (server, port):
+        headers = _admin_headers(tmp_path, env)
+        outside = sqlite3.connect(tmp_path / "orchestrator.db", isolation_level=None)
+        outside.execute("BEGIN IMMEDIATE")
+
+        def create_pool() -> None:
+            body = {"name": "locked", "economics": {"reward_per_sample": 5}}
+            try:
+                url = f"http://127.0.0.1:{port}/v1/admin/pools"
+                answers.append(httpx.post(url, headers=headers, json=body, timeout=HANG_S).status_code)
+            except httpx.HTTPError as exc:  # the server went before answering
+                answers.append(repr(exc))
+
+        request = threading.Thread(target=create_pool)
+        request.start()
+        time.sleep(0.5)  # under way (it waits for the lock for the whole of the server's grace)
+        server.send_signal(sig)
+        try:
+            # The requests' grace (5 s), the loops' (5 s) and 1 s for what they cancelled, and
+            # well under the busy timeout (30 s) that ended the old server's wait.
+            server.wait(20)
+            exited = True
+        except subprocess.TimeoutExpired:
+            exited = False
+        outside.execute("ROLLBACK")
+        outside.close()
+        request.join(HANG_S)
+    log = (tmp_path / "serve.log").read_text()
+    assert exited, f"the server was still running 20 s after {sig.name}\n{log[-3000:]}"
+    assert answers and answers[0] != 201, answers
+    with sqlite3.connect(tmp_path / "orchestrator.db") as db:
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        assert db.execute("SELECT count(*) FROM pools").fetchone() == (0,)  # it never began

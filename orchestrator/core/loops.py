@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import sys
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 
 import structlog
@@ -106,7 +109,46 @@ async def stop_loops(
     for task in pending:
         log.warning("background_tick_cancelled", loop=task.get_name(), grace_s=grace_s)
         task.cancel()
+    stuck: set[asyncio.Task[None]] = set()
+    if pending:
+        _, stuck = await asyncio.wait(pending, timeout=CANCEL_WAIT_S)
+    for task in stuck:
+        # Its rollback waits behind a statement that cannot be interrupted (see CANCEL_WAIT_S):
+        # left to end with the process.
+        log.warning("background_tick_stuck", loop=task.get_name(), waited_s=CANCEL_WAIT_S)
     for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        if task not in stuck:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     return bool(pending)
+
+
+#: How long ``stop_loops`` waits for a cancelled tick to end (its rollback takes milliseconds),
+#: and how long a stopping process lets what is still under way after its cleanup run
+#: (``exit_within``). What outlasts them waits for the database's write lock, which another
+#: process holds (the ``sqlite3`` shell in a transaction, an ``orchestrator admin`` command on
+#: the same file): SQLite's busy handler, in the connection's thread, waits up to the busy timeout
+#: (30 s) and neither a cancel nor ``sqlite3.Connection.interrupt()`` ends that wait; the
+#: cancelled tick's (or request's) rollback is queued behind it, and the process waited for
+#: each, 20-35 s after SIGTERM.
+CANCEL_WAIT_S = 1.0
+
+
+def exit_within(seconds: float = CANCEL_WAIT_S) -> threading.Timer:
+    """End this process ``seconds`` from now if it is still running (a daemon timer, so a process
+    that exits meanwhile does not wait for it). For a process whose cleanup is done: what is
+    left waits for another process's write lock (``CANCEL_WAIT_S``) and holds nothing; ending
+    the process then is what a SIGKILL does, which SQLite's and PostgreSQL's commits are
+    atomic against. Not for the tests' in-process apps."""
+
+    def _exit() -> None:
+        log.warning("exit_forced", waited_s=seconds, reason="tasks still waiting after the stop")
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, _exit)
+    timer.daemon = True
+    timer.start()
+    return timer
