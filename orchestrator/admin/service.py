@@ -75,7 +75,10 @@ async def take_out(
         node.last_heartbeat_at = dt.datetime.fromtimestamp(last, dt.UTC)
     await session.flush()
     ejected = await pools_service.eject_node(session, actor, node.id, ejection_reason, now=now)
-    # Once the ban has committed: a ban rolled back must leave the node watched.
+    # Once the ban has committed: a ban rolled back must leave the node watched. Skipped (a
+    # request cancelled as its commit was awaited, ``db.after_commit``), the banned node stays in
+    # the liveness stages until the sweeper finds it silent and drops it (its transitions are from
+    # healthy and unhealthy only), and its views show the beat the ban kept above.
     after_commit(session, partial(state.hot_store.forget_node, node.id))
     return ejected
 

@@ -124,7 +124,17 @@ _AFTER_COMMIT = "orchestrator.after_commit"
 def after_commit(session: AsyncSession, action: Callable[[], Awaitable[None]]) -> None:
     """Run ``action`` once the request's transaction (``state.get_session``) has committed, and
     never if it rolls back: for effects outside the database, such as the hot store, that must
-    not run ahead of the change they follow."""
+    not run ahead of the change they follow.
+
+    Best effort: an action that fails is logged (``run_after_commit``), and one is skipped when
+    the request is cancelled (a stopping server's, ``cli.SHUTDOWN_GRACE_S``) while its commit is
+    awaited: the COMMIT then completes in the database, but the session only sees the
+    cancellation, so no one can tell that it has committed; or cut short if the cancellation
+    lands in the action's own await (a Redis call). (Nothing can cancel it between the commit
+    and ``run_after_commit``: there is no suspension point there.) Shielding the commit
+    with its actions would hold a stopping process for as long as a commit can hang. So an
+    action must be one the system repairs without it: the one there is, the hot store's
+    ``forget_node`` of a banned node, is (``admin.service.take_out``)."""
     session.info.setdefault(_AFTER_COMMIT, []).append(action)
 
 
