@@ -984,6 +984,31 @@ async def test_of_two_fraud_verdicts_in_the_window_the_one_that_would_have_held_
         await books_balance(app_state)
 
 
+async def appeal_racing_the_verifier(s: Any, app_state: Any, w: Any, verdict_id: int, first: str) -> Any:
+    """The appeal of ``verdict_id`` and a verifier pass wait for the node's provider's pending
+    rewards account at once (a transaction holds it), the one named ``first`` queued first;
+    the appeal's answer once both are done."""
+    pending = provider_account(w.contributor.provider_id, ProviderAccount.rewards_pending)
+    async with app_state.sessionmaker() as session:
+        await session.begin()
+        await ledger.lock_accounts(session, [pending])
+        if first == "appeal":
+            appeal = asyncio.create_task(reverse(s, verdict_id))
+            await until_waiting(app_state, 1, appeal, on="row")
+            verdict = asyncio.create_task(verify_all(app_state))
+            await until_waiting(app_state, 2, appeal, verdict, on="row")
+        else:
+            verdict = asyncio.create_task(verify_all(app_state))
+            await until_waiting(app_state, 1, verdict, on="row")
+            appeal = asyncio.create_task(reverse(s, verdict_id))
+            await until_waiting(app_state, 2, appeal, verdict, on="row")
+        assert not appeal.done() and not verdict.done()
+        await session.commit()
+    r = await appeal
+    await verdict
+    return r
+
+
 @postgres_only
 @pytest.mark.parametrize("first", ["appeal", "fraud"])
 async def test_an_appeal_racing_a_fraud_verdict_in_the_window_is_forfeited_once(
@@ -996,24 +1021,7 @@ async def test_an_appeal_racing_a_fraud_verdict_in_the_window_is_forfeited_once(
         w = s.workers[0]
         v = await rejected_right(s, w, app_state, "invalid")
         await submit(w, await one_lease(s, w), ["5"], claimed_reward=1.0)  # to be judged fraud
-        pending = provider_account(w.contributor.provider_id, ProviderAccount.rewards_pending)
-        async with app_state.sessionmaker() as session:
-            await session.begin()
-            await ledger.lock_accounts(session, [pending])
-            if first == "appeal":
-                appeal = asyncio.create_task(reverse(s, v["id"]))
-                await until_waiting(app_state, 1, appeal, on="row")
-                verdict = asyncio.create_task(verify_all(app_state))
-                await until_waiting(app_state, 2, appeal, verdict, on="row")
-            else:
-                verdict = asyncio.create_task(verify_all(app_state))
-                await until_waiting(app_state, 1, verdict, on="row")
-                appeal = asyncio.create_task(reverse(s, v["id"]))
-                await until_waiting(app_state, 2, appeal, verdict, on="row")
-            assert not appeal.done() and not verdict.done()
-            await session.commit()
-        r = await appeal
-        await verdict
+        r = await appeal_racing_the_verifier(s, app_state, w, v["id"], first)
         assert r.status_code == 200, r.text
         f = (await verdicts(s.admin, s.headers, s.pool_id))[-1]
         assert f["category"] == "fraud"
@@ -1194,24 +1202,7 @@ async def test_an_appeal_racing_a_penalty_in_the_window_is_penalised_once(
         samples = answer_body(lease, ["4", "5", "4"])["samples"]
         samples[1]["finish_reason"] = "length"  # to be judged invalid
         await submit(w, lease, ["4", "5", "4"], samples=samples)
-        pending = provider_account(w.contributor.provider_id, ProviderAccount.rewards_pending)
-        async with app_state.sessionmaker() as session:
-            await session.begin()
-            await ledger.lock_accounts(session, [pending])
-            if first == "appeal":
-                appeal = asyncio.create_task(reverse(s, v["id"]))
-                await until_waiting(app_state, 1, appeal, on="row")
-                verdict = asyncio.create_task(verify_all(app_state))
-                await until_waiting(app_state, 2, appeal, verdict, on="row")
-            else:
-                verdict = asyncio.create_task(verify_all(app_state))
-                await until_waiting(app_state, 1, verdict, on="row")
-                appeal = asyncio.create_task(reverse(s, v["id"]))
-                await until_waiting(app_state, 2, appeal, verdict, on="row")
-            assert not appeal.done() and not verdict.done()
-            await session.commit()
-        r = await appeal
-        await verdict
+        r = await appeal_racing_the_verifier(s, app_state, w, v["id"], first)
         assert r.status_code == 200, r.text
         i = (await verdicts(s.admin, s.headers, s.pool_id))[-1]
         assert i["category"] == "invalid" and i["id"] != v["id"]
