@@ -610,6 +610,26 @@ async def test_an_appeal_after_the_retirement_pays_and_gives_back_to_the_success
         await books_balance(app_state)
 
 
+#: A pool that ejects a node and bans its provider at their second fraud strike.
+TWO_STRIKES = {**ECON, "strikes_before_ejection": 2, "strikes_before_provider_ban": 2}
+
+
+async def one_strike_from_a_ban(s: PoolSetup, app_state: Any) -> tuple[Worker, Worker, Worker]:
+    """In a ``TWO_STRIKES`` pool of one worker (``lost``): a second node of its provider
+    (``sibling``) and another provider's node (``heir``) join; the sibling's forged result is
+    judged fraud (the provider's first strike), and ``lost`` submits a forged one, whose verdict
+    will be the provider's second strike (one for each node: no ejection), which bans it."""
+    from tests.test_appeals import forged
+
+    [lost] = s.workers
+    sibling = await s.add_worker(provider_key=lost.contributor.provider_key, stake=2000)
+    heir = await s.add_worker(stake=1000)
+    await forged(s, sibling)
+    await verify_all(app_state)  # the provider's first strike
+    await forged(s, lost)
+    return lost, sibling, heir
+
+
 @postgres_only
 async def test_a_provider_ban_the_verifier_commits_while_the_retirement_waits_reaches_the_successor(
     app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
@@ -620,17 +640,10 @@ async def test_a_provider_ban_the_verifier_commits_while_the_retirement_waits_re
     blacklisting to the successor as well. Before, it read the blacklists before its locks and
     the successor was left out: the retirement was a way out of the verifier's ban."""
     from orchestrator.pools import service as pools_service
-    from tests.test_appeals import forged
 
-    econ = {**ECON, "strikes_before_ejection": 2, "strikes_before_provider_ban": 2}
-    async with pool_setup(app, app_state, workers=1, economics=econ, stake=2000) as s:
-        [lost] = s.workers
-        sibling = await s.add_worker(provider_key=lost.contributor.provider_key, stake=2000)
-        heir = await s.add_worker(stake=1000)
+    async with pool_setup(app, app_state, workers=1, economics=TWO_STRIKES, stake=2000) as s:
+        lost, sibling, heir = await one_strike_from_a_ban(s, app_state)
         p, h = lost.contributor.provider_id, heir.contributor.provider_id
-        await forged(s, sibling)
-        await verify_all(app_state)  # the provider's first strike
-        await forged(s, lost)
         for w in (lost, sibling):  # the blacklisting ends no membership then, and locks no node
             assert (await leave(w.client, w.contributor, s.pool_id)).status_code == 200
         banned, go = asyncio.Event(), asyncio.Event()
@@ -810,17 +823,10 @@ async def test_a_retirement_racing_a_verifier_ban_that_ends_live_memberships_doe
     pools, memberships and accounts before the nodes (the global order), waits for the batch,
     and then copies its ban to the successor."""
     from orchestrator.pools import service as pools_service
-    from tests.test_appeals import forged
 
-    econ = {**ECON, "strikes_before_ejection": 2, "strikes_before_provider_ban": 2}
-    async with pool_setup(app, app_state, workers=1, economics=econ, stake=2000) as s:
-        [lost] = s.workers
-        sibling = await s.add_worker(provider_key=lost.contributor.provider_key, stake=2000)
-        heir = await s.add_worker(stake=1000)
+    async with pool_setup(app, app_state, workers=1, economics=TWO_STRIKES, stake=2000) as s:
+        lost, sibling, heir = await one_strike_from_a_ban(s, app_state)
         p, h = lost.contributor.provider_id, heir.contributor.provider_id
-        await forged(s, sibling)
-        await verify_all(app_state)  # the provider's first strike
-        await forged(s, lost)  # its second (one for each node: no ejection), which bans it
         deciding, go = asyncio.Event(), asyncio.Event()
         real = pools_service.blacklist_for_fraud
 
