@@ -2181,7 +2181,7 @@ async def _pay_on_appeal(
         now=now,
     )
     verdict.reward_paid_on_appeal = amount
-    takes = await _appeal_forfeits(session, verdict, window_end, amount)
+    takes = await _appeal_forfeits(session, verdict, pool, window_end, amount)
     if not takes:
         return
     await session.flush()  # the hold's id, for its forfeits
@@ -2206,7 +2206,7 @@ async def _pay_on_appeal(
 
 
 async def _appeal_forfeits(
-    session: AsyncSession, verdict: Verdict, window_end: dt.datetime, amount: int
+    session: AsyncSession, verdict: Verdict, pool: Pool, window_end: dt.datetime, amount: int
 ) -> list[tuple[Verdict, int]]:
     """What the node's verdicts in the pool decided after ``verdict`` and within the window to
     ``window_end`` (as ``withdrawn_by`` and ``_held`` count them) would hold now of ``amount``,
@@ -2240,8 +2240,6 @@ async def _appeal_forfeits(
     short: dict[int, int] = {}
     penalised = [v for v in rows if v.category == "invalid"]
     if penalised:
-        pool = await session.get(Pool, verdict.pool_id)
-        assert pool is not None
         ids = [v.id for v in penalised]
         recorded = await session.execute(
             select(Verdict.id, Submission.soft_invalid_penalty)
