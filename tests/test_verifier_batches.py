@@ -22,7 +22,7 @@ from orchestrator.verification import jobs, service
 from orchestrator.verification.jobs import VERIFIER, verify_batches, verify_once
 from orchestrator.verification.models import Verdict, VerificationJob
 from tests.conftest import postgres_only
-from tests.tasks_helpers import pool_setup, task
+from tests.tasks_helpers import PoolSetup, Worker, pool_setup, task
 from tests.verification_helpers import balances, books_balance, submit
 
 ECON = {
@@ -50,6 +50,18 @@ async def results(s: Any, per_worker: int, answers: list[str] | None = None) -> 
             lease = (await w.claim(s.pool_id)).json()["leases"][0]
             answer = (answers or ["4"])[i % len(answers or ["4"])]
             await submit(w, lease, [answer], **({"seed": 1} if answer == "fraud" else {}))
+
+
+async def in_another_partition(s: PoolSetup, first: Worker) -> Worker:
+    """A worker of a new provider whose verifier partition is not ``first``'s (1 provider in 16
+    shares one): providers are added until one is."""
+    while True:
+        other = await s.add_worker()
+        if service.partition_of(other.contributor.provider_id) != service.partition_of(
+            first.contributor.provider_id
+        ):
+            return other
+        s.workers.remove(other)
 
 
 async def decided(app_state: Any) -> tuple[int, Counter[str]]:
@@ -307,11 +319,7 @@ async def test_a_partition_another_verifier_works_is_left_to_it(app: Any, app_st
     async with pool_setup(app, app_state, workers=1, max_leases_per_node=8) as s:
         held = s.workers[0]
         held_partition = service.partition_of(held.contributor.provider_id)
-        while True:  # a second provider in another partition (1 in 16 share one)
-            free = await s.add_worker()
-            if service.partition_of(free.contributor.provider_id) != held_partition:
-                break
-            s.workers.remove(free)
+        free = await in_another_partition(s, held)
         s.workers[:] = [held, free]
         await results(s, 3)
         async with app_state.sessionmaker() as session:  # each job records its provider's partition
@@ -380,13 +388,7 @@ async def test_a_partition_whose_oldest_result_keeps_failing_does_not_hold_up_th
     batches_of(app_state, 5)
     async with pool_setup(app, app_state, workers=1, max_leases_per_node=16) as s:
         busy = s.workers[0]
-        while True:  # a second provider in another partition
-            other = await s.add_worker()
-            if service.partition_of(other.contributor.provider_id) != service.partition_of(
-                busy.contributor.provider_id
-            ):
-                break
-            s.workers.remove(other)
+        other = await in_another_partition(s, busy)
         await s.enqueue([task() for _ in range(5)], key="backlog")
         ids = []
         for w in [busy, busy, busy, other, other]:
@@ -414,13 +416,7 @@ async def test_a_tick_decides_other_providers_results_while_one_partitions_batch
     batches_of(app_state, 10)
     async with pool_setup(app, app_state, workers=1, max_leases_per_node=8) as s:
         held = s.workers[0]
-        while True:  # a second provider in another partition
-            free = await s.add_worker()
-            if service.partition_of(free.contributor.provider_id) != service.partition_of(
-                held.contributor.provider_id
-            ):
-                break
-            s.workers.remove(free)
+        free = await in_another_partition(s, held)
         s.workers[:] = [held, free]
         await s.enqueue([task() for _ in range(6)], key="backlog")
         for w in [held] * 3 + [free] * 3:  # the held provider's results are the oldest
@@ -460,13 +456,7 @@ async def test_when_two_lanes_of_a_tick_fail_both_failures_are_reported(
     without a trace. Nothing was decided."""
     async with pool_setup(app, app_state, workers=1) as s:
         first = s.workers[0]
-        while True:  # a second provider in another partition
-            second = await s.add_worker()
-            if service.partition_of(second.contributor.provider_id) != service.partition_of(
-                first.contributor.provider_id
-            ):
-                break
-            s.workers.remove(second)
+        second = await in_another_partition(s, first)
         await s.enqueue([task() for _ in range(2)], key="two")
         for w in (first, second):
             await submit(w, (await w.claim(s.pool_id)).json()["leases"][0], ["4"])
