@@ -53,6 +53,28 @@ async def test_heartbeat_makes_a_node_healthy_and_returns_the_interval(
     assert await history(app_state, contributor.node_id) == [("waiting", "healthy", "node")]
 
 
+async def test_a_heartbeat_without_a_body_is_a_beat(
+    client: httpx.AsyncClient, contributor: Contributor, app_state: Any
+) -> None:
+    """PROTOCOL.md: a beat is liveness, with metrics and lease ids when there are some. A node
+    with nothing to report may send the signed POST without a body, as it may a join, a leave
+    or a release; it was 422 validation_failed ("body: Field required"), and the node, whose
+    beats all failed, never became healthy."""
+    r = await client.post("/v1/nodes/me/heartbeat", auth=contributor.node_auth)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"status": "healthy", "next_heartbeat_in_s": 10.0, "drop_leases": []}
+    assert await status_of(client, contributor) == "healthy"
+    assert await history(app_state, contributor.node_id) == [("waiting", "healthy", "node")]
+    # A body, when sent, is still a JSON object that validates.
+    r = await client.post(
+        "/v1/nodes/me/heartbeat",
+        content=b"[]",
+        headers={"content-type": "application/json"},
+        auth=contributor.node_auth,
+    )
+    problem(r, 422, "validation_failed")
+
+
 async def test_steady_heartbeats_write_no_sql(
     client: httpx.AsyncClient, contributor: Contributor, app_state: Any, clock: FakeClock
 ) -> None:

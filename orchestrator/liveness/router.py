@@ -21,5 +21,6 @@ router = APIRouter(prefix="/v1", tags=["contributors"], responses=PROBLEM_RESPON
     response_model=HeartbeatOut,
     summary="Report liveness (hot store only; no SQL write unless the status changes)",
 )
-async def heartbeat(body: HeartbeatIn, node: SignedNode, state: State) -> HeartbeatOut:
-    return await service.heartbeat(state, node, body)
+async def heartbeat(node: SignedNode, state: State, body: HeartbeatIn | None = None) -> HeartbeatOut:
+    # No body is a beat with nothing to report, as a join, leave or release may have none.
+    return await service.heartbeat(state, node, body if body is not None else HeartbeatIn())
