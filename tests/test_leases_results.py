@@ -518,6 +518,40 @@ async def test_results_are_idempotent_and_a_different_body_conflicts(app: Any, a
         assert len(subs) == 1
 
 
+async def test_a_result_sent_again_spelled_otherwise_is_the_same_result(app: Any, app_state: Any) -> None:
+    """PROTOCOL.md: a result is idempotent per assignment. A client that sends it again after a
+    lost answer may serialize it afresh: its JSON keys in another order (a Rust HashMap's order
+    changes from one process to the next), other whitespace, 1 for 1.0. That says the same, as
+    the admin API's idempotency keys already hold (core/digest.py), and answers the first
+    answer; it was 409 result_conflict, the raw bytes' SHA-256 being compared."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        await s.enqueue([task()])
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        first = await w.submit(lease, claimed_reward=1.0)
+        assert first.status_code == 201, first.text
+        path = f"/v1/assignments/{lease['assignment_id']}/result"
+
+        async def send(body: dict[str, Any], **dumps: Any) -> httpx.Response:
+            return await w.client.post(
+                path,
+                content=json.dumps(body, **dumps).encode(),
+                headers={"content-type": "application/json"},
+                auth=w.contributor.node_auth,
+            )
+
+        body = result_body(lease, claimed_reward=1)
+        again = await send(dict(reversed(list(body.items()))), indent=2, sort_keys=True)
+        assert again.status_code == 200, again.text
+        assert again.json() == first.json()
+        # What it says still counts: another answer is a conflict, however it is spelled.
+        other = result_body(lease, claimed_reward=0.5)
+        problem(await send(other, indent=2, sort_keys=True), 409, "result_conflict")
+        async with app_state.sessionmaker() as session:
+            [sub] = (await session.execute(select(Submission))).scalars()
+        assert sub.body == first.request.content  # the evidence is the first request's bytes
+
+
 async def test_only_the_lease_holder_can_submit(app: Any, app_state: Any) -> None:
     async with pool_setup(app, app_state, workers=2) as s:
         holder, thief = s.workers

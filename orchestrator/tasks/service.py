@@ -1505,6 +1505,25 @@ async def refuse_foreign_result(conn: AsyncConnection, node_id: str, assignment_
         raise NotFound("no assignment with this id for this node", code="assignment_not_found")
 
 
+_SUBMISSION_BODY = text("SELECT body FROM submissions WHERE id = :id")
+
+
+async def _says_the_same(conn: AsyncConnection, submission_id: int, body: ResultIn) -> bool:
+    """Whether the recorded result says what ``body`` says, spelled otherwise (its JSON keys in
+    another order, other whitespace, 1 for 1.0): a client sending its result again after a lost
+    answer may serialize it afresh. Compared as the admin API's idempotency keys are
+    (``body_digests``); read only when the bytes differ. A body whose evidence was pruned, or
+    that no longer validates, cannot be compared and is another result."""
+    stored = (await conn.execute(_SUBMISSION_BODY, {"id": submission_id})).scalar_one_or_none()
+    if not stored:
+        return False
+    try:
+        previous = ResultIn.model_validate_json(stored)
+    except ValueError:
+        return False
+    return body_digests(previous)[0] == body_digests(body)[0]
+
+
 async def submit_result(
     session: AsyncSession,
     signed: SignedRequest,
@@ -1551,7 +1570,7 @@ async def submit_result(
                 previous_response=previous.response,
             )
     if ctx.previous_id is not None:
-        if ctx.previous_sha256 != digest:
+        if ctx.previous_sha256 != digest and not await _says_the_same(conn, ctx.previous_id, body):
             raise Conflict(
                 "a different result was already recorded for this assignment",
                 code="result_conflict",
