@@ -269,8 +269,35 @@ class Page(BaseModel, Generic[T]):
     next_cursor: str | None = Field(description="Pass as ?cursor= to get the next page; null at the end")
 
 
+RETRY_AFTER_HEADER: dict[str, Any] = {
+    "description": "Seconds to wait before asking again (RFC 9110, section 10.2.3)",
+    "schema": {"type": "integer", "minimum": 0},
+}
+# The fields a refusal carries that a client acts on (PROTOCOL.md), by status.
+_PROBLEM_HEADERS: dict[int, dict[str, Any]] = {
+    401: {
+        "WWW-Authenticate": {
+            "description": "The challenge: Signature on the signed routes, Bearer on the token routes",
+            "schema": {"type": "string"},
+        },
+        "Accept-Signature": {
+            "description": "On the signed routes: the signature to send instead (RFC 9421, section "
+            '5.1), e.g. sig1=("@method" "@target-uri" "content-digest");created;alg="ed25519"; '
+            "keyid and a fresh nonce are required too",
+            "schema": {"type": "string"},
+        },
+    },
+    429: {"Retry-After": RETRY_AFTER_HEADER},
+    503: {"Retry-After": RETRY_AFTER_HEADER},
+}
+
 PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": Problem, "content": {"application/problem+json": {}}, "description": desc}
+    code: {
+        "model": Problem,
+        "content": {"application/problem+json": {}},
+        "description": desc,
+        **({"headers": _PROBLEM_HEADERS[code]} if code in _PROBLEM_HEADERS else {}),
+    }
     for code, desc in {
         400: "Bad request: a query parameter (invalid_query) or header (invalid_header) that does not "
         "validate, a Host field that is not one authority (host_invalid), ...",

@@ -549,6 +549,24 @@ async def test_openapi_documents_both_security_schemes(client: httpx.AsyncClient
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
 
 
+async def test_openapi_documents_the_headers_clients_act_on(client: httpx.AsyncClient) -> None:
+    """PROTOCOL.md: everything is documented in the served OpenAPI schema. A claim without work
+    answers Retry-After, as a 429 and the 503s do, and a 401 carries WWW-Authenticate and, on
+    the signed routes, Accept-Signature: a client generated from the schema saw none of them."""
+    spec = (await client.get("/openapi.json")).json()
+    claim = spec["paths"]["/v1/assignments/claim"]["post"]["responses"]
+    assert claim["200"]["headers"]["Retry-After"]["schema"] == {"type": "integer", "minimum": 0}
+    assert "ClaimOut" in claim["200"]["content"]["application/json"]["schema"]["$ref"]
+    for path, method in (("/v1/nodes/me/heartbeat", "post"), ("/v1/admin/nodes", "get")):
+        responses = spec["paths"][path][method]["responses"]
+        for status in ("429", "503"):
+            assert responses[status]["headers"]["Retry-After"]["schema"]["type"] == "integer", path
+        assert "WWW-Authenticate" in responses["401"]["headers"], path
+    assert (
+        "Accept-Signature" in spec["paths"]["/v1/nodes/me/heartbeat"]["post"]["responses"]["401"]["headers"]
+    )
+
+
 async def test_request_id_is_returned_and_logged_without_secrets(
     settings: Settings, clock: FakeClock, hot_store: HotStore, capsys: Any
 ) -> None:

@@ -11,7 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from sqlalchemy import func, select
 
-from api_schemas.common import NO_NUL, PROBLEM_RESPONSES, Page
+from api_schemas.common import NO_NUL, PROBLEM_RESPONSES, RETRY_AFTER_HEADER, Page
 from api_schemas.tasks import (
     LIVE_LEASES_MAX,
     AssignmentOut,
@@ -119,6 +119,16 @@ def task_out(t: Task) -> TaskOut:
     dependencies=[Depends(leases_caught_up)],
     response_model=ClaimOut,
     summary="Lease up to max_tasks replicas; an empty list says why and when to retry",
+    responses={
+        200: {
+            "headers": {
+                "Retry-After": {
+                    **RETRY_AFTER_HEADER,
+                    "description": "With no lease: when to claim again (also retry_after_s)",
+                }
+            }
+        }
+    },
 )
 async def claim(
     body: ClaimIn, signed: Signed, session: Session, state: State, response: Response
