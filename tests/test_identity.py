@@ -29,6 +29,21 @@ async def test_provider_registration_is_idempotent(client: httpx.AsyncClient) ->
     assert again.json() == first.json()
 
 
+async def test_a_provider_registers_without_a_body(client: httpx.AsyncClient) -> None:
+    """PROTOCOL.md names no field for a provider's registration (its display name is optional):
+    a client that sends the signed POST without a body registers, as with {}. It was 422
+    validation_failed ("body: Field required")."""
+    c = new_contributor()
+    first = await client.post("/v1/providers", auth=c.provider_auth)
+    assert first.status_code == 201, first.text
+    assert first.json()["id"] == c.provider_id and first.json()["display_name"] is None
+    again = await client.post("/v1/providers", auth=c.provider_auth)
+    assert again.status_code == 200 and again.json() == first.json()
+    # A body, when sent, still validates.
+    r = await client.post("/v1/providers", json={"display_name": ""}, auth=c.provider_auth)
+    problem(r, 422, "validation_failed")
+
+
 async def test_node_registration_then_me(client: httpx.AsyncClient, contributor: Contributor) -> None:
     r = await client.get("/v1/nodes/me", auth=contributor.node_auth)
     assert r.status_code == 200

@@ -40,15 +40,17 @@ router = APIRouter(prefix="/v1", tags=["contributors"], responses=PROBLEM_RESPON
     responses={200: {"model": ProviderOut, "description": "Already registered"}},
 )
 async def register_provider(
-    body: ProviderRegister,
     signed: RegisteringProvider,
     request: Request,
     response: Response,
     session: Session,
+    body: ProviderRegister | None = None,
 ) -> ProviderOut:
     # A new key has counted toward its address's and its own registrations (``auth.registering``).
+    # No body is {}: the contract names no field for a provider.
+    display_name = body.display_name if body is not None else None
     provider, created = await service.register_provider(
-        session, signed.keyid, body.display_name, client_ip(request)
+        session, signed.keyid, display_name, client_ip(request)
     )
     if not created:
         response.status_code = 200
