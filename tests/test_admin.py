@@ -282,6 +282,38 @@ async def test_two_revocations_of_one_token_at_once_are_audited_once(
 
 
 @postgres_only
+@pytest.mark.parametrize("action", ["revoke", "rotate"])
+async def test_two_admins_revoking_or_rotating_each_others_tokens_at_once_take_turns(
+    client: httpx.AsyncClient, app_state: Any, action: str
+) -> None:
+    """Admin A acts on B's token as B acts on A's. Each request holds its own token (a share
+    lock) in its transaction and then waits for the other's row: before, they deadlocked and
+    PostgreSQL aborted one (503 ``transient_conflict``). Now each locks both tokens in id order
+    first: one goes first and changes the other's token, and the second finds its own token dead
+    (401), so one admin token always keeps working."""
+    a, a_id = await new_token(app_state, "admin", "a")
+    b, b_id = await new_token(app_state, "admin", "b")
+    async with app_state.sessionmaker() as session, session.begin():
+        # Both requests reach the tokens' rows while this holds them, and wait together.
+        await session.execute(
+            select(ApiToken).where(ApiToken.id.in_([a_id, b_id])).with_for_update(read=True)
+        )
+        requests = [
+            asyncio.create_task(client.post(f"/v1/admin/tokens/{b_id}/{action}", headers=a)),
+            asyncio.create_task(client.post(f"/v1/admin/tokens/{a_id}/{action}", headers=b)),
+        ]
+        await until_waiting(app_state, 2, *requests, on="row")
+        assert not any(t.done() for t in requests)
+    answers = [await t for t in requests]
+    assert sorted(r.status_code for r in answers) == [200, 401], [r.text for r in answers]
+    first = 0 if answers[0].status_code == 200 else 1
+    problem(answers[1 - first], 401, "token_invalid")
+    survivor = (a, b)[first]
+    assert (await client.get("/v1/admin/nodes", headers=survivor)).status_code == 200
+    problem(await client.get("/v1/admin/nodes", headers=(b, a)[first]), 401, "token_invalid")
+
+
+@postgres_only
 async def test_a_request_whose_token_is_revoked_while_it_waits_changes_nothing(
     client: httpx.AsyncClient, app_state: Any, admin_headers: dict[str, str]
 ) -> None:

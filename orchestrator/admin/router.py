@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Path, Query, Response
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from sqlalchemy import select
 
 from api_schemas.admin import (
@@ -246,8 +246,14 @@ async def create_token(
     summary="Give an API token a new secret (in this answer only); the old one is refused at once",
 )
 async def rotate_token(
-    token_id: TokenId, principal: AdminOnly, session: Session, state: State, body: TokenRotateIn | None = None
+    request: Request,
+    token_id: TokenId,
+    principal: AdminOnly,
+    session: Session,
+    state: State,
+    body: TokenRotateIn | None = None,
 ) -> TokenCreatedOut:
+    tokens.lock_own_and_target(request, principal, token_id)
     now = state.clock.utcnow()
     expires_at: Any = tokens.KEEP_EXPIRY
     if body is not None and "expires_in_s" in body.model_fields_set:
@@ -265,7 +271,10 @@ async def rotate_token(
 
 
 @router.post("/tokens/{token_id}/revoke", response_model=TokenOut, summary="Revoke an API token, for good")
-async def revoke_token(token_id: TokenId, principal: AdminOnly, session: Session, state: State) -> TokenOut:
+async def revoke_token(
+    request: Request, token_id: TokenId, principal: AdminOnly, session: Session, state: State
+) -> TokenOut:
+    tokens.lock_own_and_target(request, principal, token_id)
     row, revoked_now = await tokens.revoke_token(session, token_id, now=state.clock.utcnow())
     if row is None:
         raise NotFound("no token with this id", code="token_not_found")

@@ -119,6 +119,25 @@ async def _locked(session: AsyncSession, token_id: str) -> ApiToken | None:
     ).scalar_one_or_none()
 
 
+def lock_own_and_target(request: Request, principal: Principal, token_id: str) -> None:
+    """Before a request revokes or rotates token ``token_id``: have its transaction begin by
+    locking that token's row and the requester's own (``FOR UPDATE``, in id order, one
+    statement), before its own token's check (``_TOKEN_STILL_VALID``, which then waits for
+    nothing). Otherwise each request holds its own token's share lock and then waits for the
+    other's row: two admins revoking or rotating each other's tokens at the same moment
+    deadlocked, and PostgreSQL aborted one (503 ``transient_conflict``). In id order they take
+    turns: the first changes the other's token, and the second, its own token now revoked or
+    rotated, is refused (401) and changes nothing, so one of the two tokens keeps working."""
+    ids = sorted({principal.token_id, token_id})
+
+    def lock(connection: Connection) -> None:
+        connection.execute(
+            select(ApiToken.id).where(ApiToken.id.in_(ids)).order_by(ApiToken.id).with_for_update()
+        )
+
+    check_in_transaction(request, lock, before_others=True)
+
+
 #: ``rotate_token``'s ``expires_at`` when the token keeps its expiry.
 KEEP_EXPIRY: Any = object()
 

@@ -105,13 +105,19 @@ _TRANSACTION_CHECKS = "orchestrator.transaction_checks"
 TransactionCheck = Callable[[Connection], None]
 
 
-def check_in_transaction(request: Request, check: TransactionCheck) -> None:
+def check_in_transaction(request: Request, check: TransactionCheck, *, before_others: bool = False) -> None:
     """Have ``check(connection)`` run first in the request's transaction (``get_session``), once
     it begins (on the session's first statement): for what a guard read before it and a change
     committed since may have made untrue (a bearer token revoked while the request waited for a
     lock). Lazily: a handler may first do work in transactions of its own (on SQLite the
-    request's transaction holds the database's one write lock from its start)."""
-    request.scope.setdefault(_TRANSACTION_CHECKS, []).append(check)
+    request's transaction holds the database's one write lock from its start). Checks run in the
+    order registered; ``before_others`` puts this one first (a handler that must take locks in an
+    order of its own before the guards' locks: ``admin.tokens.lock_own_and_target``)."""
+    checks = request.scope.setdefault(_TRANSACTION_CHECKS, [])
+    if before_others:
+        checks.insert(0, check)
+    else:
+        checks.append(check)
 
 
 async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
