@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import select
@@ -11,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from asgi_lifespan import LifespanManager
+from prometheus_client import REGISTRY
 
 from orchestrator.app import create_app
 from orchestrator.core.clock import FakeClock
@@ -21,6 +24,7 @@ from orchestrator.core.signing import SignatureAuth
 from orchestrator.settings import LimitSettings, Settings
 from tests.conftest import Contributor, problem
 from tests.process_helpers import embedded_env, serving
+from tests.waits import HANG_S
 
 
 async def test_unknown_route_and_wrong_method_are_problems(client: httpx.AsyncClient) -> None:
@@ -632,6 +636,61 @@ async def test_the_served_docs_are_counted_under_their_own_route_in_the_metrics(
         assert f'orchestrator_http_requests_total{{method="GET",route="{path}",status="200"}}' in text
     assert 'route="unmatched",status="200"' not in text
     assert 'orchestrator_http_requests_total{method="GET",route="unmatched",status="404"}' in text
+
+
+def _pool_creations(status: int) -> float:
+    labels = {"method": "POST", "route": "/v1/admin/pools", "status": str(status)}
+    return REGISTRY.get_sample_value("orchestrator_http_requests_total", labels) or 0.0
+
+
+async def test_a_request_the_server_cancels_unanswered_is_counted_and_logged_as_499_not_500(
+    app: Any, admin_headers: dict[str, str]
+) -> None:
+    """A stopping server cancels the requests still under way after its grace (uvicorn's
+    timeout_graceful_shutdown): here an upload whose body never comes. It sent no answer and
+    failed in nothing, so it is counted (and logged: test_server_stop) with status 499 (as nginx names a request
+    that ended before its answer), not 500: a deploy's cancelled requests do not count as
+    server errors (deploy/prometheus/alerts.yaml, OrchestratorServerErrors). Before: 500."""
+    receiving = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        receiving.set()
+        await asyncio.Event().wait()  # the body never comes
+        raise AssertionError("unreachable")
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    headers = [(k.lower().encode(), v.encode()) for k, v in admin_headers.items()]
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/admin/pools",
+        "raw_path": b"/v1/admin/pools",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"testserver"),
+            (b"content-type", b"application/json"),
+            (b"content-length", b"100"),
+            *headers,
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("testserver", 80),
+    }
+    before = _pool_creations(499), _pool_creations(500)
+    request = asyncio.create_task(app(scope, receive, send))
+    await asyncio.wait_for(receiving.wait(), HANG_S)  # its head read, waiting for its body
+    request.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await request
+    assert sent == []
+    assert (_pool_creations(499), _pool_creations(500)) == (before[0] + 1, before[1])
 
 
 async def test_an_unknown_method_is_one_metrics_label_whatever_its_name(client: httpx.AsyncClient) -> None:

@@ -4,6 +4,7 @@ submit and the verifier works their results, and loses no result it answered 201
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -136,7 +137,7 @@ async def _load_then_sigterm(
 
 @pytest.mark.timeout(4 * HANG_S)
 def test_sigterm_under_load_stops_the_server_promptly_and_keeps_every_accepted_result(tmp_path: Path) -> None:
-    env = embedded_env(ORCH_LOG_LEVEL="WARNING")
+    env = embedded_env(ORCH_LOG_LEVEL="INFO")  # the requests' lines
     with serving(tmp_path, env) as (server, port):
         base = f"http://127.0.0.1:{port}"
         pool_id = _pool(base, _admin_headers(tmp_path, env), tasks=2000)
@@ -146,6 +147,13 @@ def test_sigterm_under_load_stops_the_server_promptly_and_keeps_every_accepted_r
     # stalled upload held the old server for as long as its connection lived.
     assert took is not None, f"the server had not exited {HANG_S:g} s after SIGTERM\n{log[-3000:]}"
     assert "timeout graceful shutdown exceeded" in log  # the stalled upload was cancelled
+    # ... and is logged (and counted in orchestrator_http_requests_total) as 499, not as a 500,
+    # which would count against the 5xx alert at every deploy: no answer was sent.
+    lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    requests = [line for line in lines if line["event"] == "request"]
+    cancelled = [r["status"] for r in requests if r.get("cancelled")]
+    assert cancelled and set(cancelled) == {499}, [r for r in requests if r["status"] >= 499]
+    assert not [r for r in requests if r["status"] == 500]
     with sqlite3.connect(tmp_path / "orchestrator.db") as db:
         stored = {row[0] for row in db.execute("SELECT assignment_id FROM submissions")}
     assert len(accepted) >= 20

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import secrets
 import time
@@ -20,6 +21,11 @@ REQUEST_ID_HEADER = "x-request-id"
 # so a scanner cannot grow the metrics' label sets without bound.
 _KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+#: The status the access log and ``orchestrator_http_requests_total`` give a request the server
+#: cancelled before answering it (a stopping server's, past its grace): nginx's "client closed
+#: request", a 4xx and so outside the 5xx alert. The client got no answer from the service (at
+#: most uvicorn's plain "Internal Server Error", if its connection was still open).
+CANCELLED_STATUS = 499
 log = structlog.get_logger("orchestrator.access")
 
 
@@ -41,17 +47,29 @@ class RequestContextMiddleware:
         scope.setdefault("state", {})["request_id"] = request_id
         started = time.perf_counter()
         status = 500
+        answering = False
 
         async def send_wrapper(message: Message) -> None:
-            nonlocal status
+            nonlocal status, answering
             if message["type"] == "http.response.start":
                 status = message["status"]
+                answering = True
                 message.setdefault("headers", [])
                 message["headers"] = [*message["headers"], (REQUEST_ID_HEADER.encode(), request_id.encode())]
             await send(message)
 
+        cancelled = False
         try:
             await self.app(scope, receive, send_wrapper)
+        except asyncio.CancelledError:
+            # The server cancelled the request: a stopping one, past its grace for the requests
+            # under way (cli.SHUTDOWN_GRACE_S). Unanswered, it is no server error (a deploy's
+            # would raise OrchestratorServerErrors): CANCELLED_STATUS, not the 500 it was counted
+            # as. One already answering keeps the status it sent.
+            cancelled = True
+            if not answering:
+                status = CANCELLED_STATUS
+            raise
         finally:
             elapsed = time.perf_counter() - started
             template = _route_template(scope)
@@ -59,12 +77,14 @@ class RequestContextMiddleware:
             label = method if method in _KNOWN_METHODS else "other"
             metrics.REQUESTS.labels(label, template, str(status)).inc()
             metrics.LATENCY.labels(label, template).observe(elapsed)
+            fields = {"cancelled": True} if cancelled else {}
             log.info(
                 "request",
                 method=method[:32],
                 route=template,
                 status=status,
                 duration_ms=round(elapsed * 1000, 2),
+                **fields,
             )
             structlog.contextvars.clear_contextvars()
 
