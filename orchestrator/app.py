@@ -25,7 +25,7 @@ from orchestrator.core.health import router as health_router
 from orchestrator.core.hotstore import HotStore
 from orchestrator.core.instance_lock import InstanceLock
 from orchestrator.core.logging import configure_logging
-from orchestrator.core.loops import exit_within, stop_loops
+from orchestrator.core.loops import ExitGuard, await_stuck, stop_loops
 from orchestrator.core.middleware import BodyLimitMiddleware, HostCheckMiddleware, RequestContextMiddleware
 from orchestrator.core.state import open_state
 from orchestrator.feed.router import router as feed_router
@@ -111,7 +111,7 @@ ROUTERS = (
 def serve_app() -> FastAPI:
     """The application of ``orchestrator serve`` (uvicorn's factory): its process exits promptly
     once stopped even when a request or tick it cancelled waits for another process's SQLite
-    write lock (``core.loops.CANCEL_WAIT_S``)."""
+    write lock (``core.loops.ExitGuard``)."""
     return create_app(exit_after_stop=True)
 
 
@@ -128,8 +128,8 @@ def create_app(
     tests: a test that drives the clock itself writes the serving marks itself
     (``liveness.serving``), or the sweeper would find them stale whenever it moves the clock; and
     tests keep the scoring processes (process-wide) from one app to the next. ``exit_after_stop``
-    (``serve_app``) ends the process ``core.loops.CANCEL_WAIT_S`` after the lifespan's cleanup if
-    anything still runs then (``core.loops.exit_within``)."""
+    (``serve_app``) ends the process if its stop outlasts its bound, or soon after the lifespan's
+    cleanup when a tick is stuck (``core.loops.ExitGuard``)."""
     settings = settings or get_settings()
     configure_logging(settings.log_level, json=settings.log_json)
 
@@ -164,7 +164,9 @@ def create_app(
         try:
             yield
         finally:
-            if await stop_loops(tasks, stop) or close_scoring:
+            guard = ExitGuard() if exit_after_stop else None
+            stopped = await stop_loops(tasks, stop)
+            if stopped.cancelled or close_scoring:
                 # The scoring processes (the verifier's, a validator verdict's), one a cancelled
                 # verifier may have left busy with a result among them: stopped now, not at exit:
                 # uvicorn ends a SIGTERM'd process with the signal, so no atexit handler runs, and
@@ -175,8 +177,9 @@ def create_app(
             await lock.release()
             await engine.dispose()
             metrics.process_ended()
-            if exit_after_stop:
-                exit_within()
+            if guard is not None:
+                guard.cleaned_up(stuck=bool(stopped.stuck))
+            await await_stuck(stopped.stuck)
 
     app = FastAPI(
         title="orchestrator",

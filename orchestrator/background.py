@@ -21,7 +21,7 @@ import structlog
 from orchestrator import __version__
 from orchestrator.core import metrics
 from orchestrator.core.alive import keep_alive
-from orchestrator.core.loops import exit_within, pause_after_more, run_periodically, stop_loops
+from orchestrator.core.loops import ExitGuard, await_stuck, pause_after_more, run_periodically, stop_loops
 from orchestrator.core.state import AppState, open_state
 from orchestrator.ledger import jobs as ledger_jobs
 from orchestrator.liveness import service as liveness
@@ -93,7 +93,7 @@ async def run(
     """Run the loops in this process until ``stop`` is set (or SIGINT/SIGTERM arrives); with
     ``alive_file``, keep that file fresh for a liveness probe (``orchestrator alive``); a
     ``metrics_server`` (``core.metrics.serve_background``) is shut down when the loops stop;
-    ``exit_after_stop`` (the CLI) ends the process soon after (``core.loops.exit_within``)."""
+    ``exit_after_stop`` (the CLI) bounds the stop (``core.loops.ExitGuard``)."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     handled = []
@@ -110,7 +110,9 @@ async def run(
     try:
         await stop.wait()
     finally:
-        if await stop_loops(tasks, stop):
+        guard = ExitGuard() if exit_after_stop else None
+        stopped = await stop_loops(tasks, stop)
+        if stopped.cancelled:
             await asyncio.to_thread(scoring.close_pools)  # a cancelled verifier's busy scorer
         if metrics_server is not None:
             await asyncio.to_thread(metrics_server.shutdown)
@@ -120,5 +122,6 @@ async def run(
         for sig in handled:
             loop.remove_signal_handler(sig)
         log.info("background_stopped")
-        if exit_after_stop:  # the CLI's process: what a cancelled tick left waiting ends with it
-            exit_within()
+        if guard is not None:  # the CLI's process: what a cancelled tick left waiting ends with it
+            guard.cleaned_up(stuck=bool(stopped.stuck))
+        await await_stuck(stopped.stuck)

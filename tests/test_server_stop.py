@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -40,6 +41,11 @@ STALLED_UPLOAD = (
     b"POST /v1/assignments/claim HTTP/1.1\r\nHost: 127.0.0.1\r\n"
     b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
 )
+
+
+def _log_lines(log: str) -> list[dict[str, Any]]:
+    """The service's JSON lines in ``log`` (uvicorn's own lines and tracebacks are plain text)."""
+    return [json.loads(line) for line in log.splitlines() if line.startswith("{")]
 
 
 def _admin_headers(cwd: Path, env: dict[str, str]) -> dict[str, str]:
@@ -149,8 +155,7 @@ def test_sigterm_under_load_stops_the_server_promptly_and_keeps_every_accepted_r
     assert "timeout graceful shutdown exceeded" in log  # the stalled upload was cancelled
     # ... and is logged (and counted in orchestrator_http_requests_total) as 499, not as a 500,
     # which would count against the 5xx alert at every deploy: no answer was sent.
-    lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
-    requests = [line for line in lines if line["event"] == "request"]
+    requests = [line for line in _log_lines(log) if line["event"] == "request"]
     cancelled = [r["status"] for r in requests if r.get("cancelled")]
     assert cancelled and set(cancelled) == {499}, [r for r in requests if r["status"] >= 499]
     assert not [r for r in requests if r["status"] == 500]
@@ -202,7 +207,39 @@ def test_a_server_stops_promptly_while_another_process_holds_the_write_lock(
         request.join(HANG_S)
     log = (tmp_path / "serve.log").read_text()
     assert exited, f"the server was still running 20 s after {sig.name}\n{log[-3000:]}"
+    # Its cleanup done, what was left only waited for the lock: ended, and a clean stop (0).
+    forced = [line for line in _log_lines(log) if line["event"] == "exit_forced"]
+    assert [(f["cleanup_done"], f["status"]) for f in forced] == [(True, 0)], log[-3000:]
+    assert server.returncode == 0
     assert answers and answers[0] != 201, answers
     with sqlite3.connect(tmp_path / "orchestrator.db") as db:
         assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
         assert db.execute("SELECT count(*) FROM pools").fetchone() == (0,)  # it never began
+
+
+# Run in the server's process at start (Python imports ``sitecustomize`` from its path): an exit
+# that takes a while after the service's own stop is done, as a library's atexit handler or a
+# thread still finishing can make it.
+SLOW_EXIT = """
+import atexit, time
+atexit.register(time.sleep, 3)
+"""
+
+
+@pytest.mark.timeout(4 * HANG_S)
+def test_a_server_whose_exit_is_merely_slow_is_not_cut_short_and_exits_0(tmp_path: Path) -> None:
+    """Stopped with nothing stuck, the server's own cleanup is done at once, and the rest of its
+    exit (here an atexit handler) takes 3 s: it is let finish, and the exit status is 0. Before,
+    the process was ended 1 s after its cleanup whatever was still running (``exit_forced``,
+    "tasks still waiting after the stop"), with status 1, as if something had hung."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_EXIT)
+    path = os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH", "")) if p)
+    env = embedded_env(ORCH_LOG_LEVEL="WARNING", PYTHONPATH=path)
+    with serving(tmp_path, env) as (server, _port):
+        server.send_signal(signal.SIGINT)  # SIGTERM ends uvicorn with the signal: no atexit
+        server.wait(HANG_S)
+    log = (tmp_path / "serve.log").read_text()
+    assert "exit_forced" not in log, log[-3000:]
+    assert server.returncode == 0, log[-3000:]

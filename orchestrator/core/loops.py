@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 
 import structlog
 
@@ -94,14 +95,24 @@ def _unreachable(exc: BaseException) -> bool:
 STOP_GRACE_S = 5.0
 
 
+@dataclasses.dataclass(frozen=True)
+class LoopsStopped:
+    """What ``stop_loops`` found: whether it cancelled a tick, and the cancelled ticks that had
+    still not ended ``CANCEL_WAIT_S`` later (``await_stuck``)."""
+
+    cancelled: bool
+    stuck: frozenset[asyncio.Task[None]]
+
+
 async def stop_loops(
     tasks: Sequence[asyncio.Task[None]], stop: asyncio.Event, *, grace_s: float = STOP_GRACE_S
-) -> bool:
+) -> LoopsStopped:
     """Set ``stop`` and wait for the loops: a tick under way gets ``grace_s`` to finish, then
     it is cancelled, so a stop is prompt whatever the tick waits for (a verifier batch scoring
     results one after the other, each up to ``reward_timeout_s``, took minutes). A cancelled
     tick loses nothing: its transaction rolls back, and a result it was scoring waits for the
-    next verifier. Returns whether a tick was cancelled."""
+    next verifier. A cancelled tick still running ``CANCEL_WAIT_S`` later is stuck (see there):
+    it is returned, for the caller to finish its own cleanup first and then ``await_stuck``."""
     stop.set()
     pending: set[asyncio.Task[None]] = set()
     if tasks:
@@ -113,42 +124,87 @@ async def stop_loops(
     if pending:
         _, stuck = await asyncio.wait(pending, timeout=CANCEL_WAIT_S)
     for task in stuck:
-        # Its rollback waits behind a statement that cannot be interrupted (see CANCEL_WAIT_S):
-        # left to end with the process.
+        # Its rollback waits behind a statement that cannot be interrupted (see CANCEL_WAIT_S).
         log.warning("background_tick_stuck", loop=task.get_name(), waited_s=CANCEL_WAIT_S)
     for task in tasks:
         if task not in stuck:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-    return bool(pending)
+    return LoopsStopped(cancelled=bool(pending), stuck=frozenset(stuck))
 
 
-#: How long ``stop_loops`` waits for a cancelled tick to end (its rollback takes milliseconds),
-#: and how long a stopping process lets what is still under way after its cleanup run
-#: (``exit_within``). What outlasts them waits for the database's write lock, which another
+async def await_stuck(stuck: Collection[asyncio.Task[None]]) -> None:
+    """The last step of a stop, after the rest of its cleanup: wait for the ticks ``stop_loops``
+    found stuck to end (their rollbacks wait for another process's write lock, at most SQLite's
+    busy timeout), so that none is left pending when the event loop closes: asyncio warned "Task
+    was destroyed but it is pending" for one left behind. A CLI process does not wait that long:
+    its ``ExitGuard`` ends it ``CANCEL_WAIT_S`` after its cleanup, and exit status 0, meanwhile."""
+    if not stuck:
+        return
+    log.warning("stop_awaiting_stuck_ticks", loops=sorted(task.get_name() for task in stuck))
+    await asyncio.wait(stuck)
+    for task in stuck:
+        if not task.cancelled():
+            task.exception()  # retrieved: run_periodically logs its ticks' own errors
+
+
+#: How long a stopping process lets what is still under way after its cleanup run
+#: (``ExitGuard``). What outlasts it waits for the database's write lock, which another
 #: process holds (the ``sqlite3`` shell in a transaction, an ``orchestrator admin`` command on
 #: the same file): SQLite's busy handler, in the connection's thread, waits up to the busy timeout
 #: (30 s) and neither a cancel nor ``sqlite3.Connection.interrupt()`` ends that wait; the
 #: cancelled tick's (or request's) rollback is queued behind it, and the process waited for
-#: each, 20-35 s after SIGTERM.
+#: each, 20-35 s after SIGTERM. Also how long ``stop_loops`` waits for a cancelled tick to end
+#: (its rollback takes milliseconds) before it calls it stuck.
 CANCEL_WAIT_S = 1.0
 
+#: The most a CLI process's stop may take from the start of its cleanup (``ExitGuard``): the
+#: loops' grace, the wait for the ticks it cancels, and 9 s for the rest of the cleanup and the
+#: interpreter's own exit (executor threads, atexit handlers), which take well under a second
+#: when nothing is stuck. ``serve`` begins its cleanup after the requests' 5 s grace
+#: (cli.SHUTDOWN_GRACE_S): 20 s after SIGTERM at most, within the Kubernetes manifests' 25 s.
+EXIT_BOUND_S = STOP_GRACE_S + CANCEL_WAIT_S + 9.0
 
-def exit_within(seconds: float = CANCEL_WAIT_S) -> threading.Timer:
-    """End this process ``seconds`` from now if it is still running (a daemon timer, so a process
-    that exits meanwhile does not wait for it). For a process whose cleanup is done: what is
-    left waits for another process's write lock (``CANCEL_WAIT_S``) and holds nothing; ending
-    the process then is what a SIGKILL does, which SQLite's and PostgreSQL's commits are
-    atomic against. Not for the tests' in-process apps."""
 
-    def _exit() -> None:
-        log.warning("exit_forced", waited_s=seconds, reason="tasks still waiting after the stop")
+class ExitGuard:
+    """Ends a CLI process (``serve``, ``background``) whose stop does not end it. Armed when its
+    cleanup starts: if the process still runs ``EXIT_BOUND_S`` later, it ends with ``exit_forced``;
+    once the cleanup is done (``cleaned_up``) and a tick was stuck, it ends ``CANCEL_WAIT_S``
+    later already, since what is left then only waits for another process's lock.
+
+    The exit status says whether the service's own stop completed. 0 once the cleanup is done
+    (loops stopped, scoring processes, hot store and database connections closed, instance lock
+    released): what still runs then holds nothing (a rollback waiting for a lock has begun
+    nothing, a reward function's thread only computes), and ending it is what a SIGKILL does,
+    which SQLite's and PostgreSQL's commits are atomic against. 1 if the cleanup itself had not
+    completed within the bound: something the stop needs hung (a database or Redis that stopped
+    answering). Before, the process was ended with status 1 one second after its cleanup
+    whatever was running, a slow but sound exit (an atexit handler, a thread finishing) too.
+    Not for the tests' in-process apps."""
+
+    def __init__(self, seconds: float = EXIT_BOUND_S) -> None:
+        self._done = False
+        self._timer: threading.Timer | None = None
+        self._arm(seconds, "stop_bound")
+
+    def _arm(self, seconds: float, reason: str) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        # A daemon timer: a process that exits meanwhile does not wait for it.
+        self._timer = threading.Timer(seconds, self._exit, args=(seconds, reason))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def cleaned_up(self, stuck: bool) -> None:
+        """The cleanup is done; ``stuck``: a tick is known to wait still (``stop_loops``)."""
+        self._done = True
+        if stuck:
+            self._arm(CANCEL_WAIT_S, "ticks_stuck")
+
+    def _exit(self, waited_s: float, reason: str) -> None:
+        status = 0 if self._done else 1
+        log.warning("exit_forced", waited_s=waited_s, reason=reason, cleanup_done=self._done, status=status)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
-        os._exit(1)
-
-    timer = threading.Timer(seconds, _exit)
-    timer.daemon = True
-    timer.start()
-    return timer
+        os._exit(status)
