@@ -262,6 +262,12 @@ class Problem(BaseModel):
     errors: list[dict[str, Any]] | None = Field(
         default=None, description="Validation errors, for 422 and 400 invalid_query / invalid_header"
     )
+    provider_retired: bool | None = Field(
+        default=None,
+        description="403 node_banned only (always there): true when the node is banned because an "
+        "admin retired its provider (the provider key lost or stolen: the node is revoked for good and "
+        "the provider's money went to its successor), false for any other ban",
+    )
 
 
 class Page(BaseModel, Generic[T]):

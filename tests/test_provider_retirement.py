@@ -224,6 +224,46 @@ async def test_the_retired_key_is_refused_everywhere(app: Any, app_state: Any, c
         assert r.json()["stake_free"] == 500
 
 
+async def test_a_retired_providers_node_is_told_that_its_ban_is_the_retirement(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A worker run without the provider key cannot ask whether its provider was retired (only
+    the provider key can, and is refused provider_retired): every refusal of its node's key says
+    so, ``provider_retired: true`` in the node_banned problem, and false for a node banned for
+    anything else (here an admin's ban). Before, the two problems were the same."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1500) as s:
+        [lost] = s.workers
+        banned = await s.add_worker(stake=1000)
+        heir = await registered_provider(s)
+        lease = await one_lease(s, lost)
+        r = await s.admin.post(
+            f"/v1/admin/nodes/{banned.node_id}/ban", json={"reason": "cheating"}, headers=s.admin_headers
+        )
+        assert r.status_code == 200, r.text
+        assert (await retire(s, lost.contributor.provider_id, heir.provider_id)).status_code == 201
+
+        for w, retired in ((lost, True), (banned, False)):
+            auth = w.contributor.node_auth
+            answers = {
+                "claim": await w.claim(s.pool_id),
+                "result": await w.submit(lease),
+                "release": await w.release(lease),
+                "heartbeat": await w.beat(),
+                "me": await w.client.get("/v1/nodes/me", auth=auth),
+                "leases": await w.client.get("/v1/nodes/me/leases", auth=auth),
+                "verdicts": await w.client.get("/v1/nodes/me/verdicts", auth=auth),
+                "policy": await w.client.get(f"/v1/pools/{s.pool_id}/policy", auth=auth),
+                "join": await join(w.client, w.contributor, s.pool_id),
+                "leave": await leave(w.client, w.contributor, s.pool_id),
+            }
+            for route, answer in answers.items():
+                body = problem(answer, 403, "node_banned")
+                assert body["provider_retired"] is retired, (route, body)
+                assert ("retired its provider" in body["detail"]) is retired, (route, body)
+        schemas = (await s.admin.get("/openapi.json")).json()["components"]["schemas"]
+        assert "node_banned" in schemas["Problem"]["properties"]["provider_retired"]["description"]
+
+
 async def test_the_same_call_again_is_answered_the_same_and_changes_nothing(
     app: Any, app_state: Any, clock: FakeClock
 ) -> None:

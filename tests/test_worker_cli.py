@@ -420,7 +420,9 @@ def test_worker_run_ends_by_itself_with_a_status_of_its_own_when_no_work_can_com
 ) -> None:
     """A worker whose pool completed exits 3, one whose node left the pool 4, one whose provider
     an admin retired 5, each with the stats (no earnings after a retirement: they are the
-    successor's) and a line saying why; before, each asked the server for ever."""
+    successor's) and a line saying why; before, each asked the server for ever. A worker of the
+    retired provider run without --provider-key exits 5 too (its node's refusal says why): it
+    exited 4, as a banned node's."""
     url, env = server
     headers = admin_headers(env)
 
@@ -443,9 +445,22 @@ def test_worker_run_ends_by_itself_with_a_status_of_its_own_when_no_work_can_com
             "left": (keys("left"), pool),
             "retired": (keys("retired"), pool),
         }
+        # Another machine of the retired provider, registered by it and run with its node key only.
+        keyless_node = tmp_path / "keyless-node.key"
+        assert runner.invoke(app, ["keys", "generate", str(keyless_node)]).exit_code == 0
+        ids([runs["retired"][0][0], runs["retired"][0][1], "--node-key", str(keyless_node)])
+        runs["keyless"] = (["--node-key", str(keyless_node)], pool)
+        specs = WORKER_ARGS.index("--cpu-cores")  # sent only with the provider key
         procs = {
             name: subprocess.Popen(
-                cli(*WORKER_ARGS, "--server", url, "--pool", pool_id, *key_args),
+                cli(
+                    *(WORKER_ARGS if name != "keyless" else WORKER_ARGS[:specs]),
+                    "--server",
+                    url,
+                    "--pool",
+                    pool_id,
+                    *key_args,
+                ),
                 env=env,
                 cwd=ROOT,
                 stdout=subprocess.PIPE,
@@ -464,7 +479,7 @@ def test_worker_run_ends_by_itself_with_a_status_of_its_own_when_no_work_can_com
                 )
                 return len(r.json()["items"])
 
-            _wait(lambda: members(done_pool) == 1 and members(pool) == 2, HANG_S, "the workers' joins")
+            _wait(lambda: members(done_pool) == 1 and members(pool) == 3, HANG_S, "the workers' joins")
             for action in ("pause", "complete"):
                 r = http.post(f"/v1/admin/pools/{done_pool}/{action}", headers=headers)
                 assert r.status_code == 200, r.text
@@ -488,12 +503,14 @@ def test_worker_run_ends_by_itself_with_a_status_of_its_own_when_no_work_can_com
                     proc.kill()
                     proc.communicate()
     codes = {name: proc.returncode for name, proc in procs.items()}
-    assert codes == {"completed": 3, "left": 4, "retired": 5}, ended
+    assert codes == {"completed": 3, "left": 4, "retired": 5, "keyless": 5}, ended
     said = {name: " ".join(err.split()) for name, (_, err) in ended.items()}
     stats = {name: json.loads(out.strip().splitlines()[-1]) for name, (out, _) in ended.items()}
     assert f"the worker ended: the pool {done_pool} is over (the pool is completed)" in said["completed"]
     assert f"the worker ended: the node left the pool {pool}" in said["left"]
     assert f"the worker ended: the provider {retired} was retired by an admin" in said["retired"]
     assert "went to the successor provider" in said["retired"]
+    assert f"the worker ended: the provider {retired} was retired by an admin" in said["keyless"]
     assert stats["retired"]["earnings"] is None and stats["left"]["earnings"] == 0
+    assert stats["keyless"]["earnings"] is None
     assert all(s["state"] == "stopped" and s["in_flight"] == 0 for s in stats.values())

@@ -1256,6 +1256,38 @@ async def test_a_retired_providers_worker_ends_saying_its_money_went_to_the_succ
         assert end.stats.in_flight == 0 and end.stats.submitted == 1
 
 
+@pytest.mark.parametrize("when", ["running", "at_start"])
+async def test_a_retired_providers_worker_without_the_provider_key_ends_as_retired(
+    app: Any, app_state: Any, gate: asyncio.Event, when: str
+) -> None:
+    """Without the provider key the worker has only its node's refusals to go by: they say the
+    provider was retired (node_banned, provider_retired: true), so it ends as retired (the CLI
+    exits 5), not as banned (exit 4), whether the retirement comes while it runs, every slot
+    taken by a lease it cannot submit, or before it starts."""
+    from tests.test_provider_retirement import registered_provider, retire
+
+    node_key, provider_key = generate_key(), generate_key()
+    provider_id = key_id_of(provider_key)
+    async with pool_setup(app, app_state, economics=ECON) as s:
+        async with WorkerClient(BASE_URL, node_key, provider_key, transport=app_transport(app)) as provider:
+            await provider.register(SPECS, "1")  # the provider registers the machine beforehand
+        heir = await registered_provider(s)
+        if when == "at_start":
+            assert (await retire(s, provider_id, heir.provider_id)).status_code == 201
+            run, _ = start_quick(app, s.pool_id, node_key=node_key, provider_key=None)
+        else:
+            await s.enqueue(arithmetic_tasks(1, seed=35))
+            run, _ = start_quick(app, s.pool_id, node_key=node_key, provider_key=None, backend="gated")
+            await run.until(lambda st: st.in_flight == 1)  # its one slot, held at the gate
+            assert (await retire(s, provider_id, heir.provider_id)).status_code == 201
+        end = await ended(run)
+        assert end.reason == "provider_retired", end.detail
+        assert "was retired by an admin" in end.detail and "successor" in end.detail
+        if when == "running":  # it read its provider from its record at the start
+            assert f"the provider {provider_id} was retired" in end.detail
+        assert end.stats.earnings is None and end.stats.in_flight == 0 and end.stats.submitted == 0
+
+
 async def test_a_worker_whose_provider_was_blacklisted_from_the_pool_does_not_say_it_left(
     app: Any, app_state: Any
 ) -> None:

@@ -21,7 +21,7 @@ from fastapi.security import APIKeyHeader
 from sqlalchemy import bindparam, select
 
 from orchestrator.core import ratelimit
-from orchestrator.core.errors import BadRequest, Forbidden, RateLimited, Unauthorized
+from orchestrator.core.errors import BadRequest, RateLimited, Unauthorized
 from orchestrator.core.hotstore import Quota
 from orchestrator.core.routing import before_body, guarded_answer
 from orchestrator.core.signing import (
@@ -35,7 +35,7 @@ from orchestrator.core.signing import (
 from orchestrator.core.state import AppState, Session, State, app_state
 from orchestrator.identity import repository as repo
 from orchestrator.identity.models import Node, NodeStatus, Provider
-from orchestrator.identity.service import network_of, retired_provider
+from orchestrator.identity.service import banned_node_of, network_of, retired_provider
 
 # Declares the scheme in the OpenAPI document; the checks are ours (auto_error=False).
 signature_scheme = APIKeyHeader(
@@ -294,16 +294,12 @@ def unknown_node() -> Unauthorized:
     return signature_refused("no node is registered with this key", code="unknown_key")
 
 
-def banned_node() -> Forbidden:
-    return Forbidden("this node is banned", code="node_banned")
-
-
 async def current_node(signed: Signed, session: Session) -> Node:
     node = await repo.get_node(session, signed.keyid)
     if node is None:
         raise unknown_node()
     if node.status == NodeStatus.banned:
-        raise banned_node()
+        raise await banned_node_of(session, node.id)
     structlog.contextvars.bind_contextvars(node_id=node.id)
     return node
 
@@ -326,10 +322,10 @@ async def signed_node(signed: Signed, state: State) -> NodeRef:
     autocommit SELECT: no BEGIN/COMMIT round trips), for paths that mostly touch the hot store."""
     async with state.reader.connect() as conn:
         row = (await conn.execute(_NODE_REF, {"node_id": signed.keyid})).first()
+        if row is not None and row.status == NodeStatus.banned:
+            raise await banned_node_of(conn, signed.keyid)
     if row is None:
         raise unknown_node()
-    if row.status == NodeStatus.banned:
-        raise banned_node()
     structlog.contextvars.bind_contextvars(node_id=signed.keyid)
     return NodeRef(signed.keyid, row.provider_id, row.ip_address, row.status)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 
-from sqlalchemy.ext.asyncio import AsyncSession, async_object_session
+from sqlalchemy import bindparam, select
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_object_session
 
 from api_schemas.common import Page
 from api_schemas.identity import NodeMembership, NodeOut, NodeRegister, NodeSpecs, ProviderOut
@@ -97,6 +98,35 @@ def retired_provider() -> Forbidden:
         "successor, and the key can do nothing any more; sign with the successor's key",
         code="provider_retired",
     )
+
+
+def banned_node(*, provider_retired: bool) -> Forbidden:
+    """A request signed with a banned node's key (an admin's or the verifier's ban, its
+    provider's revocation, or its provider's retirement, which revokes every node of the
+    provider). ``provider_retired`` says which of the last it is: the node's problem carries it,
+    so a worker that has only the node key can tell its provider's retirement from a ban."""
+    if provider_retired:
+        detail = (
+            "this node is banned: an admin retired its provider (the provider key lost or stolen), "
+            "which revoked the provider's nodes for good; their money went to the successor provider"
+        )
+    else:
+        detail = "this node is banned"
+    return Forbidden(detail, code="node_banned", extra={"provider_retired": provider_retired})
+
+
+_PROVIDER_RETIRED = (
+    select(Provider.retired_at.is_not(None))
+    .join(Node, Node.provider_id == Provider.id)
+    .where(Node.id == bindparam("node_id"))
+)
+
+
+async def banned_node_of(db: AsyncSession | AsyncConnection, node_id: str) -> Forbidden:
+    """``banned_node`` for the banned node ``node_id``, its provider's retirement read (one
+    primary-key join, made only for a banned node's request)."""
+    retired = (await db.execute(_PROVIDER_RETIRED, {"node_id": node_id})).scalar_one_or_none()
+    return banned_node(provider_retired=bool(retired))
 
 
 async def register_provider(
@@ -197,8 +227,8 @@ async def register_node(
         )
     if node.revoked_at is not None:  # revoked since the first read, which this one waited for
         raise revoked_key()
-    if node.status == NodeStatus.banned:
-        raise Forbidden("this node is banned", code="node_banned")
+    if node.status == NodeStatus.banned:  # its provider is not retired: checked above
+        raise banned_node(provider_retired=False)
     if not created:
         if values["ip_address"] != node.ip_address:
             await _within_ip_caps(session, node, str(values["ip_address"]))

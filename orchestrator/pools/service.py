@@ -83,6 +83,7 @@ from orchestrator.core.errors import Conflict, Forbidden, NotFound, Unprocessabl
 from orchestrator.core.sql import is_postgres
 from orchestrator.identity import repository as identity_repo
 from orchestrator.identity.models import Node, NodeStatus
+from orchestrator.identity.service import banned_node_of
 from orchestrator.ledger import service as ledger
 from orchestrator.ledger.heirs import heirs
 from orchestrator.pools import repository as repo
@@ -734,7 +735,7 @@ async def join(
         await identity_repo.get_provider(session, node.provider_id, for_share=True)
         await session.refresh(node, ["status"], with_for_update={"key_share": True})
         if node.status == NodeStatus.banned:
-            raise Forbidden("this node is banned", code="node_banned")
+            raise await banned_node_of(session, node.id)
     pool = await repo.get_pool(session, pool_id, for_update=True)
     if pool is None:
         raise NotFound("no pool with this id", code="pool_not_found")

@@ -57,8 +57,9 @@ from orchestrator.core.digest import body_digests
 from orchestrator.core.errors import Conflict, NotFound, ServiceUnavailable, UnprocessableEntity
 from orchestrator.core.signing import SignedRequest
 from orchestrator.core.sql import is_postgres
-from orchestrator.identity.auth import banned_node, unknown_node
+from orchestrator.identity.auth import unknown_node
 from orchestrator.identity.models import Node, NodeStatus
+from orchestrator.identity.service import banned_node_of
 from orchestrator.ledger.service import MAX_AMOUNT
 from orchestrator.pools.models import Pool, PoolMembership
 from orchestrator.tasks.models import (
@@ -720,7 +721,7 @@ async def claim(
         raise unknown_node()
     ctx = ClaimContext(*row)
     if ctx.node_status == NodeStatus.banned:
-        raise banned_node()
+        raise await banned_node_of(conn, signed_keyid)
     if ctx.pool_status is None:
         raise NotFound("no pool with this id", code="pool_not_found")
     if ctx.pool_status == "paused":
@@ -1485,7 +1486,7 @@ async def _refuse_signer(conn: AsyncConnection, node_id: str) -> None:
     if status is None:
         raise unknown_node()
     if status == NodeStatus.banned:
-        raise banned_node()
+        raise await banned_node_of(conn, node_id)
 
 
 _HOLDER_OF = text("SELECT node_id FROM assignments WHERE id = :assignment_id")
@@ -1553,7 +1554,7 @@ async def submit_result(
     if ctx.signer_status is None:
         raise unknown_node()
     if ctx.signer_status == NodeStatus.banned:
-        raise banned_node()
+        raise await banned_node_of(conn, node_id)
     if ctx.node_id != node_id:
         raise NotFound("no assignment with this id for this node", code="assignment_not_found")
     digest = hashlib.sha256(signed.body).hexdigest()

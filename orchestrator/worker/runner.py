@@ -29,8 +29,10 @@ but a revoked node's, whose results the server would refuse, stop at once), and 
 ``pool_not_active`` or ``not_a_member`` and the node's record (``GET /v1/nodes/me``) shows its
 membership in the pool ended (``pool_completed``: completing a pool ends every membership;
 ``membership_ended``: left, ejected or rejected; a pending one waits, as a paused pool does),
-or a refusal as ``node_banned`` while the provider key is refused as ``provider_retired``
-(``provider_retired``: its earnings, its successor's now, are no longer shown).
+or a refusal as ``node_banned`` that says its provider was retired (``provider_retired: true``,
+which a worker without the provider key goes by) or, from a server that does not say, while the
+provider key is refused as ``provider_retired`` (``provider_retired``: its earnings, its
+successor's now, are no longer shown).
 """
 
 from __future__ import annotations
@@ -79,6 +81,16 @@ NOT_REACHED_STATUSES = frozenset({429, 502, 503, 504})
 MEMBERSHIP_REASONS = frozenset({"pool_not_active", "not_a_member"})
 # Memberships that ended: no work comes to the node in the pool until it joins again.
 ENDED_MEMBERSHIPS = frozenset({"left", "ejected", "rejected"})
+
+
+def _says_retired(exc: BaseException) -> bool:
+    """A refusal of the node key that says an admin retired its provider (``node_banned`` with
+    ``provider_retired: true``): the node is revoked for good, as its provider's key is."""
+    return (
+        isinstance(exc, OrchestratorAPIError)
+        and exc.code == "node_banned"
+        and exc.body.get("provider_retired") is True
+    )
 
 
 def local_specs() -> NodeSpecs:
@@ -203,7 +215,7 @@ async def run_worker(
     Raises ``OrchestratorAPIError`` for refusals that waiting will not fix (a refused join,
     an unknown pool, a banned node, a bad signature), after giving back the leases it holds;
     ``WorkerEnded`` (with the final stats) when the pool completed, the node's membership
-    ended or its provider was retired.
+    ended or its provider was retired (with or without the provider key).
     """
     try:
         node_key, provider_key = await config.load_keys()
@@ -284,8 +296,11 @@ class _Worker:
         self.end: tuple[str, str] | None = None
         #: Set with ``end``: the claim loop's waits end at once, as on a stop.
         self.ending = asyncio.Event()
-        #: The provider key was refused as ``provider_retired``: its earnings are not shown.
+        #: The provider was retired (its key refused as ``provider_retired``, or the node's as
+        #: ``node_banned`` saying so): its earnings are not shown.
         self.provider_retired = False
+        #: The node's provider, as its record gives it (for a worker without the provider key).
+        self.provider_id: str | None = None
 
     # ------------------------------------------------------------------ top level
 
@@ -294,8 +309,10 @@ class _Worker:
         try:
             interval = await self._start()
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
-            if isinstance(exc, OrchestratorAPIError) and exc.code == "provider_retired":
-                self._retired()  # its registration refused: nothing is held yet
+            if isinstance(exc, OrchestratorAPIError) and (
+                exc.code == "provider_retired" or _says_retired(exc)
+            ):
+                self._retired()  # its registration or its node refused: nothing is held yet
                 assert self.end is not None
                 raise WorkerEnded(*self.end, self._stopped()) from exc
             if not self.stop.is_set():
@@ -337,6 +354,7 @@ class _Worker:
             node = await self.client.register(specs, c.version, stop=self.stop)
         else:
             node = await self.client.me(stop=self.stop)  # registered by its provider beforehand
+            self.provider_id = node.provider_id
         membership = await self.client.join(c.pool_id, c.invite_code, stop=self.stop)
         log.info(
             "worker_joined",
@@ -474,9 +492,13 @@ class _Worker:
 
     async def _refused(self, exc: OrchestratorAPIError) -> None:
         """A refusal that waiting will not fix: raised, but for a node banned because an admin
-        retired its provider (the provider key is refused as ``provider_retired``), which sets
-        why the run ends instead."""
-        if exc.code == "node_banned" and self.has_provider_key:
+        retired its provider, which sets why the run ends instead. The refusal says so
+        (``provider_retired: true``); from a server whose refusal does not, the provider key
+        tells (refused as ``provider_retired``), when the worker has it."""
+        if _says_retired(exc):
+            self._retired()
+            return
+        if exc.code == "node_banned" and "provider_retired" not in exc.body and self.has_provider_key:
             try:
                 await self.client.balance(stop=self.stop)
             except OrchestratorAPIError as refused:
@@ -488,11 +510,12 @@ class _Worker:
         raise exc
 
     def _retired(self) -> None:
-        """The provider key was refused as ``provider_retired``: the provider's money is its
-        successor's now, so no earnings are shown, and the run ends."""
+        """The provider was retired (its key refused as ``provider_retired``, or the node's
+        refusal says so): the provider's money is its successor's now, so no earnings are shown,
+        and the run ends."""
         self.provider_retired = True
         self.stats.earnings = None
-        provider = self.client.provider_id or "of this worker"
+        provider = self.client.provider_id or self.provider_id or "of this worker"
         self._end(
             "provider_retired",
             f"the provider {provider} was retired by an admin (its key lost or stolen): its "
@@ -801,6 +824,10 @@ class _Worker:
             )
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
             self._error("heartbeat_failed", error=_why(exc))
+            if _says_retired(exc):
+                # The run ends, also while every slot is taken by a lease (its node is revoked:
+                # it cannot be submitted) and without the provider key.
+                self._retired()
             return None
         for aid in beat.drop_leases:
             task = self.running.get(aid)
@@ -846,7 +873,9 @@ class _Worker:
                 balance = await self.client.balance(stop=self.stop)
                 self.stats.earnings = balance.rewards_pending + balance.rewards_claimable + balance.withdrawn
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
-            if isinstance(exc, OrchestratorAPIError) and exc.code == "provider_retired":
+            if (isinstance(exc, OrchestratorAPIError) and exc.code == "provider_retired") or _says_retired(
+                exc
+            ):
                 # No longer shown, they are the successor's now; and the run ends, also while
                 # every slot is taken by a lease (its node is revoked: it cannot be submitted).
                 self._retired()
