@@ -60,6 +60,34 @@ async def test_a_number_field_takes_a_json_number_only(app: Any, app_state: Any)
         assert [lease["task"]["sampling"]["temperature"] for lease in leases] == [0.6]
 
 
+async def test_a_pending_member_is_told_to_claim_again_within_seconds(app: Any, app_state: Any) -> None:
+    """An approval pool's operator may approve a pending join at any moment: the claim tells the
+    node to ask again in 5 s, as an idle member's no_tasks does, so its work starts within
+    seconds of the approval (it said 60 s, and the worker waited them out). A node that is no
+    member (it left) is still told 60 s: no work comes until it joins again."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        r = await s.admin.patch(
+            f"/v1/admin/pools/{s.pool_id}", json={"admission": "approval"}, headers=s.headers
+        )
+        assert r.status_code == 200, r.text
+        await s.enqueue([task()])
+        pending = await s.add_worker()
+        r = await pending.claim(s.pool_id)
+        assert r.status_code == 200, r.text
+        assert (r.json()["reason"], r.json()["leases"]) == ("not_a_member", [])
+        assert "approve" in r.json()["detail"]
+        assert r.json()["retry_after_s"] == 5 and r.headers["retry-after"] == "5"
+        w = s.workers[0]
+        await w.client.post(f"/v1/pools/{s.pool_id}/leave", json={}, auth=w.contributor.node_auth)
+        r = await w.claim(s.pool_id)
+        assert r.json()["reason"] == "not_a_member" and r.headers["retry-after"] == "60"
+        r = await s.admin.post(
+            f"/v1/admin/pools/{s.pool_id}/members/{pending.node_id}/approve", headers=s.headers
+        )
+        assert r.status_code == 200, r.text
+        assert len((await pending.claim(s.pool_id)).json()["leases"]) == 1
+
+
 async def test_no_work_reasons(app: Any, app_state: Any, clock: Any) -> None:
     async with pool_setup(app, app_state, workers=1, step=None, max_leases_per_node=1) as s:
         w = s.workers[0]

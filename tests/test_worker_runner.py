@@ -1227,6 +1227,43 @@ async def test_a_pending_membership_keeps_the_worker_waiting_for_the_operator(
         assert (await run.finish()).state == "stopped"
 
 
+@dataclass
+class ClaimAnswers(FaultyTransport):
+    """Keeps every claim's answer: its no-work reason and Retry-After, or its leases."""
+
+    answers: list[tuple[str | None, str | None]] = field(default_factory=list)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await super().handle_async_request(request)
+        if request.url.path == "/v1/assignments/claim" and response.status_code == 200:
+            body = json.loads(await response.aread())
+            self.answers.append((body["reason"], response.headers.get("retry-after")))
+        return response
+
+
+async def test_an_approval_starts_a_pending_workers_work_within_seconds(app: Any, app_state: Any) -> None:
+    """While its join waits for the operator's approval, the worker is told to claim again in
+    5 s (it was told 60 s, and waited them out, so work started up to a minute after the
+    approval), and after the approval its next claim takes the task. The waits are read from
+    the claims' answers, not timed."""
+    async with pool_setup(app, app_state) as s:
+        url = f"/v1/admin/pools/{s.pool_id}"
+        r = await s.admin.patch(url, json={"admission": "approval"}, headers=s.headers)
+        assert r.status_code == 200, r.text
+        await s.enqueue(arithmetic_tasks(1, seed=36))
+        wire = ClaimAnswers(app_transport(app))
+        run = start(app, s.pool_id, transport=wire)
+        await run.until(lambda st: st.idle_reason == "not_a_member")
+        assert wire.answers[0] == ("not_a_member", "5"), wire.answers
+        r = await s.admin.post(f"{url}/members/{run.latest.node_id}/approve", headers=s.headers)
+        assert r.status_code == 200, r.text
+        await run.until(lambda st: st.submitted == 1, within=HANG_S)
+        await run.finish()
+        pending = [wait for reason, wait in wire.answers if reason == "not_a_member"]
+        assert pending and set(pending) == {"5"}, wire.answers
+        assert wire.answers[len(pending)] == (None, None), wire.answers  # then leased at once
+
+
 async def test_a_retired_providers_worker_ends_saying_its_money_went_to_the_successor(
     app: Any, app_state: Any, gate: asyncio.Event
 ) -> None:

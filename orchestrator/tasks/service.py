@@ -88,6 +88,10 @@ RETRY_AFTER_S = {
     "lease_cap_reached": 10,
     "no_policy": 30,
 }
+# ``not_a_member`` for a membership pending approval: the operator may approve it at any moment,
+# and its node should start within seconds of that, not after a minute. As often as an idle
+# member's ``no_tasks``, so a fleet waiting for approval costs what an idle one does.
+PENDING_RETRY_AFTER_S = 5
 # A node that reports FAILURE_STREAK leases in a row failed on it in a pool (releases with an
 # error, no result of its own in between) is refused claims there (``node_failing``) for
 # FAILURE_COOLDOWN_S, doubled with each further failure, up to FAILURE_COOLDOWN_MAX_S: a broken
@@ -728,6 +732,9 @@ async def claim(
         return _no_work("pool_paused", "the pool is paused")
     if ctx.pool_status != "active":
         return _no_work("pool_not_active", f"the pool is {ctx.pool_status}")
+    if ctx.member_status == "pending":
+        detail = "this node's join of the pool waits for the pool's operator to approve it"
+        return _no_work("not_a_member", detail, retry_after_s=PENDING_RETRY_AFTER_S)
     if ctx.member_status != "active":
         return _no_work("not_a_member", "this node is not an active member of the pool")
     if ctx.node_status != NodeStatus.healthy:
