@@ -46,8 +46,9 @@ class VerdictOut(BaseModel):
         "or could not score), held as that acceptance's reward would have been: to the end of the "
         "result's own hold window (reward_hold_s from this verdict's decided_at; due at once if that "
         "has passed), and forfeited by a fraud verdict against the node decided within it (see "
-        "reward_forfeited_by), or in part by a soft-invalid penalty decided within it, for what the "
-        "rewards then on hold lacked; 0 otherwise (an inconclusive verdict's appeal pays nothing)",
+        "reward_forfeited_by), or in part by a soft-invalid penalty decided within it, for what it would "
+        "have taken of that reward on hold, oldest first; 0 otherwise (an inconclusive verdict's appeal "
+        "pays nothing)",
     )
     reward_forfeited_by: int | None = Field(
         default=None,

@@ -1099,52 +1099,67 @@ async def test_a_soft_invalid_penalty_in_the_results_window_takes_from_what_its_
         await books_balance(app_state)
 
 
-@pytest.mark.parametrize(("penalty", "forfeited"), [(5, 0), (10, 3)])
-async def test_a_penalty_takes_from_the_appeals_payment_only_what_the_rewards_on_hold_lacked(
-    app: Any, app_state: Any, client: Any, penalty: int, forfeited: int
+@pytest.mark.parametrize("penalty", [5, 10])
+async def test_a_penalty_takes_from_the_appeals_payment_as_from_the_oldest_reward_on_hold(
+    app: Any, app_state: Any, client: Any, penalty: int
 ) -> None:
     """R is rejected (wrongly), an honest result H is accepted (7 on hold), then an invalid
-    verdict I's penalty takes from H: all it asked (5 of 7), or 7 of 10. The appeal of R pays 14
-    and I takes from it only what it lacked (nothing, or 3): the node ends with what it would
-    have had had R been accepted, 21 less the penalty."""
+    verdict I's penalty takes from H: all it asked (5 of 7), or 7 of 10. Had R been accepted,
+    its reward would have been the oldest on hold and I would have taken its penalty from it,
+    none of H's. The appeal of R pays 14, I takes its penalty of it and gives back what it took of
+    H: the node ends with 21 less the penalty, as it would have, held as it would have been.
+    (Before, I took only what it lacked, 0 or 3, and H's reward stayed forfeited; the same total,
+    until H's verdict is reversed: see the test after the next.)"""
     econ = {**ECON, "soft_invalid_penalty": penalty}
     async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
         w = s.workers[0]
         v = await rejected_right(s, w, app_state, "invalid")
-        await honest(s, w, app_state)
+        h = await honest(s, w, app_state)
         i = await rejected_right(s, w, app_state, "invalid")
         assert i["slashed_amount"] == min(penalty, 7)
         r = await reverse(s, v["id"])
         assert r.status_code == 200, r.text
         b = await balances(client, w)
         assert b["rewards_pending"] == 7 + 14 - penalty, b
-        want = [(i["id"], forfeited, "forfeited")] if forfeited else []
-        assert await forfeits_of_payment(app_state, v["id"]) == want
+        assert await forfeits_of_payment(app_state, v["id"]) == [(i["id"], penalty, "forfeited")]
+        assert await forfeits_of_payment(app_state, h["id"]) == [(i["id"], min(penalty, 7), "restored")]
+        assert await hold_statuses(app_state) == {w.node_id: ["held", "held"]}
         assert await pool_money(s) == (7 + 14, penalty)
         await pending_matches_holds(app_state)
         await books_balance(app_state)
 
 
-async def test_a_penalty_takes_what_it_lacked_once_across_the_appeals_of_two_results(
+async def test_a_penalty_takes_what_it_lacked_from_the_older_of_two_appeals_payments(
     app: Any, app_state: Any, client: Any
 ) -> None:
-    """R1 and R2 are rejected (wrongly), then I's penalty of 5 finds nothing on hold. Appealed,
-    each pays 14; I takes its 5 from the first payment and nothing from the second, as it would
-    have taken 5 in all had both been accepted."""
+    """R1 and R2 are rejected (wrongly), then I's penalty of 5 finds nothing on hold. Had both
+    been accepted, I would have taken its 5 from R1's reward, the older. Appealed, R2 first, each
+    pays 14: I takes its 5 from R2's payment, then R1's appeal takes it from R1's and gives back
+    R2's: 5 in all, from the reward the rules take it from, whichever is appealed first. (Before,
+    the first appealed paid it.)"""
     econ = {**ECON, "soft_invalid_penalty": 5}
     async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
         w = s.workers[0]
         v1 = await rejected_right(s, w, app_state, "invalid")
         v2 = await rejected_right(s, w, app_state, "invalid")
         i = await rejected_right(s, w, app_state, "invalid")
-        for v in (v2, v1):
-            r = await reverse(s, v["id"])
-            assert r.status_code == 200, r.text
+        r = await reverse(s, v2["id"])
+        assert r.status_code == 200, r.text
         assert await forfeits_of_payment(app_state, v2["id"]) == [(i["id"], 5, "forfeited")]
-        assert await forfeits_of_payment(app_state, v1["id"]) == []
+        assert (await balances(client, w))["rewards_pending"] == 14 - 5
+        r = await reverse(s, v1["id"])
+        assert r.status_code == 200, r.text
+        assert await forfeits_of_payment(app_state, v2["id"]) == [(i["id"], 5, "restored")]
+        assert await forfeits_of_payment(app_state, v1["id"]) == [(i["id"], 5, "forfeited")]
         b = await balances(client, w)
         assert b["rewards_pending"] == 28 - 5, b
         assert await pool_money(s) == (28, 5)
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+        # I's appeal gives back the 5 it holds (R1's), once.
+        assert (await reverse(s, i["id"])).status_code == 200
+        assert (await balances(client, w))["rewards_pending"] == 28 + 14
+        assert await pool_money(s) == (42, 0)
         await pending_matches_holds(app_state)
         await books_balance(app_state)
 
@@ -1180,6 +1195,48 @@ async def test_a_penalty_then_a_fraud_verdict_in_the_window_take_the_payment_in_
         r = await reverse(s, i["id"])
         assert r.status_code == 200, r.text
         # I's appeal: its 5 back, and I's own reward (its window holds no standing verdict).
+        assert (await balances(client, w))["rewards_pending"] == 14 + 14
+        assert await pool_money(s) == (28, 0)
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+
+@pytest.mark.parametrize("reward_reversed", ["before_the_appeal", "after_the_appeal"])
+async def test_a_penalty_takes_from_the_payment_by_the_holds_it_took_from_not_by_its_total(
+    app: Any, app_state: Any, client: Any, reward_reversed: str
+) -> None:
+    """R is rejected (wrongly), an honest result H accepted (7 on hold), then I's penalty of 10
+    takes H's 7. Had R been accepted, its reward (older than H's) would have been on hold first:
+    I would have taken 10 of its 14, none of H's. H's verdict is reversed (before or after R's
+    appeal): the node keeps 4, as it would have. The appeal pays 14, I takes 10 of it and gives
+    back the 7 it took of H where that stands. Before, I took of the payment only its penalty
+    less its total (3), counting the 7 whose reward went back to the system: the node kept 11."""
+    econ = {**ECON, "soft_invalid_penalty": 10}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        w = s.workers[0]
+        v = await rejected_right(s, w, app_state, "invalid")
+        h = await honest(s, w, app_state)
+        i = await rejected_right(s, w, app_state, "invalid")
+        assert i["slashed_amount"] == 7
+        if reward_reversed == "before_the_appeal":
+            assert (await reverse(s, h["id"])).status_code == 200
+        r = await reverse(s, v["id"])
+        assert r.status_code == 200, r.text
+        assert await forfeits_of_payment(app_state, v["id"]) == [(i["id"], 10, "forfeited")]
+        if reward_reversed == "after_the_appeal":
+            b = await balances(client, w)
+            assert b["rewards_pending"] == 7 + 4, b  # H's 7 given back, as if I had never taken it
+            assert await hold_statuses(app_state) == {w.node_id: ["held", "held"]}
+            await pending_matches_holds(app_state)
+            await books_balance(app_state)
+            assert (await reverse(s, h["id"])).status_code == 200
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (4, 0), b
+        assert await pool_money(s) == (14, 10)
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+        # I was wrong too: its appeal gives back its 10, and pays I's own 14.
+        assert (await reverse(s, i["id"])).status_code == 200
         assert (await balances(client, w))["rewards_pending"] == 14 + 14
         assert await pool_money(s) == (28, 0)
         await pending_matches_holds(app_state)

@@ -1744,6 +1744,23 @@ async def pool_stats(session: AsyncSession, pool_id: str) -> dict[str, Any]:
             LedgerTransfer.idempotency_key.like("verdict:%:reverse:reward:forfeit%"),  # either form
         )
     )
+    # And what an appeal gave back of a standing penalty's forfeit of a later reward, which the
+    # penalty took from the appeal's payment instead (``APPEAL_GIVE_BACK_KEY``).
+    given_back_on_appeal = await session.scalar(
+        select(func.coalesce(func.sum(LedgerTransfer.amount), 0))
+        .select_from(forfeiter)
+        .join(
+            LedgerTransfer,
+            (LedgerTransfer.reference_type == "verdict")
+            & (LedgerTransfer.reference_id == cast(forfeiter.id, String)),
+        )
+        .where(
+            forfeiter.pool_id == pool_id,
+            forfeiter.reversed_at.is_(None),
+            forfeiter.category == "invalid",
+            LedgerTransfer.idempotency_key.like("verdict:%:reverse:reward:give-back:%"),
+        )
+    )
     counts = {c: int(n) for c, n, _, _ in rows}
     total = sum(counts.values())
     return {
@@ -1756,7 +1773,8 @@ async def pool_stats(session: AsyncSession, pool_id: str) -> dict[str, Any]:
         "rewards_credited": sum(int(credited) for _, _, credited, _ in rows) + int(paid_on_appeal or 0),
         "slashed": sum(int(slashed) for _, _, _, slashed in rows)
         - int(returned or 0)
-        + int(forfeited_on_appeal or 0),
+        + int(forfeited_on_appeal or 0)
+        - int(given_back_on_appeal or 0),
     }
 
 
@@ -2146,7 +2164,8 @@ async def _pay_on_appeal(
     appeal. So a window that has passed makes it due at once (the release loop's next tick makes
     it claimable; no later verdict takes it), and the node's verdicts decided within the window
     that would have forfeited some of that reward (``_appeal_forfeits``: a fraud verdict all of
-    it, a soft-invalid penalty what it lacked) forfeit it now, each as its own forfeit of a
+    it, a soft-invalid penalty what it would have taken of it, oldest first, giving back what it
+    took of later rewards instead, ``_give_back_on_appeal``) forfeit it now, each as its own forfeit of a
     reward on hold (a ``RewardForfeit`` of its, which its appeal gives back;
     ``reward_forfeited_by`` names the fraud verdict); one decided later within the window
     forfeits it as any held reward. The caller holds the verdict and the accounts
@@ -2181,12 +2200,13 @@ async def _pay_on_appeal(
         now=now,
     )
     verdict.reward_paid_on_appeal = amount
-    takes = await _appeal_forfeits(session, verdict, pool, window_end, amount)
-    if not takes:
+    replayed = await _appeal_forfeits(session, verdict, pool, window_end, amount)
+    await _give_back_on_appeal(session, verdict, replayed.give_back, actor=actor, memo=memo)
+    if not replayed.takes:
         return
     await session.flush()  # the hold's id, for its forfeits
     forfeited = 0
-    for forfeiter, take in takes:
+    for forfeiter, take in replayed.takes:
         fraud = forfeiter.category == "fraud"
         forfeited += await _forfeit(
             session,
@@ -2205,21 +2225,40 @@ async def _pay_on_appeal(
     metrics.on_commit(session, partial(metrics.SLASHED.inc, forfeited))
 
 
+@dataclass
+class _Replayed:
+    """What the node's verdicts of a result's window hold of its appeal's payment
+    (``_appeal_forfeits``): ``takes``, (verdict, amount) in the order they took it; and
+    ``give_back``, (forfeit, amount): the parts of standing penalties' forfeits of rewards later
+    in the hold order than the payment's that those penalties would not have taken, had the
+    result been accepted, because they would have taken them from the payment instead."""
+
+    takes: list[tuple[Verdict, int]]
+    give_back: list[tuple[RewardForfeit, int]]
+
+
 async def _appeal_forfeits(
     session: AsyncSession, verdict: Verdict, pool: Pool, window_end: dt.datetime, amount: int
-) -> list[tuple[Verdict, int]]:
+) -> _Replayed:
     """What the node's verdicts in the pool decided after ``verdict`` and within the window to
     ``window_end`` (as ``withdrawn_by`` and ``_held`` count them) would hold now of ``amount``,
     had the verdict accepted its result and held that reward to ``window_end``: their decisions
     and reversals replayed in time order on it. A fraud verdict takes all that is left of it
-    (``_punish``); an invalid one takes up to its penalty's shortfall still unmet (``_penalise``
-    took oldest first up to what was on hold, so one that took less than its penalty took every
-    reward then on hold, and would have taken the rest from this one: the penalty recorded with
-    its result, else the pool's now, less all its forfeits so far, those of earlier appeals'
-    payments included); an appeal of one gives back what it took, which a later decision may
-    take again. Returns the verdicts that stand with what they hold, in the order they took it
-    (none for a decision and an appeal at the same instant: the decision first, the node's way).
-    Read under the accounts' locks, which a verdict's forfeits and an appeal of one hold too."""
+    (``_punish``). An invalid one I takes what ``_penalise`` would have taken of it, by the holds
+    I took from: oldest first (by ``release_at``, then by the decision of the hold's verdict: the
+    payment's hold is placed where an acceptance would have created it), so I takes from the
+    payment its penalty (recorded with its result, else the pool's now) less what I took of
+    rewards before the payment in that order, up to what is left of it. What I took of rewards
+    after it, beyond its penalty's shortfall, I would not have taken: where that forfeit is in
+    force it is given back to the node (``give_back``), the latest in the order first; where its
+    reward was reversed since, nothing moves (the node lost that reward either way). A forfeit
+    whose reward a standing fraud verdict decided after I, within that reward's window, would
+    then have forfeited is not given back either (the node would have lost it to that verdict).
+    So the node is left what an acceptance from the start would have left it. An appeal of a
+    verdict gives back what it took, which a later decision may take again. Returns the
+    verdicts that stand with what they hold, in the order they took it (none for a decision and
+    an appeal at the same instant: the decision first, the node's way). Read under the
+    accounts' locks, which a verdict's forfeits and an appeal of one hold too."""
     rows = list(
         (
             await session.execute(
@@ -2236,28 +2275,47 @@ async def _appeal_forfeits(
         ).scalars()
     )
     if not rows:
-        return []
-    short: dict[int, int] = {}
-    penalised = [v for v in rows if v.category == "invalid"]
+        return _Replayed([], [])
+    # Where a hold comes in the order ``_penalise`` takes from: its release, then its verdict's
+    # decision (an acceptance creates its hold as it decides).
+    Place = tuple[dt.datetime, dt.datetime, int]
+    place: Place = (window_end, verdict.decided_at, verdict.id)
+    penalties: dict[int, int | None] = {}
+    forfeits: dict[int, list[tuple[RewardForfeit, RewardHold, Place]]] = {}
+    frauds_after: list[dt.datetime] = []
+    penalised = [v.id for v in rows if v.category == "invalid"]
     if penalised:
-        ids = [v.id for v in penalised]
         recorded = await session.execute(
             select(Verdict.id, Submission.soft_invalid_penalty)
             .join(Submission, Submission.id == Verdict.submission_id)
-            .where(Verdict.id.in_(ids))
+            .where(Verdict.id.in_(penalised))
         )
-        penalties: dict[int, int | None] = dict(recorded.all())
-        taken: dict[int, int] = {
-            vid: int(total or 0)
-            for vid, total in await session.execute(
-                select(RewardForfeit.verdict_id, func.sum(RewardForfeit.amount))
-                .where(RewardForfeit.verdict_id.in_(ids))
-                .group_by(RewardForfeit.verdict_id)
+        penalties = dict(recorded.all())
+        rewarded = aliased(Verdict)
+        found = await session.execute(
+            select(RewardForfeit, RewardHold, rewarded.decided_at, rewarded.id)
+            .join(RewardHold, RewardHold.id == RewardForfeit.hold_id)
+            .join(rewarded, rewarded.id == RewardHold.verdict_id)
+            .where(RewardForfeit.verdict_id.in_(penalised))
+            .order_by(RewardForfeit.id)
+        )
+        for forfeit, hold, decided_at, rewarded_id in found.all():
+            forfeits.setdefault(forfeit.verdict_id, []).append(
+                (forfeit, hold, (hold.release_at, decided_at, rewarded_id))
             )
-        }
-        for v in penalised:
-            penalty = _or(penalties.get(v.id), pool.soft_invalid_penalty)
-            short[v.id] = max(0, penalty - taken.get(v.id, 0))
+        frauds_after = list(
+            (
+                await session.execute(
+                    select(Verdict.decided_at).where(
+                        Verdict.node_id == verdict.node_id,
+                        Verdict.pool_id == verdict.pool_id,
+                        Verdict.category == "fraud",
+                        Verdict.reversed_at.is_(None),
+                        Verdict.decided_at > verdict.decided_at,
+                    )
+                )
+            ).scalars()
+        )
     events: list[tuple[dt.datetime, int, int, Verdict]] = []
     for v in rows:
         events.append((v.decided_at, 0, v.id, v))
@@ -2265,15 +2323,101 @@ async def _appeal_forfeits(
             events.append((v.reversed_at, 1, v.id, v))
     left = amount
     holding: dict[int, tuple[Verdict, int]] = {}
+    give_back: list[tuple[RewardForfeit, int]] = []
     for _, reversal, _, v in sorted(events, key=lambda e: e[:3]):
         if reversal:
             left += holding.pop(v.id, (v, 0))[1]
             continue
-        take = left if v.category == "fraud" else min(short.get(v.id, 0), left)
+        if v.category == "fraud":
+            take = left
+        else:
+            standing = v.reversed_at is None
+            # What it took that stands as taken: a forfeit of a standing penalty that an appeal
+            # gave back (``restored``) is taken no more; a reversed one's were all restored by it.
+            taken = [
+                (f, h, at) for f, h, at in forfeits.get(v.id, []) if not standing or f.status != "restored"
+            ]
+            penalty = _or(penalties.get(v.id), pool.soft_invalid_penalty)
+            before = sum(f.amount for f, _, at in taken if at < place)
+            take = min(left, max(0, penalty - before))
+            # Beyond the shortfall: what it took of later rewards that it would not have.
+            excess = take - max(0, penalty - sum(f.amount for f, _, _ in taken))
+            for f, h, at in sorted(taken, key=lambda t: t[2], reverse=True):
+                if excess <= 0 or not standing:
+                    break
+                if at < place:
+                    continue
+                part = min(f.amount, excess)
+                excess -= part
+                lost = any(v.decided_at < at_fraud < h.release_at for at_fraud in frauds_after)
+                if f.status == "forfeited" and not lost:
+                    give_back.append((f, part))
         if take > 0:
             holding[v.id] = (v, take)
             left -= take
-    return list(holding.values())
+    return _Replayed(list(holding.values()), give_back)
+
+
+#: The key of what the appeal of ``verdict_id`` gave back of a standing penalty's ``forfeit`` of
+#: a later reward, which the penalty takes from the appeal's payment instead (``_appeal_forfeits``).
+APPEAL_GIVE_BACK_KEY = "verdict:{verdict_id}:reverse:reward:give-back:{forfeit}"
+
+
+async def _give_back_on_appeal(
+    session: AsyncSession,
+    verdict: Verdict,
+    give_back: list[tuple[RewardForfeit, int]],
+    *,
+    actor: str,
+    memo: str,
+) -> None:
+    """Give back ``amount`` of each ``(forfeit, amount)`` (``_appeal_forfeits``) to the provider:
+    from the slashed account the forfeit went to, to pending for a reward still on hold (held
+    again if it was wholly forfeited), to claimable for one released meanwhile. The forfeit is
+    that much less (``restored`` when nothing is left of it), so that its verdict's appeal gives
+    back only the rest."""
+    if not give_back:
+        return
+    holds = await _holds_by_id(session, sorted({f.hold_id for f, _ in give_back}))
+    locked = {
+        f.id: f
+        for f in (
+            await session.execute(
+                select(RewardForfeit)
+                .where(RewardForfeit.id.in_([f.id for f, _ in give_back]))
+                .order_by(RewardForfeit.id)
+                .with_for_update()
+                .execution_options(populate_existing=True)
+            )
+        ).scalars()
+    }
+    for given, part in give_back:
+        forfeit = locked[given.id]
+        hold = holds[forfeit.hold_id]
+        to = (
+            ProviderAccount.rewards_claimable
+            if hold.status == "released"
+            else ProviderAccount.rewards_pending
+        )
+        await ledger.transfer(
+            session,
+            debit=await ledger.account_ref(session, forfeit.slashed_account_id),
+            credit=provider_account(hold.provider_id, to),
+            amount=part,
+            key=APPEAL_GIVE_BACK_KEY.format(verdict_id=verdict.id, forfeit=forfeit.id),
+            reason="forfeit_restore",
+            actor=actor,
+            memo=f"{memo} (the penalty of verdict {forfeit.verdict_id} takes it from what the appeal of "
+            f"verdict {verdict.id} paid)",
+            reference=("verdict", str(forfeit.verdict_id)),
+        )
+        hold.forfeited_amount -= part
+        if hold.status == "forfeited":
+            hold.status = "held"
+        if part >= forfeit.amount:
+            forfeit.status = "restored"
+        else:
+            forfeit.amount -= part
 
 
 # Findings that mean the server never scored the result: its reward function failed
