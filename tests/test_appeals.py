@@ -902,6 +902,51 @@ async def test_an_appeal_pays_what_a_fraud_verdict_within_the_results_own_window
         await books_balance(app_state)
 
 
+async def decided_at(app_state: Any, verdict_id: int) -> dt.datetime:
+    async with app_state.sessionmaker() as session:
+        verdict = await session.get(Verdict, verdict_id)
+        assert verdict is not None
+        return verdict.decided_at
+
+
+@pytest.mark.parametrize("fraud_id", ["lower", "higher"])
+async def test_the_window_of_a_payment_is_by_when_verdicts_were_decided_not_by_their_ids(
+    app: Any, app_state: Any, client: Any, fraud_id: str
+) -> None:
+    """Verdict ids are not decision order: a quorum verdict decided in another provider's
+    verifier lane (a transaction of its own, at once) may take its id after a verdict decided
+    after it. A fraud verdict F decided after R within R's window forfeits R's payment whatever
+    its id, and one decided before R does not. Constructed here with F's id lower than R's but
+    decided 5 s after it, or higher but decided 5 s before it. Before, the window went by id:
+    the first F was left out (the node kept 14) and the second counted (it took all 14)."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        if fraud_id == "lower":
+            f = await fraud(s, w, app_state)
+            v = await rejected_right(s, w, app_state, "invalid")
+            await result_decided_ago(app_state, v["id"], 5)  # R decided before F
+        else:
+            v = await rejected_right(s, w, app_state, "invalid")
+            f = await fraud(s, w, app_state)
+            await result_decided_ago(app_state, f["id"], 5)  # F decided before R
+        assert (f["id"] < v["id"]) == (fraud_id == "lower")
+        after = await decided_at(app_state, f["id"]) > await decided_at(app_state, v["id"])
+        assert after == (fraud_id == "lower")
+        r = await reverse(s, v["id"])
+        assert r.status_code == 200, r.text
+        b = await balances(client, w)
+        if after:
+            assert r.json()["reward_forfeited_by"] == f["id"]
+            assert b["rewards_pending"] == 0, b
+            assert await forfeits_of_payment(app_state, v["id"]) == [(f["id"], 14, "forfeited")]
+        else:
+            assert r.json()["reward_forfeited_by"] is None
+            assert b["rewards_pending"] == 14, b
+            assert await forfeits_of_payment(app_state, v["id"]) == []
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+
 async def test_a_payment_whose_results_window_passed_is_due_at_once_and_no_later_fraud_takes_it(
     app: Any, app_state: Any, client: Any
 ) -> None:

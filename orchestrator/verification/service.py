@@ -61,6 +61,7 @@ from sqlalchemy import (
     Select,
     SmallInteger,
     String,
+    and_,
     bindparam,
     cast,
     exists,
@@ -2225,6 +2226,18 @@ async def _pay_on_appeal(
     metrics.on_commit(session, partial(metrics.SLASHED.inc, forfeited))
 
 
+def decided_after(verdict: Verdict) -> ColumnElement[bool]:
+    """The node's verdicts decided after ``verdict``, in the order of their decisions: by
+    ``decided_at`` (the verifier's clock when it decided them), then by id for verdicts decided
+    at the same instant. Not by id alone: a quorum verdict is decided in the lane of the provider
+    whose result completed its task (``jobs.VERIFIER_LANES``: lanes' transactions run at once),
+    and may take its id after a verdict decided later in the node's own lane."""
+    return or_(
+        Verdict.decided_at > verdict.decided_at,
+        and_(Verdict.decided_at == verdict.decided_at, Verdict.id > verdict.id),
+    )
+
+
 @dataclass
 class _Replayed:
     """What the node's verdicts of a result's window hold of its appeal's payment
@@ -2241,7 +2254,7 @@ async def _appeal_forfeits(
     session: AsyncSession, verdict: Verdict, pool: Pool, window_end: dt.datetime, amount: int
 ) -> _Replayed:
     """What the node's verdicts in the pool decided after ``verdict`` and within the window to
-    ``window_end`` (as ``withdrawn_by`` and ``_held`` count them) would hold now of ``amount``,
+    ``window_end`` (``decided_after``; the window as ``_held`` counts it) would hold now of ``amount``,
     had the verdict accepted its result and held that reward to ``window_end``: their decisions
     and reversals replayed in time order on it. A fraud verdict takes all that is left of it
     (``_punish``). An invalid one I takes what ``_penalise`` would have taken of it, by the holds
@@ -2267,10 +2280,10 @@ async def _appeal_forfeits(
                     Verdict.node_id == verdict.node_id,
                     Verdict.pool_id == verdict.pool_id,
                     Verdict.category.in_(("fraud", "invalid")),
-                    Verdict.id > verdict.id,
+                    decided_after(verdict),
                     Verdict.decided_at < window_end,
                 )
-                .order_by(Verdict.id)
+                .order_by(Verdict.decided_at, Verdict.id)
             )
         ).scalars()
     )
@@ -2282,7 +2295,7 @@ async def _appeal_forfeits(
     place: Place = (window_end, verdict.decided_at, verdict.id)
     penalties: dict[int, int | None] = {}
     forfeits: dict[int, list[tuple[RewardForfeit, RewardHold, Place]]] = {}
-    frauds_after: list[dt.datetime] = []
+    frauds_after: list[tuple[dt.datetime, int]] = []
     penalised = [v.id for v in rows if v.category == "invalid"]
     if penalised:
         recorded = await session.execute(
@@ -2303,19 +2316,16 @@ async def _appeal_forfeits(
             forfeits.setdefault(forfeit.verdict_id, []).append(
                 (forfeit, hold, (hold.release_at, decided_at, rewarded_id))
             )
-        frauds_after = list(
-            (
-                await session.execute(
-                    select(Verdict.decided_at).where(
-                        Verdict.node_id == verdict.node_id,
-                        Verdict.pool_id == verdict.pool_id,
-                        Verdict.category == "fraud",
-                        Verdict.reversed_at.is_(None),
-                        Verdict.decided_at > verdict.decided_at,
-                    )
-                )
-            ).scalars()
+        found_frauds = await session.execute(
+            select(Verdict.decided_at, Verdict.id).where(
+                Verdict.node_id == verdict.node_id,
+                Verdict.pool_id == verdict.pool_id,
+                Verdict.category == "fraud",
+                Verdict.reversed_at.is_(None),
+                decided_after(verdict),
+            )
         )
+        frauds_after = [(at, i) for at, i in found_frauds.all()]
     events: list[tuple[dt.datetime, int, int, Verdict]] = []
     for v in rows:
         events.append((v.decided_at, 0, v.id, v))
@@ -2349,7 +2359,7 @@ async def _appeal_forfeits(
                     continue
                 part = min(f.amount, excess)
                 excess -= part
-                lost = any(v.decided_at < at_fraud < h.release_at for at_fraud in frauds_after)
+                lost = any((v.decided_at, v.id) < fraud < (h.release_at,) for fraud in frauds_after)
                 if f.status == "forfeited" and not lost:
                     give_back.append((f, part))
         if take > 0:
