@@ -73,9 +73,29 @@ class VerdictOut(BaseModel):
     )
 
 
+class PenaltyPart(BaseModel):
+    """What a soft-invalid penalty took of the reward an appeal paid."""
+
+    verdict_id: int = Field(description="The invalid verdict whose soft_invalid_penalty took it")
+    amount: int = Field(description="How much it took (what it holds now, if status is forfeited)")
+    status: Literal["forfeited", "restored", "returned"] = Field(
+        description="forfeited: in force (the money is in the system's slashed account); restored: "
+        "given back to the provider (that verdict was reversed on appeal, or a later appeal of an "
+        "older rejection moved the part onto its own payment, the reward the penalty would have "
+        "taken it from); returned: went back to the system"
+    )
+
+
 class ReversalOut(VerdictOut):
     """The verdict, as an appeal left it, and the sanctions of its node and provider now."""
 
+    reward_penalised: list[PenaltyPart] = Field(
+        default_factory=list,
+        description="A verdict whose appeal paid a reward (reward_paid_on_appeal): the soft-invalid "
+        "penalties of the node decided within the result's hold window that took part of that "
+        "payment (when the appeal paid it, or later while it was on hold), oldest first, as they "
+        "stand now; a fraud verdict's part is named by reward_forfeited_by. Empty otherwise",
+    )
     membership_status: MembershipStatus | None = Field(
         description="The node's membership in the pool now (null if it has none): `left` again when "
         "the appeal of a fraud verdict lifted the verifier's ejection (the node's strikes are below "

@@ -1246,6 +1246,37 @@ async def test_a_penalty_then_a_fraud_verdict_in_the_window_take_the_payment_in_
         await books_balance(app_state)
 
 
+async def test_the_appeals_answer_and_audit_show_what_penalties_took_of_the_payment(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    """R rejected (wrongly), then I (penalty 5, nothing on hold), then a fraud verdict F. The
+    appeal's answer names F (reward_forfeited_by) and now shows I's part too (reward_penalised:
+    I took 5), as does its audit entry; after I's appeal gave its 5 back, the answer to the
+    appeal again shows it restored. Before, I's part showed only in the ledger and in
+    reward_forfeits: the answer said 14 paid and forfeited by F, of which F took only 9."""
+    econ = {**ECON, "soft_invalid_penalty": 5}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        w = s.workers[0]
+        v = await rejected_right(s, w, app_state, "invalid")
+        i = await rejected_right(s, w, app_state, "invalid")
+        f = await fraud(s, w, app_state)
+        r = await reverse(s, v["id"])
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert (body["reward_paid_on_appeal"], body["reward_forfeited_by"]) == (14, f["id"])
+        assert body["reward_penalised"] == [{"verdict_id": i["id"], "amount": 5, "status": "forfeited"}]
+        assert (await appeal_audit(app_state))[-1]["reward_penalised"] == [
+            {"verdict_id": i["id"], "amount": 5}
+        ]
+        assert (await reverse(s, i["id"])).status_code == 200
+        again = (await reverse(s, v["id"])).json()
+        assert again["reward_penalised"] == [{"verdict_id": i["id"], "amount": 5, "status": "restored"}]
+        # A verdict reversed with nothing for penalties to take shows none.
+        f_again = (await reverse(s, f["id"])).json()
+        assert f_again["reward_penalised"] == []
+        assert "reward_penalised" not in (await appeal_audit(app_state))[-1]
+
+
 @pytest.mark.parametrize("reward_reversed", ["before_the_appeal", "after_the_appeal"])
 async def test_a_penalty_takes_from_the_payment_by_the_holds_it_took_from_not_by_its_total(
     app: Any, app_state: Any, client: Any, reward_reversed: str

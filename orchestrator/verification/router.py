@@ -9,6 +9,7 @@ from sqlalchemy import ColumnElement, func, select
 
 from api_schemas.common import NO_NUL, PROBLEM_RESPONSES, KeyId, Page
 from api_schemas.verification import (
+    PenaltyPart,
     PlacementOut,
     PoolStatsOut,
     ReversalOut,
@@ -233,6 +234,7 @@ async def reverse(
     verdict, reversed_now = await service.reverse_verdict(
         session, verdict_id, reason=body.reason, principal=principal, now=state.clock.utcnow()
     )
+    penalised = await service.penalised_on_appeal(session, verdict)
     if reversed_now:
         await record(
             session,
@@ -255,6 +257,11 @@ async def reverse(
                     if verdict.reward_forfeited_by is not None
                     else {}
                 ),
+                **(
+                    {"reward_penalised": [{"verdict_id": v, "amount": a} for v, a, _ in penalised]}
+                    if penalised
+                    else {}
+                ),
             },
         )
     withdrawn = await session.scalar(select(withdrawn_by()).where(Verdict.id == verdict.id))
@@ -262,6 +269,7 @@ async def reverse(
     blacklisted = await pools_repo.get_blacklisting(session, verdict.pool_id, verdict.provider_id)
     return ReversalOut(
         **verdict_out(verdict, withdrawn=withdrawn).model_dump(),
+        reward_penalised=[PenaltyPart(verdict_id=v, amount=a, status=st) for v, a, st in penalised],
         membership_status=membership.status if membership is not None else None,
         provider_blacklisted=blacklisted is not None,
     )

@@ -2368,6 +2368,23 @@ async def _appeal_forfeits(
     return _Replayed(list(holding.values()), give_back)
 
 
+async def penalised_on_appeal(session: AsyncSession, verdict: Verdict) -> list[tuple[int, int, str]]:
+    """(invalid verdict, amount, status) of each soft-invalid penalty's forfeit of what the
+    appeal of ``verdict`` paid (its own ``RewardHold``, which only that payment gives a rejected
+    verdict), oldest first; none if it paid nothing."""
+    if verdict.category not in PAID_ON_APPEAL or verdict.reward_paid_on_appeal <= 0:
+        return []
+    forfeiter = aliased(Verdict)
+    rows = await session.execute(
+        select(RewardForfeit.verdict_id, RewardForfeit.amount, RewardForfeit.status)
+        .join(RewardHold, RewardHold.id == RewardForfeit.hold_id)
+        .join(forfeiter, forfeiter.id == RewardForfeit.verdict_id)
+        .where(RewardHold.verdict_id == verdict.id, forfeiter.category == "invalid")
+        .order_by(RewardForfeit.id)
+    )
+    return [(int(v), int(a), str(st)) for v, a, st in rows.all()]
+
+
 #: The key of what the appeal of ``verdict_id`` gave back of a standing penalty's ``forfeit`` of
 #: a later reward, which the penalty takes from the appeal's payment instead (``_appeal_forfeits``).
 APPEAL_GIVE_BACK_KEY = "verdict:{verdict_id}:reverse:reward:give-back:{forfeit}"
