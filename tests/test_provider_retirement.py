@@ -20,6 +20,7 @@ from orchestrator.identity.models import Provider
 from orchestrator.ledger import jobs as ledger_jobs
 from orchestrator.ledger import service as ledger
 from orchestrator.ledger.service import ProviderAccount, SystemAccount, provider_account, system_account
+from orchestrator.payouts.service import request_withdrawal
 from orchestrator.verification.jobs import release_once
 from orchestrator.verification.models import RewardHold
 from tests.conftest import Contributor, new_contributor, postgres_only, problem
@@ -609,8 +610,7 @@ async def test_an_appeal_after_the_retirement_pays_and_gives_back_to_the_success
     retirement gives the slashed stake back and pays the reward the result was due, both to the
     retired provider first, and they reach the successor (the stake at the next release tick,
     the reward when its hold ends); the pool counts what the appeal paid as spent, in its view
-    as in its stats. A reward released and moved on before the appeal of its verdict cannot be
-    taken back (409 reversal_impossible), and nothing changes."""
+    as in its stats."""
     from tests.test_appeals import rejected_right, reverse
 
     econ = {**ECON, "reward_budget": 1000}
@@ -644,9 +644,47 @@ async def test_an_appeal_after_the_retirement_pays_and_gives_back_to_the_success
         assert (heirs["stake_free"], heirs["rewards_claimable"]) == (200, 7 + 14)
         await books_balance(app_state)
 
-        [accepted] = [x for x in await verdicts(s.admin, s.headers, s.pool_id) if x["category"] == "valid"]
-        problem(await reverse(s, accepted["id"]), 409, "reversal_impossible")
-        assert (await provider_balances(s, h))["rewards_claimable"] == 7 + 14
+
+@pytest.mark.parametrize("released", ["before_the_retirement", "after_the_retirement"])
+async def test_an_appeal_takes_a_released_reward_back_from_the_successor_that_received_it(
+    app: Any, app_state: Any, clock: FakeClock, released: str
+) -> None:
+    """A reward of the retired provider's node, released and moved on to the successor (by the
+    retirement, or by the release after it), is reversed on appeal as the provider's own would
+    be: taken back from the claimable rewards the successor received it into, 200, the books
+    balanced; a retirement is no way out of a reversal, as it is none out of a blacklist, and the
+    appeal's outcome no longer depends on whether the release tick ran before it. One the
+    successor no longer holds (withdrawn) cannot be taken back: 409 reversal_impossible, nothing
+    changes, as for a provider's own withdrawn reward. Before, every such appeal was 409: the
+    retired provider's claimable, which it reversed, holds nothing at rest."""
+    from tests.test_appeals import reverse
+
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        [lost] = s.workers
+        await earn(s, app_state, lost)
+        await earn(s, app_state, lost)
+        heir = await registered_provider(s)
+        p, h = lost.contributor.provider_id, heir.provider_id
+        if released == "before_the_retirement":
+            assert await release_now(app_state, clock) == 2
+        assert (await retire(s, p, h)).status_code == 201
+        if released == "after_the_retirement":
+            assert await release_now(app_state, clock) == 2
+        assert (await provider_balances(s, h))["rewards_claimable"] == 14
+        first, second = [x for x in await verdicts(s.admin, s.headers, s.pool_id) if x["category"] == "valid"]
+
+        r = await reverse(s, first["id"])
+        assert r.status_code == 200, r.text
+        assert (await provider_balances(s, h))["rewards_claimable"] == 7
+        assert (await provider_balances(s, p))["rewards_claimable"] == 0
+        await books_balance(app_state)
+
+        async with app_state.sessionmaker() as session, session.begin():
+            await request_withdrawal(session, h, 7, "heir-withdraws", now=clock.utcnow())
+        problem(await reverse(s, second["id"]), 409, "reversal_impossible")
+        assert (await provider_balances(s, h))["withdrawn"] == 7
+        listed = {x["id"]: x for x in await verdicts(s.admin, s.headers, s.pool_id)}
+        assert listed[second["id"]]["reversed_at"] is None
         await books_balance(app_state)
 
 

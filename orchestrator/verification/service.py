@@ -1991,7 +1991,14 @@ async def _lock_for_appeal(session: AsyncSession, verdict: Verdict) -> None:
             )
         )
     ).scalars()
+    # A retired provider's heir received its released rewards (``_reverse_reward`` takes one back
+    # from there): the heir's claimable rewards too, and a retirement that changed the heir while
+    # this waited sends the appeal again (503 transient_conflict), as other requests.
+    heir = await heirs(session, [provider])
+    refs += [provider_account(h, ProviderAccount.rewards_claimable) for h in heir.values()]
     await ledger.lock_accounts(session, refs, ids=[*(i for pair in transfers for i in pair), *forfeits])
+    if await heirs(session, [provider]) != heir:
+        raise succession.heir_changed()
 
 
 async def _reverse_stake_slash(
@@ -2089,6 +2096,23 @@ async def _reverse_reward(session: AsyncSession, verdict: Verdict, *, actor: str
     system_rewards = await ledger.account_ref(session, reward.debit_account_id)
     share = hold.amount - hold.forfeited_amount  # the provider's part; 0 if wholly forfeited
     if hold.status == "released" and share > 0:
+        heir = (await heirs(session, [provider])).get(provider)  # read under the appeal's locks
+        if heir is not None:
+            # A retired provider's released reward went on to its heir (at the release, or with
+            # its claimable rewards at the retirement; down a chain of retirements to the last
+            # heir): the heir gives back what it received, as the provider would have, and the
+            # reversal goes on from the provider's claimable rewards as for any provider.
+            await ledger.transfer(
+                session,
+                debit=provider_account(heir, ProviderAccount.rewards_claimable),
+                credit=provider_account(provider, ProviderAccount.rewards_claimable),
+                amount=share,
+                key=f"{key}:succession",
+                reason=f"reversal:{succession.REASON}",
+                actor=actor,
+                memo=memo,
+                reference=("verdict", str(verdict.id)),
+            )
         release = await ledger.by_key(session, f"reward-hold:{hold.id}:release")
         released = release.amount if release is not None else 0
         if release is not None:
