@@ -1277,6 +1277,31 @@ async def test_the_appeals_answer_and_audit_show_what_penalties_took_of_the_paym
         assert "reward_penalised" not in (await appeal_audit(app_state))[-1]
 
 
+async def test_a_penalty_after_the_appeal_takes_from_the_payment_first_as_from_the_older_reward(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    """R is rejected (wrongly) and H accepted at the same instant (their holds end together: R's
+    decided first), R's appeal pays 14, then I's penalty of 5. Had R been accepted, its reward's
+    hold would have come first, and I would have taken 5 of it, none of H's: so it does now, and
+    reversing H leaves the node 9. Before, the oldest-first order broke the tie by the hold's id,
+    which the appeal's hold takes when it pays: I took H's, and reversing H left the node 14."""
+    econ = {**ECON, "soft_invalid_penalty": 5}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        w = s.workers[0]
+        v = await rejected_right(s, w, app_state, "invalid")
+        h = await honest(s, w, app_state)
+        assert await decided_at(app_state, v["id"]) == await decided_at(app_state, h["id"])
+        assert (await reverse(s, v["id"])).status_code == 200
+        i = await rejected_right(s, w, app_state, "invalid")
+        assert i["slashed_amount"] == 5
+        assert await forfeits_of_payment(app_state, v["id"]) == [(i["id"], 5, "forfeited")]
+        assert (await reverse(s, h["id"])).status_code == 200
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (9, 0), b
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+
 @pytest.mark.parametrize("reward_reversed", ["before_the_appeal", "after_the_appeal"])
 async def test_a_penalty_takes_from_the_payment_by_the_holds_it_took_from_not_by_its_total(
     app: Any, app_state: Any, client: Any, reward_reversed: str

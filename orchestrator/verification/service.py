@@ -1509,7 +1509,8 @@ async def _penalise(session: AsyncSession, verdict: Verdict, *, penalty: int, no
 async def _held(session: AsyncSession, verdict: Verdict) -> list[RewardHold]:
     """The verdict's node's rewards still on hold in its pool (held, and in their hold window at
     the verdict's time: one past its ``release_at`` is not taken, even while the release job has
-    yet to move it), oldest first, locked after the accounts a forfeit moves money between.
+    yet to move it), oldest first (``release_at``, then the order their verdicts were decided in),
+    locked after the accounts a forfeit moves money between.
     (The verifier's batches have locked those already;
     a verdict decided without them, such as one of a quorum wait that expired, takes them here,
     so that it never holds a hold while it waits for an account the reward release holds.)"""
@@ -1520,10 +1521,12 @@ async def _held(session: AsyncSession, verdict: Verdict) -> list[RewardHold]:
             _system_account(session, SystemAccount.slashed),
         ],
     )
+    rewarded = aliased(Verdict)
     return list(
         (
             await session.execute(
                 select(RewardHold)
+                .join(rewarded, rewarded.id == RewardHold.verdict_id)
                 .where(
                     RewardHold.pool_id == verdict.pool_id,
                     RewardHold.node_id == verdict.node_id,
@@ -1532,8 +1535,11 @@ async def _held(session: AsyncSession, verdict: Verdict) -> list[RewardHold]:
                     # due is the release job's, whenever that runs.
                     RewardHold.release_at > verdict.decided_at,
                 )
-                .order_by(RewardHold.release_at, RewardHold.id)
-                .with_for_update()
+                # Holds that end together by their verdicts' decisions (``decided_after``), not
+                # by the hold's id: an appeal's payment creates its hold when it pays, and is
+                # held as the acceptance's reward would have been, created at the decision.
+                .order_by(RewardHold.release_at, rewarded.decided_at, rewarded.id)
+                .with_for_update(of=RewardHold)
                 .execution_options(populate_existing=True)
             )
         ).scalars()
