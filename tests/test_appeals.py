@@ -1302,6 +1302,45 @@ async def test_a_penalty_after_the_appeal_takes_from_the_payment_first_as_from_t
         await books_balance(app_state)
 
 
+async def test_what_a_penalty_gives_back_of_a_released_reward_goes_to_claimable(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    """R rejected (wrongly), H accepted, then I's penalty of 5 takes 5 of H; the window passes and
+    H's 2 left is released. R's appeal pays 14 (due at once), I takes its 5 of it (R's reward
+    would have been on hold first) and gives back what it took of H to claimable, where H's
+    reward is now; reversing H then takes H's 7 from there: the node keeps 9 claimable, as it
+    would have. Before, I took nothing of the payment and reversing H left the node 14."""
+    econ = {**ECON, "soft_invalid_penalty": 5}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        w = s.workers[0]
+        v = await rejected_right(s, w, app_state, "invalid")
+        h = await honest(s, w, app_state)
+        i = await rejected_right(s, w, app_state, "invalid")
+        assert i["slashed_amount"] == 5
+        for verdict in (v, h, i):
+            await result_decided_ago(app_state, verdict["id"], 3600 + 10)
+        async with app_state.sessionmaker() as session, session.begin():
+            for hold in (await session.scalars(select(RewardHold))).all():
+                hold.release_at -= dt.timedelta(seconds=3600 + 10)
+        clock.advance(RELEASE_INTERVAL_S)
+        assert await release_once(app_state) == 1  # H's 2
+        r = await reverse(s, v["id"])
+        assert r.status_code == 200, r.text
+        assert await forfeits_of_payment(app_state, v["id"]) == [(i["id"], 5, "forfeited")]
+        assert await forfeits_of_payment(app_state, h["id"]) == [(i["id"], 5, "restored")]
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (9, 7), b
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+        clock.advance(RELEASE_INTERVAL_S)
+        assert await release_once(app_state) == 1  # the payment, due at once
+        assert (await reverse(s, h["id"])).status_code == 200
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (0, 9), b
+        assert await pool_money(s) == (14, 5)
+        await books_balance(app_state)
+
+
 @pytest.mark.parametrize("reward_reversed", ["before_the_appeal", "after_the_appeal"])
 async def test_a_penalty_takes_from_the_payment_by_the_holds_it_took_from_not_by_its_total(
     app: Any, app_state: Any, client: Any, reward_reversed: str
