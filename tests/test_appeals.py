@@ -1341,6 +1341,37 @@ async def test_what_a_penalty_gives_back_of_a_released_reward_goes_to_claimable(
         await books_balance(app_state)
 
 
+async def test_a_penalty_keeps_what_it_took_of_a_reward_a_later_fraud_verdict_would_have_forfeited(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    """R rejected (wrongly), H accepted, I's penalty of 5 takes 5 of H, then a fraud verdict F
+    forfeits H's other 2. Had R been accepted, I would have taken its 5 of R's reward and F all
+    the rest, H's 7 included: the node keeps nothing. The appeal's payment goes 5 to I and 9 to
+    F, and I's 5 of H is not given back (F would have taken it): the node keeps 0, not 5."""
+    econ = {**ECON, "soft_invalid_penalty": 5}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        w = s.workers[0]
+        v = await rejected_right(s, w, app_state, "invalid")
+        h = await honest(s, w, app_state)
+        i = await rejected_right(s, w, app_state, "invalid")
+        f = await fraud(s, w, app_state)
+        r = await reverse(s, v["id"])
+        assert r.status_code == 200, r.text
+        assert await forfeits_of_payment(app_state, v["id"]) == [
+            (i["id"], 5, "forfeited"),
+            (f["id"], 9, "forfeited"),
+        ]
+        assert await forfeits_of_payment(app_state, h["id"]) == [
+            (i["id"], 5, "forfeited"),
+            (f["id"], 2, "forfeited"),
+        ]
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (0, 0), b
+        assert await pool_money(s) == (7 + 14, 5 + 5 + 200 + 2 + 9)
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+
 @pytest.mark.parametrize("reward_reversed", ["before_the_appeal", "after_the_appeal"])
 async def test_a_penalty_takes_from_the_payment_by_the_holds_it_took_from_not_by_its_total(
     app: Any, app_state: Any, client: Any, reward_reversed: str
