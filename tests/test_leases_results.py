@@ -552,6 +552,51 @@ async def test_a_result_sent_again_spelled_otherwise_is_the_same_result(app: Any
         assert sub.body == first.request.content  # the evidence is the first request's bytes
 
 
+async def test_a_small_body_sent_again_does_not_make_the_server_read_a_large_result(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A result sent again with other bytes is compared by what it says, which reads and parses
+    the stored body (up to max_result_body_bytes). A node whose first result was large must not
+    make the server do that for every small body it sends to the same assignment: a 200-byte
+    request then cost a 10 MB read and two parses, where a conflict used to cost a row read. A
+    body that could say the same is at least an eighth of the stored one's size (respelling
+    JSON, whitespace and escapes, does not shrink it more); a smaller one is a conflict unread."""
+    from orchestrator.tasks import service as tasks_service
+
+    parsed: list[int] = []
+    validate = tasks_service.ResultIn.model_validate_json
+
+    def spy(data: Any, *args: Any, **kwargs: Any) -> Any:
+        parsed.append(len(data))
+        return validate(data, *args, **kwargs)
+
+    monkeypatch.setattr(tasks_service.ResultIn, "model_validate_json", spy)
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        await s.enqueue([task(n=1)])
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        big = result_body(lease)
+        big["samples"][0]["completion"] = "x" * 400_000
+        first = await w.submit(lease, samples=big["samples"])
+        assert first.status_code == 201, first.text
+        path = f"/v1/assignments/{lease['assignment_id']}/result"
+
+        async def send(body: dict[str, Any], **dumps: Any) -> httpx.Response:
+            return await w.client.post(
+                path,
+                content=json.dumps(body, **dumps).encode(),
+                headers={"content-type": "application/json"},
+                auth=w.contributor.node_auth,
+            )
+
+        problem(await send(result_body(lease)), 409, "result_conflict")
+        assert parsed == []  # the stored 400 KB were not read
+        # The same large result, spelled otherwise, is still compared, and the same.
+        again = await send(big, indent=2, sort_keys=True)
+        assert again.status_code == 200 and again.json() == first.json()
+        assert parsed and max(parsed) > 400_000
+
+
 async def test_only_the_lease_holder_can_submit(app: Any, app_state: Any) -> None:
     async with pool_setup(app, app_state, workers=2) as s:
         holder, thief = s.workers

@@ -1513,16 +1513,26 @@ async def refuse_foreign_result(conn: AsyncConnection, node_id: str, assignment_
         raise NotFound("no assignment with this id for this node", code="assignment_not_found")
 
 
-_SUBMISSION_BODY = text("SELECT body FROM submissions WHERE id = :id")
+#: A body sent again can say what the stored one says only if the stored one is at most this
+#: many times its size: respelling the same JSON (whitespace, indentation, unicode escapes)
+#: changes the size by a few times at most. A smaller one is a conflict, the stored body unread.
+SAME_RESULT_SIZE_RATIO = 8
+_SUBMISSION_BODY = text(
+    "SELECT CASE WHEN length(body) <= :most THEN body END FROM submissions WHERE id = :id"
+)
 
 
-async def _says_the_same(conn: AsyncConnection, submission_id: int, body: ResultIn) -> bool:
-    """Whether the recorded result says what ``body`` says, spelled otherwise (its JSON keys in
-    another order, other whitespace, 1 for 1.0): a client sending its result again after a lost
-    answer may serialize it afresh. Compared as the admin API's idempotency keys are
-    (``body_digests``); read only when the bytes differ. A body whose evidence was pruned, or
-    that no longer validates, cannot be compared and is another result."""
-    stored = (await conn.execute(_SUBMISSION_BODY, {"id": submission_id})).scalar_one_or_none()
+async def _says_the_same(conn: AsyncConnection, submission_id: int, body: ResultIn, size: int) -> bool:
+    """Whether the recorded result says what ``body`` (``size`` bytes) says, spelled otherwise
+    (its JSON keys in another order, other whitespace, 1 for 1.0): a client sending its result
+    again after a lost answer may serialize it afresh. Compared as the admin API's idempotency
+    keys are (``body_digests``); read only when the bytes differ, and only when the stored body
+    is at most ``SAME_RESULT_SIZE_RATIO`` times ``size`` (else a node's small bodies sent to an
+    assignment of a large result made the server read and parse that result for each). A body
+    whose evidence was pruned, or that no longer validates, cannot be compared and is another
+    result."""
+    most = SAME_RESULT_SIZE_RATIO * size
+    stored = (await conn.execute(_SUBMISSION_BODY, {"id": submission_id, "most": most})).scalar_one_or_none()
     if not stored:
         return False
     try:
@@ -1578,7 +1588,9 @@ async def submit_result(
                 previous_response=previous.response,
             )
     if ctx.previous_id is not None:
-        if ctx.previous_sha256 != digest and not await _says_the_same(conn, ctx.previous_id, body):
+        if ctx.previous_sha256 != digest and not await _says_the_same(
+            conn, ctx.previous_id, body, len(signed.body)
+        ):
             raise Conflict(
                 "a different result was already recorded for this assignment",
                 code="result_conflict",
