@@ -139,7 +139,26 @@ class HeartbeatIn(StrictModel):
         return self
 
 
+class LeaseDeadline(BaseModel):
+    assignment_id: str
+    lease_expires_at: dt.datetime = Field(
+        description="The lease's deadline after this beat: pushed back when less than half of the "
+        "pool's lease duration (or less than the unhealthy threshold) was left, never past the "
+        "pool's policy.max_lease_s from the claim"
+    )
+
+
 class HeartbeatOut(BaseModel):
     status: str
     next_heartbeat_in_s: float = Field(description="When to beat next")
-    drop_leases: list[str] = Field(default_factory=list, description="Leases the node must stop working on")
+    drop_leases: list[str] = Field(
+        default_factory=list,
+        description="Leases the node named that it no longer holds (ended, expired, another node's "
+        "or unknown): stop working on them",
+    )
+    lease_deadlines: list[LeaseDeadline] = Field(
+        default_factory=list,
+        description="Each lease the node named that it still holds, once, in the order named, with "
+        "its deadline after this beat (as GET /v1/nodes/me/leases gives it); every other named "
+        "lease is in drop_leases",
+    )

@@ -120,6 +120,24 @@ async def test_a_steady_heartbeat_reads_one_row_and_writes_no_sql(app: Any, app_
         assert len(statements) == 1 and not writes(statements)
 
 
+async def test_a_heartbeat_that_extends_a_lease_reads_once_and_writes_once(
+    app: Any, app_state: Any, clock: Any
+) -> None:
+    """The signer's row, the node's named leases, one UPDATE: telling the node each lease's
+    deadline costs no statement (the read that finds the leases has their deadlines, and the
+    extension writes the ones it says)."""
+    async with pool_setup(app, app_state, workers=1, lease_duration_s=60) as s:
+        w = s.workers[0]
+        await s.enqueue([task()])
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        clock.advance(40)
+        async with sql_log(app_state) as statements:
+            r = await w.beat([lease["assignment_id"]])
+        assert r.status_code == 200 and r.json()["drop_leases"] == []
+        spent_nonces(app_state, statements)
+        assert len(statements) == 3 and len(writes(statements)) == 1, statements
+
+
 async def test_claims_and_results_check_the_signer(app: Any, app_state: Any) -> None:
     async with pool_setup(app, app_state, workers=2) as s:
         await s.enqueue([task(), task("other")])

@@ -45,6 +45,49 @@ async def test_heartbeats_extend_leases_and_name_the_ones_to_drop(
         assert (await w.submit(lease)).status_code == 201
 
 
+async def test_a_heartbeat_says_until_when_each_lease_it_names_is_held(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """The answer named only the leases to drop: a client learnt a lease's new deadline only from
+    GET /v1/nodes/me/leases. It now gives each named lease still held with its deadline after
+    the beat (pushed back, or not yet, or capped at max_lease_s), and no other."""
+    async with pool_setup(app, app_state, workers=2, lease_duration_s=60, max_lease_s=150) as s:
+        me, other = s.workers
+        await s.enqueue([task("a"), task("b"), task("c")])
+        first, second = (await me.claim(s.pool_id, max_tasks=2)).json()["leases"]
+        theirs = (await other.claim(s.pool_id)).json()["leases"][0]
+        assert (await me.release(second)).status_code == 200
+
+        async def held() -> list[dict[str, Any]]:
+            r = await me.client.get("/v1/nodes/me/leases", auth=me.contributor.node_auth)
+            return [{k: x[k] for k in ("assignment_id", "lease_expires_at")} for x in r.json()["leases"]]
+
+        named = [first["assignment_id"], second["assignment_id"], theirs["assignment_id"], "asg_none"]
+        clock.advance(10)  # 50 s of 60 left: not pushed back yet, and said as it is
+        beat = (await me.beat([*named, first["assignment_id"]])).json()
+        assert (
+            beat["lease_deadlines"]
+            == await held()
+            == [{"assignment_id": first["assignment_id"], "lease_expires_at": first["lease_expires_at"]}]
+        )
+        assert beat["drop_leases"] == named[1:]
+        deadlines = [first["lease_expires_at"]]
+        for step in (35, 40, 40):  # 15 s, then 20 s left: pushed back to 60 s from now, then
+            clock.advance(step)  # to 150 s from the claim, which comes first
+            beat = (await me.beat(named)).json()
+            assert beat["lease_deadlines"] == await held()
+            assert beat["drop_leases"] == named[1:]
+            deadlines.append(beat["lease_deadlines"][0]["lease_expires_at"])
+        assert deadlines == sorted(set(deadlines))  # each beat pushed it back
+        at = [dt.datetime.fromisoformat(x) for x in deadlines]
+        assert at[-1] - at[0] == dt.timedelta(seconds=150 - 60)  # max_lease_s from the claim
+        clock.advance(26)  # 151 s from the claim: gone
+        beat = (await me.beat(named)).json()
+        assert (beat["lease_deadlines"], beat["drop_leases"]) == ([], named)
+        # A beat that names no lease lists none.
+        assert (await me.beat()).json()["lease_deadlines"] == []
+
+
 async def test_heartbeats_extend_a_lease_no_further_than_max_lease_s_from_its_claim(
     app: Any, app_state: Any, clock: FakeClock
 ) -> None:

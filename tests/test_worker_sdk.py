@@ -44,7 +44,12 @@ async def test_register_join_claim_submit_round_trip_earns(app: Any, app_state: 
         claim = await client.claim(s.pool_id, max_tasks=4)
         assert claim.reason is None and len(claim.leases) == 1
         lease = claim.leases[0]
-        assert (await client.heartbeat(leases=[lease.assignment_id])).drop_leases == []
+        beat = await client.heartbeat(leases=[lease.assignment_id])
+        assert beat.drop_leases == []
+        # Each lease still held, with its deadline: here the claim's, not pushed back yet.
+        assert [(x.assignment_id, x.lease_expires_at) for x in beat.lease_deadlines] == [
+            (lease.assignment_id, lease.lease_expires_at)
+        ]
 
         samples = await ArithmeticBackend().generate(lease.task, lease.seed, lease.policy)
         result = ResultIn(

@@ -26,7 +26,7 @@ import structlog
 from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from api_schemas.identity import HeartbeatIn, HeartbeatOut
+from api_schemas.identity import HeartbeatIn, HeartbeatOut, LeaseDeadline
 from orchestrator.core import metrics
 from orchestrator.core.hotstore import DYING, HEALTHY, UNHEALTHY, HotStore
 from orchestrator.core.state import AppState
@@ -70,15 +70,21 @@ async def heartbeat(state: AppState, node: NodeRef, body: HeartbeatIn) -> Heartb
     metrics.HEARTBEATS.inc()
     status = node.status
     drop: list[str] = []
+    held: list[tuple[str, dt.datetime]] = []
     if status in REVIVABLE or body.leases:
         async with state.sessionmaker() as session, session.begin():
             if status in REVIVABLE and await _revive(session, node.id, status):
                 status = NodeStatus.healthy.value
             if body.leases:
-                drop = await extend_leases(
+                drop, held = await extend_leases(
                     session, node.id, body.leases, now=state.clock.utcnow(), keep_s=hb.unhealthy_after_s
                 )
-    return HeartbeatOut(status=status, next_heartbeat_in_s=hb.interval_s, drop_leases=drop)
+    return HeartbeatOut(
+        status=status,
+        next_heartbeat_in_s=hb.interval_s,
+        drop_leases=drop,
+        lease_deadlines=[LeaseDeadline(assignment_id=i, lease_expires_at=at) for i, at in held],
+    )
 
 
 async def _revive(session: AsyncSession, node_id: str, status: str) -> bool:

@@ -929,8 +929,9 @@ async def live_leases(
 
 async def extend_leases(
     session: AsyncSession, node_id: str, lease_ids: list[str], *, now: dt.datetime, keep_s: float
-) -> list[str]:
-    """Extend the node's live leases among ``lease_ids``; return the ids it must drop.
+) -> tuple[list[str], list[tuple[str, dt.datetime]]]:
+    """Extend the node's live leases among ``lease_ids``; return the ids it must drop, and each
+    one it keeps with its deadline after this (both in the order named, each id once).
 
     A lease is written only when less than half of its duration is left, so a steady heartbeat
     costs one indexed read, and a write per lease only every half lease period; and whenever
@@ -941,7 +942,7 @@ async def extend_leases(
     as if it had stopped beating, and the replica is reissued.
     """
     if not lease_ids:
-        return []
+        return [], []
     rows = (
         await session.execute(
             select(
@@ -961,6 +962,8 @@ async def extend_leases(
         )
     ).all()
     live = {row.id for row in rows}
+    # What the read found, then what the UPDATEs wrote: no statement of their own.
+    deadline_of = {row.id: row.lease_expires_at for row in rows}
     by_deadline: dict[dt.datetime, list[str]] = {}
     for row in rows:
         if row.lease_expires_at - now >= dt.timedelta(seconds=max(row.lease_duration_s / 2, keep_s)):
@@ -988,8 +991,11 @@ async def extend_leases(
         )
         # On PostgreSQL the read above took no lock: a lease the reaper (or a release) ended
         # meanwhile is skipped by the UPDATE, which waited for it, and must be dropped too.
-        live -= set(ids) - set(extended.scalars())
-    return [lease_id for lease_id in dict.fromkeys(lease_ids) if lease_id not in live]
+        written = set(extended.scalars())
+        live -= set(ids) - written
+        deadline_of.update(dict.fromkeys(written, deadline))
+    named = dict.fromkeys(lease_ids)
+    return [i for i in named if i not in live], [(i, deadline_of[i]) for i in named if i in live]
 
 
 async def _own_assignment(session: AsyncSession, node_id: str, assignment_id: str) -> Assignment:

@@ -230,8 +230,9 @@ class WorkerClient(Backoff):
         *,
         stop: asyncio.Event | None = None,
     ) -> HeartbeatOut:
-        """Report liveness and the leases being worked on; the answer says when to beat next
-        and which leases to drop. Once ``stop`` is set, no further attempt is made."""
+        """Report liveness and the leases being worked on; the answer says when to beat next,
+        which leases to drop and, in ``lease_deadlines``, each other one's deadline after the
+        beat. Once ``stop`` is set, no further attempt is made."""
         body = HeartbeatIn(metrics=metrics or {}, leases=leases or [])
         return await self._call_model(
             HeartbeatOut, "POST", "/v1/nodes/me/heartbeat", body.model_dump(mode="json"), interrupt=stop
