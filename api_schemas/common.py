@@ -253,7 +253,10 @@ class StrictModel(BaseModel):
 class Problem(BaseModel):
     """RFC 9457 problem details, with a stable machine-readable ``code``."""
 
-    type: str = Field(description="URI reference naming the problem type: /problems/{code}")
+    type: str = Field(
+        description="URI reference naming the problem type: /problems/{code}, which GET /problems/{code} "
+        "serves as the code's documentation"
+    )
     title: str
     status: int
     detail: str

@@ -27,6 +27,7 @@ from orchestrator.core.instance_lock import InstanceLock
 from orchestrator.core.logging import configure_logging
 from orchestrator.core.loops import ExitGuard, await_stuck, stop_loops
 from orchestrator.core.middleware import BodyLimitMiddleware, HostCheckMiddleware, RequestContextMiddleware
+from orchestrator.core.problem_types import router as problem_types_router
 from orchestrator.core.state import open_state
 from orchestrator.feed.router import router as feed_router
 from orchestrator.identity.router import router as identity_router
@@ -88,6 +89,7 @@ def end_with_supervisor() -> None:
 
 ROUTERS = (
     health_router,
+    problem_types_router,
     identity_router,
     liveness_router,
     admin_router,
