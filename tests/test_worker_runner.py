@@ -1216,7 +1216,7 @@ async def test_a_pending_membership_keeps_the_worker_waiting_for_the_operator(
         r = await s.admin.patch(url, json={"admission": "approval"}, headers=s.headers)
         assert r.status_code == 200, r.text
         await s.enqueue(arithmetic_tasks(1, seed=32))
-        run, wire = start_quick(app, s.pool_id)
+        run, wire = start_quick(app, s.pool_id, pending_read_interval_s=0)
         await run.until(lambda st: st.idle_reason == "not_a_member")
         # It read its membership, pending, and went on asking.
         await until(lambda: len(wire.to("/v1/nodes/me")) >= 5, "enough claims or reads")
@@ -1239,6 +1239,32 @@ class ClaimAnswers(FaultyTransport):
             body = json.loads(await response.aread())
             self.answers.append((body["reason"], response.headers.get("retry-after")))
         return response
+
+
+async def test_a_pending_worker_reads_its_record_once_a_minute_not_after_every_claim(
+    app: Any, app_state: Any
+) -> None:
+    """While pending, the claims (every 5 s) notice the approval; the record is read to notice
+    a rejection, once per ``pending_read_interval_s`` (60 s), not after every claim: before, a
+    pending worker sent a claim and a record read every 5 s, twice an idle member's requests."""
+    async with pool_setup(app, app_state) as s:
+        url = f"/v1/admin/pools/{s.pool_id}"
+        r = await s.admin.patch(url, json={"admission": "approval"}, headers=s.headers)
+        assert r.status_code == 200, r.text
+        keys = {"node_key": generate_key(), "provider_key": generate_key()}
+        run, wire = start_quick(app, s.pool_id, **keys)
+        await run.until(lambda st: st.idle_reason == "not_a_member")
+        await until(lambda: len(wire.to("/v1/assignments/claim")) >= 10, "ten claims")
+        assert len(wire.to("/v1/nodes/me")) == 1, "one read of the pending record, then claims only"
+        node_id = run.latest.node_id
+        await run.finish()
+        # A rejection is still noticed, at the next read (here with no interval between reads).
+        run2, _ = start_quick(app, s.pool_id, pending_read_interval_s=0, **keys)
+        await run2.until(lambda st: st.idle_reason == "not_a_member")
+        r = await s.admin.post(f"{url}/members/{node_id}/reject", headers=s.headers)
+        assert r.status_code == 200, r.text
+        end = await ended(run2)
+        assert end.reason == "membership_ended" and "rejected" in end.detail
 
 
 async def test_an_approval_starts_a_pending_workers_work_within_seconds(app: Any, app_state: Any) -> None:

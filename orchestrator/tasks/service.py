@@ -90,7 +90,8 @@ RETRY_AFTER_S = {
 }
 # ``not_a_member`` for a membership pending approval: the operator may approve it at any moment,
 # and its node should start within seconds of that, not after a minute. As often as an idle
-# member's ``no_tasks``, so a fleet waiting for approval costs what an idle one does.
+# member's ``no_tasks``: the bundled worker claims that often while pending, and reads its
+# record (to notice a rejection) once a minute.
 PENDING_RETRY_AFTER_S = 5
 # A node that reports FAILURE_STREAK leases in a row failed on it in a pool (releases with an
 # error, no result of its own in between) is refused claims there (``node_failing``) for

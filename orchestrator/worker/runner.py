@@ -137,6 +137,10 @@ class WorkerConfig:
     earnings_interval_s: float = 30.0
     #: Wait after a no-work claim whose answer gives no Retry-After.
     idle_wait_s: float = 5.0
+    #: While its membership waits for the operator's approval, how often the node's record is
+    #: read (``GET /v1/nodes/me``) to notice a rejection. The claims, every 5 s then (the
+    #: server's Retry-After), notice the approval; the record read is only for the rejection.
+    pending_read_interval_s: float = 60.0
     #: Cap of the backoff after failed claims.
     max_error_backoff_s: float = 30.0
     timeout_s: float = 30.0
@@ -292,6 +296,9 @@ class _Worker:
         self.recover = True
         #: Leases in flight that have ended, ever: a claim compares it across its round trip.
         self.ended = 0
+        #: When the node's record last showed its membership pending (monotonic clock): its
+        #: record is read again only ``pending_read_interval_s`` later (``_membership_ended``).
+        self._pending_read_at: float | None = None
         #: Why the run ends on its own (``WorkerEnded``'s reason and detail); None: it does not.
         self.end: tuple[str, str] | None = None
         #: Set with ``end``: the claim loop's waits end at once, as on a stop.
@@ -450,6 +457,14 @@ class _Worker:
         ends and answers True. A pending membership (an ``approval`` pool's operator has not
         decided yet) or an active one (approved since the claim) waits, as does a failed read."""
         pool = self.config.pool_id
+        now = time.monotonic()
+        if (
+            claim.reason == "not_a_member"
+            and self._pending_read_at is not None
+            and now - self._pending_read_at < self.config.pending_read_interval_s
+        ):
+            return False  # pending at the last read, a moment ago: a claim notices the approval
+        self._pending_read_at = None
         try:
             node = await self.client.me(stop=self.stop)
         except OrchestratorAPIError as exc:
@@ -463,6 +478,8 @@ class _Worker:
             return False
         status = next((m.status for m in node.memberships if m.pool_id == pool), None)
         if status is not None and status not in ENDED_MEMBERSHIPS:
+            if status == "pending":
+                self._pending_read_at = now
             return False
         if claim.reason == "pool_not_active":
             self._end(
