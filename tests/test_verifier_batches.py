@@ -476,6 +476,105 @@ async def test_when_two_lanes_of_a_tick_fail_both_failures_are_reported(
         assert await decided(app_state) == (0, Counter(checks=2))
 
 
+async def three_partitions_with_work(s: PoolSetup) -> None:
+    """Two results from each of three providers, each in a partition of its own."""
+    first = s.workers[0]
+    second = await in_another_partition(s, first)
+    while True:
+        third = await in_another_partition(s, first)
+        if service.partition_of(third.contributor.provider_id) != service.partition_of(
+            second.contributor.provider_id
+        ):
+            break
+        s.workers.remove(third)
+    s.workers[:] = [first, second, third]
+    await results(s, 2)
+
+
+async def verifier_locks_held(app_state: Any) -> int:
+    """Partition locks (``service.VERIFIER_LOCK``) held in the test's database: one per batch
+    whose transaction is open."""
+    async with app_state.engine.connect() as conn:
+        held = await conn.scalar(
+            text(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                " AND classid = :key AND objsubid = 2"
+                " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            ),
+            {"key": service.VERIFIER_LOCK},
+        )
+    return int(held or 0)
+
+
+@postgres_only
+async def test_lanes_wait_for_the_scorer_without_a_transaction(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one scoring process, one lane at a time has a batch taken and waiting to be scored;
+    the others wait for their turn before their transaction begins. Before, every lane took its
+    partition's lock and its batch and then queued for the scorer: three transactions open
+    while one batch was scored, and a tick's budget overrun by every queued batch's scoring."""
+    batches_of(app_state, 10)
+    scoring, peak, locks_seen = 0, 0, []
+    real = service._score_inputs
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal scoring, peak
+        scoring += 1
+        peak = max(peak, scoring)
+        try:
+            if not locks_seen:  # the tick's first batch: the other lanes have had their chance
+                for _ in range(50):  # to take their batches (up to 2 s; at once, before)
+                    locks_seen.append(await verifier_locks_held(app_state))
+                    if locks_seen[-1] > 1 or scoring > 1:
+                        break
+                    await asyncio.sleep(0.04)
+            return await real(*args, **kwargs)
+        finally:
+            scoring -= 1
+
+    monkeypatch.setattr(service, "_score_inputs", counted)
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=8) as s:
+        await three_partitions_with_work(s)
+        assert await verify_batches(app_state, budget_s=math.inf) == 6
+    assert peak == 1  # batches being scored (or queued for it) at once: the scorer's one process
+    assert max(locks_seen) == 1  # while the first was scored, no other lane held its partition
+    assert await decided(app_state) == (6, Counter(done=6))
+    await books_balance(app_state)
+
+
+@postgres_only
+async def test_a_tick_whose_budget_runs_out_while_a_batch_is_scored_takes_no_other(
+    app: Any, app_state: Any, clock: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The budget runs out while the tick's first batch is scored: the lanes still waiting for
+    the scorer take no batch (the next tick, started at once, does). Before, they had each
+    taken theirs and queued for the scorer, and the tick ran on until every one was scored."""
+    app_state.settings.verifier = VerifierSettings(batch_size=10, tick_budget_s=1)
+    real = service._score_inputs
+    calls = 0
+
+    async def slow_first(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            for _ in range(10):  # the other lanes have their chance to start
+                await asyncio.sleep(0.02)
+            clock.advance(5)  # scoring the first batch took past the budget
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(service, "_score_inputs", slow_first)
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=8) as s:
+        await three_partitions_with_work(s)
+        first = await verify_once(app_state)
+        assert (first.processed, first.more) == (2, True)  # one partition's batch, then out of time
+        assert await decided(app_state) == (2, Counter(checks=4, done=2))
+        second = await verify_once(app_state)
+        assert (second.processed, second.more) == (4, False)
+    assert await decided(app_state) == (6, Counter(done=6))
+    await books_balance(app_state)
+
+
 def test_verifier_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     from orchestrator.settings import Settings
 

@@ -12,12 +12,15 @@ right after."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import structlog
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from orchestrator.core.clock import Clock
 from orchestrator.core.loops import tick_failed
 from orchestrator.core.state import AppState
 from orchestrator.core.ticks import Keyset, claim_tick, tick_in_batches
@@ -64,6 +67,31 @@ class VerifyReport:
     # tick at once (SQLite: after ``core.loops.SQLITE_MORE_PAUSE_S``) instead of at the next
     # second (``core.loops.run_periodically``).
     more: bool = False
+
+
+class ScorerTurns:
+    """Which of a tick's lanes may take a batch and wait for it to be scored (PostgreSQL): as
+    many at once as the scoring processes have a batch's worth of room for
+    (``reward_processes // batch_size``, at least one). A lane takes its turn before its
+    batch's transaction begins and gives it back once the batch is scored, so the others wait
+    for the scorer holding no transaction, partition lock or job row. Before, every lane took
+    its batch and then queued for the one scoring process, 8 transactions open at once, and a
+    tick overran its budget by up to 8 batches' scoring. A turn that comes after ``deadline``
+    says to stop (except the tick's first, which always goes on)."""
+
+    def __init__(self, capacity: int, clock: Clock, deadline: float) -> None:
+        self.capacity = max(1, capacity)
+        self._free = asyncio.Semaphore(self.capacity)
+        self._clock = clock
+        self._deadline = deadline
+        self._given = 0
+
+    @contextlib.asynccontextmanager
+    async def turn(self) -> AsyncIterator[bool]:
+        async with self._free:
+            go_on = not self._given or self._clock.monotonic() < self._deadline
+            self._given += 1
+            yield go_on
 
 
 async def verify_once(state: AppState) -> VerifyReport:
@@ -171,6 +199,9 @@ async def _verify_batches(state: AppState, *, budget_s: float) -> tuple[int, boo
     todo = iter(partitions)
     begun = 0
     cut = False
+    turns = None
+    if partitions != [None]:  # SQLite scores its one lane's batch before the transaction
+        turns = ScorerTurns(scorer.processes // size, state.clock, deadline)
 
     async def lane() -> int:
         nonlocal begun, cut
@@ -181,7 +212,7 @@ async def _verify_batches(state: AppState, *, budget_s: float) -> tuple[int, boo
                 return done
             begun += 1
             n, stopped = await _verify_partition(
-                state, partition, scorer=scorer, size=size, retry_s=retry_s, deadline=deadline
+                state, partition, scorer=scorer, size=size, retry_s=retry_s, deadline=deadline, turns=turns
             )
             done += n
             cut = cut or stopped
@@ -205,10 +236,18 @@ async def _verify_batches(state: AppState, *, budget_s: float) -> tuple[int, boo
 
 
 async def _verify_partition(
-    state: AppState, partition: int | None, *, scorer: Scorer, size: int, retry_s: float, deadline: float
+    state: AppState,
+    partition: int | None,
+    *,
+    scorer: Scorer,
+    size: int,
+    retry_s: float,
+    deadline: float,
+    turns: ScorerTurns | None = None,
 ) -> tuple[int, bool]:
     """One partition's batches (``None``: SQLite's one backlog) until it is done or the
-    deadline passes; returns how many jobs were processed and whether the deadline stopped it."""
+    deadline passes; returns how many jobs were processed and whether the deadline stopped it.
+    Each batch takes its turn at the scorer from ``turns`` (PostgreSQL's lanes)."""
     secret = state.settings.seed_key
     total = 0
     # Where this process's last call stopped for its budget: results it cannot decide yet
@@ -248,7 +287,11 @@ async def _verify_partition(
                 prescored=prescored,
                 reward_retry_s=retry_s,
                 reward_backoff=state.reward_backoff,
+                turn=None if turns is None else turns.turn(),
             )
+        if batch.late:  # the budget ran out while it waited for the scorer: on from here next time
+            state.verifier_resume[partition] = after
+            return total, True
         total += batch.processed
         after = batch.last_id
         if partition is not None and batch.processed < batch.picked:

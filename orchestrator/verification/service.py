@@ -49,6 +49,7 @@ import random
 import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -191,6 +192,8 @@ class Batch:
     picked: int  # jobs taken
     processed: int  # of them, checked without an error
     last_id: int  # the highest job id taken: the next batch starts after it
+    # Took nothing: its turn at the scorer came after the tick's budget ran out (``turn``).
+    late: bool = False
 
 
 @dataclass(frozen=True)
@@ -217,6 +220,7 @@ async def process_pending(
     prescored: Prescored | None = None,
     reward_retry_s: float = 0.0,
     reward_backoff: dict[int, tuple[dt.datetime, float]] | None = None,
+    turn: AbstractAsyncContextManager[bool] | None = None,
 ) -> Batch:
     """Run the cheap checks of up to ``limit`` waiting jobs with ids above ``after_id``, in the
     caller's transaction (one small batch: its verdicts are visible when it commits).
@@ -229,28 +233,36 @@ async def process_pending(
     two verifiers never both leave a quorum for the other to decide). A result whose reward
     function is unavailable (``RewardUnavailable``) is left for a later batch until
     ``reward_retry_s`` after it arrived, tried again as ``reward_backoff`` (the process's, see
-    ``Retry``) allows."""
-    stmt = _waiting(after_id, limit)
-    if partition is not None:
-        lock = func.pg_try_advisory_xact_lock(VERIFIER_LOCK, partition)
-        if not await session.scalar(select(lock)):
+    ``Retry``) allows.
+
+    ``turn`` (the verifier's lanes, ``jobs.ScorerTurns``) is entered before the transaction's
+    first statement and left once the batch is scored: a batch waiting for its turn at the
+    scorer holds no connection, lock or row. Entered, it says whether to go on; if not (the
+    tick's budget ran out meanwhile), nothing is taken (``Batch.late``)."""
+    async with turn or nullcontext(True) as go_on:
+        if not go_on:
+            return Batch(0, 0, after_id, late=True)
+        stmt = _waiting(after_id, limit)
+        if partition is not None:
+            lock = func.pg_try_advisory_xact_lock(VERIFIER_LOCK, partition)
+            if not await session.scalar(select(lock)):
+                return Batch(0, 0, after_id)
+            stmt = stmt.where(VerificationJob.verifier_partition == partition).with_for_update()
+            session.info[SYSTEM_SHARD] = partition
+        elif is_postgres(session):  # the whole backlog at once: share it without waiting
+            stmt = stmt.with_for_update(skip_locked=True)
+        jobs = list((await session.execute(stmt)).scalars())
+        if not jobs:
             return Batch(0, 0, after_id)
-        stmt = stmt.where(VerificationJob.verifier_partition == partition).with_for_update()
-        session.info[SYSTEM_SHARD] = partition
-    elif is_postgres(session):  # the whole backlog at once: share it without waiting
-        stmt = stmt.with_for_update(skip_locked=True)
-    jobs = list((await session.execute(stmt)).scalars())
-    if not jobs:
-        return Batch(0, 0, after_id)
-    # The session's identity map holds its rows weakly: ``loaded`` keeps the batch's rows in it
-    # until the batch ends, so that the per-job ``session.get`` calls find them there.
-    submissions, loaded = await _load(session, jobs)
-    retry = Retry(now, reward_retry_s, {} if reward_backoff is None else reward_backoff)
-    if prescored is None:
-        scored = await _score_all(session, jobs, scorer, retry)
-    else:  # jobs scored before this transaction; any other (none, with one writer) scored now
-        rest = [j for j in jobs if j.id not in prescored.attempted]
-        scored = {**prescored.scored, **await _score_all(session, rest, scorer, retry)}
+        # The session's identity map holds its rows weakly: ``loaded`` keeps the batch's rows in
+        # it until the batch ends, so that the per-job ``session.get`` calls find them there.
+        submissions, loaded = await _load(session, jobs)
+        retry = Retry(now, reward_retry_s, {} if reward_backoff is None else reward_backoff)
+        if prescored is None:
+            scored = await _score_all(session, jobs, scorer, retry)
+        else:  # jobs scored before this transaction; any other (none, with one writer) scored now
+            rest = [j for j in jobs if j.id not in prescored.attempted]
+            scored = {**prescored.scored, **await _score_all(session, rest, scorer, retry)}
     await lock_for_verdicts(session, submissions)
     loaded += await _lock_replicated_tasks(session, {j.task_id for j in jobs})
     # A rolled-back savepoint expires the rows it changed (a failed job, and the siblings its
