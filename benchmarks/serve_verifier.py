@@ -14,7 +14,8 @@ falls behind its pace goes on at once, it does not catch up), while the verifier
 Every 5 s it prints the results accepted, the verdicts decided and the backlog
 (``verification_jobs`` at stage ``checks``, as ``orchestrator_verification_jobs`` reports it);
 at the end the rates over the run, the backlog's growth per second, the claims' and results'
-p50/p99 and the CPU of the server's processes. With ``--background-process`` the API runs with
+p50/p99, the CPU of the server's processes and how many verifier partition locks (batches with
+a transaction open) were held, sampled every 0.1 s. With ``--background-process`` the API runs with
 ``ORCH_SERVER__BACKGROUND_LOOPS=false`` beside an ``orchestrator background`` process, the
 deployment the README advises for more verdicts. ``--py-spy FILE`` records the server's
 processes (``py-spy record --subprocesses``) for the run, as a speedscope file.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -53,6 +55,8 @@ from benchmarks.common import (
 from benchmarks.loadgen import self_check
 from benchmarks.sqlite_backlog import Cycles
 from benchmarks.verifier import ECONOMICS
+
+VERIFIER_LOCK = 0x5646  # orchestrator.verification.service.VERIFIER_LOCK (any --code's)
 
 CHECKOUT = str(Path(__file__).resolve().parent.parent)
 PREFIX = "orch-serve-verifier:"
@@ -106,6 +110,25 @@ async def counts(conn: asyncpg.Connection) -> tuple[int, int]:
     return int(row["waiting"]), int(row["decided"])
 
 
+async def sample_locks(dsn: str, stop: asyncio.Event, samples: list[int]) -> None:
+    """Every 0.1 s, how many verifier partition locks (``service.VERIFIER_LOCK``) are held: one
+    per batch whose transaction is open."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        while not stop.is_set():
+            held = await conn.fetchval(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                " AND classid = $1 AND objsubid = 2"
+                " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+                VERIFIER_LOCK,
+            )
+            samples.append(int(held))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.1)
+    finally:
+        await conn.close()
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -149,6 +172,8 @@ async def main() -> None:
         meter = CpuMeter({p.pid for p in procs}, os.getpid(), args.database.rsplit("/", 1)[1])
         stop = asyncio.Event()
         cpu = asyncio.create_task(meter.measure(stop))
+        locks: list[int] = []
+        sampler = asyncio.create_task(sample_locks(args.database, stop, locks))
         cycles = Cycles(pace_s=args.nodes / args.rate)
         waiting0, decided0 = await counts(conn)
         load = os.getloadavg()[0]
@@ -167,6 +192,7 @@ async def main() -> None:
         waiting1, decided1 = await counts(conn)
         stop.set()
         cores = await cpu
+        await sampler
     finally:
         if spy is not None:
             spy.wait(timeout=60)
@@ -187,6 +213,8 @@ async def main() -> None:
     print(f"claim  {latency_summary(cycles.claims)}")
     print(f"result {latency_summary(cycles.results)}")
     print(f"cores: {cores}")
+    mean = sum(locks) / max(1, len(locks))
+    print(f"partition locks held (open verifier batches): mean {mean:.2f} max {max(locks, default=0)}")
 
 
 if __name__ == "__main__":
