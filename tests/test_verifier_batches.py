@@ -491,45 +491,44 @@ async def three_partitions_with_work(s: PoolSetup) -> None:
     await results(s, 2)
 
 
-async def verifier_locks_held(app_state: Any) -> int:
-    """Partition locks (``service.VERIFIER_LOCK``) held in the test's database: one per batch
-    whose transaction is open."""
+async def partition_locked(app_state: Any, job_id: int) -> bool:
+    """Whether a transaction holds the verifier lock of the job's partition."""
     async with app_state.engine.connect() as conn:
         held = await conn.scalar(
             text(
                 "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
                 " AND classid = :key AND objsubid = 2"
+                " AND objid = (SELECT verifier_partition FROM verification_jobs WHERE id = :job)"
                 " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
             ),
-            {"key": service.VERIFIER_LOCK},
+            {"key": service.VERIFIER_LOCK, "job": job_id},
         )
-    return int(held or 0)
+    return bool(held)
 
 
 @postgres_only
 async def test_lanes_wait_for_the_scorer_without_a_transaction(
     app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With one scoring process, one lane at a time has a batch taken and waiting to be scored;
-    the others wait for their turn before their transaction begins. Before, every lane took its
-    partition's lock and its batch and then queued for the scorer: three transactions open
-    while one batch was scored, and a tick's budget overrun by every queued batch's scoring."""
+    """A lane's batch is scored, and waits for the scorer, before its transaction begins, one
+    lane's batch at a time with one scoring process. Before, every lane took its partition's
+    lock and its batch and then queued for the scorer: three transactions open while one batch
+    was scored, and a tick's budget overrun by every queued batch's scoring."""
     batches_of(app_state, 10)
-    scoring, peak, locks_seen = 0, 0, []
+    scoring, peak, locked = 0, 0, []
     real = service._score_inputs
 
-    async def counted(*args: Any, **kwargs: Any) -> Any:
+    async def counted(inputs: Any, *args: Any, **kwargs: Any) -> Any:
         nonlocal scoring, peak
         scoring += 1
         peak = max(peak, scoring)
         try:
-            if not locks_seen:  # the tick's first batch: the other lanes have had their chance
-                for _ in range(50):  # to take their batches (up to 2 s; at once, before)
-                    locks_seen.append(await verifier_locks_held(app_state))
-                    if locks_seen[-1] > 1 or scoring > 1:
-                        break
-                    await asyncio.sleep(0.04)
-            return await real(*args, **kwargs)
+            locked.append(await partition_locked(app_state, inputs[0].job_id))
+            for _ in range(25):  # the other lanes have their chance to queue beside it (at once, before)
+                if scoring > 1:
+                    break
+                await asyncio.sleep(0.04)
+            return await real(inputs, *args, **kwargs)
         finally:
             scoring -= 1
 
@@ -537,8 +536,8 @@ async def test_lanes_wait_for_the_scorer_without_a_transaction(
     async with pool_setup(app, app_state, workers=1, max_leases_per_node=8) as s:
         await three_partitions_with_work(s)
         assert await verify_batches(app_state, budget_s=math.inf) == 6
+    assert locked == [False] * 3  # no batch's partition was held while it was scored
     assert peak == 1  # batches being scored (or queued for it) at once: the scorer's one process
-    assert max(locks_seen) == 1  # while the first was scored, no other lane held its partition
     assert await decided(app_state) == (6, Counter(done=6))
     await books_balance(app_state)
 

@@ -70,14 +70,15 @@ class VerifyReport:
 
 
 class ScorerTurns:
-    """Which of a tick's lanes may take a batch and wait for it to be scored (PostgreSQL): as
-    many at once as the scoring processes have a batch's worth of room for
-    (``reward_processes // batch_size``, at least one). A lane takes its turn before its
-    batch's transaction begins and gives it back once the batch is scored, so the others wait
-    for the scorer holding no transaction, partition lock or job row. Before, every lane took
-    its batch and then queued for the one scoring process, 8 transactions open at once, and a
-    tick overran its budget by up to 8 batches' scoring. A turn that comes after ``deadline``
-    says to stop (except the tick's first, which always goes on)."""
+    """Which of a tick's lanes may have a batch scored at once (PostgreSQL): as many as the
+    scoring processes have a batch's worth of room for (``reward_processes // batch_size``, at
+    least one). A lane reads its batch's inputs in a short transaction of its own, then waits
+    for its turn, holding no transaction, partition lock or job row (``service.prescore``), and
+    gives the turn back once the batch is scored; only then does the batch's transaction begin.
+    Before, every lane took its partition's lock and its batch and then queued for the one
+    scoring process: 8 transactions open at once, and a tick ran past its budget by up to 8
+    batches' scoring. A turn that comes after ``deadline`` says to stop (except the tick's
+    first, which always goes on): the lane takes no batch, the next tick goes on from there."""
 
     def __init__(self, capacity: int, clock: Clock, deadline: float) -> None:
         self.capacity = max(1, capacity)
@@ -258,22 +259,29 @@ async def _verify_partition(
     start = state.verifier_resume.pop(partition, 0)
     after, wrapped = start, start == 0
     while True:
-        prescored = None
-        if partition is None:  # SQLite: score with no transaction (the write lock) open
-            prescored = await service.prescore(
-                state.sessionmaker,
-                scorer,
-                limit=size,
-                after_id=after,
-                now=state.clock.utcnow(),
-                reward_retry_s=retry_s,
-                reward_backoff=state.reward_backoff,
-            )
-            if not prescored.attempted:
-                if wrapped:
-                    break
-                after, wrapped = 0, True
-                continue
+        # Scored with no transaction open: SQLite's would hold the one write lock, PostgreSQL's
+        # its partition's lock and job rows, while waiting for the scorer.
+        prescored = await service.prescore(
+            state.sessionmaker,
+            scorer,
+            limit=size,
+            after_id=after,
+            now=state.clock.utcnow(),
+            reward_retry_s=retry_s,
+            reward_backoff=state.reward_backoff,
+            partition=partition,
+            turn=None if turns is None else turns.turn(),
+        )
+        if prescored.late:  # the budget ran out while it waited for the scorer: on from here
+            state.verifier_resume[partition] = after
+            return total, True
+        if prescored.held:  # another verifier is working this partition
+            break
+        if not prescored.attempted:
+            if wrapped:
+                break
+            after, wrapped = 0, True
+            continue
         async with state.sessionmaker() as session, session.begin():
             batch = await service.process_pending(
                 session,
@@ -287,17 +295,13 @@ async def _verify_partition(
                 prescored=prescored,
                 reward_retry_s=retry_s,
                 reward_backoff=state.reward_backoff,
-                turn=None if turns is None else turns.turn(),
             )
-        if batch.late:  # the budget ran out while it waited for the scorer: on from here next time
-            state.verifier_resume[partition] = after
-            return total, True
         total += batch.processed
         after = batch.last_id
         if partition is not None and batch.processed < batch.picked:
             state.verifier_failed_at[partition] = state.clock.monotonic()
         # At the newest: this partition is done, or another verifier is working it.
-        end = batch.picked < size
+        end = (batch.picked if partition is None else len(prescored.attempted)) < size
         done = wrapped and (end or 0 < start <= after)  # the pass is back where it started
         if not done and state.clock.monotonic() >= deadline:
             state.verifier_resume[partition] = 0 if end else after

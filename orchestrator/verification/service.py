@@ -192,8 +192,6 @@ class Batch:
     picked: int  # jobs taken
     processed: int  # of them, checked without an error
     last_id: int  # the highest job id taken: the next batch starts after it
-    # Took nothing: its turn at the scorer came after the tick's budget ran out (``turn``).
-    late: bool = False
 
 
 @dataclass(frozen=True)
@@ -220,7 +218,6 @@ async def process_pending(
     prescored: Prescored | None = None,
     reward_retry_s: float = 0.0,
     reward_backoff: dict[int, tuple[dt.datetime, float]] | None = None,
-    turn: AbstractAsyncContextManager[bool] | None = None,
 ) -> Batch:
     """Run the cheap checks of up to ``limit`` waiting jobs with ids above ``after_id``, in the
     caller's transaction (one small batch: its verdicts are visible when it commits).
@@ -235,34 +232,34 @@ async def process_pending(
     ``reward_retry_s`` after it arrived, tried again as ``reward_backoff`` (the process's, see
     ``Retry``) allows.
 
-    ``turn`` (the verifier's lanes, ``jobs.ScorerTurns``) is entered before the transaction's
-    first statement and left once the batch is scored: a batch waiting for its turn at the
-    scorer holds no connection, lock or row. Entered, it says whether to go on; if not (the
-    tick's budget ran out meanwhile), nothing is taken (``Batch.late``)."""
-    async with turn or nullcontext(True) as go_on:
-        if not go_on:
-            return Batch(0, 0, after_id, late=True)
-        stmt = _waiting(after_id, limit)
-        if partition is not None:
-            lock = func.pg_try_advisory_xact_lock(VERIFIER_LOCK, partition)
-            if not await session.scalar(select(lock)):
-                return Batch(0, 0, after_id)
-            stmt = stmt.where(VerificationJob.verifier_partition == partition).with_for_update()
-            session.info[SYSTEM_SHARD] = partition
-        elif is_postgres(session):  # the whole backlog at once: share it without waiting
-            stmt = stmt.with_for_update(skip_locked=True)
-        jobs = list((await session.execute(stmt)).scalars())
-        if not jobs:
+    With both ``partition`` and ``prescored`` (PostgreSQL's lanes) the batch is the prescored
+    jobs still waiting, nothing is scored in the transaction, and the batch's ``last_id`` is the
+    last prescored job's."""
+    stmt = _waiting(after_id, limit)
+    last = after_id
+    if partition is not None:
+        lock = func.pg_try_advisory_xact_lock(VERIFIER_LOCK, partition)
+        if not await session.scalar(select(lock)):
             return Batch(0, 0, after_id)
-        # The session's identity map holds its rows weakly: ``loaded`` keeps the batch's rows in
-        # it until the batch ends, so that the per-job ``session.get`` calls find them there.
-        submissions, loaded = await _load(session, jobs)
-        retry = Retry(now, reward_retry_s, {} if reward_backoff is None else reward_backoff)
-        if prescored is None:
-            scored = await _score_all(session, jobs, scorer, retry)
-        else:  # jobs scored before this transaction; any other (none, with one writer) scored now
-            rest = [j for j in jobs if j.id not in prescored.attempted]
-            scored = {**prescored.scored, **await _score_all(session, rest, scorer, retry)}
+        stmt = stmt.where(VerificationJob.verifier_partition == partition).with_for_update()
+        if prescored is not None:  # decided meanwhile (by another process): not taken
+            stmt = stmt.where(VerificationJob.id.in_(prescored.attempted))
+            last = max(prescored.attempted, default=after_id)
+        session.info[SYSTEM_SHARD] = partition
+    elif is_postgres(session):  # the whole backlog at once: share it without waiting
+        stmt = stmt.with_for_update(skip_locked=True)
+    jobs = list((await session.execute(stmt)).scalars())
+    if not jobs:
+        return Batch(0, 0, last)
+    # The session's identity map holds its rows weakly: ``loaded`` keeps the batch's rows in it
+    # until the batch ends, so that the per-job ``session.get`` calls find them there.
+    submissions, loaded = await _load(session, jobs)
+    retry = Retry(now, reward_retry_s, {} if reward_backoff is None else reward_backoff)
+    if prescored is None:
+        scored = await _score_all(session, jobs, scorer, retry)
+    else:  # jobs scored before this transaction; any other (none, with one writer) scored now
+        rest = [j for j in jobs if j.id not in prescored.attempted]
+        scored = {**prescored.scored, **(await _score_all(session, rest, scorer, retry) if rest else {})}
     await lock_for_verdicts(session, submissions)
     loaded += await _lock_replicated_tasks(session, {j.task_id for j in jobs})
     # A rolled-back savepoint expires the rows it changed (a failed job, and the siblings its
@@ -274,7 +271,7 @@ async def process_pending(
             session, job, job_id, submission_id, scored[job_id], secret, rng, now
         ):
             done += 1
-    return Batch(len(ids), done, ids[-1][1])
+    return Batch(len(ids), done, max(ids[-1][1], last))
 
 
 async def _checks_in_savepoint(
@@ -503,6 +500,11 @@ class Prescored:
 
     attempted: frozenset[int]
     scored: dict[int, Scored]
+    # PostgreSQL: another verifier holds the partition (nothing read).
+    held: bool = False
+    # The jobs were read, but their turn at the scorer came after the tick's budget ran out
+    # (``turn``): nothing was scored and nothing is attempted.
+    late: bool = False
 
 
 async def prescore(
@@ -514,19 +516,41 @@ async def prescore(
     now: dt.datetime,
     reward_retry_s: float = 0.0,
     reward_backoff: dict[int, tuple[dt.datetime, float]] | None = None,
+    partition: int | None = None,
+    turn: AbstractAsyncContextManager[bool] | None = None,
 ) -> Prescored:
-    """SQLite: score the next batch's results with no transaction open. Every SQLite transaction
+    """Score the next batch's results with no transaction open. SQLite: every SQLite transaction
     holds the database's one write lock (``BEGIN IMMEDIATE``), so a batch that scored inside its
     own would hold up every claim, result and heartbeat for as long as its reward functions ran
     (up to ``reward_timeout_s`` per result). The inputs are read in a short transaction first,
-    the batch's rows in a few reads (``_load``), not two a result."""
+    the batch's rows in a few reads (``_load``), not two a result.
+
+    PostgreSQL (``partition``): the partition's next batch, read in a short transaction that
+    tries the partition's lock (``held`` if another verifier has it: that one is working the
+    partition). A lane waiting for the scorer (``turn``, ``jobs.ScorerTurns``: entered once the
+    inputs are read, left once they are scored) then holds no transaction, lock or row: the
+    batch's transaction (``process_pending``) takes the lock again and decides only the jobs
+    still waiting. A score's inputs (the result, the task's ``verification``, the pool's reward
+    function) never change once the job exists. A turn that says not to go on (the tick's
+    budget ran out meanwhile) scores nothing (``late``)."""
     async with sessionmaker() as session, session.begin():
-        jobs = list((await session.execute(_waiting(after_id, limit))).scalars())
+        stmt = _waiting(after_id, limit)
+        if partition is not None:
+            lock = func.pg_try_advisory_xact_lock(VERIFIER_LOCK, partition)
+            if not await session.scalar(select(lock)):
+                return Prescored(frozenset(), {}, held=True)
+            stmt = stmt.where(VerificationJob.verifier_partition == partition)
+        jobs = list((await session.execute(stmt)).scalars())
         _, loaded = await _load(session, jobs) if jobs else ([], [])
         inputs = await _inputs(session, jobs)
         del loaded  # held until the inputs are read (the identity map holds rows weakly)
+    if not jobs:
+        return Prescored(frozenset(), {})
     retry = Retry(now, reward_retry_s, {} if reward_backoff is None else reward_backoff)
-    scored = await _score_inputs(inputs, scorer, retry)
+    async with turn or nullcontext(True) as go_on:
+        if not go_on:
+            return Prescored(frozenset(), {}, late=True)
+        scored = await _score_inputs(inputs, scorer, retry)
     return Prescored(frozenset(j.id for j in jobs), scored)
 
 
