@@ -15,7 +15,8 @@ Every 5 s it prints the results accepted, the verdicts decided and the backlog
 (``verification_jobs`` at stage ``checks``, as ``orchestrator_verification_jobs`` reports it);
 at the end the rates over the run, the backlog's growth per second, the claims' and results'
 p50/p99, the CPU of the server's processes and how many verifier partition locks (batches with
-a transaction open) were held, sampled every 0.1 s. With ``--background-process`` the API runs with
+a transaction open) were held and how long their transactions had been open, sampled every
+0.1 s. With ``--background-process`` the API runs with
 ``ORCH_SERVER__BACKGROUND_LOOPS=false`` beside an ``orchestrator background`` process, the
 deployment the README advises for more verdicts. ``--py-spy FILE`` records the server's
 processes (``py-spy record --subprocesses``) for the run, as a speedscope file.
@@ -110,19 +111,21 @@ async def counts(conn: asyncpg.Connection) -> tuple[int, int]:
     return int(row["waiting"]), int(row["decided"])
 
 
-async def sample_locks(dsn: str, stop: asyncio.Event, samples: list[int]) -> None:
-    """Every 0.1 s, how many verifier partition locks (``service.VERIFIER_LOCK``) are held: one
-    per batch whose transaction is open."""
+async def sample_locks(dsn: str, stop: asyncio.Event, samples: list[int], ages: list[float]) -> None:
+    """Every 0.1 s, how many verifier partition locks (``service.VERIFIER_LOCK``) are held (one
+    per batch whose transaction is open), and how long each holder's transaction has been open."""
     conn = await asyncpg.connect(dsn)
     try:
         while not stop.is_set():
-            held = await conn.fetchval(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
-                " AND classid = $1 AND objsubid = 2"
-                " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            rows = await conn.fetch(
+                "SELECT extract(epoch FROM now() - a.xact_start) AS age"
+                " FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+                " WHERE l.locktype = 'advisory' AND l.granted AND l.classid = $1 AND l.objsubid = 2"
+                " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
                 VERIFIER_LOCK,
             )
-            samples.append(int(held))
+            samples.append(len(rows))
+            ages.extend(float(r["age"]) for r in rows if r["age"] is not None)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.1)
     finally:
@@ -173,7 +176,8 @@ async def main() -> None:
         stop = asyncio.Event()
         cpu = asyncio.create_task(meter.measure(stop))
         locks: list[int] = []
-        sampler = asyncio.create_task(sample_locks(args.database, stop, locks))
+        ages: list[float] = []
+        sampler = asyncio.create_task(sample_locks(args.database, stop, locks, ages))
         cycles = Cycles(pace_s=args.nodes / args.rate)
         waiting0, decided0 = await counts(conn)
         load = os.getloadavg()[0]
@@ -215,6 +219,10 @@ async def main() -> None:
     print(f"cores: {cores}")
     mean = sum(locks) / max(1, len(locks))
     print(f"partition locks held (open verifier batches): mean {mean:.2f} max {max(locks, default=0)}")
+    ages.sort()
+    if ages:
+        p50, p99 = ages[len(ages) // 2], ages[min(len(ages) - 1, int(len(ages) * 0.99))]
+        print(f"their transactions' age when sampled: p50 {p50:.2f} s p99 {p99:.2f} s max {ages[-1]:.2f} s")
 
 
 if __name__ == "__main__":
