@@ -36,7 +36,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from orchestrator.all_models import Base
 from orchestrator.app import create_app
 from orchestrator.core.clock import FakeClock
-from orchestrator.core.hotstore import HotStore, MemoryHotStore, RedisHotStore
+from orchestrator.core.hotstore import NONCES_SINCE_KEY, HotStore, MemoryHotStore, RedisHotStore
 from orchestrator.core.keys import attest_node, generate_key, key_id_of
 from orchestrator.core.migrate import upgrade
 from orchestrator.core.signing import SignatureAuth
@@ -255,6 +255,15 @@ async def hot_store(settings: Settings) -> AsyncIterator[HotStore]:
     store: HotStore
     if REDIS_URL:
         store = RedisHotStore.from_url(REDIS_URL, settings.redis.prefix)
+        # A Redis that has held the deployment's nonces from the start, as one kept since before
+        # its first request: requests signed before the test began (or before the clock was moved
+        # back) are not refused as possibly replayed. A test that deletes the prefix's keys
+        # deletes this marker with them, as a flush would.
+        marker = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            await marker.set(settings.redis.prefix + NONCES_SINCE_KEY, 0)
+        finally:
+            await marker.aclose()
     else:
         store = MemoryHotStore()
     yield store

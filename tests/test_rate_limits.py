@@ -379,19 +379,19 @@ async def test_an_admission_undone_counts_nothing_and_leaves_its_nonce_as_it_say
     spent elsewhere (a replay); a quota's limit is then where it was (Redis or in-process)."""
     now = 60 * 20_000 + 0.5  # the start of a window
     quotas = [Quota("ip:register:test", 2, 60), Quota("key:test-key", 1, 60)]
-    admitted = await hot_store.admit("test-key", "nonce-0001", 601, quotas, now)
+    admitted = await hot_store.admit("test-key", "nonce-0001", 601, quotas, now, int(now))
     assert admitted is not None and admitted.refused_by is None
-    assert await hot_store.admit("test-key", "nonce-0001", 601, quotas, now) is None
+    assert await hot_store.admit("test-key", "nonce-0001", 601, quotas, now, int(now)) is None
     await hot_store.unadmit("test-key", "nonce-0001", quotas, now, spent=False)
     # The nonce is new again, and the key's one request of the window is still there.
-    admitted = await hot_store.admit("test-key", "nonce-0001", 601, quotas, now)
+    admitted = await hot_store.admit("test-key", "nonce-0001", 601, quotas, now, int(now))
     assert admitted is not None and admitted.refused_by is None
     await hot_store.unadmit("test-key", "nonce-0001", quotas, now, spent=True)
-    assert await hot_store.admit("test-key", "nonce-0001", 601, quotas, now) is None  # still spent
-    admitted = await hot_store.admit("test-key", "nonce-0002", 601, quotas, now)
+    assert await hot_store.admit("test-key", "nonce-0001", 601, quotas, now, int(now)) is None  # still spent
+    admitted = await hot_store.admit("test-key", "nonce-0002", 601, quotas, now, int(now))
     assert admitted is not None and admitted.refused_by is None
     # Past the key's limit now: the first quota counted it (its second), the key's refused it.
-    refused = await hot_store.admit("test-key", "nonce-0003", 601, quotas, now)
+    refused = await hot_store.admit("test-key", "nonce-0003", 601, quotas, now, int(now))
     assert refused is not None and refused.refused_by == quotas[1] and refused.retry_after_s == 60
-    refused = await hot_store.admit("test-key", "nonce-0004", 601, quotas, now)
+    refused = await hot_store.admit("test-key", "nonce-0004", 601, quotas, now, int(now))
     assert refused is not None and refused.refused_by == quotas[0]

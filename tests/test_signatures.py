@@ -34,16 +34,17 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from nacl.signing import SigningKey
+from prometheus_client import REGISTRY
 from requests_http_signature import HTTPSignatureAuth
 
 from orchestrator.app import create_app
 from orchestrator.core.clock import FakeClock
 from orchestrator.core.errors import Unauthorized
-from orchestrator.core.hotstore import HotStore, RedisHotStore
+from orchestrator.core.hotstore import HotStore, Quota, RedisHotStore
 from orchestrator.core.keys import generate_key, key_id_of
 from orchestrator.core.signing import sign_headers, target_uri, verify_request
 from orchestrator.settings import Settings
-from tests.conftest import Contributor, new_contributor, problem
+from tests.conftest import Contributor, _drop_prefix, new_contributor, problem
 from tests.pools_helpers import active_pool
 
 BASE = "http://testserver"
@@ -537,6 +538,59 @@ async def test_replayed_nonce_is_refused_across_app_instances(
     headers = signed(contributor.node_key, "GET", ME)
     assert (await send(second_client, "GET", ME, headers)).status_code == 200
     problem(await send(client, "GET", ME, headers), 401, "nonce_replayed")
+
+
+def _memory_losses() -> float:
+    return REGISTRY.get_sample_value("orchestrator_hot_store_memory_lost_total") or 0.0
+
+
+@pytest.mark.skipif(not REDIS_URL, reason="Redis loses its keys (ORCH_TEST_REDIS_URL)")
+async def test_a_request_replayed_after_redis_lost_its_keys_is_refused(
+    client: httpx.AsyncClient,
+    second_client: httpx.AsyncClient,
+    contributor: Contributor,
+    settings: Settings,
+    clock: FakeClock,
+) -> None:
+    """Redis emptied (a flush, a restart without persistence: here the test's prefix deleted)
+    forgets the spent nonces; a captured request sent again within its window is still refused,
+    to whichever API process, as a possible replay, while a request signed afresh is served."""
+    beat = hand_signed(contributor.node_key, "POST", HEARTBEAT, HB_BODY, created=int(clock.now()))
+    me = hand_signed(contributor.node_key, "GET", ME, created=int(clock.now()))
+    assert (await send(client, "POST", HEARTBEAT, beat, HB_BODY)).status_code == 200
+    assert (await send(second_client, "GET", ME, me)).status_code == 200
+    clock.advance(5)
+    await _drop_prefix(REDIS_URL or "", settings.redis.prefix)
+    losses = _memory_losses()
+    body = problem(await send(client, "POST", HEARTBEAT, beat, HB_BODY), 401, "nonce_replayed")
+    since = int(clock.now())
+    assert body["nonces_remembered_since"] == since, body
+    assert "sign the request afresh" in body["detail"]
+    body = problem(await send(second_client, "GET", ME, me), 401, "nonce_replayed")
+    assert body["nonces_remembered_since"] == since
+    fresh = hand_signed(contributor.node_key, "POST", HEARTBEAT, HB_BODY, created=int(clock.now()))
+    assert (await send(second_client, "POST", HEARTBEAT, fresh, HB_BODY)).status_code == 200
+    body = problem(await send(client, "POST", HEARTBEAT, fresh, HB_BODY), 401, "nonce_replayed")
+    assert "nonces_remembered_since" not in body  # a replay the store remembers, as ever
+    assert _memory_losses() == losses + 1  # the loss is reported once, by one of the processes
+    # Once the old request's created is out of the window, it is refused for that alone.
+    clock.advance(300)
+    problem(await send(client, "POST", HEARTBEAT, beat, HB_BODY), 401, "signature_stale")
+
+
+@pytest.mark.skipif(not REDIS_URL, reason="Redis loses its keys (ORCH_TEST_REDIS_URL)")
+async def test_a_request_refused_for_the_lost_nonces_counts_nothing_and_spends_no_nonce(
+    hot_store: HotStore, settings: Settings
+) -> None:
+    now = 60 * 20_000 + 0.5
+    quotas = [Quota("key:test-key", 1, 60)]
+    await _drop_prefix(REDIS_URL or "", settings.redis.prefix)  # a Redis that lost its memory
+    refused = await hot_store.admit("test-key", "nonce-0001", 601, quotas, now, int(now) - 1)
+    assert refused is not None and refused.forgotten_before == int(now) and refused.refused_by is None
+    # Nothing counted: the key's one request of the window is still to come; nothing spent.
+    admitted = await hot_store.admit("test-key", "nonce-0001", 601, quotas, now + 5, int(now))
+    assert admitted is not None and admitted.refused_by is None and admitted.forgotten_before is None
+    assert await hot_store.admit("test-key", "nonce-0001", 601, quotas, now + 5, int(now)) is None
 
 
 # ------------------------------------------------------------- keys and algorithms

@@ -16,11 +16,20 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import redis.asyncio as aioredis
+import structlog
 
+from orchestrator.core import metrics
 from orchestrator.core.errors import ServiceUnavailable
 
 if TYPE_CHECKING:
     from orchestrator.settings import RedisSettings
+
+log = structlog.get_logger(__name__)
+
+# The key (under the store's prefix) that says since when, in whole epoch seconds of the API
+# servers' clock, this Redis has held the spent nonces: set by the first admission that finds
+# it missing (a new Redis, or one that lost its keys), and never expiring.
+NONCES_SINCE_KEY = "nonces-since"
 
 # The in-process store's limit on live nonces, and separately on live rate-limit counters
 # (about 250 bytes each: some 125 MB of nonces when full).
@@ -60,6 +69,10 @@ class Admitted:
 
     refused_by: Quota | None
     retry_after_s: int = 0
+    #: Set when the request is refused because the store holds the nonces spent only since
+    #: this time (epoch seconds; it lost those before) and the signature was created earlier:
+    #: its nonce may have been spent then. Nothing was counted, and the nonce is not spent.
+    forgotten_before: int | None = None
 
 
 class HotStore(Protocol):
@@ -72,14 +85,17 @@ class HotStore(Protocol):
         """Atomically remember (keyid, nonce); False if it was already seen."""
 
     async def admit(
-        self, keyid: str, nonce: str, ttl_s: int, quotas: Sequence[Quota], now: float
+        self, keyid: str, nonce: str, ttl_s: int, quotas: Sequence[Quota], now: float, created: int
     ) -> Admitted | None:
         """When the nonce is new, count the request toward each of ``quotas`` in turn, up to the
         first it is past (none after that one counted), and, if it is within them all, spend the
         nonce (``claim_nonce``), in one step: None if the nonce was already spent. A replay
         counts nothing, so replaying a captured request cannot spend its signer's limits (nor a
         registration's); a request refused for a limit spends no nonce, so the same signed
-        request can be sent again after ``retry_after_s``."""
+        request can be sent again after ``retry_after_s``. A store that lost the nonces spent
+        before some time (Redis emptied: its marker, ``NONCES_SINCE_KEY``, gone with them)
+        refuses a signature ``created`` earlier as a possible replay
+        (``Admitted.forgotten_before``), counting nothing and spending no nonce."""
 
     async def unadmit(
         self, keyid: str, nonce: str, quotas: Sequence[Quota], now: float, *, spent: bool
@@ -118,24 +134,39 @@ class HotStore(Protocol):
     async def aclose(self) -> None: ...
 
 
-# KEYS: the nonce, then the quotas' counters; ARGV: the nonce's TTL, then each counter's TTL
-# and limit. -1 for a spent nonce, else the position (from 1) among the counters of the first
-# past its limit (those after it not counted), or 0: within them all, and the nonce is spent.
+# KEYS: the nonce, the marker (``NONCES_SINCE_KEY``), then the quotas' counters; ARGV: the
+# nonce's TTL, now (whole seconds), the signature's created, then each counter's TTL and limit.
+# Answers {outcome, 1 if this call set the marker (else 0), the marker's time}: the outcome is
+# -1 for a spent nonce, -2 for a signature created before the marker's time (nothing counted,
+# the nonce not spent), else the position (from 1) among the counters of the first past its
+# limit (those after it not counted), or 0: within them all, and the nonce is spent. A missing
+# marker means the store lost every nonce spent before now (or never held one): it is set to now
+# (a script runs alone, so of several processes that find it missing, one sets it).
 _ADMIT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  return -1
+  return {-1, 0, ''}
 end
-for i = 2, #KEYS do
+local since = redis.call('GET', KEYS[2])
+local marked = 0
+if not since then
+  since = ARGV[2]
+  redis.call('SET', KEYS[2], since)
+  marked = 1
+end
+if tonumber(ARGV[3]) < tonumber(since) then
+  return {-2, marked, since}
+end
+for i = 3, #KEYS do
   local n = redis.call('INCR', KEYS[i])
   if n == 1 then
     redis.call('EXPIRE', KEYS[i], ARGV[2 * i - 2])
   end
   if n > tonumber(ARGV[2 * i - 1]) then
-    return i - 1
+    return {i - 2, marked, since}
   end
 end
 redis.call('SET', KEYS[1], '1', 'EX', ARGV[1])
-return 0
+return {0, marked, since}
 """
 
 # KEYS: the nonce, then the counters to take one back from (those expired meanwhile are left
@@ -228,16 +259,25 @@ class RedisHotStore:
         return bool(await self._r.set(self._k("nonce", keyid, nonce), "1", nx=True, ex=ttl_s))
 
     async def admit(
-        self, keyid: str, nonce: str, ttl_s: int, quotas: Sequence[Quota], now: float
+        self, keyid: str, nonce: str, ttl_s: int, quotas: Sequence[Quota], now: float, created: int
     ) -> Admitted | None:
         counted = _counted(quotas)
-        keys = [self._k("nonce", keyid, nonce), *(self._counter(q, now) for q in counted)]
-        args: list[int] = [ttl_s]
+        keys = [
+            self._k("nonce", keyid, nonce),
+            self._k(NONCES_SINCE_KEY),
+            *(self._counter(q, now) for q in counted),
+        ]
+        args: list[int] = [ttl_s, math.floor(now), created]
         for quota in counted:
             args += [quota.window_s + 1, quota.limit]
-        refused = int(await self._admit(keys=keys, args=args))
-        if refused < 0:
+        outcome, marked, since = await self._admit(keys=keys, args=args)
+        refused = int(outcome)
+        if int(marked):
+            _memory_lost(int(since))
+        if refused == -1:
             return None
+        if refused == -2:
+            return Admitted(None, forgotten_before=int(since))
         if refused == 0:
             return ADMITTED
         quota = counted[refused - 1]
@@ -316,6 +356,21 @@ class RedisHotStore:
 
 
 ADMITTED = Admitted(refused_by=None)
+
+
+def _memory_lost(since: int) -> None:
+    """Report that this call found the Redis without its marker and set it (once a loss, of
+    all the processes: the script that sets it runs alone)."""
+    metrics.HOT_STORE_MEMORY_LOST.inc()
+    log.warning(
+        "hot_store_memory_lost",
+        nonces_remembered_since=since,
+        detail=(
+            "Redis held no nonces-since marker: it is new, or it lost its keys (FLUSHDB, a restart "
+            "without persistence, eviction). Signed requests created before this time are refused "
+            "as possible replays (401 nonce_replayed) until they leave the signature window"
+        ),
+    )
 
 
 def _counted(quotas: Sequence[Quota]) -> list[Quota]:
@@ -460,8 +515,10 @@ class MemoryHotStore:
         return True
 
     async def admit(
-        self, keyid: str, nonce: str, ttl_s: int, quotas: Sequence[Quota], now: float
+        self, keyid: str, nonce: str, ttl_s: int, quotas: Sequence[Quota], now: float, created: int
     ) -> Admitted | None:
+        # ``created`` plays no part: this process's nonces are also in ``spent_nonces``, which
+        # a restart does not lose (``core.nonces``).
         mono = self._monotonic()
         key = f"{keyid}\x00{nonce}"
         if self._nonces.live(key, mono) is not None:

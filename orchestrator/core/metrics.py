@@ -38,6 +38,12 @@ LATENCY = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
 HEARTBEATS = Counter("orchestrator_heartbeats_total", "Heartbeats accepted")
+HOT_STORE_MEMORY_LOST = Counter(
+    "orchestrator_hot_store_memory_lost_total",
+    "Times this process found Redis without its nonces-since marker and set it: a new Redis, or one "
+    "that lost its keys (FLUSHDB, a restart without persistence, eviction); signed requests created "
+    "before then are refused as possible replays until they leave the signature window",
+)
 NODES = Gauge(
     "orchestrator_nodes",
     "Nodes by status (read from the database at scrape time)",

@@ -144,13 +144,15 @@ class SignedRequest:
 SIGNATURE_CHALLENGE = "Signature"
 
 
-def signature_refused(detail: str, *, code: str) -> Unauthorized:
-    """A 401 of the signature checks, with its ``WWW-Authenticate`` challenge."""
+def signature_refused(detail: str, *, code: str, extra: dict[str, Any] | None = None) -> Unauthorized:
+    """A 401 of the signature checks, with its ``WWW-Authenticate`` challenge (and ``extra``
+    members in its problem)."""
     return Unauthorized(
         detail,
         code=code,
         title="Request signature refused",
         headers={"WWW-Authenticate": SIGNATURE_CHALLENGE},
+        extra=extra,
     )
 
 

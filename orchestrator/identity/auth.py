@@ -194,10 +194,21 @@ async def _verified(
         ),
     ]
     now, ttl_s = state.clock.now(), state.settings.signature.effective_nonce_ttl_s
-    decision = await state.hot_store.admit(signed.keyid, signed.nonce, ttl_s, quotas, now)
+    decision = await state.hot_store.admit(signed.keyid, signed.nonce, ttl_s, quotas, now, signed.created)
     replayed = signature_refused("this nonce was already used with this key", code="nonce_replayed")
     if decision is None:
         raise replayed
+    if decision.forgotten_before is not None:
+        # Redis lost the nonces spent before then (docs/PROTOCOL.md): this one may be among them.
+        # The client's remedy is a replay's, so the code is too, with when its memory starts.
+        since = decision.forgotten_before
+        raise signature_refused(
+            f"this nonce may already have been used: the server's record of spent nonces starts at "
+            f"{since} (epoch seconds), after this signature's created ({signed.created}); sign the "
+            "request afresh, with a new nonce",
+            code="nonce_replayed",
+            extra={"nonces_remembered_since": since},
+        )
     if decision.refused_by is not None:
         # Refused before it did anything: its nonce is not spent (in the hot store nor below),
         # so the same signed request may be sent again after Retry-After.
