@@ -271,6 +271,12 @@ class Problem(BaseModel):
         "admin retired its provider (the provider key lost or stolen: the node is revoked for good and "
         "the provider's money went to its successor), false for any other ban",
     )
+    nonces_remembered_since: int | None = Field(
+        default=None,
+        description="401 nonce_replayed only, when the server lost its record of spent nonces (Redis "
+        "emptied): since when (epoch seconds) it has one again; the request's signature was created "
+        "earlier, so its nonce may have been spent. Sign it afresh, with a created of now and a new nonce",
+    )
 
 
 class Page(BaseModel, Generic[T]):

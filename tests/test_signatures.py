@@ -578,6 +578,14 @@ async def test_a_request_replayed_after_redis_lost_its_keys_is_refused(
     problem(await send(client, "POST", HEARTBEAT, beat, HB_BODY), 401, "signature_stale")
 
 
+async def test_the_problem_schema_documents_when_the_nonces_are_remembered_since(
+    client: httpx.AsyncClient,
+) -> None:
+    schemas = (await client.get("/openapi.json")).json()["components"]["schemas"]
+    member = schemas["Problem"]["properties"]["nonces_remembered_since"]
+    assert "nonce_replayed" in member["description"]
+
+
 @pytest.mark.skipif(not REDIS_URL, reason="Redis loses its keys (ORCH_TEST_REDIS_URL)")
 async def test_a_request_refused_for_the_lost_nonces_counts_nothing_and_spends_no_nonce(
     hot_store: HotStore, settings: Settings
