@@ -1361,13 +1361,84 @@ async def test_a_penalty_keeps_what_it_took_of_a_reward_a_later_fraud_verdict_wo
             (i["id"], 5, "forfeited"),
             (f["id"], 9, "forfeited"),
         ]
+        # I's 5 of H is F's now (F would have taken it): F's appeal gives it back.
         assert await forfeits_of_payment(app_state, h["id"]) == [
-            (i["id"], 5, "forfeited"),
-            (f["id"], 2, "forfeited"),
+            (i["id"], 5, "restored"),
+            (f["id"], 7, "forfeited"),
         ]
         b = await balances(client, w)
         assert (b["rewards_pending"], b["rewards_claimable"]) == (0, 0), b
         assert await pool_money(s) == (7 + 14, 5 + 5 + 200 + 2 + 9)
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+
+async def test_a_fraud_verdict_that_would_have_taken_what_a_penalty_keeps_gives_it_back_on_its_appeal(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    """As above (R rejected wrongly, H accepted, I's penalty of 5 takes 5 of H, F forfeits H's
+    other 2, R's appeal pays 14: 5 to I, 9 to F), and then F was wrong too. Had R been accepted,
+    I would have taken its 5 of R's reward and F everything else on hold, H's 7 included, which
+    F's appeal would have given back with R's 9: the node keeps 16. The 5 of H that I keeps on
+    R's appeal (F would have taken it) is F's now, which F's appeal gives back. Before, I kept
+    it: I had taken 10 for a penalty of 5, and the node kept 11."""
+    econ = {**ECON, "soft_invalid_penalty": 5}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        w = s.workers[0]
+        v = await rejected_right(s, w, app_state, "invalid")
+        h = await honest(s, w, app_state)
+        i = await rejected_right(s, w, app_state, "invalid")
+        f = await fraud(s, w, app_state)
+        r = await reverse(s, v["id"])
+        assert r.status_code == 200, r.text
+        assert await forfeits_of_payment(app_state, h["id"]) == [
+            (i["id"], 5, "restored"),
+            (f["id"], 7, "forfeited"),
+        ]
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (0, 0), b
+        assert await pool_money(s) == (7 + 14, 5 + 200 + 7 + 9)
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+        r = await reverse(s, f["id"])
+        assert r.status_code == 200, r.text
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (9 + 7, 0), b
+        assert await pool_money(s) == (7 + 14, 5)
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+
+async def test_a_penaltys_part_that_a_reversed_fraud_verdict_held_past_a_later_one_goes_back_to_the_node(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    """R rejected (wrongly), H accepted, I's penalty of 5 takes 5 of H, a fraud verdict G takes
+    H's other 2, a fraud verdict F finds nothing on hold, G's appeal gives H's 2 back; then R's
+    appeal. Had R been accepted, I would have taken 5 of R's reward, G the rest and H's 7, F
+    nothing, and G's appeal given those 16 back: the node keeps 16. R's appeal gives back I's 5
+    of H, which only G (reversed) would have taken. Before, it was kept (F stands, and was
+    decided within H's window): the node kept 11."""
+    econ = {**ECON, "soft_invalid_penalty": 5}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        w = s.workers[0]
+        v = await rejected_right(s, w, app_state, "invalid")
+        h = await honest(s, w, app_state)
+        i = await rejected_right(s, w, app_state, "invalid")
+        g = await fraud(s, w, app_state)
+        f = await fraud(s, w, app_state)
+        assert (g["slashed_amount"], f["slashed_amount"]) == (200 + 2, 200)
+        assert (await reverse(s, g["id"])).status_code == 200
+        r = await reverse(s, v["id"])
+        assert r.status_code == 200, r.text
+        assert await forfeits_of_payment(app_state, v["id"]) == [(i["id"], 5, "forfeited")]
+        assert await forfeits_of_payment(app_state, h["id"]) == [
+            (i["id"], 5, "restored"),
+            (g["id"], 2, "restored"),
+        ]
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (7 + 9, 0), b
+        assert await pool_money(s) == (7 + 14, 5 + 200)
         await pending_matches_holds(app_state)
         await books_balance(app_state)
 

@@ -2268,7 +2268,7 @@ async def _pay_on_appeal(
     )
     verdict.reward_paid_on_appeal = amount
     replayed = await _appeal_forfeits(session, verdict, pool, window_end, amount)
-    await _give_back_on_appeal(session, verdict, replayed.give_back, actor=actor, memo=memo)
+    await _give_back_on_appeal(session, verdict, replayed.give_back, actor=actor, memo=memo, now=now)
     if not replayed.takes:
         return
     await session.flush()  # the hold's id, for its forfeits
@@ -2308,12 +2308,14 @@ def decided_after(verdict: Verdict) -> ColumnElement[bool]:
 class _Replayed:
     """What the node's verdicts of a result's window hold of its appeal's payment
     (``_appeal_forfeits``): ``takes``, (verdict, amount) in the order they took it; and
-    ``give_back``, (forfeit, amount): the parts of standing penalties' forfeits of rewards later
-    in the hold order than the payment's that those penalties would not have taken, had the
-    result been accepted, because they would have taken them from the payment instead."""
+    ``give_back``, (forfeit, amount, fraud): the parts of standing penalties' forfeits of rewards
+    later in the hold order than the payment's that those penalties would not have taken, had
+    the result been accepted, because they would have taken them from the payment instead; each
+    with the standing fraud verdict that would then have forfeited that part (``None``: none
+    would have, the node keeps it)."""
 
     takes: list[tuple[Verdict, int]]
-    give_back: list[tuple[RewardForfeit, int]]
+    give_back: list[tuple[RewardForfeit, int, Verdict | None]]
 
 
 async def _appeal_forfeits(
@@ -2330,9 +2332,11 @@ async def _appeal_forfeits(
     rewards before the payment in that order, up to what is left of it. What I took of rewards
     after it, beyond its penalty's shortfall, I would not have taken: where that forfeit is in
     force it is given back to the node (``give_back``), the latest in the order first; where its
-    reward was reversed since, nothing moves (the node lost that reward either way). A forfeit
-    whose reward a standing fraud verdict decided after I, within that reward's window, would
-    then have forfeited is not given back either (the node would have lost it to that verdict).
+    reward was reversed since, nothing moves (the node lost that reward either way). A part of
+    a forfeit whose reward a fraud verdict decided after I, within that reward's window, would
+    then have forfeited, goes to that verdict if it stands (its appeal gives it back, as it
+    would have given back what it took of that reward), to the node if its appeal would have
+    given it back already (``_fraud_holding``).
     So the node is left what an acceptance from the start would have left it. An appeal of a
     verdict gives back what it took, which a later decision may take again. Returns the
     verdicts that stand with what they hold, in the order they took it (none for a decision and
@@ -2361,7 +2365,7 @@ async def _appeal_forfeits(
     place: Place = (window_end, verdict.decided_at, verdict.id)
     penalties: dict[int, int | None] = {}
     forfeits: dict[int, list[tuple[RewardForfeit, RewardHold, Place]]] = {}
-    frauds_after: list[tuple[dt.datetime, int]] = []
+    frauds_after: list[Verdict] = []
     penalised = [v.id for v in rows if v.category == "invalid"]
     if penalised:
         recorded = await session.execute(
@@ -2382,16 +2386,16 @@ async def _appeal_forfeits(
             forfeits.setdefault(forfeit.verdict_id, []).append(
                 (forfeit, hold, (hold.release_at, decided_at, rewarded_id))
             )
+        # Reversed ones too: one that held a part until its appeal kept a later one from it.
         found_frauds = await session.execute(
-            select(Verdict.decided_at, Verdict.id).where(
+            select(Verdict).where(
                 Verdict.node_id == verdict.node_id,
                 Verdict.pool_id == verdict.pool_id,
                 Verdict.category == "fraud",
-                Verdict.reversed_at.is_(None),
                 decided_after(verdict),
             )
         )
-        frauds_after = [(at, i) for at, i in found_frauds.all()]
+        frauds_after = list(found_frauds.scalars())
     events: list[tuple[dt.datetime, int, int, Verdict]] = []
     for v in rows:
         events.append((v.decided_at, 0, v.id, v))
@@ -2399,7 +2403,7 @@ async def _appeal_forfeits(
             events.append((v.reversed_at, 1, v.id, v))
     left = amount
     holding: dict[int, tuple[Verdict, int]] = {}
-    give_back: list[tuple[RewardForfeit, int]] = []
+    give_back: list[tuple[RewardForfeit, int, Verdict | None]] = []
     for _, reversal, _, v in sorted(events, key=lambda e: e[:3]):
         if reversal:
             left += holding.pop(v.id, (v, 0))[1]
@@ -2425,13 +2429,35 @@ async def _appeal_forfeits(
                     continue
                 part = min(f.amount, excess)
                 excess -= part
-                lost = any((v.decided_at, v.id) < fraud < (h.release_at,) for fraud in frauds_after)
-                if f.status == "forfeited" and not lost:
-                    give_back.append((f, part))
+                if f.status == "forfeited":
+                    give_back.append((f, part, _fraud_holding(v, h, frauds_after)))
         if take > 0:
             holding[v.id] = (v, take)
             left -= take
     return _Replayed(list(holding.values()), give_back)
+
+
+def _fraud_holding(penalty: Verdict, hold: RewardHold, frauds: list[Verdict]) -> Verdict | None:
+    """The fraud verdict of ``frauds`` that would hold a part of ``hold`` now, had ``penalty``
+    not taken it: the node's fraud verdicts decided after the penalty within the hold's window,
+    and their reversals, replayed in time order on it (a fraud verdict takes it if the node
+    holds it, an appeal of the one that holds it gives it back to the node). ``None``: the node."""
+    events: list[tuple[dt.datetime, int, int, Verdict]] = []
+    for fraud in frauds:
+        if (penalty.decided_at, penalty.id) < (
+            fraud.decided_at,
+            fraud.id,
+        ) and fraud.decided_at < hold.release_at:
+            events.append((fraud.decided_at, 0, fraud.id, fraud))
+            if fraud.reversed_at is not None:
+                events.append((fraud.reversed_at, 1, fraud.id, fraud))
+    holder: Verdict | None = None
+    for _, reversal, _, fraud in sorted(events, key=lambda e: e[:3]):
+        if not reversal and holder is None:
+            holder = fraud
+        elif reversal and holder is fraud:
+            holder = None
+    return holder
 
 
 async def penalised_on_appeal(session: AsyncSession, verdict: Verdict) -> list[tuple[int, int, str]]:
@@ -2459,32 +2485,36 @@ APPEAL_GIVE_BACK_KEY = "verdict:{verdict_id}:reverse:reward:give-back:{forfeit}"
 async def _give_back_on_appeal(
     session: AsyncSession,
     verdict: Verdict,
-    give_back: list[tuple[RewardForfeit, int]],
+    give_back: list[tuple[RewardForfeit, int, Verdict | None]],
     *,
     actor: str,
     memo: str,
+    now: dt.datetime,
 ) -> None:
     """Give back ``amount`` of each ``(forfeit, amount)`` (``_appeal_forfeits``) to the provider:
     from the slashed account the forfeit went to, to pending for a reward still on hold (held
     again if it was wholly forfeited), to claimable for one released meanwhile. The forfeit is
     that much less (``restored`` when nothing is left of it), so that its verdict's appeal gives
-    back only the rest."""
+    back only the rest. A part that a standing fraud verdict would have forfeited had the penalty
+    not taken it is forfeited to that verdict at once, as its own forfeit of the hold (into the
+    unsharded slashed account, key ``APPEAL_FORFEIT_KEY`` and ``:from:<forfeit id>``), which its
+    appeal gives back."""
     if not give_back:
         return
-    holds = await _holds_by_id(session, sorted({f.hold_id for f, _ in give_back}))
+    holds = await _holds_by_id(session, sorted({f.hold_id for f, _, _ in give_back}))
     locked = {
         f.id: f
         for f in (
             await session.execute(
                 select(RewardForfeit)
-                .where(RewardForfeit.id.in_([f.id for f, _ in give_back]))
+                .where(RewardForfeit.id.in_([f.id for f, _, _ in give_back]))
                 .order_by(RewardForfeit.id)
                 .with_for_update()
                 .execution_options(populate_existing=True)
             )
         ).scalars()
     }
-    for given, part in give_back:
+    for given, part, fraud in give_back:
         forfeit = locked[given.id]
         hold = holds[forfeit.hold_id]
         to = (
@@ -2504,13 +2534,56 @@ async def _give_back_on_appeal(
             f"verdict {verdict.id} paid)",
             reference=("verdict", str(forfeit.verdict_id)),
         )
-        hold.forfeited_amount -= part
-        if hold.status == "forfeited":
-            hold.status = "held"
         if part >= forfeit.amount:
             forfeit.status = "restored"
         else:
             forfeit.amount -= part
+        if fraud is not None:
+            # The fraud verdict's now: from where the part went back to, as its own forfeit of
+            # the hold, added to the one it took of the hold's rest when it was decided if any.
+            held = (
+                await session.execute(
+                    select(RewardForfeit)
+                    .where(RewardForfeit.verdict_id == fraud.id, RewardForfeit.hold_id == hold.id)
+                    .with_for_update()
+                    .execution_options(populate_existing=True)
+                )
+            ).scalar_one_or_none()
+            into = (
+                await ledger.account_ref(session, held.slashed_account_id)
+                if held is not None
+                else system_account(SystemAccount.slashed)  # the unsharded one, which the appeal locked
+            )
+            moved = await ledger.transfer(
+                session,
+                debit=provider_account(hold.provider_id, to),
+                credit=into,
+                amount=part,
+                key=APPEAL_FORFEIT_KEY.format(verdict_id=verdict.id, forfeiter=fraud.id)
+                + f":from:{forfeit.id}",
+                reason="slash_pending_rewards",
+                actor=actor,
+                memo=f"fraud: {fraud.reason} (what the penalty of verdict {forfeit.verdict_id} took of this "
+                f"reward instead of what the appeal of verdict {verdict.id} paid)",
+                reference=("verdict", str(fraud.id)),
+            )
+            if held is not None:
+                held.amount += part
+            else:
+                session.add(
+                    RewardForfeit(
+                        verdict_id=fraud.id,
+                        hold_id=hold.id,
+                        amount=part,
+                        slashed_account_id=moved.transfer.credit_account_id,
+                        status="forfeited",
+                        created_at=now,
+                    )
+                )
+            continue  # the hold's forfeited amount and status stay as they are
+        hold.forfeited_amount -= part
+        if hold.status == "forfeited":
+            hold.status = "held"
 
 
 # Findings that mean the server never scored the result: its reward function failed
