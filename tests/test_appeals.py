@@ -15,11 +15,11 @@ from orchestrator.audit.models import AuditEntry
 from orchestrator.core.clock import FakeClock
 from orchestrator.ledger import service as ledger
 from orchestrator.ledger.models import LedgerAccount, LedgerTransfer
-from orchestrator.ledger.service import ProviderAccount, provider_account
+from orchestrator.ledger.service import ProviderAccount, SystemAccount, provider_account, system_account
 from orchestrator.payouts.service import request_withdrawal
 from orchestrator.verification import service
 from orchestrator.verification.jobs import RELEASE_INTERVAL_S, release_once
-from orchestrator.verification.models import RewardForfeit, RewardHold, Verdict
+from orchestrator.verification.models import RewardForfeit, RewardHold, Verdict, VerificationJob
 from tests.conftest import postgres_only, problem
 from tests.tasks_helpers import pool_setup
 from tests.test_queue_metrics import scrape, value
@@ -1439,6 +1439,56 @@ async def test_a_penaltys_part_that_a_reversed_fraud_verdict_held_past_a_later_o
         b = await balances(client, w)
         assert (b["rewards_pending"], b["rewards_claimable"]) == (7 + 9, 0), b
         assert await pool_money(s) == (7 + 14, 5 + 200)
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+
+@postgres_only
+async def test_an_appeal_locks_up_front_the_slashed_account_of_a_penalty_it_gives_back_from(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    """R rejected (wrongly), H accepted (7), then I's penalty of 10 takes H's 7, I decided in
+    another verifier partition's lane (a quorum's task is decided in the lane of the provider
+    whose result completed it), into that partition's slashed account. R's appeal gives H's 7
+    back from there. A verifier lane of that partition holds its slashed account and then asks
+    for the provider's pending rewards, in the global order (by id). The appeal must take that
+    slashed account with the rest, up front: before, it took it only at the give-back, while it
+    held the provider's pending rewards, and the two deadlocked (PostgreSQL aborted one)."""
+    econ = {**ECON, "soft_invalid_penalty": 10}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        w = s.workers[0]
+        provider = w.contributor.provider_id
+        other = next(p for p in range(1, service.PARTITIONS) if p != service.partition_of(provider))
+        slashed_there = system_account(SystemAccount.slashed, other)
+        async with app_state.sessionmaker() as session, session.begin():
+            # The other partition's slashed account is older than the provider's reward accounts.
+            await ledger.account_id(session, slashed_there)
+        v = await rejected_right(s, w, app_state, "invalid")
+        await honest(s, w, app_state)
+        lease = await one_lease(s, w, n=3)
+        samples = answer_body(lease, ["4", "5", "4"])["samples"]
+        samples[1]["finish_reason"] = "length"
+        await submit(w, lease, ["4", "5", "4"], samples=samples)
+        async with app_state.sessionmaker() as session, session.begin():
+            await session.execute(update(VerificationJob).values(verifier_partition=other))
+        await verify_all(app_state)
+        i = (await verdicts(s.admin, s.headers, s.pool_id))[-1]
+        assert (i["category"], i["slashed_amount"]) == ("invalid", 7)
+        pending = provider_account(provider, ProviderAccount.rewards_pending)
+        async with app_state.sessionmaker() as session:
+            ids = await ledger.lock_accounts(session, [slashed_there, pending])
+            assert ids[slashed_there] < ids[pending]
+            await session.rollback()
+            await session.begin()
+            await ledger.lock_accounts(session, [slashed_there])  # a lane of that partition
+            appeal = asyncio.create_task(reverse(s, v["id"]))
+            await until_waiting(app_state, 1, appeal, on="row")
+            await ledger.lock_accounts(session, [pending])
+            await session.commit()
+        r = await appeal
+        assert r.status_code == 200, r.text
+        b = await balances(client, w)
+        assert b["rewards_pending"] == 7 + 4, b  # H's 7 given back; I took 10 of R's 14
         await pending_matches_holds(app_state)
         await books_balance(app_state)
 

@@ -2007,8 +2007,9 @@ async def _lock_for_appeal(session: AsyncSession, verdict: Verdict) -> None:
     """Lock every account an appeal of ``verdict`` may move money between, in one statement:
     the provider's reward (and, for fraud, stake) accounts; the system ``rewards`` and
     ``slashed`` accounts its verdicts use (unsharded, and its verifier partition's); and any
-    other account that the verdict's transfers and the forfeits it is party to name (read
-    without a lock: they only add to the set)."""
+    other account that the verdict's transfers and the forfeits it is party to name, and, for a
+    rejection its appeal pays, the forfeits of the node's fraud and invalid verdicts decided
+    after it (read without a lock: they only add to the set)."""
     provider = verdict.provider_id
     refs = [
         provider_account(provider, k)
@@ -2026,11 +2027,28 @@ async def _lock_for_appeal(session: AsyncSession, verdict: Verdict) -> None:
         )
     ).all()
     hold_ids = select(RewardHold.id).where(RewardHold.verdict_id == verdict.id).scalar_subquery()
+    # And the slashed accounts of the forfeits of the node's fraud and invalid verdicts decided
+    # after it, which its payment's replay gives back from or adds to (``_give_back_on_appeal``):
+    # one decided in another partition's verifier lane (a quorum's) used that lane's.
+    window = select(Verdict.id).where(
+        Verdict.node_id == verdict.node_id,
+        Verdict.pool_id == verdict.pool_id,
+        Verdict.category.in_(PAID_ON_APPEAL),
+        decided_after(verdict),
+    )
     forfeits = (
         await session.execute(
-            select(RewardForfeit.slashed_account_id).where(
-                or_(RewardForfeit.verdict_id == verdict.id, RewardForfeit.hold_id == hold_ids)
+            select(RewardForfeit.slashed_account_id)
+            .where(
+                or_(
+                    RewardForfeit.verdict_id == verdict.id,
+                    RewardForfeit.hold_id == hold_ids,
+                    RewardForfeit.verdict_id.in_(window)
+                    if verdict.outcome == "rejected" and verdict.category in PAID_ON_APPEAL
+                    else false(),
+                )
             )
+            .distinct()
         )
     ).scalars()
     # A retired provider's heir received its released rewards (``_reverse_reward`` takes one back
