@@ -1081,3 +1081,36 @@ async def test_a_retirement_racing_a_join_of_the_successors_node_does_not_deadlo
         problem(await joining, 403, "provider_blacklisted")
         assert (await statuses(s, s.pool_id))[heir.node_id] == "left"
         await books_balance(app_state)
+
+
+async def test_an_appeal_takes_from_the_successor_only_what_the_retired_providers_claimable_lacks(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A reward of 7 of the retired provider's node, 5 of it taken by a soft penalty: 2 released
+    and moved on to the successor. The penalty's appeal gives its 5 back to the retired
+    provider's claimable rewards (the sweep of the next release tick moves them on). The
+    reward's appeal before that tick takes the reward back from where it is: 2 from the
+    successor, 5 from the retired provider's claimable. Before, it took all 7 from the
+    successor, who held 2: 409 reversal_impossible, for a reward whose every part was there."""
+    from tests.test_appeals import rejected_right, reverse
+
+    econ = {**ECON, "soft_invalid_penalty": 5}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        [lost] = s.workers
+        await earn(s, app_state, lost)
+        i = await rejected_right(s, lost, app_state, "invalid")
+        assert i["slashed_amount"] == 5
+        heir = await registered_provider(s)
+        p, h = lost.contributor.provider_id, heir.provider_id
+        assert (await retire(s, p, h)).status_code == 201
+        assert await release_now(app_state, clock) == 1
+        assert (await provider_balances(s, h))["rewards_claimable"] == 2
+        assert (await reverse(s, i["id"])).status_code == 200
+        assert (await provider_balances(s, p))["rewards_claimable"] == 5
+        [accepted] = [x for x in await verdicts(s.admin, s.headers, s.pool_id) if x["category"] == "valid"]
+
+        r = await reverse(s, accepted["id"])
+        assert r.status_code == 200, r.text
+        assert (await provider_balances(s, h))["rewards_claimable"] == 0
+        assert (await provider_balances(s, p))["rewards_claimable"] == 0
+        await books_balance(app_state)

@@ -2157,7 +2157,14 @@ async def _reverse_reward(session: AsyncSession, verdict: Verdict, *, actor: str
     share = hold.amount - hold.forfeited_amount  # the provider's part; 0 if wholly forfeited
     if hold.status == "released" and share > 0:
         heir = (await heirs(session, [provider])).get(provider)  # read under the appeal's locks
+        # A retired provider's claimable rewards hold, at rest, only what reached them since the
+        # last sweep (a forfeit given back after the release, say), which is on its way to the
+        # heir: the heir gives back what they lack.
+        lacking = share
         if heir is not None:
+            held_here = (await ledger.provider_balances(session, provider))[ProviderAccount.rewards_claimable]
+            lacking = max(0, share - held_here)
+        if heir is not None and lacking > 0:
             # A retired provider's released reward went on to its heir (at the release, or with
             # its claimable rewards at the retirement; down a chain of retirements to the last
             # heir): the heir gives back what it received, as the provider would have, and the
@@ -2166,7 +2173,7 @@ async def _reverse_reward(session: AsyncSession, verdict: Verdict, *, actor: str
                 session,
                 debit=provider_account(heir, ProviderAccount.rewards_claimable),
                 credit=provider_account(provider, ProviderAccount.rewards_claimable),
-                amount=share,
+                amount=lacking,
                 key=f"{key}:succession",
                 reason=f"reversal:{succession.REASON}",
                 actor=actor,
