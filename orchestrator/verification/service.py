@@ -2564,51 +2564,73 @@ async def _give_back_on_appeal(
         else:
             forfeit.amount -= part
         if fraud is not None:
-            # The fraud verdict's now: from where the part went back to, as its own forfeit of
-            # the hold, added to the one it took of the hold's rest when it was decided if any.
-            held = (
-                await session.execute(
-                    select(RewardForfeit)
-                    .where(RewardForfeit.verdict_id == fraud.id, RewardForfeit.hold_id == hold.id)
-                    .with_for_update()
-                    .execution_options(populate_existing=True)
-                )
-            ).scalar_one_or_none()
-            into = (
-                await ledger.account_ref(session, held.slashed_account_id)
-                if held is not None
-                else system_account(SystemAccount.slashed)  # the unsharded one, which the appeal locked
+            await _hand_to_fraud(
+                session, verdict, fraud, hold, part, to, source=forfeit, actor=actor, memo=memo, now=now
             )
-            moved = await ledger.transfer(
-                session,
-                debit=provider_account(hold.provider_id, to),
-                credit=into,
-                amount=part,
-                key=APPEAL_FORFEIT_KEY.format(verdict_id=verdict.id, forfeiter=fraud.id)
-                + f":from:{forfeit.id}",
-                reason="slash_pending_rewards",
-                actor=actor,
-                memo=f"fraud: {fraud.reason} (what the penalty of verdict {forfeit.verdict_id} took of this "
-                f"reward instead of what the appeal of verdict {verdict.id} paid)",
-                reference=("verdict", str(fraud.id)),
-            )
-            if held is not None:
-                held.amount += part
-            else:
-                session.add(
-                    RewardForfeit(
-                        verdict_id=fraud.id,
-                        hold_id=hold.id,
-                        amount=part,
-                        slashed_account_id=moved.transfer.credit_account_id,
-                        status="forfeited",
-                        created_at=now,
-                    )
-                )
             continue  # the hold's forfeited amount and status stay as they are
         hold.forfeited_amount -= part
         if hold.status == "forfeited":
             hold.status = "held"
+
+
+async def _hand_to_fraud(
+    session: AsyncSession,
+    verdict: Verdict,
+    fraud: Verdict,
+    hold: RewardHold,
+    amount: int,
+    at: ProviderAccount,
+    *,
+    source: RewardForfeit,
+    actor: str,
+    memo: str,
+    now: dt.datetime,
+) -> None:
+    """``amount`` of ``hold`` that the appeal of ``verdict`` took off ``source`` (a forfeit of
+    another verdict's, or of ``verdict``'s own) and credited to the provider's ``at`` account,
+    which the standing ``fraud`` verdict would have forfeited had ``source``'s verdict not taken
+    it (``_fraud_holding``): forfeited to it now, as its own forfeit of the hold (added to the
+    one it took of the hold's rest if any, into the same slashed account; else into the
+    unsharded one, which the appeal locked), which its appeal gives back. The hold's forfeited
+    amount and status stay as they were. Key ``APPEAL_FORFEIT_KEY`` and ``:from:<forfeit id>``."""
+    held = (
+        await session.execute(
+            select(RewardForfeit)
+            .where(RewardForfeit.verdict_id == fraud.id, RewardForfeit.hold_id == hold.id)
+            .with_for_update()
+            .execution_options(populate_existing=True)
+        )
+    ).scalar_one_or_none()
+    into = (
+        await ledger.account_ref(session, held.slashed_account_id)
+        if held is not None
+        else system_account(SystemAccount.slashed)
+    )
+    moved = await ledger.transfer(
+        session,
+        debit=provider_account(hold.provider_id, at),
+        credit=into,
+        amount=amount,
+        key=APPEAL_FORFEIT_KEY.format(verdict_id=verdict.id, forfeiter=fraud.id) + f":from:{source.id}",
+        reason="slash_pending_rewards",
+        actor=actor,
+        memo=f"fraud: {fraud.reason} (what verdict {source.verdict_id} took of this reward, which "
+        f"verdict {fraud.id} would have forfeited; {memo})",
+        reference=("verdict", str(fraud.id)),
+    )
+    if held is not None:
+        held.amount += amount
+    else:
+        session.add(
+            RewardForfeit(
+                verdict_id=fraud.id,
+                hold_id=hold.id,
+                amount=amount,
+                slashed_account_id=moved.transfer.credit_account_id,
+                status="forfeited",
+                created_at=now,
+            )
+        )
 
 
 # Findings that mean the server never scored the result: its reward function failed
