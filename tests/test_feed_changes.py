@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
+import math
 import random
 from typing import Any
 
@@ -16,7 +18,9 @@ from orchestrator.trainer import Drop, FeedFollower, FollowState, OrchestratorAP
 from orchestrator.verification.models import RolloutChange
 from tests.conftest import postgres_only, problem
 from tests.tasks_helpers import PoolSetup, pool_setup
+from tests.test_appeals import fraud, honest, result_decided_ago
 from tests.test_feed import feed, leases, trainer_headers, whole_feed
+from tests.test_reward_holds import hold_statuses
 from tests.test_verification import ECON, one_lease
 from tests.verification_helpers import submit, verdicts, verify_all
 from tests.waits import HANG_S, until_waiting
@@ -415,3 +419,50 @@ async def test_the_follower_retries_a_busy_feed_and_raises_what_is_not_retried(
             with pytest.raises(OrchestratorAPIError) as refused:
                 await FeedFollower(http, "pool_elsewhere", token).poll()
             assert (refused.value.status, refused.value.code) == (404, "pool_not_found")
+
+
+def when(verdict: dict[str, Any]) -> dt.datetime:
+    return dt.datetime.fromisoformat(verdict["decided_at"])
+
+
+def apart(first: dict[str, Any], second: dict[str, Any]) -> int:
+    """Whole seconds from the first verdict's decision to the second's (rounded up)."""
+    return math.ceil((when(second) - when(first)).total_seconds())
+
+
+@pytest.mark.parametrize("written_first", ["accepted", "fraud"])
+async def test_a_rollout_is_withdrawn_exactly_when_the_fraud_verdict_forfeited_its_reward(
+    app: Any, app_state: Any, written_first: str
+) -> None:
+    """A verifier batch dates its verdicts by its clock when it starts (``decided_at``), before
+    it waits for the locks of the nodes it decides; so of two batches deciding for one node, the
+    one that started later may take the node's locks first, and write its verdict (with the
+    lower id) before the other's, dated earlier. What a fraud verdict forfeits is what it found
+    on hold when it was written: the rewards of the node's accepted verdicts written before it,
+    whatever their dates. The feed withdraws exactly those (``withdrawn_by``), and notifies them
+    (``notify_window``). Constructed here by dating the verdict written second 5 s before the
+    first. Going by ``decided_at`` instead, the feed would serve a rollout whose reward the
+    fraud verdict took (fraud written second), or withdraw one whose reward stands (accepted
+    written second)."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        [w] = s.workers
+        trainer = await trainer_headers(app_state, [s.pool_id])
+        if written_first == "accepted":
+            a = await honest(s, w, app_state)
+            f = await fraud(s, w, app_state)
+            await result_decided_ago(app_state, f["id"], apart(a, f) + 5)
+        else:
+            f = await fraud(s, w, app_state)
+            a = await honest(s, w, app_state)
+            await result_decided_ago(app_state, a["id"], apart(f, a) + 5)
+        dated = {v["id"]: when(v) for v in await verdicts(s.admin, s.headers, s.pool_id)}
+        assert (dated[f["id"]] < dated[a["id"]]) == (written_first == "accepted")
+        assert (f["id"] > a["id"]) == (written_first == "accepted")
+        forfeited = written_first == "accepted"
+        assert await hold_statuses(app_state) == {w.node_id: ["forfeited" if forfeited else "held"]}
+        listed = {v["id"]: v for v in await verdicts(s.admin, s.headers, s.pool_id)}
+        assert listed[a["id"]]["withdrawn_by"] == (f["id"] if forfeited else None)
+        served = (await feed(s, limit=10))["items"]
+        assert [i["verdict_id"] for i in served] == ([] if forfeited else [a["id"]])
+        notices = seen(await changes(s, trainer))
+        assert notices == ([("withdrawn", a["id"], False)] if forfeited else [])

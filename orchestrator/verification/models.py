@@ -164,7 +164,11 @@ class Verdict(Base):
 
 def withdrawn_by() -> ScalarSelect[int]:
     """The id of the first unreversed fraud verdict that withdraws the ``Verdict`` row it is
-    selected with (see ``Verdict``), or NULL: a correlated subquery (``ix_verdicts_fraud``)."""
+    selected with (see ``Verdict``), or NULL: a correlated subquery (``ix_verdicts_fraud``).
+    "After" is by id, not ``decided_at``: a node's verdicts are written under its membership's
+    lock (``service.lock_for_verdicts``), so ids are the order they were written in, the order
+    in which a fraud verdict found the rewards it forfeits on hold (``service._held``), while
+    ``decided_at`` is the batch's clock when it began, before it waited for that lock."""
     fraud = aliased(Verdict)
     return (
         select(func.min(fraud.id))
