@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import math
 from typing import Any
 
 import pytest
@@ -308,6 +309,32 @@ async def test_a_reversed_rejection_no_longer_counts_in_the_track_record_and_its
         assert await track_record(s, w) == record(4, 0, 0, 4)
         assert (await reverse(s, bad["id"])).status_code == 200  # once
         assert await track_record(s, w) == record(4, 0, 0, 4)
+
+
+async def test_the_run_given_back_on_appeal_is_in_the_order_verdicts_were_written_not_their_dates(
+    app: Any, app_state: Any
+) -> None:
+    """The run of valid results an appeal counts again (``_standing_run``) is the one ``decide``
+    counted: in the order the node's verdicts were written (their ids: each is written under the
+    node's membership lock), not by ``decided_at``, the clock of a verifier batch when it began,
+    before it waited for that lock (a batch that began earlier may write later). Here the
+    rejection I written between V1 and V2 is dated 5 s before V1: I still broke V1's run, and
+    reversing the older rejection X leaves a run of 1 (V2), as before it. By ``decided_at`` the
+    appeal would have made it 2 (V1 and V2), a run ``decide`` never counted."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        x = await wrong(s, w, app_state)
+        v1 = await honest(s, w, app_state)
+        i = await wrong(s, w, app_state)
+        await honest(s, w, app_state)
+        assert await track_record(s, w) == record(2, 2, 0, 1)
+        await result_decided_ago(app_state, x["id"], 3600)
+        gap = await decided_at(app_state, i["id"]) - await decided_at(app_state, v1["id"])
+        await result_decided_ago(app_state, i["id"], math.ceil(gap.total_seconds()) + 5)
+        assert await decided_at(app_state, x["id"]) < await decided_at(app_state, i["id"])
+        assert await decided_at(app_state, i["id"]) < await decided_at(app_state, v1["id"])
+        assert (await reverse(s, x["id"])).status_code == 200
+        assert await track_record(s, w) == record(2, 1, 0, 1)
 
 
 async def test_a_reversed_valid_verdict_no_longer_counts_in_the_track_record(

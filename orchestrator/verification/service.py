@@ -1988,7 +1988,10 @@ async def _standing_run(session: AsyncSession, pool_id: str, node_id: str) -> in
     unaudited) neither adds to the run nor breaks it. Verdicts are never deleted, so every one
     that stands is counted; the run is by verdict id, where ``decide`` counted in the order it
     took the trust row, which differs only when a verdict written outside the verifier's tick
-    (a housekeeping ``task_abandoned``) took it after a later id."""
+    (a housekeeping ``task_abandoned``) took it after a later id. Not by ``decided_at``: that is
+    a batch's clock when it began, before it waited for the node's membership lock, under which
+    the node's verdicts take their ids (``lock_for_verdicts``), so a batch that began earlier
+    may write later."""
     standing = (Verdict.pool_id == pool_id, Verdict.node_id == node_id, Verdict.reversed_at.is_(None))
     last_break = select(func.max(Verdict.id)).where(*standing, Verdict.category != "valid").scalar_subquery()
     verified = or_(Verdict.verifier.in_(("quorum", "validator")), Verdict.server_reward.is_not(None))
