@@ -22,7 +22,7 @@ from orchestrator.core import metrics
 from orchestrator.core.clock import Clock
 from orchestrator.core.errors import PROBLEM_MEDIA_TYPE, install_error_handlers
 from orchestrator.core.health import router as health_router
-from orchestrator.core.hotstore import HotStore
+from orchestrator.core.hotstore import HotStore, check_memory_policy
 from orchestrator.core.instance_lock import InstanceLock
 from orchestrator.core.logging import configure_logging
 from orchestrator.core.loops import ExitGuard, await_stuck, stop_loops
@@ -151,6 +151,8 @@ def create_app(
                 await engine.dispose()
                 raise
         app.state.orch = state
+        # A Redis that may evict keys loses spent nonces unseen (README, Redis): said at startup.
+        await check_memory_policy(store)
         stop = asyncio.Event()
         tasks = background.start(state, stop) if settings.server.background_loops else []
         if serving_marks:  # every API process, whatever its background_loops

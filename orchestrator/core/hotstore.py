@@ -8,6 +8,8 @@ production implementation and works across any number of API processes;
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import heapq
 import math
 import time
@@ -255,6 +257,19 @@ class RedisHotStore:
         # it let the serving marks go on, and the sweeper marked the fleet dead meanwhile.
         return bool(await self._r.set(self._k("alive"), "1", ex=60))
 
+    async def memory_policy(self) -> str | None:
+        """Redis's ``maxmemory-policy``: by ``CONFIG GET``, or where ``CONFIG`` is disabled or
+        renamed (as managed Redis services do) from ``INFO memory``; None if neither answers."""
+        with contextlib.suppress(aioredis.ResponseError):
+            policy = (await self._r.config_get("maxmemory-policy")).get("maxmemory-policy")
+            if policy:
+                return str(policy)
+        with contextlib.suppress(aioredis.ResponseError):
+            policy = (await self._r.info("memory")).get("maxmemory_policy")
+            if policy:
+                return str(policy)
+        return None
+
     async def claim_nonce(self, keyid: str, nonce: str, ttl_s: int) -> bool:
         return bool(await self._r.set(self._k("nonce", keyid, nonce), "1", nx=True, ex=ttl_s))
 
@@ -371,6 +386,43 @@ def _memory_lost(since: int) -> None:
             "as possible replays (401 nonce_replayed) until they leave the signature window"
         ),
     )
+
+
+async def check_memory_policy(store: HotStore, timeout_s: float = 5) -> str | None:
+    """At startup: log one ``hot_store_evicts`` warning when the Redis hot store may evict keys
+    (a ``maxmemory-policy`` other than ``noeviction``), or one
+    ``hot_store_memory_policy_unknown`` when its policy cannot be read; the policy, if read.
+    Nothing for the in-process store, which evicts nothing (it refuses when full)."""
+    if not isinstance(store, RedisHotStore):
+        return None
+    try:
+        policy = await asyncio.wait_for(store.memory_policy(), timeout_s)
+    except Exception as exc:  # unreachable at startup: the requests will say so (503)
+        policy, why = None, f"{type(exc).__name__}: {exc}"
+    else:
+        why = "neither CONFIG GET maxmemory-policy nor INFO memory answered it"
+    if policy is None:
+        log.warning(
+            "hot_store_memory_policy_unknown",
+            reason=why,
+            detail=(
+                "could not read the Redis hot store's maxmemory-policy; it must be noeviction "
+                "(README, Redis): check it by hand"
+            ),
+        )
+    elif policy != "noeviction":
+        log.warning(
+            "hot_store_evicts",
+            maxmemory_policy=policy,
+            detail=(
+                f"the Redis hot store's maxmemory-policy is {policy}, not noeviction: when Redis "
+                "fills it evicts spent nonces, so a captured signed request can be replayed "
+                "within its signature window, unseen (volatile-* policies never evict the "
+                "nonces-since marker that would detect the loss), and rate-limit counters, "
+                "which lets more through. Set maxmemory-policy noeviction"
+            ),
+        )
+    return policy
 
 
 def _counted(quotas: Sequence[Quota]) -> list[Quota]:
