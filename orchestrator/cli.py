@@ -931,8 +931,9 @@ def prune_evidence_cmd(
     archive: Annotated[
         Path | None,
         typer.Option(
-            help="The new file (JSON Lines; gzip'd if it ends in .gz) that receives each result's "
-            "evidence before its body is emptied; required unless --dry-run"
+            help="The file (JSON Lines; gzip'd if it ends in .gz) that receives each result's "
+            "evidence before its body is emptied: a new one, or an earlier run's archive, appended "
+            "to; required unless --dry-run"
         ),
     ] = None,
     pool: Annotated[str | None, typer.Option(help="Only this pool's results")] = None,
@@ -963,9 +964,20 @@ def prune_evidence_cmd(
 
     if archive is None and not dry_run:
         raise typer.BadParameter("name the file that keeps the pruned evidence", param_hint="--archive")
+    existed = False
     if archive is not None and not dry_run:
         if archive.exists():
-            raise typer.BadParameter(f"{archive} exists: name a new file", param_hint="--archive")
+            # An earlier run's archive is appended to (after the batch it was killed writing,
+            # if it was); anything else is refused, untouched.
+            try:
+                retention.whole_length(archive)
+            except (retention.NotAnArchive, OSError) as exc:
+                why = exc.strerror if isinstance(exc, OSError) else str(exc)
+                raise typer.BadParameter(
+                    f"{archive} exists and is not an evidence archive ({why}): name a new file",
+                    param_hint="--archive",
+                ) from exc
+            existed = True
         directory = archive.parent
         if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
             raise typer.BadParameter(f"{directory} is not a writable directory", param_hint="--archive")
@@ -984,7 +996,15 @@ def prune_evidence_cmd(
         assert archive is not None
         async with sessionmaker() as session:
             expected = (await retention.measure(session, cutoff=cutoff, pool_id=pool)).submissions
-        kept = retention.Archive(archive)
+        try:
+            kept = retention.Archive(archive)
+        except (retention.NotAnArchive, retention.ArchiveBusy) as exc:
+            raise typer.BadParameter(f"{archive}: {exc}", param_hint="--archive") from exc
+        if kept.cut:
+            console.print(
+                f"cut {kept.cut} bytes off the end of {archive}: a batch a run was killed writing "
+                "(its results were not emptied; this run archives them again)"
+            )
         # What the committed batches pruned, audited even if a later batch fails (a full disk, an
         # outage): their bodies are gone whether or not the run finishes.
         done = [0, 0]
@@ -1045,7 +1065,8 @@ def prune_evidence_cmd(
     if dry_run:
         console.print(f"would prune {what} {before}")
     elif not report.submissions:
-        console.print(f"nothing to prune: no result {before} is stored whole (no archive written)")
+        written = f"nothing added to {archive}" if existed else "no archive written"
+        console.print(f"nothing to prune: no result {before} is stored whole ({written})")
     else:
         console.print(f"pruned {what}; their evidence is in {archive}")
 

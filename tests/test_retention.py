@@ -11,6 +11,10 @@ import errno
 import gzip
 import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -160,7 +164,7 @@ async def test_an_archive_that_exists_or_is_missing_is_refused_before_anything_c
         taken = tmp_path / "taken.jsonl"
         taken.write_bytes(b"an earlier run's\n")
         for args, says in (
-            (["--archive", str(taken)], "exists: name a new file"),
+            (["--archive", str(taken)], "exists and is not an evidence archive"),
             ([], "name the file that keeps the pruned evidence"),
             (["--archive", str(tmp_path / "no" / "such.jsonl")], "is not a writable directory"),
         ):
@@ -327,3 +331,152 @@ async def test_a_pool_that_does_not_exist_is_refused_not_found_empty(
         assert not archive.exists() and await stored(app_state) == before
         r = await prune(settings, "--older-than-days", "2", "--pool", s.pool_id, "--dry-run")
         assert r.exit_code == 0 and "would prune 2 results" in r.output
+
+
+# A prune-evidence run that is SIGKILLed in the middle of its second batch's write: half of that
+# write is on disk (a torn gzip member, a torn line), and its transaction never commits.
+KILLED_MID_WRITE = """
+import os, signal, sys
+from orchestrator.cli import app
+from orchestrator.tasks import retention
+
+class Torn:
+    def __init__(self, raw):
+        self.raw, self.writes = raw, 0
+    def write(self, data):
+        self.writes += 1
+        if self.writes == 2:
+            self.raw.write(bytes(data[: len(data) // 2]))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.raw.write(data)
+    def __getattr__(self, name):
+        return getattr(self.raw, name)
+
+opened = retention.Archive.__init__
+def torn(self, path):
+    opened(self, path)
+    self._raw = Torn(self._raw)
+retention.Archive.__init__ = torn
+app(["admin", "prune-evidence", *sys.argv[1:]])
+"""
+
+
+@pytest.mark.parametrize("name", ["evidence.jsonl.gz", "evidence.jsonl"])
+async def test_the_next_run_cuts_off_the_batch_a_killed_run_tore_and_archives_it_once(
+    app: Any, app_state: Any, settings: Settings, tmp_path: Path, name: str
+) -> None:
+    async with three_results(app, app_state) as (_, before):
+        first, second, waiting = sorted(before)
+        path = tmp_path / name
+        args = ["--older-than-days", "2", "--archive", str(path), "--batch-size", "1"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_")}
+        killed = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-c", KILLED_MID_WRITE, *args],
+            env=env | {"ORCH_DB__URL": settings.db.url, "PYTHONPATH": str(Path(__file__).parents[1])},
+            capture_output=True,
+        )
+        assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()
+        after = await stored(app_state)
+        assert after[first][1] is not None and after[second] == before[second]  # 2nd not emptied
+        torn = path.read_bytes()
+        if name.endswith(".gz"):
+            with pytest.raises(EOFError):  # the whole file is unreadable, not just the torn batch
+                gzip.decompress(torn)
+        else:
+            assert not torn.endswith(b"\n")
+
+        again = await prune(settings, *args)
+        assert again.exit_code == 0, again.output
+        said = " ".join(again.output.split())
+        assert "bytes off the end of" in said and "pruned 1 results" in said
+        data = path.read_bytes()
+        lines = (gzip.decompress(data) if name.endswith(".gz") else data).splitlines(keepends=True)
+        assert [json.loads(line)["submission_id"] for line in lines] == [first, second]
+        assert all(line.endswith(b"\n") for line in lines)
+        assert base64.b64decode(json.loads(lines[1])["body_base64"]) == before[second][0]
+        after = await stored(app_state)
+        assert after[second] == (b"", after[second][1]) and after[second][1] is not None
+        assert after[waiting] == before[waiting]
+
+        # A run with nothing left to prune keeps the archive as it is.
+        nothing = await prune(settings, *args)
+        assert nothing.exit_code == 0 and "nothing added to" in " ".join(nothing.output.split())
+        assert path.read_bytes() == data
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [
+        ("evidence.jsonl", b'{"submission_id":1}\nnot an archive line'),
+        ("evidence.jsonl", b'{"submission_id":1}\n\0\0\0\0'),  # zeros, not a torn write
+        ("notes.txt", b"no newline at all"),
+        ("evidence.jsonl.gz", b"not gzip'd at all\n"),
+        ("evidence.jsonl.gz", gzip.compress(b"some other text\n")),
+        ("evidence.jsonl.gz", gzip.compress(b'{"submission_id":1}\n') + b"\0" * 16),
+        ("evidence.jsonl.gz", gzip.compress(b'{"submission_id":1}\n')[:-12] + b"x" * 12),
+    ],
+)
+async def test_an_existing_file_that_is_not_an_archive_is_refused_untouched(
+    app: Any, app_state: Any, settings: Settings, tmp_path: Path, name: str, content: bytes
+) -> None:
+    async with three_results(app, app_state) as (_, before):
+        path = tmp_path / name
+        path.write_bytes(content)
+        r = await prune(settings, "--older-than-days", "2", "--archive", str(path))
+        assert r.exit_code == 2, r.output
+        assert "is not an evidence archive" in " ".join(r.output.split())
+        assert path.read_bytes() == content
+        assert await stored(app_state) == before
+
+
+async def test_an_archive_another_run_writes_to_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "evidence.jsonl"
+    first = retention.Archive(path)
+    try:
+        first.write([b'{"submission_id":1}\n'])
+        with pytest.raises(retention.ArchiveBusy):
+            retention.Archive(path)
+    finally:
+        first.close()
+    again = retention.Archive(path)
+    again.close()
+    assert path.read_bytes() == b'{"submission_id":1}\n'
+
+
+@pytest.mark.parametrize("name", ["evidence.jsonl.gz", "evidence.jsonl"])
+def test_an_archive_cut_anywhere_in_its_last_batch_is_cut_back_to_what_reads_whole(
+    tmp_path: Path, name: str
+) -> None:
+    """Wherever the kill fell in the last batch's write (in a gzip member's header, its data,
+    its trailer; in a line), the next run keeps all that reads whole before it: every earlier
+    batch; gzip'd, none of the torn batch (a member is a batch), so every batch is in the file
+    once; plain, the torn batch's lines written whole, if any (named again by the next run)."""
+    batches = [
+        [b'{"submission_id":%d,"n":"%s"}\n' % (i, b"x" * 40 * i) for i in (2 * b, 2 * b + 1)]
+        for b in range(3)
+    ]
+    gzipped = name.endswith(".gz")
+    path = tmp_path / name
+    archive = retention.Archive(path)
+    ends = []
+    for lines in batches:
+        archive.write(lines)
+        ends.append(path.stat().st_size)
+    archive.close()
+    whole = path.read_bytes()
+
+    def content(data: bytes) -> bytes:
+        return gzip.decompress(data) if gzipped else data
+
+    assert content(whole) == b"".join(line for b in batches for line in b)
+    for cut in range(ends[1] + 1, ends[2]):
+        path.write_bytes(whole[:cut])
+        kept = ends[1] if gzipped else whole.rfind(b"\n", 0, cut) + 1
+        resumed = retention.Archive(path)
+        try:
+            assert resumed.cut == cut - kept, cut
+            resumed.write(batches[2])
+        finally:
+            resumed.close()
+        assert content(path.read_bytes()) == content(whole[:kept]) + b"".join(batches[2]), cut

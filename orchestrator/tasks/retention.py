@@ -13,8 +13,11 @@ ago, in batches in submission id order, and for each batch:
 
 So nothing is emptied that is not in an archive first. A run stopped between the two steps leaves
 lines in its archive for results still stored, which a later run archives again: an archive may
-name a result twice, never a result that was lost. The digest (``body_sha256``), the signature
-and its covered lines stay in the database, so an archived body can be checked against them.
+name a result twice, never a result that was lost. A run killed while it wrote a batch leaves
+part of it at the end of the archive (its bodies still stored): the next run on the same file
+cuts that off before it appends (``Archive``), so the file reads whole again. The digest
+(``body_sha256``), the signature and its covered lines stay in the database, so an archived body
+can be checked against them.
 
 Results not yet decided are never pruned (the verifier and the validators read their bodies);
 a verdict needs no body once decided, nor does an appeal. What a pruned result no longer gives:
@@ -27,20 +30,25 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import fcntl
 import gzip
 import os
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import orjson
+import structlog
 from sqlalchemy import Row, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from orchestrator.core.sql import is_postgres
 from orchestrator.tasks.models import Submission
 from orchestrator.verification.models import Verdict
+
+log = structlog.get_logger(__name__)
 
 BATCH = 50
 MIN_AGE_DAYS = 1
@@ -130,9 +138,85 @@ def archive_line(row: Row[Any]) -> bytes:
     )
 
 
+# Every archive line begins so (``archive_line``: orjson keeps the keys' order).
+_LINE_START = b'{"submission_id":'
+_GZIP_MAGIC = b"\x1f\x8b\x08"
+_CHUNK = 1 << 20
+
+
+class NotAnArchive(ValueError):
+    """An existing file that is not an evidence archive (nor one a killed run left torn)."""
+
+
+class ArchiveBusy(RuntimeError):
+    """Another run is writing to this archive."""
+
+
+def _starts(data: bytes, start: bytes) -> bool:
+    """``data`` begins with ``start``, or is a beginning of it (a write cut short)."""
+    return start.startswith(data[: len(start)])
+
+
+def _whole_plain(f: IO[bytes], size: int) -> int:
+    if not _starts(f.read(len(_LINE_START)), _LINE_START):
+        raise NotAnArchive("it does not begin with an evidence line")
+    end, pos = 0, size
+    while pos > 0:  # the last newline, read backwards
+        step = min(_CHUNK, pos)
+        pos -= step
+        f.seek(pos)
+        at = f.read(step).rfind(b"\n")
+        if at >= 0:
+            end = pos + at + 1
+            break
+    f.seek(end)
+    if not _starts(f.read(len(_LINE_START)), _LINE_START):
+        raise NotAnArchive(
+            f"its last {size - end} bytes, from byte {end}, are not the start of an evidence line"
+        )
+    return end
+
+
+def _whole_gzip(f: IO[bytes]) -> int:
+    start = offset = 0  # the offset of the member being read; how far the file was read
+    member, head, pending = zlib.decompressobj(wbits=31), b"", b""
+    while chunk := pending or f.read(_CHUNK):
+        if not offset and not _starts(chunk, _GZIP_MAGIC):
+            raise NotAnArchive("it is not gzip'd")
+        try:
+            out = member.decompress(chunk)
+        except zlib.error as exc:
+            raise NotAnArchive(f"the gzip member at byte {start} is damaged ({exc})") from exc
+        head += out[: len(_LINE_START) - len(head)]
+        if not _starts(head, _LINE_START):
+            raise NotAnArchive(f"the gzip member at byte {start} does not hold evidence lines")
+        pending = b""
+        if not member.eof:
+            offset += len(chunk)
+            continue
+        if head != _LINE_START:
+            raise NotAnArchive(f"the gzip member at byte {start} does not hold evidence lines")
+        pending = member.unused_data
+        offset += len(chunk) - len(pending)
+        start = offset
+        member, head = zlib.decompressobj(wbits=31), b""
+    return start
+
+
+def whole_length(path: Path) -> tuple[int, int]:
+    """Of an existing archive: the length up to the end of its last whole batch, and its size
+    (more if a run was killed while it wrote a batch: a torn gzip member or line at the end).
+    ``NotAnArchive`` for a file that does not read as an archive up to there, or whose torn end
+    does not begin as a batch does: nothing is cut from it."""
+    with path.open("rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(0)
+        return (_whole_gzip(f) if path.suffix == ".gz" else _whole_plain(f, size)), size
+
+
 class Archive:
-    """An archive file made for one run (never an existing file: ``FileExistsError``), gzip'd
-    when its name ends in ``.gz``. ``write`` returns once the lines are on disk.
+    """The archive file of a run, gzip'd when its name ends in ``.gz``: a new file, or an
+    existing archive, which the run appends to. ``write`` returns once the lines are on disk.
 
     Gzip'd, each write is a whole gzip member (header, data, trailer): a run killed between
     batches leaves a complete file that gunzip and ``gzip.decompress`` read whole. One stream
@@ -140,15 +224,56 @@ class Archive:
     refused as truncated ("unexpected end of file"). A write that fails part way (the disk
     full) is cut off again before the error goes on, so the file still ends after the last
     batch written whole: the batch's transaction rolls back and its bodies stay in the
-    database."""
+    database.
+
+    A run killed while it wrote (SIGKILL, a power cut) cannot cut its own write off: the file
+    ends in part of a gzip member or of a line, and gunzip refuses the whole file. Its batch
+    was not emptied (its transaction never committed), so the next run on the same file cuts
+    that torn end off (``cut``: how many bytes; logged as ``evidence_archive_torn_end_cut``),
+    back to the last whole gzip member (batch) or line, and archives the batch again after it
+    (in a plain file, lines of the torn batch written whole stay: those results are named
+    twice, as a run stopped between the write and the commit leaves them). An existing file that is
+    not such an archive is refused (``NotAnArchive``) and left as it is; so is one another run
+    is writing to (``ArchiveBusy``)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.lines = 0
-        # Unbuffered: what a failed write left is all on disk, where the truncation reaches it.
-        self._raw: IO[bytes] = path.open("xb", buffering=0)
+        self.cut = 0
         self._gzip = path.suffix == ".gz"
-        self._end = 0
+        # Unbuffered: what a failed write left is all on disk, where the truncation reaches it.
+        try:
+            self._raw: IO[bytes] = path.open("xb", buffering=0)
+            self.created = True
+        except FileExistsError:
+            self._raw = path.open("r+b", buffering=0)
+            self.created = False
+        try:
+            try:
+                fcntl.flock(self._raw.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as exc:
+                raise ArchiveBusy(f"{path} is being written by another run") from exc
+            if self.created:
+                _fsync_directory(path.parent)  # the new file's name lasts as its batches do
+                self._end = 0
+            else:
+                self._end, size = whole_length(path)
+                if size > self._end:
+                    os.ftruncate(self._raw.fileno(), self._end)
+                    os.fsync(self._raw.fileno())
+                    self.cut = size - self._end
+                    log.warning(
+                        "evidence_archive_torn_end_cut",
+                        archive=str(path),
+                        at_byte=self._end,
+                        bytes_cut=self.cut,
+                        detail="a run killed while it wrote a batch left it torn; that batch's "
+                        "bodies were not emptied, and this run archives them again",
+                    )
+                self._raw.seek(self._end)
+        except BaseException:
+            self._raw.close()
+            raise
 
     def write(self, lines: list[bytes]) -> None:
         data = memoryview(gzip.compress(b"".join(lines)) if self._gzip else b"".join(lines))
@@ -164,12 +289,20 @@ class Archive:
         self.lines += len(lines)
 
     def close(self) -> None:
-        """Finish the file; one that received nothing is removed."""
+        """Finish the file; a new one that received nothing is removed."""
         self._raw.flush()
         os.fsync(self._raw.fileno())
         self._raw.close()
-        if not self.lines:
+        if not self.lines and self.created:
             self.path.unlink()
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 async def prune(
