@@ -1741,6 +1741,30 @@ async def _release(session: AsyncSession, hold: RewardHold, heir: str | None) ->
     await session.flush()  # in the savepoint: a failure here rolls back the transfer with it
 
 
+async def _moved_by_standing_verdicts(
+    session: AsyncSession, pool_id: str, categories: Sequence[str], key_like: str
+) -> int:
+    """The sum of the ledger transfers whose idempotency key is like ``key_like`` and that name
+    as their reference a verdict of the pool, of one of ``categories``, that stands."""
+    forfeiter = aliased(Verdict)
+    moved = await session.scalar(
+        select(func.coalesce(func.sum(LedgerTransfer.amount), 0))
+        .select_from(forfeiter)
+        .join(
+            LedgerTransfer,
+            (LedgerTransfer.reference_type == "verdict")
+            & (LedgerTransfer.reference_id == cast(forfeiter.id, String)),
+        )
+        .where(
+            forfeiter.pool_id == pool_id,
+            forfeiter.reversed_at.is_(None),
+            forfeiter.category.in_(categories),
+            LedgerTransfer.idempotency_key.like(key_like),
+        )
+    )
+    return int(moved or 0)
+
+
 async def pool_stats(session: AsyncSession, pool_id: str) -> dict[str, Any]:
     rows = (
         await session.execute(
@@ -1771,38 +1795,13 @@ async def pool_stats(session: AsyncSession, pool_id: str) -> dict[str, Any]:
     # verdict's, a soft penalty's: their transfers keyed by the appeal, ``APPEAL_FORFEIT_KEY``;
     # not in that verdict's slashed_amount, its decision's, which counts what a verdict decided
     # after the appeal took of the payment), while that verdict stands.
-    forfeiter = aliased(Verdict)
-    forfeited_on_appeal = await session.scalar(
-        select(func.coalesce(func.sum(LedgerTransfer.amount), 0))
-        .select_from(forfeiter)
-        .join(
-            LedgerTransfer,
-            (LedgerTransfer.reference_type == "verdict")
-            & (LedgerTransfer.reference_id == cast(forfeiter.id, String)),
-        )
-        .where(
-            forfeiter.pool_id == pool_id,
-            forfeiter.reversed_at.is_(None),
-            forfeiter.category.in_(PAID_ON_APPEAL),
-            LedgerTransfer.idempotency_key.like("verdict:%:reverse:reward:forfeit%"),  # either form
-        )
+    forfeited_on_appeal = await _moved_by_standing_verdicts(  # the key's either form
+        session, pool_id, PAID_ON_APPEAL, "verdict:%:reverse:reward:forfeit%"
     )
     # And what an appeal gave back of a standing penalty's forfeit of a later reward, which the
     # penalty took from the appeal's payment instead (``APPEAL_GIVE_BACK_KEY``).
-    given_back_on_appeal = await session.scalar(
-        select(func.coalesce(func.sum(LedgerTransfer.amount), 0))
-        .select_from(forfeiter)
-        .join(
-            LedgerTransfer,
-            (LedgerTransfer.reference_type == "verdict")
-            & (LedgerTransfer.reference_id == cast(forfeiter.id, String)),
-        )
-        .where(
-            forfeiter.pool_id == pool_id,
-            forfeiter.reversed_at.is_(None),
-            forfeiter.category == "invalid",
-            LedgerTransfer.idempotency_key.like("verdict:%:reverse:reward:give-back:%"),
-        )
+    given_back_on_appeal = await _moved_by_standing_verdicts(
+        session, pool_id, ("invalid",), "verdict:%:reverse:reward:give-back:%"
     )
     counts = {c: int(n) for c, n, _, _ in rows}
     total = sum(counts.values())
@@ -1816,8 +1815,8 @@ async def pool_stats(session: AsyncSession, pool_id: str) -> dict[str, Any]:
         "rewards_credited": sum(int(credited) for _, _, credited, _ in rows) + int(paid_on_appeal or 0),
         "slashed": sum(int(slashed) for _, _, _, slashed in rows)
         - int(returned or 0)
-        + int(forfeited_on_appeal or 0)
-        - int(given_back_on_appeal or 0),
+        + forfeited_on_appeal
+        - given_back_on_appeal,
     }
 
 
