@@ -112,8 +112,10 @@ async def counts(conn: asyncpg.Connection) -> tuple[int, int]:
 
 
 async def sample_locks(dsn: str, stop: asyncio.Event, samples: list[int], ages: list[float]) -> None:
-    """Every 0.1 s, how many verifier partition locks (``service.VERIFIER_LOCK``) are held (one
-    per batch whose transaction is open), and how long each holder's transaction has been open."""
+    """Every 0.1 s, how many verifier partition locks (``service.VERIFIER_LOCK``) are held by an
+    open transaction (one per batch whose transaction is open; a lane also holds its partition's
+    at session level, with no transaction, while its batch is scored), and how long each
+    holder's transaction has been open."""
     conn = await asyncpg.connect(dsn)
     try:
         while not stop.is_set():
@@ -121,6 +123,7 @@ async def sample_locks(dsn: str, stop: asyncio.Event, samples: list[int], ages: 
                 "SELECT extract(epoch FROM now() - a.xact_start) AS age"
                 " FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
                 " WHERE l.locktype = 'advisory' AND l.granted AND l.classid = $1 AND l.objsubid = 2"
+                " AND a.xact_start IS NOT NULL"  # a lane's own hold, no transaction open: not a batch
                 " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
                 VERIFIER_LOCK,
             )

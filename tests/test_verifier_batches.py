@@ -492,11 +492,13 @@ async def three_partitions_with_work(s: PoolSetup) -> None:
 
 
 async def partition_locked(app_state: Any, job_id: int) -> bool:
-    """Whether a transaction holds the verifier lock of the job's partition."""
+    """Whether a transaction holds the verifier lock of the job's partition (a connection with
+    no transaction open may hold it: its lane's, working the partition)."""
     async with app_state.engine.connect() as conn:
         held = await conn.scalar(
             text(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                "SELECT count(*) FROM pg_locks JOIN pg_stat_activity a USING (pid)"
+                " WHERE locktype = 'advisory' AND granted AND a.xact_start IS NOT NULL"
                 " AND classid = :key AND objsubid = 2"
                 " AND objid = (SELECT verifier_partition FROM verification_jobs WHERE id = :job)"
                 " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
@@ -536,7 +538,7 @@ async def test_lanes_wait_for_the_scorer_without_a_transaction(
     async with pool_setup(app, app_state, workers=1, max_leases_per_node=8) as s:
         await three_partitions_with_work(s)
         assert await verify_batches(app_state, budget_s=math.inf) == 6
-    assert locked == [False] * 3  # no batch's partition was held while it was scored
+    assert locked == [False] * 3  # no transaction held a batch's partition while it was scored
     assert peak == 1  # batches being scored (or queued for it) at once: the scorer's one process
     assert await decided(app_state) == (6, Counter(done=6))
     await books_balance(app_state)
@@ -572,6 +574,97 @@ async def test_a_tick_whose_budget_runs_out_while_a_batch_is_scored_takes_no_oth
         assert (second.processed, second.more) == (4, False)
     assert await decided(app_state) == (6, Counter(done=6))
     await books_balance(app_state)
+
+
+@postgres_only
+async def test_two_verifiers_do_not_both_score_a_partitions_batch(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second verifier that reaches a partition while the first is scoring its batch leaves
+    the partition to it: a batch is scored once, not by every process working the backlog
+    (two `orchestrator background` processes would otherwise each run every reward function,
+    the same partitions in the same order, oldest first)."""
+    batches_of(app_state, 10)
+    real = service._score_inputs
+    scored: Counter[int] = Counter()
+    first_scoring, second_done = asyncio.Event(), asyncio.Event()
+
+    async def first_waits_for_the_second(inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        first = not scored
+        scored.update(i.job_id for i in inputs)
+        if first:  # the first verifier is scoring its batch when the second comes
+            first_scoring.set()
+            await asyncio.wait_for(second_done.wait(), 10)
+        return await real(inputs, *args, **kwargs)
+
+    async def second() -> int:
+        await asyncio.wait_for(first_scoring.wait(), 10)
+        try:
+            return await verify_batches(app_state, budget_s=math.inf)
+        finally:
+            second_done.set()
+
+    monkeypatch.setattr(service, "_score_inputs", first_waits_for_the_second)
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=8) as s:
+        await results(s, 4)
+        counts = await asyncio.gather(verify_batches(app_state, budget_s=math.inf), second())
+    assert sorted(counts) == [0, 4]
+    assert set(scored.values()) == {1}, scored  # each result through the reward function once
+    assert await decided(app_state) == (4, Counter(done=4))
+
+
+async def verifier_locks(app_state: Any) -> int:
+    """How many verifier partition locks are held, by any connection."""
+    async with app_state.engine.connect() as conn:
+        return int(
+            await conn.scalar(
+                text(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                    " AND classid = :key AND objsubid = 2"
+                    " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+                ),
+                {"key": service.VERIFIER_LOCK},
+            )
+            or 0
+        )
+
+
+@postgres_only
+async def test_a_tick_cancelled_while_its_lanes_wait_for_the_scorer_leaves_no_partition_held(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stopping process cancels its tick while one lane's batch is scored and the others wait
+    for their turn, each holding its partition: every partition is free again (no lock left on
+    a pooled connection, which would keep every other verifier off the partition), and the next
+    tick decides everything."""
+    batches_of(app_state, 10)
+    real = service._score_inputs
+    scoring = asyncio.Event()
+    stuck = True
+
+    async def hangs(*args: Any, **kwargs: Any) -> Any:
+        if stuck:
+            scoring.set()
+            await asyncio.Event().wait()
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(service, "_score_inputs", hangs)
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=8) as s:
+        await three_partitions_with_work(s)
+        tick = asyncio.create_task(verify_batches(app_state, budget_s=math.inf))
+        await asyncio.wait_for(scoring.wait(), 10)
+
+        for _ in range(1000):  # the other lanes hold theirs, waiting for their turn
+            if await verifier_locks(app_state) == 3:
+                break
+            await asyncio.sleep(0.01)
+        tick.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await tick
+        assert await verifier_locks(app_state) == 0
+        stuck = False
+        assert await verify_batches(app_state, budget_s=math.inf) == 6
+    assert await decided(app_state) == (6, Counter(done=6))
 
 
 def test_verifier_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import structlog
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from orchestrator.core.clock import Clock
 from orchestrator.core.loops import tick_failed
@@ -73,7 +74,8 @@ class ScorerTurns:
     """Which of a tick's lanes may have a batch scored at once (PostgreSQL): as many as the
     scoring processes have a batch's worth of room for (``reward_processes // batch_size``, at
     least one). A lane reads its batch's inputs in a short transaction of its own, then waits
-    for its turn, holding no transaction, partition lock or job row (``service.prescore``), and
+    for its turn, holding no transaction or job row (``service.prescore``; only its partition's
+    lock at session level, ``_working``), and
     gives the turn back once the batch is scored; only then does the batch's transaction begin.
     Before, every lane took its partition's lock and its batch and then queued for the one
     scoring process: 8 transactions open at once, and a tick ran past its budget by up to 8
@@ -248,7 +250,57 @@ async def _verify_partition(
 ) -> tuple[int, bool]:
     """One partition's batches (``None``: SQLite's one backlog) until it is done or the
     deadline passes; returns how many jobs were processed and whether the deadline stopped it.
-    Each batch takes its turn at the scorer from ``turns`` (PostgreSQL's lanes)."""
+    Each batch takes its turn at the scorer from ``turns`` (PostgreSQL's lanes).
+
+    PostgreSQL: a partition another verifier is working (its lock held) is left to it at once.
+    The lane holds the partition's lock for as long as it works it, at session level on a
+    connection of its own (``_working``), its batches' transactions on that connection: while a
+    batch waits for the scorer and is scored there is no transaction open, but another process
+    still finds the partition taken. With the lock taken only by each transaction, every
+    process working the backlog found the partition free while a batch was scored (the
+    partitions in the same order, oldest first) and scored the same batch again."""
+    if partition is None:
+        return await _batches(state, None, state.sessionmaker, scorer, size, retry_s, deadline, turns)
+    async with _working(state, partition) as sessionmaker:
+        if sessionmaker is None:  # another verifier is working this partition
+            return 0, False
+        return await _batches(state, partition, sessionmaker, scorer, size, retry_s, deadline, turns)
+
+
+@contextlib.asynccontextmanager
+async def _working(state: AppState, partition: int) -> AsyncIterator[async_sessionmaker[AsyncSession] | None]:
+    """The partition's verifier lock at session level on a connection of this lane's, and
+    sessions on that connection (their transactions' own try of the lock then succeeds), or
+    ``None`` if another verifier holds it. No transaction stays open in between. The lock is
+    given back when the lane is done; a lane that fails or is cancelled closes the connection
+    instead (its session, and the lock with it, ends), so a lock is never left in the pool."""
+    key = (service.VERIFIER_LOCK, partition)
+    async with state.engine.connect() as conn:
+        taken = await conn.scalar(select(func.pg_try_advisory_lock(*key)))
+        await conn.commit()
+        if not taken:
+            yield None
+            return
+        try:
+            yield async_sessionmaker(**{**state.sessionmaker.kw, "bind": conn})
+        except BaseException:
+            await conn.invalidate()
+            raise
+        await conn.scalar(select(func.pg_advisory_unlock(*key)))
+        await conn.commit()
+
+
+async def _batches(
+    state: AppState,
+    partition: int | None,
+    sessionmaker: async_sessionmaker[AsyncSession],
+    scorer: Scorer,
+    size: int,
+    retry_s: float,
+    deadline: float,
+    turns: ScorerTurns | None,
+) -> tuple[int, bool]:
+    """``_verify_partition``'s batches, in sessions of ``sessionmaker``."""
     secret = state.settings.seed_key
     total = 0
     # Where this process's last call stopped for its budget: results it cannot decide yet
@@ -262,7 +314,7 @@ async def _verify_partition(
         # Scored with no transaction open: SQLite's would hold the one write lock, PostgreSQL's
         # its partition's lock and job rows, while waiting for the scorer.
         prescored = await service.prescore(
-            state.sessionmaker,
+            sessionmaker,
             scorer,
             limit=size,
             after_id=after,
@@ -282,7 +334,7 @@ async def _verify_partition(
                 break
             after, wrapped = 0, True
             continue
-        async with state.sessionmaker() as session, session.begin():
+        async with sessionmaker() as session, session.begin():
             batch = await service.process_pending(
                 session,
                 secret=secret,

@@ -527,8 +527,9 @@ async def prescore(
 
     PostgreSQL (``partition``): the partition's next batch, read in a short transaction that
     tries the partition's lock (``held`` if another verifier has it: that one is working the
-    partition). A lane waiting for the scorer (``turn``, ``jobs.ScorerTurns``: entered once the
-    inputs are read, left once they are scored) then holds no transaction, lock or row: the
+    partition; a lane holds it already, at session level on the connection of ``sessionmaker``,
+    ``jobs._working``). A lane waiting for the scorer (``turn``, ``jobs.ScorerTurns``: entered
+    once the inputs are read, left once they are scored) then holds no transaction or row: the
     batch's transaction (``process_pending``) takes the lock again and decides only the jobs
     still waiting. A score's inputs (the result, the task's ``verification``, the pool's reward
     function) never change once the job exists. A turn that says not to go on (the tick's
