@@ -276,18 +276,18 @@ async def _working(state: AppState, partition: int) -> AsyncIterator[async_sessi
     instead (its session, and the lock with it, ends), so a lock is never left in the pool."""
     key = (service.VERIFIER_LOCK, partition)
     async with state.engine.connect() as conn:
-        taken = await conn.scalar(select(func.pg_try_advisory_lock(*key)))
-        await conn.commit()
-        if not taken:
-            yield None
-            return
-        try:
+        try:  # cut short anywhere (the lock taken or not, given back or not): the session ends
+            taken = await conn.scalar(select(func.pg_try_advisory_lock(*key)))
+            await conn.commit()
+            if not taken:
+                yield None
+                return
             yield async_sessionmaker(**{**state.sessionmaker.kw, "bind": conn})
+            await conn.scalar(select(func.pg_advisory_unlock(*key)))
+            await conn.commit()
         except BaseException:
             await conn.invalidate()
             raise
-        await conn.scalar(select(func.pg_advisory_unlock(*key)))
-        await conn.commit()
 
 
 async def _batches(
