@@ -937,32 +937,36 @@ async def decided_at(app_state: Any, verdict_id: int) -> dt.datetime:
 
 
 @pytest.mark.parametrize("fraud_id", ["lower", "higher"])
-async def test_the_window_of_a_payment_is_by_when_verdicts_were_decided_not_by_their_ids(
+async def test_the_window_of_a_payment_is_by_when_verdicts_were_written_not_by_their_decided_at(
     app: Any, app_state: Any, client: Any, fraud_id: str
 ) -> None:
-    """Verdict ids are not decision order: a quorum verdict decided in another provider's
-    verifier lane (a transaction of its own, at once) may take its id after a verdict decided
-    after it. A fraud verdict F decided after R within R's window forfeits R's payment whatever
-    its id, and one decided before R does not. Constructed here with F's id lower than R's but
-    decided 5 s after it, or higher but decided 5 s before it. Before, the window went by id:
-    the first F was left out (the node kept 14) and the second counted (it took all 14)."""
+    """A verdict's ``decided_at`` is its batch's clock when the batch began, before it waited for
+    the node's membership lock, under which every verdict that moves the node's money is written
+    and takes its id: a batch that began earlier may write later. A fraud verdict F forfeits the
+    holds that exist when it is written (test_feed_changes'
+    test_a_rollout_is_withdrawn_exactly_when_the_fraud_verdict_forfeited_its_reward), so an
+    acceptance of R would have lost its reward to F only if F was written after R. Constructed
+    here with F written before R but dated 5 s after it, or written after R but dated 5 s before
+    it. Before, the window went by ``decided_at``: the first F took all 14 of R's payment, and
+    the second was left out (the node kept 14)."""
     async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
         w = s.workers[0]
         if fraud_id == "lower":
             f = await fraud(s, w, app_state)
             v = await rejected_right(s, w, app_state, "invalid")
-            await result_decided_ago(app_state, v["id"], 5)  # R decided before F
+            await result_decided_ago(app_state, v["id"], 5)  # R dated before F
         else:
             v = await rejected_right(s, w, app_state, "invalid")
             f = await fraud(s, w, app_state)
-            await result_decided_ago(app_state, f["id"], 5)  # F decided before R
-        assert (f["id"] < v["id"]) == (fraud_id == "lower")
-        after = await decided_at(app_state, f["id"]) > await decided_at(app_state, v["id"])
-        assert after == (fraud_id == "lower")
+            await result_decided_ago(app_state, f["id"], 5)  # F dated before R
+        written_after = f["id"] > v["id"]
+        assert written_after == (fraud_id == "higher")
+        dated_after = await decided_at(app_state, f["id"]) > await decided_at(app_state, v["id"])
+        assert dated_after != written_after
         r = await reverse(s, v["id"])
         assert r.status_code == 200, r.text
         b = await balances(client, w)
-        if after:
+        if written_after:
             assert r.json()["reward_forfeited_by"] == f["id"]
             assert b["rewards_pending"] == 0, b
             assert await forfeits_of_payment(app_state, v["id"]) == [(f["id"], 14, "forfeited")]
@@ -1052,6 +1056,37 @@ async def test_of_two_fraud_verdicts_in_the_window_the_one_that_would_have_held_
             assert b["rewards_pending"] == 0
             assert await hold_statuses(app_state) == {w.node_id: ["forfeited"]}
             assert r.json()["reward_forfeited_by"] == f2["id"]
+        await pending_matches_holds(app_state)
+        await books_balance(app_state)
+
+
+async def test_fraud_verdicts_in_the_window_take_the_payment_in_the_order_they_were_written(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    """Fa and Fb, fraud verdicts in R's window, written in that order but Fb dated 5 s before
+    Fa (its batch began first and waited for the node's lock); Fa reversed since. Had R been
+    accepted, Fa forfeited its reward when it was written, Fb found nothing on hold, and Fa's
+    appeal gave it back: the node keeps it. Before, the replay went by ``decided_at``: Fb took
+    all 14 and held it."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        v = await rejected_right(s, w, app_state, "invalid")
+        clock.advance(10)
+        fa = await fraud(s, w, app_state)
+        fb = await fraud(s, w, app_state)
+        await result_decided_ago(app_state, fb["id"], 5)  # Fb dated between R and Fa
+        assert v["id"] < fa["id"] < fb["id"]
+        assert await decided_at(app_state, v["id"]) < await decided_at(app_state, fb["id"])
+        assert await decided_at(app_state, fb["id"]) < await decided_at(app_state, fa["id"])
+        clock.advance(1)
+        assert (await reverse(s, fa["id"])).status_code == 200
+        r = await reverse(s, v["id"])
+        assert r.status_code == 200, r.text
+        b = await balances(client, w)
+        assert b["rewards_pending"] == 14, b
+        assert r.json()["reward_forfeited_by"] is None
+        assert await forfeits_of_payment(app_state, v["id"]) == []
+        assert await hold_statuses(app_state) == {w.node_id: ["held"]}
         await pending_matches_holds(app_state)
         await books_balance(app_state)
 
@@ -1368,20 +1403,30 @@ async def test_what_a_penalty_gives_back_of_a_released_reward_goes_to_claimable(
         await books_balance(app_state)
 
 
+@pytest.mark.parametrize("f_dated", ["after_i", "before_i"])
 async def test_a_penalty_keeps_what_it_took_of_a_reward_a_later_fraud_verdict_would_have_forfeited(
-    app: Any, app_state: Any, client: Any
+    app: Any, app_state: Any, client: Any, clock: FakeClock, f_dated: str
 ) -> None:
     """R rejected (wrongly), H accepted, I's penalty of 5 takes 5 of H, then a fraud verdict F
     forfeits H's other 2. Had R been accepted, I would have taken its 5 of R's reward and F all
     the rest, H's 7 included: the node keeps nothing. The appeal's payment goes 5 to I and 9 to
-    F, and I's 5 of H is not given back (F would have taken it): the node keeps 0, not 5."""
+    F, and I's 5 of H is not given back (F would have taken it): the node keeps 0, not 5.
+    The same when F, written after I, is dated before it (its batch began first and waited for
+    the node's lock): the money followed the write order. Before, that F was replayed before I:
+    it took all 14 of the payment and I none."""
     econ = {**ECON, "soft_invalid_penalty": 5}
     async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
         w = s.workers[0]
         v = await rejected_right(s, w, app_state, "invalid")
+        clock.advance(10)
         h = await honest(s, w, app_state)
+        clock.advance(10)
         i = await rejected_right(s, w, app_state, "invalid")
+        clock.advance(10)
         f = await fraud(s, w, app_state)
+        if f_dated == "before_i":
+            await result_decided_ago(app_state, f["id"], 15)  # between H and I
+            assert await decided_at(app_state, f["id"]) < await decided_at(app_state, i["id"])
         r = await reverse(s, v["id"])
         assert r.status_code == 200, r.text
         assert await forfeits_of_payment(app_state, v["id"]) == [

@@ -62,7 +62,6 @@ from sqlalchemy import (
     Select,
     SmallInteger,
     String,
-    and_,
     bindparam,
     cast,
     exists,
@@ -1572,9 +1571,9 @@ async def _held(session: AsyncSession, verdict: Verdict) -> list[RewardHold]:
                     # due is the release job's, whenever that runs.
                     RewardHold.release_at > verdict.decided_at,
                 )
-                # Holds that end together by their verdicts' decisions (``decided_after``), not
-                # by the hold's id: an appeal's payment creates its hold when it pays, and is
-                # held as the acceptance's reward would have been, created at the decision.
+                # Holds that end together by their verdicts' ``decided_at``, then id, not by the
+                # hold's id: an appeal's payment creates its hold when it pays, and is held as
+                # the acceptance's reward would have been, created with the verdict.
                 .order_by(RewardHold.release_at, rewarded.decided_at, rewarded.id)
                 .with_for_update(of=RewardHold)
                 .execution_options(populate_existing=True)
@@ -2011,8 +2010,8 @@ async def _lock_for_appeal(session: AsyncSession, verdict: Verdict) -> None:
     the provider's reward (and, for fraud, stake) accounts; the system ``rewards`` and
     ``slashed`` accounts its verdicts use (unsharded, and its verifier partition's); and any
     other account that the verdict's transfers and the forfeits it is party to name, and, for a
-    rejection its appeal pays, the forfeits of the node's fraud and invalid verdicts decided
-    after it (read without a lock: they only add to the set)."""
+    rejection its appeal pays, the forfeits of the node's fraud and invalid verdicts written
+    after it (``written_after``; read without a lock: they only add to the set)."""
     provider = verdict.provider_id
     refs = [
         provider_account(provider, k)
@@ -2030,14 +2029,14 @@ async def _lock_for_appeal(session: AsyncSession, verdict: Verdict) -> None:
         )
     ).all()
     hold_ids = select(RewardHold.id).where(RewardHold.verdict_id == verdict.id).scalar_subquery()
-    # And the slashed accounts of the forfeits of the node's fraud and invalid verdicts decided
+    # And the slashed accounts of the forfeits of the node's fraud and invalid verdicts written
     # after it, which its payment's replay gives back from or adds to (``_give_back_on_appeal``):
     # one decided in another partition's verifier lane (a quorum's) used that lane's.
     window = select(Verdict.id).where(
         Verdict.node_id == verdict.node_id,
         Verdict.pool_id == verdict.pool_id,
         Verdict.category.in_(PAID_ON_APPEAL),
-        decided_after(verdict),
+        written_after(verdict),
     )
     forfeits = (
         await session.execute(
@@ -2257,15 +2256,16 @@ async def _pay_on_appeal(
     rejected) held as that acceptance's reward would have been: to the end of the result's own
     hold window, ``reward_hold_s`` (as recorded) after the verdict was decided, not after the
     appeal. So a window that has passed makes it due at once (the release loop's next tick makes
-    it claimable; no later verdict takes it), and the node's verdicts decided within the window
-    that would have forfeited some of that reward (``_appeal_forfeits``: a fraud verdict all of
-    it, a soft-invalid penalty what it would have taken of it, oldest first, giving back what it
-    took of later rewards instead, ``_give_back_on_appeal``) forfeit it now, each as its own forfeit of a
-    reward on hold (a ``RewardForfeit`` of its, which its appeal gives back;
-    ``reward_forfeited_by`` names the fraud verdict); one decided later within the window
-    forfeits it as any held reward. The caller holds the verdict and the accounts
+    it claimable; no later verdict takes it), and the node's verdicts written after it
+    (``written_after``: by id, not ``decided_at``) and decided within the window (by time) that
+    would have forfeited some of that reward (``_appeal_forfeits``: a fraud verdict all of it, a
+    soft-invalid penalty what it would have taken of it, oldest first, giving back what it took
+    of later rewards instead, ``_give_back_on_appeal``) forfeit it now, each as its own forfeit
+    of a reward on hold (a ``RewardForfeit`` of its, which its appeal gives back;
+    ``reward_forfeited_by`` names the fraud verdict); one written after the appeal within the
+    window forfeits it as any held reward. The caller holds the verdict and the accounts
     (``_lock_for_appeal``), so a fraud or invalid
-    verdict of the node's decided meanwhile is wholly before this (read here) or wholly after
+    verdict of the node's written meanwhile is wholly before this (read here) or wholly after
     (it finds the hold); the transfers' keys make them once."""
     if verdict.outcome != "rejected" or verdict.category not in PAID_ON_APPEAL:
         return
@@ -2320,16 +2320,58 @@ async def _pay_on_appeal(
     metrics.on_commit(session, partial(metrics.SLASHED.inc, forfeited))
 
 
-def decided_after(verdict: Verdict) -> ColumnElement[bool]:
-    """The node's verdicts decided after ``verdict``, in the order of their decisions: by
-    ``decided_at`` (the verifier's clock when it decided them), then by id for verdicts decided
-    at the same instant. Not by id alone: a quorum verdict is decided in the lane of the provider
-    whose result completed its task (``jobs.VERIFIER_LANES``: lanes' transactions run at once),
-    and may take its id after a verdict decided later in the node's own lane."""
-    return or_(
-        Verdict.decided_at > verdict.decided_at,
-        and_(Verdict.decided_at == verdict.decided_at, Verdict.id > verdict.id),
-    )
+def written_after(verdict: Verdict) -> ColumnElement[bool]:
+    """The node's verdicts written after ``verdict``: by id. Every verdict that moves the node's
+    money is written only once its transaction holds the node's membership
+    (``lock_for_verdicts``), wherever it was decided (the node's verifier lane, another
+    provider's lane for a quorum's, a validator's post, an expired quorum wait), so the node's
+    verdict ids follow the order the verdicts were written in, which is the order the money
+    followed: a fraud verdict forfeits the holds that exist when it is written (``_punish``,
+    ``_held``). Not by ``decided_at``: that is a batch's clock when it began, before it waited
+    for that lock, so a batch that began earlier may write later."""
+    return Verdict.id > verdict.id
+
+
+#: The node's verdicts whose ``decided_at`` places a reversal among them (``_replay_order``).
+_PLACING = ("fraud", "invalid")
+
+
+async def _reversal_slots(session: AsyncSession, reversed_: list[Verdict]) -> dict[int, int]:
+    """Where the reversal of each of ``reversed_`` comes among the node's decisions, which are
+    replayed by id (``written_after``): after the verdict with this id. A reversal has no id of
+    its own in that order, so as a last resort its time places it: after every fraud or invalid
+    verdict of the node's in the pool (``_PLACING``) decided no later than ``reversed_at``, and
+    after every one written before those, so that the order stays the write order of the
+    decisions (and a reversal comes after its own verdict). Both clocks are read before their
+    transactions wait for the node's locks, so a decision whose batch began before the appeal
+    but was written after it comes before the reversal here; the ids cannot say otherwise."""
+    slots: dict[int, int] = {}
+    for v in reversed_:
+        assert v.reversed_at is not None
+        slot = await session.scalar(
+            select(func.max(Verdict.id)).where(
+                Verdict.node_id == v.node_id,
+                Verdict.pool_id == v.pool_id,
+                Verdict.category.in_(_PLACING),
+                Verdict.decided_at <= v.reversed_at,
+            )
+        )
+        slots[v.id] = max(int(slot or 0), v.id)
+    return slots
+
+
+def _replay_order(decisions: list[Verdict], slots: dict[int, int]) -> list[tuple[bool, Verdict]]:
+    """The decisions of ``decisions`` and their reversals as the node's money saw them:
+    (reversal, verdict), the decisions in the order they were written (by id, ``written_after``),
+    each reversal after the decision its slot names (``_reversal_slots``; a decision and a
+    reversal in the same place: the decision first), reversals in the same place by
+    ``reversed_at``, then id."""
+    events: list[tuple[tuple[int, int, dt.datetime, int], bool, Verdict]] = []
+    for v in decisions:
+        events.append(((v.id, 0, v.decided_at, v.id), False, v))
+        if v.reversed_at is not None:
+            events.append(((slots[v.id], 1, v.reversed_at, v.id), True, v))
+    return [(reversal, v) for _, reversal, v in sorted(events, key=lambda e: e[0])]
 
 
 @dataclass
@@ -2349,26 +2391,29 @@ class _Replayed:
 async def _appeal_forfeits(
     session: AsyncSession, verdict: Verdict, pool: Pool, window_end: dt.datetime, amount: int
 ) -> _Replayed:
-    """What the node's verdicts in the pool decided after ``verdict`` and within the window to
-    ``window_end`` (``decided_after``; the window as ``_held`` counts it) would hold now of ``amount``,
-    had the verdict accepted its result and held that reward to ``window_end``: their decisions
-    and reversals replayed in time order on it. A fraud verdict takes all that is left of it
-    (``_punish``). An invalid one I takes what ``_penalise`` would have taken of it, by the holds
-    I took from: oldest first (by ``release_at``, then by the decision of the hold's verdict: the
-    payment's hold is placed where an acceptance would have created it), so I takes from the
-    payment its penalty (recorded with its result, else the pool's now) less what I took of
-    rewards before the payment in that order, up to what is left of it. What I took of rewards
-    after it, beyond its penalty's shortfall, I would not have taken: where that forfeit is in
-    force it is given back to the node (``give_back``), the latest in the order first; where its
-    reward was reversed since, nothing moves (the node lost that reward either way). A part of
-    a forfeit whose reward a fraud verdict decided after I, within that reward's window, would
-    then have forfeited, goes to that verdict if it stands (its appeal gives it back, as it
-    would have given back what it took of that reward), to the node if its appeal would have
-    given it back already (``_fraud_holding``).
+    """What the node's verdicts in the pool written after ``verdict`` (``written_after``: an
+    acceptance in its place would have held the reward when they were written) and decided
+    before ``window_end`` (the window as ``_held`` counts it, by time) would hold now of
+    ``amount``, had the verdict accepted its result and held that reward to ``window_end``: their
+    decisions and reversals replayed on it in the order the node's money saw them
+    (``_replay_order``: decisions by id, each reversal placed among them). A fraud verdict takes
+    all that is left of it (``_punish``). An invalid one I takes what ``_penalise`` would have
+    taken of it, by the holds I took from: oldest first (by ``release_at``, then by the
+    ``decided_at`` and id of the hold's verdict, as ``_held`` orders them: the payment's hold is
+    placed where an acceptance would have created it), so I takes from the payment its penalty
+    (recorded with its result, else the pool's now) less what I took of rewards before the
+    payment in that order, up to what is left of it. What I took of rewards after it, beyond its
+    penalty's shortfall, I would not have taken: where that forfeit is in force it is given back
+    to the node (``give_back``), the latest in the order first; where its reward was reversed
+    since, nothing moves (the node lost that reward either way). A part of a forfeit whose reward
+    a fraud verdict written after I and decided within that reward's window would then have
+    forfeited, goes to that verdict if it stands (its appeal gives it back, as it would have
+    given back what it took of that reward), to the node if its appeal would have given it back
+    already (``_fraud_holding``).
     So the node is left what an acceptance from the start would have left it. An appeal of a
     verdict gives back what it took, which a later decision may take again. Returns the
     verdicts that stand with what they hold, in the order they took it (none for a decision and
-    an appeal at the same instant: the decision first, the node's way). Read under the
+    an appeal placed together: the decision first, the node's way). Read under the
     accounts' locks, which a verdict's forfeits and an appeal of one hold too."""
     rows = list(
         (
@@ -2378,10 +2423,10 @@ async def _appeal_forfeits(
                     Verdict.node_id == verdict.node_id,
                     Verdict.pool_id == verdict.pool_id,
                     Verdict.category.in_(("fraud", "invalid")),
-                    decided_after(verdict),
+                    written_after(verdict),
                     Verdict.decided_at < window_end,
                 )
-                .order_by(Verdict.decided_at, Verdict.id)
+                .order_by(Verdict.id)
             )
         ).scalars()
     )
@@ -2420,19 +2465,17 @@ async def _appeal_forfeits(
                 Verdict.node_id == verdict.node_id,
                 Verdict.pool_id == verdict.pool_id,
                 Verdict.category == "fraud",
-                decided_after(verdict),
+                written_after(verdict),
             )
         )
         frauds_after = list(found_frauds.scalars())
-    events: list[tuple[dt.datetime, int, int, Verdict]] = []
-    for v in rows:
-        events.append((v.decided_at, 0, v.id, v))
-        if v.reversed_at is not None:
-            events.append((v.reversed_at, 1, v.id, v))
+    slots = await _reversal_slots(
+        session, [v for v in {v.id: v for v in rows + frauds_after}.values() if v.reversed_at is not None]
+    )
     left = amount
     holding: dict[int, tuple[Verdict, int]] = {}
     give_back: list[tuple[RewardForfeit, int, Verdict | None]] = []
-    for _, reversal, _, v in sorted(events, key=lambda e: e[:3]):
+    for reversal, v in _replay_order(rows, slots):
         if reversal:
             left += holding.pop(v.id, (v, 0))[1]
             continue
@@ -2458,29 +2501,25 @@ async def _appeal_forfeits(
                 part = min(f.amount, excess)
                 excess -= part
                 if f.status == "forfeited":
-                    give_back.append((f, part, _fraud_holding(v, h, frauds_after)))
+                    give_back.append((f, part, _fraud_holding(v, h, frauds_after, slots)))
         if take > 0:
             holding[v.id] = (v, take)
             left -= take
     return _Replayed(list(holding.values()), give_back)
 
 
-def _fraud_holding(penalty: Verdict, hold: RewardHold, frauds: list[Verdict]) -> Verdict | None:
+def _fraud_holding(
+    penalty: Verdict, hold: RewardHold, frauds: list[Verdict], slots: dict[int, int]
+) -> Verdict | None:
     """The fraud verdict of ``frauds`` that would hold a part of ``hold`` now, had ``penalty``
-    not taken it: the node's fraud verdicts decided after the penalty within the hold's window,
-    and their reversals, replayed in time order on it (a fraud verdict takes it if the node
-    holds it, an appeal of the one that holds it gives it back to the node). ``None``: the node."""
-    events: list[tuple[dt.datetime, int, int, Verdict]] = []
-    for fraud in frauds:
-        if (penalty.decided_at, penalty.id) < (
-            fraud.decided_at,
-            fraud.id,
-        ) and fraud.decided_at < hold.release_at:
-            events.append((fraud.decided_at, 0, fraud.id, fraud))
-            if fraud.reversed_at is not None:
-                events.append((fraud.reversed_at, 1, fraud.id, fraud))
+    not taken it: the node's fraud verdicts written after the penalty (by id) and decided within
+    the hold's window (by time), and their reversals, replayed on it in the order the node's
+    money saw them (``_replay_order``, with the reversals' ``slots``): a fraud verdict takes it
+    if the node holds it, an appeal of the one that holds it gives it back to the node.
+    ``None``: the node."""
+    after = [f for f in frauds if penalty.id < f.id and f.decided_at < hold.release_at]
     holder: Verdict | None = None
-    for _, reversal, _, fraud in sorted(events, key=lambda e: e[:3]):
+    for reversal, fraud in _replay_order(after, slots):
         if not reversal and holder is None:
             holder = fraud
         elif reversal and holder is fraud:
