@@ -88,6 +88,13 @@ async def books_balance(app_state: Any) -> None:
     assert negative == 0
 
 
+async def books_sound(app_state: Any) -> None:
+    """The ledger balances and every provider's pending rewards match its holds
+    (``books_balance``, ``pending_matches_holds``)."""
+    await pending_matches_holds(app_state)
+    await books_balance(app_state)
+
+
 async def pending_matches_holds(app_state: Any) -> None:
     """Every provider's rewards_pending is exactly the provider's part of its rewards on hold:
     what the release loop will move, no more and no less (no money stuck, none missing)."""
