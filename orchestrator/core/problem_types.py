@@ -606,7 +606,8 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
         "Conflict",
         (409,),
         "A different result was already recorded for this assignment (the same result spelled "
-        "otherwise is answered as the first time).",
+        "otherwise is answered as the first time, unless the body sent is less than an eighth of "
+        "the recorded one's size: that one is not compared).",
         _NONE,
     ),
     "policy_unknown": _t(
