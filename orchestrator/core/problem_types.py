@@ -259,8 +259,11 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
         "Request signature refused",
         (401,),
         "The nonce was already used with this key within the window: a replay, or a request "
-        "sent again after its nonce was spent (a 503 from the request's own work spends it).",
-        "Sign the request afresh, with a new nonce.",
+        "sent again after its nonce was spent (a 503 from the request's own work spends it). With "
+        "nonces_remembered_since (epoch seconds): the server's Redis lost its record of spent "
+        "nonces, and every request created before that time is refused as a possible replay.",
+        "Sign the request afresh, with a new nonce (and, with nonces_remembered_since, a created "
+        "not earlier than it).",
     ),
     # ------------------------------------------------------------------ bearer tokens
     "token_missing": _t(
@@ -312,10 +315,11 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
     "node_banned": _t(
         "Not permitted",
         (403,),
-        "The node is banned (by an operator, by its provider's revocation of its key, or because "
-        "an admin retired its provider): every request its key signs is refused.",
-        "Stop using the key. A revoked key never comes back: register a new node key; an "
-        "operator's ban ends only when an operator lifts it.",
+        "The node is banned (by an admin, by its provider's revocation of its key, or because "
+        "an admin retired its provider, which the problem says with provider_retired: true): every "
+        "request its key signs is refused.",
+        "Stop using the key. A revoked key never comes back: register a new node key (after a "
+        "retirement, under the successor provider); an admin's ban ends only when an admin lifts it.",
     ),
     "node_key_revoked": _t(
         "Not permitted",
