@@ -1574,8 +1574,8 @@ WORKER_EXITS = {
     "provider_retired": 5,
 }
 BANNED_HINT = (
-    "the node is banned: it was ejected from every pool. An admin's or the verifier's ban may be "
-    "lifted (an appeal); a key its provider revoked, or its provider's retirement revoked, never "
+    "the node is banned: it was ejected from every pool. An admin's ban may be lifted (an admin's "
+    "unban); a key its provider revoked, or its provider's retirement revoked, never "
     "works again: generate a new node key and register it (with the successor's provider key, "
     "after a retirement)"
 )

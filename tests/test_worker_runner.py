@@ -1346,6 +1346,7 @@ async def test_a_retired_providers_worker_without_the_provider_key_ends_as_retir
         end = await ended(run)
         assert end.reason == "provider_retired", end.detail
         assert "was retired by an admin" in end.detail and "successor" in end.detail
+        assert "its provider key can do nothing" in end.detail  # it was given none
         if when == "running":  # it read its provider from its record at the start
             assert f"the provider {provider_id} was retired" in end.detail
         assert end.stats.earnings is None and end.stats.in_flight == 0 and end.stats.submitted == 0

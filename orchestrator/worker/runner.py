@@ -533,11 +533,12 @@ class _Worker:
         self.provider_retired = True
         self.stats.earnings = None
         provider = self.client.provider_id or self.provider_id or "of this worker"
+        key = "this provider key" if self.has_provider_key else "its provider key"
         self._end(
             "provider_retired",
             f"the provider {provider} was retired by an admin (its key lost or stolen): its "
             "nodes are revoked and its money, these earnings included, went to the successor "
-            "provider the admin named; this provider key can do nothing any more",
+            f"provider the admin named; {key} can do nothing any more",
         )
 
     def _end(self, reason: str, detail: str) -> None:
