@@ -956,11 +956,13 @@ def prune_evidence_cmd(
     import datetime as dt
 
     from rich.progress import MofNCompleteColumn, Progress
+    from sqlalchemy import select
 
     from orchestrator.audit.service import record
     from orchestrator.core.errors import NotFound
     from orchestrator.pools.models import Pool
     from orchestrator.tasks import retention
+    from orchestrator.tasks.models import Submission
 
     if archive is None and not dry_run:
         raise typer.BadParameter("name the file that keeps the pruned evidence", param_hint="--archive")
@@ -996,8 +998,33 @@ def prune_evidence_cmd(
         assert archive is not None
         async with sessionmaker() as session:
             expected = (await retention.measure(session, cutoff=cutoff, pool_id=pool)).submissions
+        checked = None
+        if existed:
+            # A torn end is cut off only when it holds no result already emptied: one an archive
+            # of an earlier version may hold (one gzip stream per run), the only copy of them.
+            checked = retention.whole_length(archive)
+            torn = retention.torn_submission_ids(archive, checked[0])
+            async with sessionmaker() as session:
+                emptied = [
+                    sid
+                    for at in range(0, len(torn), 500)
+                    for sid in await session.scalars(
+                        select(Submission.id).where(
+                            Submission.id.in_(torn[at : at + 500]), Submission.evidence_pruned_at.is_not(None)
+                        )
+                    )
+                ]
+            if emptied:
+                raise typer.BadParameter(
+                    f"{archive}: its torn end, from byte {checked[0]}, holds {len(emptied)} results "
+                    f"already emptied (submissions {', '.join(map(str, emptied[:5]))}"
+                    f"{', ...' if len(emptied) > 5 else ''}), written as one gzip stream by an earlier "
+                    "version; cutting it would lose their only copy. Recover its lines with "
+                    "'zcat' (which reads up to the tear) and name a new file",
+                    param_hint="--archive",
+                )
         try:
-            kept = retention.Archive(archive)
+            kept = retention.Archive(archive, checked=checked)
         except (retention.NotAnArchive, retention.ArchiveBusy) as exc:
             raise typer.BadParameter(f"{archive}: {exc}", param_hint="--archive") from exc
         if kept.cut:

@@ -353,8 +353,8 @@ class Torn:
         return getattr(self.raw, name)
 
 opened = retention.Archive.__init__
-def torn(self, path):
-    opened(self, path)
+def torn(self, path, **kwargs):
+    opened(self, path, **kwargs)
     self._raw = Torn(self._raw)
 retention.Archive.__init__ = torn
 app(["admin", "prune-evidence", *sys.argv[1:]])
@@ -483,3 +483,40 @@ def test_an_archive_cut_anywhere_in_its_last_batch_is_cut_back_to_what_reads_who
         finally:
             resumed.close()
         assert content(path.read_bytes()) == content(whole[:kept]) + b"".join(batches[2]), cut
+
+
+async def test_a_torn_end_holding_results_already_emptied_is_refused_untouched(
+    app: Any, app_state: Any, settings: Settings, tmp_path: Path
+) -> None:
+    """Before each batch was a gzip member of its own, a run wrote one gzip stream, finished only
+    at its end: one killed in its third batch left a single torn member holding the first two,
+    whose bodies it had emptied. Cutting that member off would destroy the only copy of their
+    evidence, so such an archive is refused, untouched, like any file the next run cannot
+    safely append to."""
+    async with three_results(app, app_state) as (_, before):
+        first, second, _waiting = sorted(before)
+        plain = tmp_path / "plain.jsonl"
+        r = await prune(settings, "--older-than-days", "2", "--archive", str(plain))
+        assert r.exit_code == 0, r.output
+        emptied = await stored(app_state)
+        assert emptied[first][1] is not None and emptied[second][1] is not None
+        path = tmp_path / "evidence.jsonl.gz"
+        old = gzip.compress(plain.read_bytes(), mtime=0)[:-10]  # one stream, killed before its end
+        path.write_bytes(old)
+        again = await prune(settings, "--older-than-days", "2", "--archive", str(path))
+        assert again.exit_code == 2, again.output
+        said = " ".join(again.output.split())
+        assert "already emptied" in said, said
+        assert path.read_bytes() == old
+        assert await stored(app_state) == emptied
+
+
+def test_an_archive_changed_since_its_torn_end_was_checked_is_refused_untouched(tmp_path: Path) -> None:
+    path = tmp_path / "evidence.jsonl"
+    path.write_bytes(b'{"submission_id":1}\n{"submission_id":2')
+    checked = retention.whole_length(path)
+    with path.open("ab") as f:  # another run wrote (and was killed) after the check
+        f.write(b'}\n{"submission_id":3')
+    with pytest.raises(retention.ArchiveBusy):
+        retention.Archive(path, checked=checked)
+    assert path.read_bytes() == b'{"submission_id":1}\n{"submission_id":2}\n{"submission_id":3'

@@ -214,6 +214,28 @@ def whole_length(path: Path) -> tuple[int, int]:
         return (_whole_gzip(f) if path.suffix == ".gz" else _whole_plain(f, size)), size
 
 
+def torn_submission_ids(path: Path, end: int) -> list[int]:
+    """The results named by the whole lines in an archive's torn end (from byte ``end``, as
+    ``whole_length`` gives it). A torn gzip member of this version is one batch whose
+    transaction never committed, but one written before each batch had its own member (a
+    single stream for the run) holds every batch of the killed run, emptied ones too: the
+    caller checks these before anything is cut. A plain file's torn end is part of one line."""
+    ids: list[int] = []
+    if path.suffix != ".gz":
+        return ids
+    member, buffer = zlib.decompressobj(wbits=31), b""
+    with path.open("rb") as f:
+        f.seek(end)
+        while (chunk := f.read(_CHUNK)) and not member.eof:
+            try:
+                buffer += member.decompress(chunk)
+            except zlib.error:  # the torn end's damage: what came before it is all there is
+                break
+            *whole, buffer = buffer.split(b"\n")
+            ids += (orjson.loads(line)["submission_id"] for line in whole)
+    return ids
+
+
 class Archive:
     """The archive file of a run, gzip'd when its name ends in ``.gz``: a new file, or an
     existing archive, which the run appends to. ``write`` returns once the lines are on disk.
@@ -236,7 +258,10 @@ class Archive:
     not such an archive is refused (``NotAnArchive``) and left as it is; so is one another run
     is writing to (``ArchiveBusy``)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, checked: tuple[int, int] | None = None) -> None:
+        """``checked``: the ``whole_length`` the caller checked the torn end at (its results not
+        already emptied: ``torn_submission_ids``); a file found otherwise under the lock changed
+        meanwhile and is refused (``ArchiveBusy``), untouched."""
         self.path = path
         self.lines = 0
         self.cut = 0
@@ -258,6 +283,8 @@ class Archive:
                 self._end = 0
             else:
                 self._end, size = whole_length(path)
+                if checked is not None and (self._end, size) != checked:
+                    raise ArchiveBusy(f"{path} changed since it was checked: another run wrote to it")
                 if size > self._end:
                     os.ftruncate(self._raw.fileno(), self._end)
                     os.fsync(self._raw.fileno())
