@@ -13,6 +13,7 @@ the tampering alone caused the refusal.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -26,6 +27,7 @@ from urllib.parse import urlsplit
 import http_sf
 import httpx
 import pytest
+import redis.asyncio as aioredis
 import requests
 from asgi_lifespan import LifespanManager
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -40,10 +42,11 @@ from requests_http_signature import HTTPSignatureAuth
 from orchestrator.app import create_app
 from orchestrator.core.clock import FakeClock
 from orchestrator.core.errors import Unauthorized
-from orchestrator.core.hotstore import HotStore, Quota, RedisHotStore
+from orchestrator.core.hotstore import NONCES_SINCE_KEY, HotStore, Quota, RedisHotStore
 from orchestrator.core.keys import generate_key, key_id_of
 from orchestrator.core.signing import sign_headers, target_uri, verify_request
 from orchestrator.settings import Settings
+from orchestrator.worker.client import WorkerClient
 from tests.conftest import Contributor, _drop_prefix, new_contributor, problem
 from tests.pools_helpers import active_pool
 
@@ -1260,3 +1263,33 @@ def test_any_json_body_round_trips_and_any_flipped_byte_is_caught(
         _verify(headers, bytes(tampered), now)
     assert refused.value.status == 401
     assert refused.value.code == "digest_mismatch"
+
+
+@pytest.mark.skipif(not REDIS_URL, reason="Redis's nonces-since marker (ORCH_TEST_REDIS_URL)")
+async def test_the_worker_sdk_signs_afresh_and_retries_a_request_refused_for_the_lost_nonces(
+    app: Any, contributor: Contributor, settings: Settings
+) -> None:
+    """After Redis lost its nonces, a request signed before the server noticed (or by a client
+    whose clock is a little behind the server's) is refused 401 nonce_replayed with
+    nonces_remembered_since; it did nothing, and the same request signed afresh is served. The
+    SDK retries it so: before, the refusal ended the call, and a worker starting then (its
+    registration or record read) exited with the error."""
+    since = int(time.time()) + 2  # the marker a server set two seconds ahead of this client
+    marker = aioredis.Redis.from_url(REDIS_URL or "")
+    try:
+        await marker.set(settings.redis.prefix + NONCES_SINCE_KEY, since)
+    finally:
+        await marker.aclose()
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:  # the backoff, lasting until the client's clock is there
+        waits.append(seconds)
+        await asyncio.sleep(max(0.0, since - time.time()))
+
+    async with WorkerClient(
+        BASE, contributor.node_key, contributor.provider_key, transport=httpx.ASGITransport(app=app)
+    ) as worker:
+        worker._sleep = sleep
+        node = await worker.me()
+    assert node.id == key_id_of(contributor.node_key)
+    assert len(waits) == 1
