@@ -12,6 +12,7 @@ import json
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import httpx
@@ -561,6 +562,16 @@ async def test_results_are_idempotent_and_a_different_body_conflicts(app: Any, a
         assert len(subs) == 1
 
 
+async def send_spelled(w: Any, path: str, body: dict[str, Any], **dumps: Any) -> httpx.Response:
+    """POST ``body`` to ``path``, signed by the worker's node, as ``json.dumps(**dumps)`` spells it."""
+    return await w.client.post(
+        path,
+        content=json.dumps(body, **dumps).encode(),
+        headers={"content-type": "application/json"},
+        auth=w.contributor.node_auth,
+    )
+
+
 async def test_a_result_sent_again_spelled_otherwise_is_the_same_result(app: Any, app_state: Any) -> None:
     """PROTOCOL.md: a result is idempotent per assignment. A client that sends it again after a
     lost answer may serialize it afresh: its JSON keys in another order (a Rust HashMap's order
@@ -574,14 +585,7 @@ async def test_a_result_sent_again_spelled_otherwise_is_the_same_result(app: Any
         first = await w.submit(lease, claimed_reward=1.0)
         assert first.status_code == 201, first.text
         path = f"/v1/assignments/{lease['assignment_id']}/result"
-
-        async def send(body: dict[str, Any], **dumps: Any) -> httpx.Response:
-            return await w.client.post(
-                path,
-                content=json.dumps(body, **dumps).encode(),
-                headers={"content-type": "application/json"},
-                auth=w.contributor.node_auth,
-            )
+        send = partial(send_spelled, w, path)
 
         body = result_body(lease, claimed_reward=1)
         again = await send(dict(reversed(list(body.items()))), indent=2, sort_keys=True)
@@ -623,14 +627,7 @@ async def test_a_small_body_sent_again_does_not_make_the_server_read_a_large_res
         first = await w.submit(lease, samples=big["samples"])
         assert first.status_code == 201, first.text
         path = f"/v1/assignments/{lease['assignment_id']}/result"
-
-        async def send(body: dict[str, Any], **dumps: Any) -> httpx.Response:
-            return await w.client.post(
-                path,
-                content=json.dumps(body, **dumps).encode(),
-                headers={"content-type": "application/json"},
-                auth=w.contributor.node_auth,
-            )
+        send = partial(send_spelled, w, path)
 
         problem(await send(result_body(lease)), 409, "result_conflict")
         assert parsed == []  # the stored 400 KB were not read
