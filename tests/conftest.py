@@ -421,6 +421,26 @@ async def operator_headers(app_state: Any) -> dict[str, str]:
     return {"Authorization": f"Bearer {await make_token(app_state, 'operator')}"}
 
 
+def asgi_post(path: str, headers: dict[str, str], client: tuple[str, int]) -> dict[str, Any]:
+    """The ASGI scope of a POST to ``path`` with ``headers`` (their names lower-cased) from
+    ``client``, for the tests that drive the app's ASGI callable with their own receive/send."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in {"host": "testserver", **headers}.items()],
+        "client": client,
+        "server": ("testserver", 80),
+        "state": {},
+    }
+
+
 def problem(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
     """Assert an RFC 9457 problem with this status and code; return its body."""
     assert response.status_code == status, (response.status_code, response.text)

@@ -22,7 +22,7 @@ from orchestrator.app import create_app
 from orchestrator.core.clock import FakeClock
 from orchestrator.core.routing import GuardedRoute, loads
 from orchestrator.core.signing import sign_headers
-from tests.conftest import Contributor, new_contributor, problem
+from tests.conftest import Contributor, asgi_post, new_contributor, problem
 from tests.tasks_helpers import client_for, pool_setup, result_body, task
 from tests.waits import HANG_S
 
@@ -221,9 +221,6 @@ async def test_a_client_that_hangs_up_before_its_body_is_in_is_not_a_server_erro
     body = b'{"leases": []}'
     url = "http://testserver/v1/nodes/me/heartbeat"
     signed = sign_headers(contributor.node_key, method="POST", url=url, body=body)
-    head = [
-        (k.lower().encode(), v.encode()) for k, v in {**signed, "content-type": "application/json"}.items()
-    ]
     messages: list[dict[str, Any]] = [{"type": "http.request", "body": body[:3], "more_body": True}]
     sent: list[dict[str, Any]] = []
 
@@ -233,21 +230,8 @@ async def test_a_client_that_hangs_up_before_its_body_is_in_is_not_a_server_erro
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/nodes/me/heartbeat",
-        "raw_path": b"/v1/nodes/me/heartbeat",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [*head, (b"host", b"testserver")],
-        "client": ("10.9.9.9", 40000),
-        "server": ("testserver", 80),
-        "state": {},
-    }
+    headers = {**signed, "content-type": "application/json"}
+    scope = asgi_post("/v1/nodes/me/heartbeat", headers, client=("10.9.9.9", 40000))
     await app(scope, receive, send)
     assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [400]
 

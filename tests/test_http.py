@@ -22,7 +22,7 @@ from orchestrator.core.hotstore import HotStore, RedisHotStore
 from orchestrator.core.keys import generate_key
 from orchestrator.core.signing import SignatureAuth
 from orchestrator.settings import LimitSettings, Settings
-from tests.conftest import Contributor, problem
+from tests.conftest import Contributor, asgi_post, problem
 from tests.process_helpers import embedded_env, serving
 from tests.waits import HANG_S
 
@@ -663,26 +663,8 @@ async def test_a_request_the_server_cancels_unanswered_is_counted_and_logged_as_
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    headers = [(k.lower().encode(), v.encode()) for k, v in admin_headers.items()]
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/admin/pools",
-        "raw_path": b"/v1/admin/pools",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [
-            (b"host", b"testserver"),
-            (b"content-type", b"application/json"),
-            (b"content-length", b"100"),
-            *headers,
-        ],
-        "client": ("127.0.0.1", 50000),
-        "server": ("testserver", 80),
-    }
+    headers = {"content-type": "application/json", "content-length": "100", **admin_headers}
+    scope = asgi_post("/v1/admin/pools", headers, client=("127.0.0.1", 50000))
     before = _pool_creations(499), _pool_creations(500)
     request = asyncio.create_task(app(scope, receive, send))
     await asyncio.wait_for(receiving.wait(), HANG_S)  # its head read, waiting for its body

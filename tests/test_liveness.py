@@ -41,17 +41,16 @@ async def history(app_state: Any, node_id: str) -> list[tuple[str | None, str, s
         return [(r.from_status, r.to_status, r.actor) for r in rows]
 
 
+#: A first beat's answer, with nothing to drop or extend.
+HEALTHY_BEAT = {"status": "healthy", "next_heartbeat_in_s": 10.0, "drop_leases": [], "lease_deadlines": []}
+
+
 async def test_heartbeat_makes_a_node_healthy_and_returns_the_interval(
     client: httpx.AsyncClient, contributor: Contributor, app_state: Any
 ) -> None:
     r = await contributor.beat(client, metrics={"gpu_util": 0.9, "tokens_per_s": 1200.0})
     assert r.status_code == 200
-    assert r.json() == {
-        "status": "healthy",
-        "next_heartbeat_in_s": 10.0,
-        "drop_leases": [],
-        "lease_deadlines": [],
-    }
+    assert r.json() == HEALTHY_BEAT
     assert await status_of(client, contributor) == "healthy"
     me = (await client.get("/v1/nodes/me", auth=contributor.node_auth)).json()
     assert me["last_heartbeat_at"] is not None
@@ -67,12 +66,7 @@ async def test_a_heartbeat_without_a_body_is_a_beat(
     beats all failed, never became healthy."""
     r = await client.post("/v1/nodes/me/heartbeat", auth=contributor.node_auth)
     assert r.status_code == 200, r.text
-    assert r.json() == {
-        "status": "healthy",
-        "next_heartbeat_in_s": 10.0,
-        "drop_leases": [],
-        "lease_deadlines": [],
-    }
+    assert r.json() == HEALTHY_BEAT
     assert await status_of(client, contributor) == "healthy"
     assert await history(app_state, contributor.node_id) == [("waiting", "healthy", "node")]
     # A body, when sent, is still a JSON object that validates.
