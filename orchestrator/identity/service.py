@@ -101,8 +101,8 @@ def retired_provider() -> Forbidden:
 
 
 def banned_node(*, provider_retired: bool) -> Forbidden:
-    """A request signed with a banned node's key (an admin's or the verifier's ban, its
-    provider's revocation, or its provider's retirement, which revokes every node of the
+    """A request signed with a banned node's key (an admin's ban, its provider's revocation,
+    or its provider's retirement, which revokes every node of the
     provider). ``provider_retired`` says which of the last it is: the node's problem carries it,
     so a worker that has only the node key can tell its provider's retirement from a ban."""
     if provider_retired:
