@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -419,6 +420,12 @@ async def admin_headers(app_state: Any) -> dict[str, str]:
 @pytest.fixture
 async def operator_headers(app_state: Any) -> dict[str, str]:
     return {"Authorization": f"Bearer {await make_token(app_state, 'operator')}"}
+
+
+async def spend_nonce(store: Any, keyid: str, nonce: str, ttl_s: int) -> bool:
+    """Admit a request of ``keyid`` with ``nonce``, counting no quota, signed now: whether the
+    nonce was new (it is spent now), as the signed routes' admission asks the hot store."""
+    return await store.admit(keyid, nonce, ttl_s, [], time.time(), int(time.time())) is not None
 
 
 def asgi_post(path: str, headers: dict[str, str], client: tuple[str, int]) -> dict[str, Any]:

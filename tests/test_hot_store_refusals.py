@@ -70,7 +70,7 @@ async def test_requests_a_redis_refuses_are_503_to_send_again(
         async def refuse(*args: Any, **kwargs: Any) -> Any:
             raise error
 
-        for name in ("admit", "claim_nonce", "record_beat"):
+        for name in ("admit", "record_beat"):
             monkeypatch.setattr(app_state.hot_store, name, refuse)
         for r in (await w.submit(lease), await w.beat()):
             problem(r, 503, "hot_store_unavailable")

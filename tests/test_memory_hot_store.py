@@ -19,7 +19,7 @@ from orchestrator.core.hotstore import HotStoreFull, MemoryHotStore
 from orchestrator.core.signing import sign_headers
 from orchestrator.liveness.serving import mark_serving
 from orchestrator.settings import Settings
-from tests.conftest import new_contributor, problem
+from tests.conftest import new_contributor, problem, spend_nonce
 
 KEY_A, KEY_B = "A" * 43, "B" * 43
 
@@ -39,40 +39,40 @@ def mono() -> Monotonic:
 
 async def test_a_nonce_is_refused_until_its_ttl_has_passed(mono: Monotonic) -> None:
     store = MemoryHotStore(monotonic=mono)
-    assert await store.claim_nonce(KEY_A, "nonce-one", 10)
-    assert not await store.claim_nonce(KEY_A, "nonce-one", 10)
-    assert await store.claim_nonce(KEY_B, "nonce-one", 10)  # nonces are per key
+    assert await spend_nonce(store, KEY_A, "nonce-one", 10)
+    assert not await spend_nonce(store, KEY_A, "nonce-one", 10)
+    assert await spend_nonce(store, KEY_B, "nonce-one", 10)  # nonces are per key
     mono.t += 9.9
-    assert not await store.claim_nonce(KEY_A, "nonce-one", 10)
+    assert not await spend_nonce(store, KEY_A, "nonce-one", 10)
     mono.t += 0.1
-    assert await store.claim_nonce(KEY_A, "nonce-one", 10)  # forgotten once its TTL is over
-    assert not await store.claim_nonce(KEY_A, "nonce-one", 10)
+    assert await spend_nonce(store, KEY_A, "nonce-one", 10)  # forgotten once its TTL is over
+    assert not await spend_nonce(store, KEY_A, "nonce-one", 10)
 
 
 async def test_the_nonces_held_never_exceed_the_limit_and_expired_ones_make_room(mono: Monotonic) -> None:
     store = MemoryHotStore(max_keys=3, monotonic=mono)
     # Claimed at t0, t0 + 4 and t0 + 8, with a 10 s TTL: they expire one by one.
-    assert await store.claim_nonce(KEY_A, "n-0", 10)
+    assert await spend_nonce(store, KEY_A, "n-0", 10)
     mono.t += 4
-    assert await store.claim_nonce(KEY_A, "n-1", 10)
+    assert await spend_nonce(store, KEY_A, "n-1", 10)
     mono.t += 4
-    assert await store.claim_nonce(KEY_A, "n-2", 10)
+    assert await spend_nonce(store, KEY_A, "n-2", 10)
     with pytest.raises(HotStoreFull) as full:
-        await store.claim_nonce(KEY_A, "n-3", 10)
+        await spend_nonce(store, KEY_A, "n-3", 10)
     assert full.value.status == 503 and full.value.code == "hot_store_full"
     assert full.value.headers["Retry-After"] == "2"  # n-0 expires at t0 + 10, now is t0 + 8
     for nonce in ("n-0", "n-1", "n-2"):  # at the limit a replay is still a replay
-        assert not await store.claim_nonce(KEY_A, nonce, 10)
+        assert not await spend_nonce(store, KEY_A, nonce, 10)
 
     mono.t += 2  # n-0 has expired: exactly one place
-    assert await store.claim_nonce(KEY_A, "n-3", 10)
+    assert await spend_nonce(store, KEY_A, "n-3", 10)
     with pytest.raises(HotStoreFull):
-        await store.claim_nonce(KEY_A, "n-4", 10)
+        await spend_nonce(store, KEY_A, "n-4", 10)
     mono.t += 1000  # everything expired: the whole capacity is free again
     for i in range(3):
-        assert await store.claim_nonce(KEY_B, f"m-{i}", 10)
+        assert await spend_nonce(store, KEY_B, f"m-{i}", 10)
     with pytest.raises(HotStoreFull):
-        await store.claim_nonce(KEY_B, "m-3", 10)
+        await spend_nonce(store, KEY_B, "m-3", 10)
 
 
 async def test_rate_limit_counters_count_per_window_expire_and_are_capped(mono: Monotonic) -> None:

@@ -17,7 +17,7 @@ from orchestrator.app import create_app
 from orchestrator.core.clock import FakeClock
 from orchestrator.core.hotstore import RedisHotStore
 from orchestrator.settings import Settings
-from tests.conftest import REDIS_URL, new_contributor, problem
+from tests.conftest import REDIS_URL, new_contributor, problem, spend_nonce
 from tests.waits import HANG_S
 
 pytestmark = pytest.mark.skipif(not REDIS_URL, reason="needs Redis (set ORCH_TEST_REDIS_URL)")
@@ -34,9 +34,9 @@ async def small_store(settings: Settings) -> AsyncIterator[RedisHotStore]:
 async def test_a_burst_larger_than_the_pool_waits_for_connections(small_store: RedisHotStore) -> None:
     # redis-py's default pool fails at once past its size; 60 claims through 2 connections
     # all complete, each nonce exactly once.
-    claims = [small_store.claim_nonce("key", f"nonce-{i:03d}", ttl_s=60) for i in range(60)]
+    claims = [spend_nonce(small_store, "key", f"nonce-{i:03d}", 60) for i in range(60)]
     assert await asyncio.gather(*claims) == [True] * 60
-    assert await small_store.claim_nonce("key", "nonce-007", ttl_s=60) is False
+    assert await spend_nonce(small_store, "key", "nonce-007", 60) is False
 
 
 async def test_a_request_that_gets_no_connection_in_time_is_503_with_retry_after(

@@ -17,7 +17,7 @@ from orchestrator.core.hotstore import HotStore
 from orchestrator.core.keys import generate_key, key_id_of
 from orchestrator.core.signing import sign_headers
 from orchestrator.settings import LimitSettings, Settings
-from tests.conftest import new_contributor, problem
+from tests.conftest import new_contributor, problem, spend_nonce
 from tests.test_hot_paths import sql_log
 
 BASE = "http://testserver"
@@ -52,7 +52,7 @@ async def test_requests_of_unregistered_keys_are_refused_before_they_record_a_no
         problem(await send(client, key, method, path, body, nonce), 401, "unknown_key")
         # Sent again: still unknown_key, not nonce_replayed: the first left no nonce behind.
         problem(await send(client, key, method, path, body, nonce), 401, "unknown_key")
-        assert await hot_store.claim_nonce(key_id_of(key), nonce, ttl), (method, path)
+        assert await spend_nonce(hot_store, key_id_of(key), nonce, ttl), (method, path)
 
 
 async def test_a_key_refused_as_unknown_is_taken_once_registered(
@@ -88,7 +88,7 @@ async def test_a_registration_past_its_address_limit_records_no_nonce(
         key, nonce = generate_key(), secrets.token_urlsafe(16)
         for _ in range(2):
             problem(await send(client, key, "POST", "/v1/providers", b"{}", nonce), 429, "rate_limited")
-        assert await hot_store.claim_nonce(key_id_of(key), nonce, limited.signature.effective_nonce_ttl_s)
+        assert await spend_nonce(hot_store, key_id_of(key), nonce, limited.signature.effective_nonce_ttl_s)
         # Registered keys register again (every worker start does) past the address's limit.
         assert (await client.post("/v1/providers", json={}, auth=first.provider_auth)).status_code == 200
         again = await client.post("/v1/nodes", json=first.node_body(), auth=first.node_auth)

@@ -83,15 +83,12 @@ class HotStore(Protocol):
     async def ping(self) -> bool:
         """Whether the store answers and takes writes (raises, or False, if not)."""
 
-    async def claim_nonce(self, keyid: str, nonce: str, ttl_s: int) -> bool:
-        """Atomically remember (keyid, nonce); False if it was already seen."""
-
     async def admit(
         self, keyid: str, nonce: str, ttl_s: int, quotas: Sequence[Quota], now: float, created: int
     ) -> Admitted | None:
         """When the nonce is new, count the request toward each of ``quotas`` in turn, up to the
         first it is past (none after that one counted), and, if it is within them all, spend the
-        nonce (``claim_nonce``), in one step: None if the nonce was already spent. A replay
+        nonce, in one step: None if the nonce was already spent. A replay
         counts nothing, so replaying a captured request cannot spend its signer's limits (nor a
         registration's); a request refused for a limit spends no nonce, so the same signed
         request can be sent again after ``retry_after_s``. A store that lost the nonces spent
@@ -269,9 +266,6 @@ class RedisHotStore:
             if policy:
                 return str(policy)
         return None
-
-    async def claim_nonce(self, keyid: str, nonce: str, ttl_s: int) -> bool:
-        return bool(await self._r.set(self._k("nonce", keyid, nonce), "1", nx=True, ex=ttl_s))
 
     async def admit(
         self, keyid: str, nonce: str, ttl_s: int, quotas: Sequence[Quota], now: float, created: int
@@ -557,14 +551,6 @@ class MemoryHotStore:
         beats, as when Redis refuses writes (the serving marks stop and the sweeper holds)."""
         now = self._monotonic()
         return not (self._nonces.full(now) or self._counters.full(now))
-
-    async def claim_nonce(self, keyid: str, nonce: str, ttl_s: int) -> bool:
-        now = self._monotonic()
-        key = f"{keyid}\x00{nonce}"
-        if self._nonces.live(key, now) is not None:
-            return False
-        self._nonces.add(key, None, now + ttl_s, now)
-        return True
 
     async def admit(
         self, keyid: str, nonce: str, ttl_s: int, quotas: Sequence[Quota], now: float, created: int
