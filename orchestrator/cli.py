@@ -966,20 +966,20 @@ def prune_evidence_cmd(
 
     if archive is None and not dry_run:
         raise typer.BadParameter("name the file that keeps the pruned evidence", param_hint="--archive")
-    existed = False
+    # An earlier run's archive: where its whole part ends, and its size, when checked here.
+    checked: tuple[int, int] | None = None
     if archive is not None and not dry_run:
         if archive.exists():
             # An earlier run's archive is appended to (after the batch it was killed writing,
             # if it was); anything else is refused, untouched.
             try:
-                retention.whole_length(archive)
+                checked = retention.whole_length(archive)
             except (retention.NotAnArchive, OSError) as exc:
                 why = exc.strerror if isinstance(exc, OSError) else str(exc)
                 raise typer.BadParameter(
                     f"{archive} exists and is not an evidence archive ({why}): name a new file",
                     param_hint="--archive",
                 ) from exc
-            existed = True
         directory = archive.parent
         if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
             raise typer.BadParameter(f"{directory} is not a writable directory", param_hint="--archive")
@@ -998,11 +998,10 @@ def prune_evidence_cmd(
         assert archive is not None
         async with sessionmaker() as session:
             expected = (await retention.measure(session, cutoff=cutoff, pool_id=pool)).submissions
-        checked = None
-        if existed:
+        if checked is not None:
             # A torn end is cut off only when it holds no result already emptied: one an archive
             # of an earlier version may hold (one gzip stream per run), the only copy of them.
-            checked = retention.whole_length(archive)
+            # (A file changed since it was checked is refused below: Archive(checked=).)
             torn = retention.torn_submission_ids(archive, checked[0])
             async with sessionmaker() as session:
                 emptied = [
@@ -1092,7 +1091,7 @@ def prune_evidence_cmd(
     if dry_run:
         console.print(f"would prune {what} {before}")
     elif not report.submissions:
-        written = f"nothing added to {archive}" if existed else "no archive written"
+        written = f"nothing added to {archive}" if checked is not None else "no archive written"
         console.print(f"nothing to prune: no result {before} is stored whole ({written})")
     else:
         console.print(f"pruned {what}; their evidence is in {archive}")
