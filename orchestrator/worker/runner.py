@@ -84,12 +84,13 @@ ENDED_MEMBERSHIPS = frozenset({"left", "ejected", "rejected"})
 
 
 def _says_retired(exc: BaseException) -> bool:
-    """A refusal of the node key that says an admin retired its provider (``node_banned`` with
-    ``provider_retired: true``): the node is revoked for good, as its provider's key is."""
-    return (
-        isinstance(exc, OrchestratorAPIError)
-        and exc.code == "node_banned"
-        and exc.body.get("provider_retired") is True
+    """A refusal that says an admin retired the provider: of its key (``provider_retired``), or
+    of the node key (``node_banned`` with ``provider_retired: true``; the node is revoked for
+    good, as its provider's key is)."""
+    if not isinstance(exc, OrchestratorAPIError):
+        return False
+    return exc.code == "provider_retired" or (
+        exc.code == "node_banned" and exc.body.get("provider_retired") is True
     )
 
 
@@ -316,9 +317,7 @@ class _Worker:
         try:
             interval = await self._start()
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
-            if isinstance(exc, OrchestratorAPIError) and (
-                exc.code == "provider_retired" or _says_retired(exc)
-            ):
+            if _says_retired(exc):
                 self._retired()  # its registration or its node refused: nothing is held yet
                 assert self.end is not None
                 raise WorkerEnded(*self.end, self._stopped()) from exc
@@ -891,9 +890,7 @@ class _Worker:
                 balance = await self.client.balance(stop=self.stop)
                 self.stats.earnings = balance.rewards_pending + balance.rewards_claimable + balance.withdrawn
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
-            if (isinstance(exc, OrchestratorAPIError) and exc.code == "provider_retired") or _says_retired(
-                exc
-            ):
+            if _says_retired(exc):
                 # No longer shown, they are the successor's now; and the run ends, also while
                 # every slot is taken by a lease (its node is revoked: it cannot be submitted).
                 self._retired()
