@@ -13,6 +13,7 @@ import datetime as dt
 import hashlib
 import hmac
 import secrets
+import time
 from collections.abc import Generator, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -557,16 +558,28 @@ def sign_headers(
 
 
 class SignatureAuth(httpx.Auth):
-    """httpx auth that signs every request with one Ed25519 key."""
+    """httpx auth that signs every request with one Ed25519 key.
+
+    A request refused ``401`` ``nonce_replayed`` with ``nonces_remembered_since`` (the server's
+    Redis lost its record of spent nonces, and this signature was created before the server
+    noticed: docs/PROTOCOL.md) did nothing; it is signed afresh, once, with a new nonce and a
+    ``created`` not earlier than that time, and sent again.
+    """
 
     requires_request_body = True
+    requires_response_body = True
 
     def __init__(self, key: SigningKey, components: Sequence[str] = DEFAULT_COMPONENTS) -> None:
         self.key = key
         self.components = tuple(components)
 
     def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
-        body = request.content
+        response = yield self._sign(request, created=None)
+        since = nonces_remembered_since(response)
+        if since is not None:
+            yield self._sign(request, created=max(int(time.time()), since))
+
+    def _sign(self, request: httpx.Request, *, created: int | None) -> httpx.Request:
         for name in ("Signature-Input", "Signature", "Content-Digest"):
             request.headers.pop(name, None)
         covered = {name: value for name, value in request.headers.items() if name in self.components}
@@ -575,9 +588,24 @@ class SignatureAuth(httpx.Auth):
                 self.key,
                 method=request.method,
                 url=str(request.url),
-                body=body,
+                body=request.content,
                 headers=covered,
                 components=self.components,
+                created=created,
             )
         )
-        yield request
+        return request
+
+
+def nonces_remembered_since(response: httpx.Response) -> int | None:
+    """The ``nonces_remembered_since`` of a ``401`` ``nonce_replayed`` refusal, else None."""
+    if response.status_code != 401:
+        return None
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    if not isinstance(body, dict) or body.get("code") != "nonce_replayed":
+        return None
+    since = body.get("nonces_remembered_since")
+    return since if isinstance(since, int) and not isinstance(since, bool) else None
