@@ -15,7 +15,7 @@ from asgi_lifespan import LifespanManager
 
 from orchestrator.app import create_app
 from orchestrator.core.clock import FakeClock
-from orchestrator.core.hotstore import HotStoreFull, MemoryHotStore
+from orchestrator.core.hotstore import HotStoreFull, MemoryHotStore, Quota
 from orchestrator.core.signing import sign_headers
 from orchestrator.liveness.serving import mark_serving
 from orchestrator.settings import Settings
@@ -88,6 +88,25 @@ async def test_rate_limit_counters_count_per_window_expire_and_are_capped(mono: 
     now += 60
     assert (await store.hit("ip:192.0.2.3", 2, 60, now)).remaining == 1
     assert (await store.hit("ip:192.0.2.1", 2, 60, now)).remaining == 1
+
+
+async def test_a_request_refused_for_want_of_counter_room_counts_toward_no_limit(mono: Monotonic) -> None:
+    """A signed request counts toward several limits (its key's, its address's). When the
+    counters have room for only some of its new ones, it is refused (503 hot_store_full) having
+    counted nothing: before, the limits counted before the full one kept their counts, so each
+    such refusal used up one of the key's requests in the window."""
+    store = MemoryHotStore(max_keys=3, monotonic=mono)
+    now = 6000.0  # the start of a 60 s window
+    for other in ("other", "another"):  # gone in 11 s; one counter left till then
+        assert (await store.hit(other, 5, 10, now)).allowed
+    quotas = [Quota(f"key:{KEY_A}", 2, 60), Quota("ip:192.0.2.1", 2, 60)]
+    for nonce in ("n1", "n2"):
+        with pytest.raises(HotStoreFull):
+            await store.admit(KEY_A, nonce, 600, quotas, now, int(now))
+    mono.t += 12  # "other" has expired: room for both counters, in the same 60 s window
+    now += 12
+    answers = [await store.admit(KEY_A, nonce, 600, quotas, now, int(now)) for nonce in ("n4", "n5", "n6")]
+    assert [a is not None and a.refused_by for a in answers] == [None, None, quotas[0]]
 
 
 async def test_a_full_store_refuses_new_signed_requests_with_503_until_nonces_expire(

@@ -505,9 +505,12 @@ class _ExpiringMap(Generic[V]):
             if entry is not None and entry[1] == expired_at:
                 del self._values[old]
 
-    def check_room(self, now: float) -> None:
-        """Raise ``HotStoreFull`` if a new entry would be refused now."""
-        if self.full(now):
+    def check_room(self, now: float, keys: Sequence[str] = ()) -> None:
+        """Raise ``HotStoreFull`` unless there is room now for one new entry, or, given ``keys``,
+        for those of them not live."""
+        self._drop_expired(now)
+        new = sum(1 for key in keys if key not in self._values) if keys else 1
+        if new and len(self._values) + new > self.max_keys:
             raise HotStoreFull(self.what, self.max_keys, self._expiries[0][0] - now)
 
     def add(self, key: str, value: V, expires_at: float, now: float) -> None:
@@ -561,8 +564,12 @@ class MemoryHotStore:
         key = f"{keyid}\x00{nonce}"
         if self._nonces.live(key, mono) is not None:
             return None
-        self._nonces.check_room(mono)  # a full store refuses before it counts anything
-        for quota in _counted(quotas):
+        counted = _counted(quotas)
+        # A full store refuses before it counts anything: room for the nonce and for every
+        # counter the request would add.
+        self._nonces.check_room(mono)
+        self._counters.check_room(mono, [_counter_key(q.bucket, q.window_s, now) for q in counted])
+        for quota in counted:
             decision = self._count(quota.bucket, quota.limit, quota.window_s, now)
             if not decision.allowed:
                 return Admitted(quota, decision.retry_after_s)
@@ -574,7 +581,7 @@ class MemoryHotStore:
     ) -> None:
         mono = self._monotonic()
         for quota in _counted(quotas):
-            counter = f"{quota.bucket}\x00{int(now // quota.window_s)}"
+            counter = _counter_key(quota.bucket, quota.window_s, now)
             entry = self._counters.live(counter, mono)
             if entry is not None:
                 self._counters.replace(counter, entry[0] - 1)
@@ -630,8 +637,7 @@ class MemoryHotStore:
         return self._count(bucket, limit, window_s, now)
 
     def _count(self, bucket: str, limit: int, window_s: int, now: float) -> RateDecision:
-        window = int(now // window_s)
-        key = f"{bucket}\x00{window}"
+        key = _counter_key(bucket, window_s, now)
         mono = self._monotonic()
         entry = self._counters.live(key, mono)
         if entry is None:
@@ -644,6 +650,11 @@ class MemoryHotStore:
 
     async def aclose(self) -> None:
         return None
+
+
+def _counter_key(bucket: str, window_s: int, now: float) -> str:
+    """The in-process store's counter for ``bucket`` in the fixed window ``now`` is in."""
+    return f"{bucket}\x00{int(now // window_s)}"
 
 
 def make_hot_store(url: str | None, redis: RedisSettings) -> HotStore:
