@@ -547,6 +547,16 @@ def _memory_losses() -> float:
     return REGISTRY.get_sample_value("orchestrator_hot_store_memory_lost_total") or 0.0
 
 
+async def _nonces_since(settings: Settings) -> int | None:
+    """The nonce-loss marker in the test's Redis (``NONCES_SINCE_KEY``), if set."""
+    redis = aioredis.Redis.from_url(REDIS_URL or "")
+    try:
+        value = await redis.get(settings.redis.prefix + NONCES_SINCE_KEY)
+    finally:
+        await redis.aclose()
+    return int(value) if value is not None else None
+
+
 @pytest.mark.skipif(not REDIS_URL, reason="Redis loses its keys (ORCH_TEST_REDIS_URL)")
 async def test_a_request_replayed_after_redis_lost_its_keys_is_refused(
     client: httpx.AsyncClient,
@@ -558,16 +568,18 @@ async def test_a_request_replayed_after_redis_lost_its_keys_is_refused(
     """Redis emptied (a flush, a restart without persistence: here the test's prefix deleted)
     forgets the spent nonces; a captured request sent again within its window is still refused,
     to whichever API process, as a possible replay, while a request signed afresh is served."""
-    beat = hand_signed(contributor.node_key, "POST", HEARTBEAT, HB_BODY, created=int(clock.now()))
-    me = hand_signed(contributor.node_key, "GET", ME, created=int(clock.now()))
+    signed_at = int(time.time()) - 2  # sent a moment before the loss (Redis's clock is this host's)
+    beat = hand_signed(contributor.node_key, "POST", HEARTBEAT, HB_BODY, created=signed_at)
+    me = hand_signed(contributor.node_key, "GET", ME, created=signed_at)
     assert (await send(client, "POST", HEARTBEAT, beat, HB_BODY)).status_code == 200
     assert (await send(second_client, "GET", ME, me)).status_code == 200
     clock.advance(5)
     await _drop_prefix(REDIS_URL or "", settings.redis.prefix)
     losses = _memory_losses()
     body = problem(await send(client, "POST", HEARTBEAT, beat, HB_BODY), 401, "nonce_replayed")
-    since = int(clock.now())
+    since = await _nonces_since(settings)
     assert body["nonces_remembered_since"] == since, body
+    assert signed_at < since <= time.time()  # when Redis found it lost them, by its own clock
     assert "sign the request afresh" in body["detail"]
     body = problem(await send(second_client, "GET", ME, me), 401, "nonce_replayed")
     assert body["nonces_remembered_since"] == since
@@ -593,15 +605,36 @@ async def test_the_problem_schema_documents_when_the_nonces_are_remembered_since
 async def test_a_request_refused_for_the_lost_nonces_counts_nothing_and_spends_no_nonce(
     hot_store: HotStore, settings: Settings
 ) -> None:
-    now = 60 * 20_000 + 0.5
+    now = 60 * 20_000 + 0.5  # the caller's clock, which places the request in the quotas' windows
     quotas = [Quota("key:test-key", 1, 60)]
     await _drop_prefix(REDIS_URL or "", settings.redis.prefix)  # a Redis that lost its memory
-    refused = await hot_store.admit("test-key", "nonce-0001", 601, quotas, now, int(now) - 1)
-    assert refused is not None and refused.forgotten_before == int(now) and refused.refused_by is None
+    created = int(time.time()) - 1
+    refused = await hot_store.admit("test-key", "nonce-0001", 601, quotas, now, created)
+    assert refused is not None and refused.refused_by is None
+    since = refused.forgotten_before  # Redis's clock when it found the marker gone, not ``now``
+    assert since == await _nonces_since(settings) and created < since <= time.time()
     # Nothing counted: the key's one request of the window is still to come; nothing spent.
-    admitted = await hot_store.admit("test-key", "nonce-0001", 601, quotas, now + 5, int(now))
+    admitted = await hot_store.admit("test-key", "nonce-0001", 601, quotas, now + 5, since)
     assert admitted is not None and admitted.refused_by is None and admitted.forgotten_before is None
-    assert await hot_store.admit("test-key", "nonce-0001", 601, quotas, now + 5, int(now)) is None
+    assert await hot_store.admit("test-key", "nonce-0001", 601, quotas, now + 5, since) is None
+
+
+@pytest.mark.skipif(not REDIS_URL, reason="Redis loses its keys (ORCH_TEST_REDIS_URL)")
+async def test_an_api_process_whose_clock_runs_ahead_refuses_no_fresh_request_after_redis_lost_its_keys(
+    client: httpx.AsyncClient, contributor: Contributor, settings: Settings, clock: FakeClock
+) -> None:
+    """The time since which Redis holds the nonces is read from Redis's own clock, which every
+    API process shares, not from the clock of the process that found them lost: one running a
+    minute ahead set it a minute in the future, and for that minute every request signed
+    afresh, by a client whose clock is right, was refused 401 nonce_replayed by every process."""
+    clock.advance(60)  # this API process's clock, a minute ahead of the clients' and Redis's
+    captured = hand_signed(contributor.node_key, "GET", ME, created=int(time.time()) - 2)
+    await _drop_prefix(REDIS_URL or "", settings.redis.prefix)
+    body = problem(await send(client, "GET", ME, captured), 401, "nonce_replayed")
+    since = body["nonces_remembered_since"]
+    assert since == await _nonces_since(settings) and since <= time.time(), body
+    fresh = hand_signed(contributor.node_key, "POST", HEARTBEAT, HB_BODY, created=int(time.time()))
+    assert (await send(client, "POST", HEARTBEAT, fresh, HB_BODY)).status_code == 200
 
 
 # ------------------------------------------------------------- keys and algorithms
@@ -1297,15 +1330,20 @@ async def test_the_worker_sdk_signs_afresh_and_retries_a_request_refused_for_the
 
 @pytest.mark.skipif(not REDIS_URL, reason="Redis loses its keys (ORCH_TEST_REDIS_URL)")
 async def test_signature_auth_signs_afresh_a_request_refused_for_the_lost_nonces(
-    client: httpx.AsyncClient, contributor: Contributor, settings: Settings, clock: FakeClock
+    client: httpx.AsyncClient, contributor: Contributor, settings: Settings
 ) -> None:
     """Requests signed (SignatureAuth) just before the server noticed that Redis lost its keys are
     refused 401 nonce_replayed with nonces_remembered_since, having done nothing. SignatureAuth
     signs such a request afresh, once, with a created not earlier than that time, so it is served.
     Before, the refusal was the answer: the first run of benchmarks/claims.py on a new Redis
     stopped at its first registrations."""
-    await _drop_prefix(REDIS_URL or "", settings.redis.prefix)
-    clock.advance(2)  # the server notices the loss two seconds after this client signed
+    # Redis noticed the loss at what this client's clock calls two seconds from now (Redis's clock
+    # sets the marker: this client's runs behind it, or the server noticed just after it signed).
+    redis = aioredis.Redis.from_url(REDIS_URL or "")
+    try:
+        await redis.set(settings.redis.prefix + NONCES_SINCE_KEY, int(time.time()) + 2)
+    finally:
+        await redis.aclose()
     auth = SignatureAuth(contributor.node_key)
     beat = await client.post(
         HEARTBEAT, content=HB_BODY, headers={"content-type": "application/json"}, auth=auth

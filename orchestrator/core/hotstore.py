@@ -28,9 +28,11 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-# The key (under the store's prefix) that says since when, in whole epoch seconds of the API
-# servers' clock, this Redis has held the spent nonces: set by the first admission that finds
-# it missing (a new Redis, or one that lost its keys), and never expiring.
+# The key (under the store's prefix) that says since when, in whole epoch seconds of Redis's own
+# clock (``TIME``), this Redis has held the spent nonces: set by the first admission that finds
+# it missing (a new Redis, or one that lost its keys), and never expiring. Redis's clock, not the
+# finding API process's: every process then refuses by the same time, and one whose clock runs
+# ahead no longer sets a marker in the future that refuses the requests signed afresh meanwhile.
 NONCES_SINCE_KEY = "nonces-since"
 
 # The in-process store's limit on live nonces, and separately on live rate-limit counters
@@ -92,9 +94,11 @@ class HotStore(Protocol):
         counts nothing, so replaying a captured request cannot spend its signer's limits (nor a
         registration's); a request refused for a limit spends no nonce, so the same signed
         request can be sent again after ``retry_after_s``. A store that lost the nonces spent
-        before some time (Redis emptied: its marker, ``NONCES_SINCE_KEY``, gone with them)
-        refuses a signature ``created`` earlier as a possible replay
-        (``Admitted.forgotten_before``), counting nothing and spending no nonce."""
+        before some time (Redis emptied: its marker, ``NONCES_SINCE_KEY``, gone with them; the
+        time is the one its own clock read when an admission found the marker gone, not
+        ``now``) refuses a signature ``created`` earlier as a possible replay
+        (``Admitted.forgotten_before``), counting nothing and spending no nonce. ``now`` (the
+        caller's clock) places the request in the quotas' windows."""
 
     async def unadmit(
         self, keyid: str, nonce: str, quotas: Sequence[Quota], now: float, *, spent: bool
@@ -134,13 +138,16 @@ class HotStore(Protocol):
 
 
 # KEYS: the nonce, the marker (``NONCES_SINCE_KEY``), then the quotas' counters; ARGV: the
-# nonce's TTL, now (whole seconds), the signature's created, then each counter's TTL and limit.
-# Answers {outcome, 1 if this call set the marker (else 0), the marker's time}: the outcome is
-# -1 for a spent nonce, -2 for a signature created before the marker's time (nothing counted,
-# the nonce not spent), else the position (from 1) among the counters of the first past its
-# limit (those after it not counted), or 0: within them all, and the nonce is spent. A missing
-# marker means the store lost every nonce spent before now (or never held one): it is set to now
-# (a script runs alone, so of several processes that find it missing, one sets it).
+# nonce's TTL, the signature's created, then each counter's TTL and limit. Answers {outcome, 1
+# if this call set the marker (else 0), the marker's time}: the outcome is -1 for a spent nonce,
+# -2 for a signature created before the marker's time (nothing counted, the nonce not spent),
+# else the position (from 1) among the counters of the first past its limit (those after it not
+# counted), or 0: within them all, and the nonce is spent. A missing marker means the store lost
+# every nonce spent before now (or never held one): it is set to now by Redis's clock, in whole
+# seconds (a script runs alone, so of several processes that find it missing, one sets it; TIME
+# before a write is allowed as scripts replicate their effects, the only way since Redis 7 and
+# the default since 5). ``created`` is compared with it as it is, with no allowance for the
+# signer's clock: one would let the requests signed just before the loss be replayed.
 _ADMIT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {-1, 0, ''}
@@ -148,19 +155,19 @@ end
 local since = redis.call('GET', KEYS[2])
 local marked = 0
 if not since then
-  since = ARGV[2]
+  since = redis.call('TIME')[1]
   redis.call('SET', KEYS[2], since)
   marked = 1
 end
-if tonumber(ARGV[3]) < tonumber(since) then
+if tonumber(ARGV[2]) < tonumber(since) then
   return {-2, marked, since}
 end
 for i = 3, #KEYS do
   local n = redis.call('INCR', KEYS[i])
   if n == 1 then
-    redis.call('EXPIRE', KEYS[i], ARGV[2 * i - 2])
+    redis.call('EXPIRE', KEYS[i], ARGV[2 * i - 3])
   end
-  if n > tonumber(ARGV[2 * i - 1]) then
+  if n > tonumber(ARGV[2 * i - 2]) then
     return {i - 2, marked, since}
   end
 end
@@ -276,7 +283,7 @@ class RedisHotStore:
             self._k(NONCES_SINCE_KEY),
             *(self._counter(q, now) for q in counted),
         ]
-        args: list[int] = [ttl_s, math.floor(now), created]
+        args: list[int] = [ttl_s, created]
         for quota in counted:
             args += [quota.window_s + 1, quota.limit]
         outcome, marked, since = await self._admit(keys=keys, args=args)
