@@ -19,10 +19,10 @@ from orchestrator import __version__, background
 from orchestrator.admin.router import router as admin_router
 from orchestrator.audit.router import router as audit_router
 from orchestrator.core import metrics
-from orchestrator.core.clock import Clock
+from orchestrator.core.clock import Clock, SystemClock
 from orchestrator.core.errors import PROBLEM_MEDIA_TYPE, install_error_handlers
 from orchestrator.core.health import router as health_router
-from orchestrator.core.hotstore import HotStore, check_memory_policy
+from orchestrator.core.hotstore import HotStore, check_clock, check_memory_policy
 from orchestrator.core.instance_lock import InstanceLock
 from orchestrator.core.logging import configure_logging
 from orchestrator.core.loops import ExitGuard, await_stuck, stop_loops
@@ -153,6 +153,8 @@ def create_app(
         app.state.orch = state
         # A Redis that may evict keys loses spent nonces unseen (README, Redis): said at startup.
         await check_memory_policy(store)
+        if isinstance(state.clock, SystemClock):  # a test's clock is not the host's
+            await check_clock(store, state.clock.now)
         stop = asyncio.Event()
         tasks = background.start(state, stop) if settings.server.background_loops else []
         if serving_marks:  # every API process, whatever its background_loops

@@ -19,6 +19,7 @@ from asgi_lifespan import LifespanManager
 
 from orchestrator.app import create_app
 from orchestrator.core.clock import FakeClock
+from orchestrator.core.hotstore import MemoryHotStore, RedisHotStore, check_clock
 from orchestrator.settings import RedisSettings, Settings
 from tests.process_helpers import free_port, stop
 
@@ -102,3 +103,24 @@ async def test_a_policy_that_cannot_be_read_is_said_once(settings: Settings, tmp
         warnings = await startup_warnings(settings, url)
     assert [w["event"] for w in warnings] == ["hot_store_memory_policy_unknown"]
     assert "noeviction" in warnings[0]["detail"]
+
+
+async def test_an_api_process_whose_clock_differs_from_redis_s_says_so_at_startup(tmp_path: Path) -> None:
+    """The nonce-loss marker is dated by Redis's clock and compared with signatures dated by the
+    signers' (docs/PROTOCOL.md): an API process whose clock differs from Redis's by more than
+    5 s logs one hot_store_clock_skew warning as it starts (with offset_s: its clock less
+    Redis's), as it does for the database's (clock_skew); a clock that agrees, nothing."""
+    with redis_server(tmp_path) as url:
+        store = RedisHotStore.from_url(url, "clock-test:")
+        try:
+            with structlog.testing.capture_logs() as logs:
+                agrees = await check_clock(store, now=time.time)
+                ahead = await check_clock(store, now=lambda: time.time() + 60)
+        finally:
+            await store.aclose()
+    assert agrees is not None and abs(agrees) < 5
+    assert ahead is not None and 55 < ahead < 65
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert [w["event"] for w in warnings] == ["hot_store_clock_skew"], logs
+    assert 55 < warnings[0]["offset_s"] < 65 and "NTP" in warnings[0]["detail"]
+    assert await check_clock(MemoryHotStore(), now=time.time) is None  # one process, one clock

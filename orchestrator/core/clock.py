@@ -6,6 +6,9 @@ import datetime as dt
 import time
 from typing import Protocol
 
+# Past this difference from a server's clock (the database's, Redis's) a process says so.
+CLOCK_SKEW_WARN_S = 5.0
+
 
 class Clock(Protocol):
     def now(self) -> float:

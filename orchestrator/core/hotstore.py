@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from orchestrator.core import metrics
+from orchestrator.core.clock import CLOCK_SKEW_WARN_S
 from orchestrator.core.errors import ServiceUnavailable
 
 if TYPE_CHECKING:
@@ -261,6 +262,11 @@ class RedisHotStore:
         # it let the serving marks go on, and the sweeper marked the fleet dead meanwhile.
         return bool(await self._r.set(self._k("alive"), "1", ex=60))
 
+    async def time(self) -> tuple[int, int]:
+        """Redis's clock: seconds and microseconds since the epoch (``TIME``)."""
+        seconds, micros = await self._r.time()
+        return int(seconds), int(micros)
+
     async def memory_policy(self) -> str | None:
         """Redis's ``maxmemory-policy``: by ``CONFIG GET``, or where ``CONFIG`` is disabled or
         renamed (as managed Redis services do) from ``INFO memory``; None if neither answers."""
@@ -424,6 +430,35 @@ async def check_memory_policy(store: HotStore, timeout_s: float = 5) -> str | No
             ),
         )
     return policy
+
+
+async def check_clock(store: HotStore, now: Callable[[], float], timeout_s: float = 5) -> float | None:
+    """At startup: this process's clock (``now``) less the Redis hot store's, in seconds (read in
+    the middle of the round trip), with one ``hot_store_clock_skew`` warning when they differ by
+    more than ``CLOCK_SKEW_WARN_S`` beyond what the round trip leaves uncertain. The nonce-loss
+    marker is dated by Redis's clock (``NONCES_SINCE_KEY``) and this process checks signatures'
+    ``created`` by its own. None for the in-process store (one clock), or if Redis does not
+    answer (the requests will say so)."""
+    if not isinstance(store, RedisHotStore):
+        return None
+    try:
+        before = now()
+        seconds, micros = await asyncio.wait_for(store.time(), timeout_s)
+        after = now()
+    except Exception:
+        return None
+    offset = (before + after) / 2 - (seconds + micros / 1e6)
+    if abs(offset) - (after - before) / 2 > CLOCK_SKEW_WARN_S:
+        log.warning(
+            "hot_store_clock_skew",
+            offset_s=round(offset, 3),
+            detail=(
+                "this process's clock differs from the Redis hot store's: after Redis loses its "
+                "keys, signatures are refused by Redis's clock (nonces_remembered_since) and "
+                "checked by this process's; the hosts' clocks must agree (NTP)"
+            ),
+        )
+    return offset
 
 
 def _counted(quotas: Sequence[Quota]) -> list[Quota]:

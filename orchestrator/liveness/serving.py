@@ -42,7 +42,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
 
 from orchestrator.core import metrics
-from orchestrator.core.clock import SystemClock
+from orchestrator.core.clock import CLOCK_SKEW_WARN_S, SystemClock
 from orchestrator.core.db import Base
 from orchestrator.core.sql import insert_ignore, is_postgres
 from orchestrator.core.state import AppState, app_state
@@ -78,9 +78,8 @@ ABANDONED_S = 3600.0
 ABANDONED_CONFIRM_S = 300.0
 MISSING_READ_GAP_S = 60.0
 
-# Past this difference from the database server's clock a process says so. A sweeper whose clock
-# runs ``STALL_S`` ahead of the API processes' sees every mark as stale and holds for ever.
-CLOCK_SKEW_WARN_S = 5.0
+# A sweeper whose clock runs ``STALL_S`` ahead of the API processes' sees every mark as stale and
+# holds for ever: past ``CLOCK_SKEW_WARN_S`` from the database server's clock a process says so.
 _DB_NOW = text("SELECT extract(epoch FROM clock_timestamp())")
 
 log = structlog.get_logger(__name__)
