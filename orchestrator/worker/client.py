@@ -13,9 +13,11 @@ Retries (tenacity; exponential backoff with full jitter, ``Retry-After`` honoure
   a withdrawal with its ``Idempotency-Key``, a node's revocation) retry on transport errors, 429 and 5xx;
 * a claim is not idempotent (a claim whose answer was lost has leased tasks that the worker
   never saw), so it retries only when the request cannot have reached the server (connect
-  errors and connection-pool timeouts) or was refused before any work (429, 503);
-* either retries a ``401`` ``nonce_replayed`` with ``nonces_remembered_since`` (the server lost
-  its spent nonces and refused, before any work, a signature created before it noticed).
+  errors and connection-pool timeouts) or was refused before any work (429, 503).
+
+A ``401`` ``nonce_replayed`` with ``nonces_remembered_since`` (the server lost its spent nonces
+and refused, before any work, a signature created before it noticed) is signed afresh and sent
+again once by ``SignatureAuth`` itself.
 
 Errors the server answers are raised as ``OrchestratorAPIError`` with the problem's ``code``.
 """
@@ -91,10 +93,6 @@ class Retry(enum.Enum):
 
 def _retryable(exc: BaseException, policy: Retry) -> bool:
     if isinstance(exc, OrchestratorAPIError):
-        if exc.code == "nonce_replayed" and "nonces_remembered_since" in exc.body:
-            # The server lost its spent nonces and refused a signature created before it noticed
-            # (or by a clock behind its own), before doing anything: a fresh signature is served.
-            return True
         statuses = RETRY_STATUSES_IDEMPOTENT if policy is Retry.IDEMPOTENT else RETRY_STATUSES_UNSENT
         return exc.status in statuses or (policy is Retry.IDEMPOTENT and exc.status >= 500)
     if isinstance(exc, httpx.TransportError):
