@@ -85,3 +85,30 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        ("1/2", "0.5"),
+        ("x = 1/2", "The answer is $\\boxed{\\frac{1}{2}}$"),
+        (" 1/2 ", "$\\frac12$"),
+        ("\\boxed{\\sqrt{2}}", "\\boxed{2^{1/2}}"),
+        ("\\boxed{x^2+1}", "\\boxed{1+x^2}"),
+        ("no number here", "No number here"),
+    ],
+)
+def test_math_canonical_answers_that_are_one_answer_are_equivalent(one: str, other: str) -> None:
+    math = MathAnswer()
+    a, b = math.canonical(one), math.canonical(other)
+    assert math.equivalent(a, b) and math.equivalent(b, a)
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [("1/2", "1/3"), ("1/2", "0.50001"), ("1/2", "3"), ("\\boxed{(1,2]}", "\\boxed{(1,2)}"), ("yes", "no")],
+)
+def test_math_canonical_answers_that_differ_are_not_equivalent(one: str, other: str) -> None:
+    math = MathAnswer()
+    a, b = math.canonical(one), math.canonical(other)
+    assert not math.equivalent(a, b) and not math.equivalent(b, a)

@@ -2,7 +2,8 @@
 
 A reward function takes one completion and the task's hidden verification spec and returns a
 reward in [0, 1], or ``None`` when the spec gives it nothing to check against. It also names
-the completion's canonical answer, which quorum voting compares across replicas.
+the completion's canonical answer, which quorum voting compares across replicas: as text, or,
+for a reward function that defines ``equivalent`` (``math``), by that.
 
 Built in: ``exact_match`` (the completion's last ``\\boxed{...}``, or else its last
 non-empty line, equals ``spec["answer"]``, both normalised) and ``math`` (final-answer
@@ -51,6 +52,20 @@ class RewardFunction(Protocol):
     def reward(self, completion: str, spec: Mapping[str, Any]) -> float | None: ...
 
     def canonical(self, completion: str) -> str: ...
+
+
+class ComparesAnswers(Protocol):
+    """A reward function whose canonical answers may differ as text and still be the same
+    answer (``math``: ``1/2`` and ``0.5``). Quorum votes compare its answers with
+    ``equivalent`` (in a scoring process, see ``scoring.Scorer.vote_classes``); any other's
+    are compared as text."""
+
+    def equivalent(self, representative: str, answer: str) -> bool: ...
+
+
+def compares_answers(fn: RewardFunction) -> bool:
+    """Whether ``fn``'s canonical answers are compared by ``equivalent`` rather than as text."""
+    return callable(getattr(fn, "equivalent", None))
 
 
 def _last_boxed(text: str) -> str | None:
@@ -117,13 +132,33 @@ class MathAnswer:
         expected = _expected(spec)
         if expected is None:
             return None
-        # An escaped dollar (``\$18.90``, MATH's money answers) is text, not a math delimiter.
-        in_math_mode = any(mark in expected.replace("\\$", "") for mark in _MATH_MODE)
-        gold = parse(expected if in_math_mode else f"${expected}$", parsing_timeout=None)
+        gold = _parse_gold(expected)
         answer = parse(completion[-MAX_PARSE_CHARS:], parsing_timeout=None)
         if not gold or not answer:
             return 0.0
         return 1.0 if verify(gold, answer, timeout_seconds=None) else 0.0
+
+    def equivalent(self, representative: str, answer: str) -> bool:
+        """Whether two canonical answers are the same answer (``1/2``, ``0.5``, ``\\frac{1}{2}``),
+        as ``reward`` judges a completion against an expected answer: ``representative`` is read
+        as an expected answer is, ``answer`` then as a completion's; one that does not parse
+        (a canonical answer made of text) is equivalent only to the same text."""
+        from math_verify import verify
+
+        if representative == answer:
+            return True
+        gold = _parse_gold(representative)
+        parsed = _parse_gold(answer)
+        return bool(gold and parsed and verify(gold, parsed, timeout_seconds=None))
+
+
+def _parse_gold(expected: str) -> list[Any]:
+    """An expected answer as math-verify reads it (empty: nothing it can read)."""
+    from math_verify import parse
+
+    # An escaped dollar (``\$18.90``, MATH's money answers) is text, not a math delimiter.
+    in_math_mode = any(mark in expected.replace("\\$", "") for mark in _MATH_MODE)
+    return list(parse(expected if in_math_mode else f"${expected}$", parsing_timeout=None))
 
 
 BUILT_IN: dict[str, RewardFunction] = {"exact_match": ExactMatch(), "math": MathAnswer()}
