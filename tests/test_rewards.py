@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+from collections import Counter
 from typing import Any
 
 import pytest
 from asgi_lifespan import LifespanManager
 
 from orchestrator.app import create_app
-from orchestrator.verification import scoring
+from orchestrator.verification import scoring, service
+from orchestrator.verification.models import VerificationJob
 from orchestrator.verification.rewards import ExactMatch, MathAnswer
 
 
@@ -112,3 +115,42 @@ def test_math_canonical_answers_that_differ_are_not_equivalent(one: str, other: 
     math = MathAnswer()
     a, b = math.canonical(one), math.canonical(other)
     assert not math.equivalent(a, b) and not math.equivalent(b, a)
+
+
+def _jobs(*answers: str) -> list[VerificationJob]:
+    return [VerificationJob(canonical=json.dumps([MathAnswer().canonical(a)])) for a in answers]
+
+
+async def test_vote_classes_do_not_depend_on_the_order_the_results_came_in() -> None:
+    """The distinct votes are taken most common first, ties by their text; each joins the first
+    class whose representative it is equivalent to. A vote with another count of samples is
+    never equivalent."""
+    scorer = scoring.Scorer(purpose="test")
+    answers = ["1/2", "3", "0.5", "1/2", "\\frac{3}{1}", "1/3"]
+    seen = []
+    for order in (answers, answers[::-1], answers[2:] + answers[:2]):
+        jobs = _jobs(*order)
+        votes = Counter(service.vote_of(j.canonical) for j in jobs)
+        seen.append((await service.vote_classes("math", jobs, votes, scorer)).of)
+    one = '["1/2"]'  # the most common text leads its class
+    three = '["3"]'  # a tie: "3" comes before "\\frac{3}{1}" as text
+    expected = {one: one, '["0.5"]': one, three: three, '["\\\\frac{3}{1}"]': three, '["1/3"]': '["1/3"]'}
+    assert seen == [expected] * 3
+    jobs = [*_jobs("1/2"), VerificationJob(canonical=json.dumps(["1/2", "1/2"]))]
+    votes = Counter(service.vote_of(j.canonical) for j in jobs)
+    assert set((await service.vote_classes("math", jobs, votes, scorer)).of.values()) == set(votes)
+    # Any other reward function compares as text (in this process: no scoring process asked).
+    exact = await service.vote_classes("exact_match", _jobs("1/2", "0.5"), Counter(["a", "b"]), scorer)
+    assert exact.of == {"a": "a", "b": "b"} and exact.details() == {}
+
+
+async def test_votes_too_costly_to_compare_are_compared_as_text() -> None:
+    """An answer SymPy cannot finish with (9^(9^9)) runs the comparison out of its limits: the
+    votes are compared as text, as before, and the verdicts say why."""
+    jobs = [VerificationJob(canonical=json.dumps([a])) for a in ("9^{9^{9}}", "9^{9^{9}}+0", "1/2")]
+    votes = Counter(service.vote_of(j.canonical) for j in jobs)
+    scorer = scoring.Scorer(timeout_s=1.0, purpose="test")
+    classes = await service.vote_classes("math", jobs, votes, scorer)
+    assert classes.of == {v: v for v in votes}
+    assert classes.details() == {"equivalence_unchecked": classes.unchecked}
+    assert classes.unchecked is not None and "scoring" in classes.unchecked

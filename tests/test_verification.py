@@ -441,6 +441,46 @@ async def test_a_replicas_long_answer_is_not_copied_into_the_other_replicas_verd
         assert [vs[w.node_id]["category"] for w in s.workers] == ["valid", "valid", "fraud"]
 
 
+async def test_a_math_quorum_counts_equivalent_answers_as_one_vote(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    """Replicas of a math task the server cannot check (no expected answer) vote with their final
+    answers: two honest nodes answering ``1/2`` and ``0.5`` agree, as the math checker would
+    judge them against an expected answer. Compared as text, the three answers were three votes,
+    no majority, and the task asked for another replica; the answer outvoted is made up (greedy
+    decoding), and the verdicts name the votes that were counted as one."""
+    async with pool_setup(
+        app, app_state, workers=3, replication_factor=3, reward_function="math", economics=ECON, stake=1000
+    ) as s:
+        await _quorum(s, ["1/2", "0.5", "3"], None)
+        await verify_all(app_state)
+        vs = {v["node_id"]: v for v in await verdicts(s.admin, s.headers, s.pool_id)}
+        honest, cheat = s.workers[:2], s.workers[2]
+        assert [(vs[w.node_id]["category"], vs[w.node_id]["verifier"]) for w in honest] == [
+            ("valid", "quorum")
+        ] * 2
+        assert (vs[cheat.node_id]["category"], vs[cheat.node_id]["reason"]) == ("fraud", "quorum_minority")
+        assert vs[cheat.node_id]["details"]["votes"] == {'["1/2"]': 1, '["0.5"]': 1, '["3"]': 1}
+        assert vs[cheat.node_id]["details"]["equivalent"] == [['["0.5"]', '["1/2"]']]
+        assert [(await balances(client, w))["stake_locked"] for w in honest] == [1000, 1000]
+
+
+async def test_a_math_quorum_keeps_answers_that_are_not_equivalent_apart(app: Any, app_state: Any) -> None:
+    """Only equivalent answers are one vote: ``1/2``, ``0.50001`` and ``1/3`` are three, and the
+    task asks for another replica; its ``\\frac{1}{2}`` makes a majority with ``1/2``."""
+    async with pool_setup(
+        app, app_state, workers=4, replication_factor=3, reward_function="math", economics=ECON, stake=1000
+    ) as s:
+        await _quorum(s, ["1/2", "0.50001", "1/3"], None)
+        await verify_all(app_state)
+        assert await verdicts(s.admin, s.headers, s.pool_id) == []
+        lease = (await s.workers[3].claim(s.pool_id)).json()["leases"][0]
+        await submit(s.workers[3], lease, ["\\frac{1}{2}"])
+        await verify_all(app_state)
+        vs = {v["node_id"]: v for v in await verdicts(s.admin, s.headers, s.pool_id)}
+        assert [vs[w.node_id]["category"] for w in s.workers] == ["valid", "fraud", "fraud", "valid"]
+
+
 async def test_an_inconclusive_quorum_adds_a_replica(app: Any, app_state: Any) -> None:
     async with pool_setup(app, app_state, workers=4, replication_factor=3) as s:
         await _quorum(s, ["Paris", "Lyon", "Nice"], None)

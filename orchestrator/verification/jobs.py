@@ -146,7 +146,11 @@ async def _housekeeping(state: AppState, tick: int) -> tuple[bool, int, int]:
         expired = await validators.expire_leases(session, now=now)
         secret = state.settings.seed_key
         waits = await service.expire_quorum_waits(
-            session, now=now, wait_s=state.settings.verifier.quorum_wait_s, secret=secret
+            session,
+            now=now,
+            wait_s=state.settings.verifier.quorum_wait_s,
+            secret=secret,
+            scorer=scorer_for(state.settings.verifier),
         )
         return True, expired, waits
 

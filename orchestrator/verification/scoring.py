@@ -7,7 +7,8 @@ interrupt. Run in a thread of the verifier, one such result would hold up its ba
 batch's locks and every later result for good. So the reward functions run in a pool of worker
 processes (``pebble``), started on first use, one pool per server process and purpose (the
 verifier loop's, and the validator verdict route's, so that a validator's request never queues
-behind a verifier batch's slow results in a process running both): scoring a result
+behind a verifier batch's slow results in a process running both; and the quorum's comparisons
+of equivalent answers, ``Scorer.vote_classes``, beside each): scoring a result
 that takes longer than ``timeout_s`` kills its worker (a new one takes its place), and each
 worker's address space is capped at ``memory_mb``. Such a result is ``Unscorable``; the
 verifier judges it ``inconclusive`` (``reward_unscorable``: no reward, no penalty, since the
@@ -22,10 +23,10 @@ import atexit
 import multiprocessing
 import resource
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import structlog
 from pebble import ProcessExpired, ProcessPool
@@ -34,6 +35,8 @@ from orchestrator.settings import VerifierSettings
 from orchestrator.verification import rewards
 
 Scores = tuple[list[float | None], list[str]]
+_R = TypeVar("_R")
+_V = TypeVar("_V")
 
 log = structlog.get_logger(__name__)
 
@@ -73,6 +76,42 @@ def _score(reward_function: str, completions: Sequence[str], spec: Mapping[str, 
         raise RewardFunctionFailed(
             f"reward function {reward_function!r} raised {type(exc).__name__}: {exc}"[:500]
         ) from None
+
+
+def _vote_classes(reward_function: str, answers: Sequence[Sequence[str]]) -> list[int]:
+    """In a worker: each vote's class (``classes_of``) by the reward function's ``equivalent``.
+    A vote is a result's canonical answers, one a sample; two votes are equivalent when they
+    have as many answers and each of the representative's is equivalent to the other's."""
+    fn = rewards.get(reward_function)
+    equivalent = cast(rewards.ComparesAnswers, fn).equivalent
+
+    def same(representative: Sequence[str], vote: Sequence[str]) -> bool:
+        return len(representative) == len(vote) and all(map(equivalent, representative, vote))
+
+    try:
+        return classes_of(answers, same)
+    except MemoryError:
+        raise
+    except Exception as exc:
+        raise RewardFunctionFailed(
+            f"reward function {reward_function!r} raised {type(exc).__name__}: {exc}"[:500]
+        ) from None
+
+
+def classes_of(votes: Sequence[_V], same: Callable[[_V, _V], bool]) -> list[int]:
+    """Each vote's class, in the order given: a vote joins the first class (by number) whose
+    representative, its first vote, is ``same`` as it (``same(representative, vote)``), else it
+    begins the next class. The order of ``votes`` decides the classes where ``same`` is not
+    transitive: the caller gives them in an order that does not depend on when they arrived."""
+    representatives: list[_V] = []
+    classes: list[int] = []
+    for vote in votes:
+        found = next((c for c, r in enumerate(representatives) if same(r, vote)), None)
+        if found is None:
+            found = len(representatives)
+            representatives.append(vote)
+        classes.append(found)
+    return classes
 
 
 _pools: dict[tuple[str, int, int], ProcessPool] = {}
@@ -125,10 +164,21 @@ class Scorer:
         kernel's OOM killer, an operator's kill) is replaced and the result scored once more: a
         result is unscorable only if its process dies ``DEATHS_ALLOWED`` times, as one whose
         scoring crashes the process would."""
-        args = (reward_function, list(completions), dict(spec))
+        return await self._run(self.purpose, _score, (reward_function, list(completions), dict(spec)))
+
+    async def vote_classes(self, reward_function: str, votes: Sequence[Sequence[str]]) -> list[int]:
+        """Each vote's class (``classes_of``) by the reward function's ``equivalent``, within
+        the same limits as a result's scoring (``Unscorable`` past them, ``RewardFunctionFailed``
+        if it raises), in a pool of its own (``<purpose>-votes``, started on first use): a quorum
+        waits for its classes holding its task's locks, and must not queue behind the scoring
+        of other batches' results."""
+        args = (reward_function, [list(v) for v in votes])
+        return await self._run(f"{self.purpose}-votes", _vote_classes, args)
+
+    async def _run(self, purpose: str, function: Callable[..., _R], args: tuple[Any, ...]) -> _R:
         for death in range(1, DEATHS_ALLOWED + 1):
-            future = _pool(self.purpose, self.processes, self.memory_mb).schedule(
-                _score, args=args, timeout=self.timeout_s
+            future = _pool(purpose, self.processes, self.memory_mb).schedule(
+                function, args=args, timeout=self.timeout_s
             )
             try:
                 return await asyncio.wrap_future(future)

@@ -17,7 +17,8 @@ the server's own reward function, then either decides at once or waits for more 
   record; the pool's ``soft_invalid_penalty`` is forfeited from the node's rewards still in the
   hold window, oldest first, up to what is there;
 * a replicated task, or an audit drawn for this node -> quorum: when every replica has
-  reported, a strict majority of canonical answers decides; where the server cannot check
+  reported, a strict majority of canonical answers decides (equivalent answers are one vote
+  where the reward function compares them, ``vote_classes``); where the server cannot check
   answers itself the minority is fraud when the task decodes greedily (replicas must agree) and
   invalid when it samples at a temperature (an honest replica may answer otherwise), and an
   undecided vote adds a replica (BOINC semantics, up to a cap) before the task is called
@@ -92,7 +93,7 @@ from orchestrator.ledger.service import ProviderAccount, SystemAccount, provider
 from orchestrator.pools.models import Pool, PoolMembership
 from orchestrator.tasks.models import Assignment, Submission, Task, TaskReplica
 from orchestrator.tasks.seeds import derive_seed
-from orchestrator.verification import checks
+from orchestrator.verification import checks, rewards
 from orchestrator.verification.models import (
     WRONG_ANSWER,
     NodeTrust,
@@ -267,7 +268,7 @@ async def process_pending(
     done = 0
     for job, job_id, submission_id in ids:
         if job_id in scored and await _checks_in_savepoint(
-            session, job, job_id, submission_id, scored[job_id], secret, rng, now
+            session, job, job_id, submission_id, scored[job_id], secret, rng, now, scorer
         ):
             done += 1
     return Batch(len(ids), done, max(ids[-1][1], last))
@@ -282,12 +283,13 @@ async def _checks_in_savepoint(
     secret: bytes,
     rng: random.Random,
     now: dt.datetime,
+    scorer: Scorer,
 ) -> bool:
     """One result that cannot be processed must not hold up the others: each job in its own
     savepoint; a failure is logged and the job is tried again on a later tick."""
     try:
         async with session.begin_nested():
-            await _run_checks(session, job, scored, secret=secret, rng=rng, now=now)
+            await _run_checks(session, job, scored, secret=secret, rng=rng, now=now, scorer=scorer)
     except Exception:
         log.exception("verification_failed", job_id=job_id, submission_id=submission_id)
         return False
@@ -674,6 +676,7 @@ async def _run_checks(
     secret: bytes,
     rng: random.Random,
     now: dt.datetime,
+    scorer: Scorer,
 ) -> None:
     submission = await session.get(Submission, job.submission_id)
     task = await session.get(Task, job.task_id)
@@ -736,14 +739,14 @@ async def _run_checks(
             session, job, submission, Decision("rejected", category, finding.code, "checks", details), now=now
         )
         if task.replication > 1:  # siblings waiting for a quorum now know this result does not count
-            await try_quorum(session, task, pool, secret=secret, now=now)
+            await try_quorum(session, task, pool, secret=secret, now=now, scorer=scorer)
         return
     # A vote between replicas is only needed where the server cannot check answers itself:
     # replicas sample with different seeds, so checkable answers are judged one by one.
     if task.replication > 1 and not checkable:
         job.stage = "quorum"
         await session.flush()
-        await try_quorum(session, task, pool, secret=secret, now=now)
+        await try_quorum(session, task, pool, secret=secret, now=now, scorer=scorer)
         return
     trust = await _trust(session, pool.id, submission.node_id, submission.provider_id)
     audit_by_replica = pool.audit_method == "replicate" and not checkable
@@ -903,11 +906,14 @@ async def try_quorum(
     *,
     secret: bytes,
     now: dt.datetime,
+    scorer: Scorer,
     timeout_note: str | None = None,
 ) -> None:
     """Decide the task's waiting results once every replica has reported. With
     ``timeout_note`` (the missing replicas were withdrawn) an undecided vote asks for no further
-    replica: the results are inconclusive, ``quorum_timeout``."""
+    replica: the results are inconclusive, ``quorum_timeout``. Votes are counted by class
+    (``vote_classes``): where the pool's reward function compares answers (``math``), the
+    equivalent answers' votes are one class, compared in ``scorer``'s processes."""
     jobs = list(
         (
             await session.execute(
@@ -926,7 +932,9 @@ async def try_quorum(
         return
     valid = [j for j in jobs if j.stage == "quorum" or _accepted_valid(j)]
     votes = Counter(vote_of(j.canonical) for j in valid)
-    answer, count = votes.most_common(1)[0] if votes else (None, 0)
+    classes = await vote_classes(pool.reward_function, valid, votes, scorer)
+    tally = Counter(classes.of[vote_of(j.canonical)] for j in valid)
+    answer, count = tally.most_common(1)[0] if tally else (None, 0)
     if count >= 2 and count * 2 > task.min_quorum:
         for job in waiting:
             submission = await session.get(Submission, job.submission_id)
@@ -935,11 +943,12 @@ async def try_quorum(
                 "findings": job.findings,
                 "server_reward": job.server_reward,
                 "votes": dict(votes),
+                **classes.details(),
                 "quorum": len(valid),
                 **({"quorum_timeout": timeout_note} if timeout_note else {}),
             }
             checkable = job.server_reward is not None
-            if vote_of(job.canonical) == answer:
+            if classes.of[vote_of(job.canonical)] == answer:
                 decision = by_reward(checkable, job.correct_samples or 0, details, "quorum")
             elif checkable:
                 # The server checks answers itself: disagreeing is an honest mistake, not fraud.
@@ -970,7 +979,7 @@ async def try_quorum(
     for job in waiting:
         submission = await session.get(Submission, job.submission_id)
         assert submission is not None
-        undecided: dict[str, Any] = {"votes": dict(votes), "quorum": len(valid)}
+        undecided: dict[str, Any] = {"votes": dict(votes), **classes.details(), "quorum": len(valid)}
         if timeout_note:
             undecided["quorum_timeout"] = timeout_note
         await decide(
@@ -983,7 +992,13 @@ async def try_quorum(
 
 
 async def expire_quorum_waits(
-    session: AsyncSession, *, now: dt.datetime, wait_s: float, secret: bytes, limit: int = 100
+    session: AsyncSession,
+    *,
+    now: dt.datetime,
+    wait_s: float,
+    secret: bytes,
+    scorer: Scorer,
+    limit: int = 100,
 ) -> int:
     """Results waiting for replicas that no node took within ``wait_s``: the replicas are
     withdrawn and the results decided on what is in. Returns how many results were decided.
@@ -1049,12 +1064,12 @@ async def expire_quorum_waits(
     await lock_for_verdicts(session, waiting_submissions)
     decided = 0
     for task_id in candidates:
-        decided += await _expire_wait(session, task_id, now=now, wait_s=wait_s, secret=secret)
+        decided += await _expire_wait(session, task_id, now=now, wait_s=wait_s, secret=secret, scorer=scorer)
     return decided
 
 
 async def _expire_wait(
-    session: AsyncSession, task_id: int, *, now: dt.datetime, wait_s: float, secret: bytes
+    session: AsyncSession, task_id: int, *, now: dt.datetime, wait_s: float, secret: bytes, scorer: Scorer
 ) -> int:
     task = (
         await session.execute(
@@ -1111,7 +1126,7 @@ async def _expire_wait(
     else:
         pool = await session.get(Pool, task.pool_id)
         assert pool is not None
-        await try_quorum(session, task, pool, secret=secret, now=now, timeout_note=note)
+        await try_quorum(session, task, pool, secret=secret, now=now, scorer=scorer, timeout_note=note)
     log.info("quorum_wait_expired", task_id=task_id, replicas_withdrawn=len(unfinished), decided=len(waiting))
     return len(waiting)
 
@@ -1173,6 +1188,74 @@ def vote_of(canonical: str | None) -> str | None:
     if canonical is None or len(canonical) <= VOTE_MAX_CHARS:
         return canonical
     return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class VoteClasses:
+    """Which votes count as one: ``of`` maps each vote to its class's representative vote."""
+
+    of: dict[str | None, str | None]
+    #: Why equivalent answers could not be told (the comparison ran out of its limits): the
+    #: votes were then compared as text.
+    unchecked: str | None = None
+
+    def details(self) -> dict[str, Any]:
+        """For a verdict's details: the classes of more than one vote (``equivalent``, each
+        its representative first) and, if the comparison failed, why (``equivalence_unchecked``)."""
+        members: dict[str | None, list[str | None]] = {}
+        for vote, representative in self.of.items():
+            members.setdefault(representative, []).append(vote)
+        shown: dict[str, Any] = {}
+        equivalent = [m for m in members.values() if len(m) > 1]
+        if equivalent:
+            shown["equivalent"] = equivalent
+        if self.unchecked is not None:
+            shown["equivalence_unchecked"] = self.unchecked
+        return shown
+
+
+async def vote_classes(
+    reward_function: str,
+    valid: Sequence[VerificationJob],
+    votes: Counter[str | None],
+    scorer: Scorer,
+) -> VoteClasses:
+    """The votes' classes. A reward function that compares answers (``rewards.compares_answers``:
+    ``math``, where ``1/2``, ``0.5`` and ``\\frac{1}{2}`` are one answer) puts equivalent votes in one
+    class; with any other each vote is its own, compared as text.
+
+    The rule (``scoring.classes_of``), which does not depend on the order the results came in:
+    the distinct votes are taken most common first, ties by their text; each joins the first
+    class whose representative (its first vote) it is equivalent to, the representative read
+    as an expected answer is by the reward function, else begins a class of its own. The
+    comparisons run in ``scorer``'s processes, within its time and memory limits; past them (an
+    answer SymPy cannot finish with) the votes are compared as text, as before, and the
+    verdicts say so (``equivalence_unchecked``)."""
+    identity: dict[str | None, str | None] = {v: v for v in votes}
+    if len(votes) < 2:
+        return VoteClasses(identity)
+    try:
+        compares = rewards.compares_answers(rewards.get(reward_function))
+    except KeyError:  # not installed in this process: its results were scored elsewhere
+        compares = False
+    if not compares:
+        return VoteClasses(identity)
+    canonical: dict[str | None, str] = {}
+    for job in valid:
+        if job.canonical is not None:
+            canonical.setdefault(vote_of(job.canonical), job.canonical)
+    order = sorted(votes, key=lambda v: (-votes[v], v or ""))
+    if any(v not in canonical for v in order):
+        return VoteClasses(identity)
+    try:
+        numbers = await scorer.vote_classes(reward_function, [json.loads(canonical[v]) for v in order])
+    except (Unscorable, RewardFunctionFailed) as exc:
+        log.warning("vote_comparison_failed", reward_function=reward_function, detail=str(exc))
+        return VoteClasses(identity, str(exc))
+    representative: dict[int, str | None] = {}
+    for vote, number in zip(order, numbers, strict=True):
+        representative.setdefault(number, vote)
+    return VoteClasses({vote: representative[number] for vote, number in zip(order, numbers, strict=True)})
 
 
 def _accepted_valid(job: VerificationJob) -> bool:
