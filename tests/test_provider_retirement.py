@@ -19,6 +19,7 @@ from orchestrator.core.keys import generate_key, key_id_of
 from orchestrator.identity.models import Provider
 from orchestrator.ledger import jobs as ledger_jobs
 from orchestrator.ledger import service as ledger
+from orchestrator.ledger.models import LedgerAccount
 from orchestrator.ledger.service import ProviderAccount, SystemAccount, provider_account, system_account
 from orchestrator.payouts.service import request_withdrawal
 from orchestrator.verification.jobs import release_once
@@ -433,6 +434,56 @@ async def test_money_a_retired_provider_is_credited_later_is_swept_to_its_heir_d
             assert (b["rewards_pending"], b["rewards_claimable"]) == (0, 0)
         assert (await provider_balances(s, last.provider_id))["rewards_claimable"] == 12
         await books_balance(app_state)
+
+
+async def test_a_retired_provider_whose_heir_cannot_take_its_money_does_not_stop_the_others_sweep(
+    client: httpx.AsyncClient, app_state: Any, admin_headers: dict[str, str]
+) -> None:
+    """The sweep forwards each retired provider's money in a savepoint of its own: one whose heir
+    cannot take it (the heir's balance would pass the ledger's 64-bit bound) is logged and left,
+    and the others are swept. Before, that one refusal rolled back the sweep's whole transaction,
+    at every tick: no retired provider's later credit reached its heir any more."""
+    from orchestrator.ledger import succession
+
+    lost1, heir1, lost2, heir2 = (new_contributor() for _ in range(4))
+    for c in (lost1, heir1, lost2, heir2):
+        assert (await client.post("/v1/providers", json={}, auth=c.provider_auth)).status_code == 201
+    for i, (lost, heir) in enumerate(((lost1, heir1), (lost2, heir2))):
+        r = await client.post(
+            f"/v1/admin/providers/{lost.provider_id}/retire",
+            json={"successor_id": heir.provider_id, "reason": "key lost"},
+            headers={**admin_headers, "Idempotency-Key": f"retire-{i:04}"},
+        )
+        assert r.status_code == 201, r.text
+    near_full = ledger.MAX_BALANCE - 5
+    async with app_state.sessionmaker() as session, session.begin():
+        # heir1's free stake is 5 short of the largest balance (from the system's rewards).
+        ids = [
+            await ledger.account_id(session, ref)
+            for ref in (
+                system_account(SystemAccount.rewards),
+                provider_account(heir1.provider_id, ProviderAccount.stake_free),
+            )
+        ]
+        for account, balance in zip(ids, (-near_full, near_full), strict=True):
+            await session.execute(
+                update(LedgerAccount).where(LedgerAccount.id == account).values(balance=balance)
+            )
+        for lost in (lost1, lost2):  # credited after the retirement: the sweep's to forward
+            await ledger.deposit(
+                session, lost.provider_id, 10, key=f"late-{lost.provider_id}", actor="t", reference=None
+            )
+    with structlog.testing.capture_logs() as logs:
+        async with app_state.sessionmaker() as session, session.begin():
+            assert await succession.sweep(session) == 1
+    assert [e["provider_id"] for e in logs if e["event"] == "succession_sweep_failed"] == [lost1.provider_id]
+    async with app_state.sessionmaker() as session:
+        assert (await ledger.provider_balances(session, lost2.provider_id))["stake_free"] == 0
+        assert (await ledger.provider_balances(session, heir2.provider_id))["stake_free"] == 10
+        assert (await ledger.provider_balances(session, lost1.provider_id))["stake_free"] == 10
+        assert (await ledger.provider_balances(session, heir1.provider_id))["stake_free"] == near_full
+        # Summed here: SQLite's sum() of these balances overflows on its way.
+        assert sum((await session.execute(select(LedgerAccount.balance))).scalars()) == 0
 
 
 @postgres_only

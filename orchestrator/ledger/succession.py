@@ -137,7 +137,12 @@ async def sweep(session: AsyncSession, *, limit: int = 200) -> int:
     """Forward what retired providers hold in ``FORWARDED`` accounts (credited by a path that
     does not forward itself, such as an appeal), up to ``limit`` of them; returns how many
     providers had something moved. A provider whose heir changed while this locked is left
-    for the next call."""
+    for the next call.
+
+    Each provider's money moves in its own savepoint: one that cannot move (its heir's balance
+    would pass the ledger's 64-bit bound, say) is logged and left, and the others still move.
+    Before, that one refusal rolled back the whole sweep, at every tick, and no retired
+    provider's later credit reached its heir."""
     retired = select(Provider.id).where(Provider.retired_at.is_not(None)).scalar_subquery()
     providers = list(
         (
@@ -168,7 +173,12 @@ async def sweep(session: AsyncSession, *, limit: int = 200) -> int:
         heir = found.get(provider)
         if heir is None or provider in changed:
             continue
-        moved = await forward(session, provider, heir, FORWARDED, actor="system")
+        try:
+            async with session.begin_nested():
+                moved = await forward(session, provider, heir, FORWARDED, actor="system")
+        except Exception:
+            log.exception("succession_sweep_failed", provider_id=provider, heir=heir)
+            continue
         if moved:
             log.info("succession_swept", provider_id=provider, heir=heir, moved=moved)
             swept += 1
