@@ -1050,6 +1050,44 @@ async def test_of_two_fraud_verdicts_in_the_window_the_one_that_would_have_held_
         await books_sound(app_state)
 
 
+async def test_a_fraud_verdict_written_after_an_earlier_appeal_but_dated_before_it_takes_the_payment(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    """R rejected (wrongly), then fraud verdict F1 in R's window, F1 reversed on appeal, then
+    fraud verdict F2, written after that appeal but dated 1 s before it (its batch began first
+    and waited for the node's lock). Had R been accepted, F1 forfeited its reward, F1's appeal
+    gave it back, and F2, written after, forfeited it: R's appeal pays 14 and F2 takes it all.
+    Before, the reversal had no place in the write order and its ``reversed_at`` placed it after
+    every verdict dated no later, F2 too: F2 found F1 holding the reward and took nothing, and
+    the node kept 14."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        v = await rejected_right(s, w, app_state, "invalid")
+        clock.advance(1)
+        f1 = await fraud(s, w, app_state)
+        clock.advance(10)
+        assert (await reverse(s, f1["id"])).status_code == 200
+        clock.advance(1)
+        f2 = await fraud(s, w, app_state)
+        await result_decided_ago(app_state, f2["id"], 2)  # dated 1 s before F1's appeal
+        async with app_state.sessionmaker() as session:
+            appealed_at = await session.scalar(select(Verdict.reversed_at).where(Verdict.id == f1["id"]))
+        assert appealed_at is not None and await decided_at(app_state, f2["id"]) < appealed_at
+        assert v["id"] < f1["id"] < f2["id"]
+        r = await reverse(s, v["id"])
+        assert r.status_code == 200, r.text
+        assert (r.json()["reward_paid_on_appeal"], r.json()["reward_forfeited_by"]) == (14, f2["id"])
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (0, 0), b
+        assert await forfeits_of_payment(app_state, v["id"]) == [(f2["id"], 14, "forfeited")]
+        assert await hold_statuses(app_state) == {w.node_id: ["forfeited"]}
+        await books_sound(app_state)
+        # F2 was wrong too: its appeal gives the payment back.
+        assert (await reverse(s, f2["id"])).status_code == 200
+        assert (await balances(client, w))["rewards_pending"] == 14
+        await books_sound(app_state)
+
+
 async def test_fraud_verdicts_in_the_window_take_the_payment_in_the_order_they_were_written(
     app: Any, app_state: Any, client: Any, clock: FakeClock
 ) -> None:

@@ -1504,3 +1504,47 @@ def test_0044_downgrade_refuses_while_a_penalty_took_part_of_a_payment(scratch_u
     assert "reward_forfeited_by" in asyncio.run(_column_names(scratch_url, "verdicts"))
     # (Without it the downgrade goes ahead: the test above. The ledger is append-only on
     # PostgreSQL, so the transfer stays, and so does the refusal, as 0041's for the payment.)
+
+
+async def _reverse_seeded(
+    url: str, reversals: dict[int, dt.datetime], decided: dict[int, dt.datetime]
+) -> None:
+    """Date the seeded verdicts' decisions (``decided``) and reversals (``reversals``)."""
+    from orchestrator.verification.models import Verdict
+
+    verdicts = Verdict.__table__
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(verdicts.update().values(reversed_at=None))
+            for i, at in decided.items():
+                await conn.execute(verdicts.update().where(verdicts.c.id == i).values(decided_at=at))
+            for i, at in reversals.items():
+                await conn.execute(verdicts.update().where(verdicts.c.id == i).values(reversed_at=at))
+    finally:
+        await engine.dispose()
+
+
+def test_0045_gives_earlier_reversals_the_place_their_time_gave_them(scratch_url: str) -> None:
+    # Node N's verdicts: valid 1, 2, 4, 6, 7 and fraud 3, 5, all dated AT but fraud 5, an hour
+    # later. Before 0045 a reversal came after the latest fraud or invalid verdict dated no later
+    # than it, or its own verdict if later: so it does now, written down.
+    upgrade(scratch_url, "0044")
+    asyncio.run(_seed_ended_tasks(scratch_url))
+    asyncio.run(_seed_forfeited_holds(scratch_url))
+    hour = dt.timedelta(hours=1)
+    asyncio.run(
+        _reverse_seeded(
+            scratch_url,
+            {3: AT + hour, 5: AT + 2 * hour, 6: AT},  # 3: after fraud 5 (dated AT + 1 h); 6: its own
+            {5: AT + hour},
+        )
+    )
+    upgrade(scratch_url)
+    placed = "SELECT id, reversed_after FROM verdicts ORDER BY id"
+    expected = [(1, None), (2, None), (3, 5), (4, None), (5, 5), (6, 6), (7, None)]
+    assert asyncio.run(_rows(scratch_url, placed)) == expected
+    downgrade(scratch_url, "0044")
+    assert "reversed_after" not in asyncio.run(_column_names(scratch_url, "verdicts"))
+    upgrade(scratch_url)
+    assert asyncio.run(_rows(scratch_url, placed)) == expected

@@ -148,6 +148,15 @@ class Verdict(Base):
         doc="accepted, or rejected as wrong_answer: the end of its hold window (NULL: any other "
         "rejection, an accepted verdict decided before 0034, a wrong_answer one decided by older code)",
     )
+    reversed_after: Mapped[int | None] = mapped_column(
+        ID,
+        doc="reversed on appeal: the id of the node's latest verdict in the pool when the appeal "
+        "reversed it, read under the locks every verdict of the node's is written under, so its "
+        "reversal comes after that verdict and before every later one in the write order the "
+        "node's money followed (service._replay_order). A reversal before 0045: the place its "
+        "reversed_at gave it, the latest fraud or invalid verdict of the node's in the pool dated no "
+        "later, or the verdict itself if later. NULL: not reversed",
+    )
     reward_paid_on_appeal: Mapped[int] = mapped_column(
         BigInteger,
         default=0,

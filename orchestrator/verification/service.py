@@ -1980,6 +1980,7 @@ async def reverse_verdict(
     if fraud:
         await _restore_after_fraud(session, verdict, locked_back, unbonding_back, membership, actor=actor)
     verdict.reversed_at = now
+    verdict.reversed_after = await _latest_written(session, verdict)
     verdict.reversal_reason = reason
     if verdict.outcome == "accepted":
         session.add(
@@ -2415,45 +2416,37 @@ def written_after(verdict: Verdict) -> ColumnElement[bool]:
     return Verdict.id > verdict.id
 
 
-#: The node's verdicts whose ``decided_at`` places a reversal among them (``_replay_order``).
-_PLACING = ("fraud", "invalid")
-
-
-async def _reversal_slots(session: AsyncSession, reversed_: list[Verdict]) -> dict[int, int]:
-    """Where the reversal of each of ``reversed_`` comes among the node's decisions, which are
-    replayed by id (``written_after``): after the verdict with this id. A reversal has no id of
-    its own in that order, so as a last resort its time places it: after every fraud or invalid
-    verdict of the node's in the pool (``_PLACING``) decided no later than ``reversed_at``, and
-    after every one written before those, so that the order stays the write order of the
-    decisions (and a reversal comes after its own verdict). Both clocks are read before their
-    transactions wait for the node's locks, so a decision whose batch began before the appeal
-    but was written after it comes before the reversal here; the ids cannot say otherwise."""
-    slots: dict[int, int] = {}
-    for v in reversed_:
-        assert v.reversed_at is not None
-        slot = await session.scalar(
-            select(func.max(Verdict.id)).where(
-                Verdict.node_id == v.node_id,
-                Verdict.pool_id == v.pool_id,
-                Verdict.category.in_(_PLACING),
-                Verdict.decided_at <= v.reversed_at,
-            )
+async def _latest_written(session: AsyncSession, verdict: Verdict) -> int:
+    """The id of the node's latest verdict in the pool: where an appeal reversing ``verdict``
+    now comes in the order the node's money saw its verdicts (``written_after``), recorded as
+    ``reversed_after`` (``_replay_order``). Read under the appeal's locks: the provider's
+    ``rewards_pending`` account (``_lock_for_appeal``), which every transaction writing a
+    verdict of the node's holds from before it writes the first (``lock_for_verdicts``), so
+    each of the node's verdicts is written wholly before this read (and counted) or wholly after
+    the appeal (with a greater id). Not by time: ``decided_at`` is read before a batch waits for
+    those locks, so a decision dated before the appeal may be written after it."""
+    latest = await session.scalar(
+        select(func.max(Verdict.id)).where(
+            Verdict.node_id == verdict.node_id, Verdict.pool_id == verdict.pool_id
         )
-        slots[v.id] = max(int(slot or 0), v.id)
-    return slots
+    )
+    return max(int(latest or 0), verdict.id)
 
 
-def _replay_order(decisions: list[Verdict], slots: dict[int, int]) -> list[tuple[bool, Verdict]]:
+def _replay_order(decisions: list[Verdict]) -> list[tuple[bool, Verdict]]:
     """The decisions of ``decisions`` and their reversals as the node's money saw them:
     (reversal, verdict), the decisions in the order they were written (by id, ``written_after``),
-    each reversal after the decision its slot names (``_reversal_slots``; a decision and a
-    reversal in the same place: the decision first), reversals in the same place by
-    ``reversed_at``, then id."""
+    each reversal after the latest verdict of the node's written before it (``reversed_after``,
+    ``_latest_written``; so before every decision written after it), reversals in the same place
+    by ``reversed_at``, then id (the order of two reversals with no decision between them moves
+    nothing). Reversals before revision 0045 keep the place their ``reversed_at`` gave them
+    then (see ``Verdict.reversed_after``)."""
     events: list[tuple[tuple[int, int, dt.datetime, int], bool, Verdict]] = []
     for v in decisions:
         events.append(((v.id, 0, v.decided_at, v.id), False, v))
         if v.reversed_at is not None:
-            events.append(((slots[v.id], 1, v.reversed_at, v.id), True, v))
+            assert v.reversed_after is not None  # set with reversed_at (by 0045 for earlier ones)
+            events.append(((v.reversed_after, 1, v.reversed_at, v.id), True, v))
     return [(reversal, v) for _, reversal, v in sorted(events, key=lambda e: e[0])]
 
 
@@ -2552,13 +2545,10 @@ async def _appeal_forfeits(
             )
         )
         frauds_after = list(found_frauds.scalars())
-    slots = await _reversal_slots(
-        session, [v for v in {v.id: v for v in rows + frauds_after}.values() if v.reversed_at is not None]
-    )
     left = amount
     holding: dict[int, tuple[Verdict, int]] = {}
     give_back: list[tuple[RewardForfeit, int, Verdict | None]] = []
-    for reversal, v in _replay_order(rows, slots):
+    for reversal, v in _replay_order(rows):
         if reversal:
             left += holding.pop(v.id, (v, 0))[1]
             continue
@@ -2584,25 +2574,23 @@ async def _appeal_forfeits(
                 part = min(f.amount, excess)
                 excess -= part
                 if f.status == "forfeited":
-                    give_back.append((f, part, _fraud_holding(v, h, frauds_after, slots)))
+                    give_back.append((f, part, _fraud_holding(v, h, frauds_after)))
         if take > 0:
             holding[v.id] = (v, take)
             left -= take
     return _Replayed(list(holding.values()), give_back)
 
 
-def _fraud_holding(
-    penalty: Verdict, hold: RewardHold, frauds: list[Verdict], slots: dict[int, int]
-) -> Verdict | None:
+def _fraud_holding(penalty: Verdict, hold: RewardHold, frauds: list[Verdict]) -> Verdict | None:
     """The fraud verdict of ``frauds`` that would hold a part of ``hold`` now, had ``penalty``
     not taken it: the node's fraud verdicts written after the penalty (by id) and decided within
     the hold's window (by time), and their reversals, replayed on it in the order the node's
-    money saw them (``_replay_order``, with the reversals' ``slots``): a fraud verdict takes it
+    money saw them (``_replay_order``): a fraud verdict takes it
     if the node holds it, an appeal of the one that holds it gives it back to the node.
     ``None``: the node."""
     after = [f for f in frauds if penalty.id < f.id and f.decided_at < hold.release_at]
     holder: Verdict | None = None
-    for reversal, fraud in _replay_order(after, slots):
+    for reversal, fraud in _replay_order(after):
         if not reversal and holder is None:
             holder = fraud
         elif reversal and holder is fraud:
