@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select, text, update
 
 from orchestrator.audit.models import AuditEntry
 from orchestrator.core.clock import FakeClock
@@ -37,7 +37,7 @@ from tests.verification_helpers import (
     verdicts,
     verify_all,
 )
-from tests.waits import until_waiting
+from tests.waits import until_blocked_by, until_waiting
 
 pytestmark = pytest.mark.usefixtures("no_audits")
 
@@ -1550,6 +1550,64 @@ async def test_an_appeal_locks_up_front_the_slashed_account_of_a_penalty_it_give
             await until_waiting(app_state, 1, appeal, on="row")
             await ledger.lock_accounts(session, [pending])
             await session.commit()
+        r = await appeal
+        assert r.status_code == 200, r.text
+        b = await balances(client, w)
+        assert b["rewards_pending"] == 7 + 4, b  # H's 7 given back; I took 10 of R's 14
+        await books_sound(app_state)
+
+
+@postgres_only
+async def test_an_appeal_locks_the_slashed_account_of_a_penalty_written_while_it_waited_for_its_locks(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    """As the test above, but I is decided (in the other partition's lane) while R's appeal,
+    having read the forfeits it gives back from, waits for its first account: the unsharded
+    system rewards, which that lane does not use. The appeal reads them again under its locks
+    and takes I's slashed account up front with the rest, in id order: a lane of that partition
+    holding it and asking for the provider's pending rewards waits for the appeal, and gets
+    them once the appeal gave them back to wait for that slashed account. Before, the appeal
+    read them once, before its locks, and took that account only at the give-back, holding the
+    pending rewards: the two deadlocked (PostgreSQL aborted one)."""
+    econ = {**ECON, "soft_invalid_penalty": 10}
+    async with pool_setup(app, app_state, workers=1, economics=econ, stake=1000) as s:
+        w = s.workers[0]
+        provider = w.contributor.provider_id
+        other = next(p for p in range(1, service.PARTITIONS) if p != service.partition_of(provider))
+        slashed_there = system_account(SystemAccount.slashed, other)
+        first = system_account(SystemAccount.rewards)  # unsharded: no verifier lane but 0's uses it
+        async with app_state.sessionmaker() as session, session.begin():
+            # Both older than the provider's reward accounts and its partition's system accounts.
+            await ledger.account_id(session, first)
+            await ledger.account_id(session, slashed_there)
+        v = await rejected_right(s, w, app_state, "invalid")
+        await honest(s, w, app_state)
+        lease = await one_lease(s, w, n=3)
+        samples = answer_body(lease, ["4", "5", "4"])["samples"]
+        samples[1]["finish_reason"] = "length"
+        await submit(w, lease, ["4", "5", "4"], samples=samples)
+        async with app_state.sessionmaker() as session, session.begin():
+            await session.execute(update(VerificationJob).values(verifier_partition=other))
+        pending = provider_account(provider, ProviderAccount.rewards_pending)
+        async with app_state.sessionmaker() as session:
+            ids = await ledger.lock_accounts(session, [first, slashed_there, pending])
+            assert ids[first] < ids[slashed_there] < ids[pending]
+            await session.rollback()
+        async with app_state.sessionmaker() as holder, app_state.sessionmaker() as lane:
+            await holder.begin()
+            await ledger.lock_accounts(holder, [first])
+            appeal = asyncio.create_task(reverse(s, v["id"]))
+            await until_waiting(app_state, 1, appeal, on="row")
+            await verify_all(app_state)  # I, committed while the appeal waits
+            i = (await verdicts(s.admin, s.headers, s.pool_id))[-1]
+            assert (i["category"], i["slashed_amount"]) == ("invalid", 7)
+            await lane.begin()
+            await ledger.lock_accounts(lane, [slashed_there])  # a lane of that partition
+            lane_pid = int(await lane.scalar(text("SELECT pg_backend_pid()")) or 0)
+            await holder.commit()
+            await until_blocked_by(app_state, lane_pid, appeal)  # the appeal asks for slashed_there
+            await ledger.lock_accounts(lane, [pending])
+            await lane.commit()
         r = await appeal
         assert r.status_code == 200, r.text
         b = await balances(client, w)

@@ -59,6 +59,22 @@ async def until_waiting(
         await asyncio.sleep(0.02)
 
 
+async def until_blocked_by(app_state: Any, pid: int, *watched: asyncio.Future[Any]) -> None:
+    """Return once a session waits for a lock that the session with backend ``pid`` holds (or
+    once one of ``watched`` is done): a session that waited for another lock first is past it."""
+    sql = (
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND CAST(:pid AS integer) = ANY(pg_blocking_pids(pid))"
+    )
+    until = time.monotonic() + HANG_S
+    while not any(w.done() for w in watched):
+        async with app_state.sessionmaker() as session:  # a fresh look each time, as above
+            if int(await session.scalar(text(sql), {"pid": pid}) or 0) > 0:
+                return
+        assert time.monotonic() < until, f"no session ever waited for session {pid}"
+        await asyncio.sleep(0.02)
+
+
 async def until(condition: Callable[[], bool], what: str) -> None:
     """Return once ``condition()`` holds (checked every 10 ms; ``what`` names it on a hang)."""
     deadline = time.monotonic() + HANG_S

@@ -2095,7 +2095,13 @@ async def _lock_for_appeal(session: AsyncSession, verdict: Verdict) -> None:
     ``slashed`` accounts its verdicts use (unsharded, and its verifier partition's); and any
     other account that the verdict's transfers and the forfeits it is party to name, and, for a
     rejection its appeal pays, the forfeits of the node's fraud and invalid verdicts written
-    after it (``written_after``; read without a lock: they only add to the set)."""
+    after it (``written_after``). The forfeits are read before the locks and again under them,
+    where they cannot grow (a verdict of the node's, or another appeal's forfeit, is written
+    holding the provider's ``rewards_pending``): one committed in between, say a quorum's
+    verdict decided in another partition's verifier lane into that lane's slashed account, is
+    found by the second read, and the locks taken since a savepoint are given back (PostgreSQL
+    releases them when it is rolled back) and taken again with its account, all in id order.
+    The set only grows, and there are few slashed accounts, so this ends."""
     provider = verdict.provider_id
     refs = [
         provider_account(provider, k)
@@ -2113,7 +2119,7 @@ async def _lock_for_appeal(session: AsyncSession, verdict: Verdict) -> None:
         )
     ).all()
     hold_ids = select(RewardHold.id).where(RewardHold.verdict_id == verdict.id).scalar_subquery()
-    # And the slashed accounts of the forfeits of the node's fraud and invalid verdicts written
+    # The slashed accounts of the forfeits of the node's fraud and invalid verdicts written
     # after it, which its payment's replay gives back from or adds to (``_give_back_on_appeal``):
     # one decided in another partition's verifier lane (a quorum's) used that lane's.
     window = select(Verdict.id).where(
@@ -2122,27 +2128,34 @@ async def _lock_for_appeal(session: AsyncSession, verdict: Verdict) -> None:
         Verdict.category.in_(PAID_ON_APPEAL),
         written_after(verdict),
     )
-    forfeits = (
-        await session.execute(
-            select(RewardForfeit.slashed_account_id)
-            .where(
-                or_(
-                    RewardForfeit.verdict_id == verdict.id,
-                    RewardForfeit.hold_id == hold_ids,
-                    RewardForfeit.verdict_id.in_(window)
-                    if verdict.outcome == "rejected" and verdict.category in PAID_ON_APPEAL
-                    else false(),
-                )
+    forfeits_query = (
+        select(RewardForfeit.slashed_account_id)
+        .where(
+            or_(
+                RewardForfeit.verdict_id == verdict.id,
+                RewardForfeit.hold_id == hold_ids,
+                RewardForfeit.verdict_id.in_(window)
+                if verdict.outcome == "rejected" and verdict.category in PAID_ON_APPEAL
+                else false(),
             )
-            .distinct()
         )
-    ).scalars()
+        .distinct()
+    )
+    forfeits = set((await session.execute(forfeits_query)).scalars())
     # A retired provider's heir received its released rewards (``_reverse_reward`` takes one back
     # from there): the heir's claimable rewards too, and a retirement that changed the heir while
     # this waited sends the appeal again (503 transient_conflict), as other requests.
     heir = await heirs(session, [provider])
     refs += [provider_account(h, ProviderAccount.rewards_claimable) for h in heir.values()]
-    await ledger.lock_accounts(session, refs, ids=[*(i for pair in transfers for i in pair), *forfeits])
+    while True:
+        savepoint = await session.begin_nested()
+        await ledger.lock_accounts(session, refs, ids=[*(i for pair in transfers for i in pair), *forfeits])
+        grown = set((await session.execute(forfeits_query)).scalars()) - forfeits
+        if not grown:
+            await savepoint.commit()
+            break
+        await savepoint.rollback()
+        forfeits |= grown
     if await heirs(session, [provider]) != heir:
         raise succession.heir_changed()
 
