@@ -1299,11 +1299,14 @@ def _worker_errors(
     hints: dict[str, str] | None = None, exits: dict[str, int] | None = None
 ) -> Iterator[None]:
     """Refusals and failures as one readable line (plus a join's reasons, or the hint for the
-    problem's code) and exit 1 (or the status ``exits`` gives the problem's code). A
-    ``WorkerEnded`` goes through, for the caller."""
+    problem's code) and exit 1 (or the status ``exits`` gives the problem's code). A refusal
+    that says the provider was retired (``provider_retired``, or ``node_banned`` with
+    ``provider_retired: true``, which is all a node key is told) takes the hint and status of
+    ``provider_retired``. A ``WorkerEnded`` goes through, for the caller."""
     import httpx
 
     from orchestrator.worker.errors import OrchestratorAPIError, WorkerEnded, WorkerError
+    from orchestrator.worker.runner import says_retired
 
     try:
         yield
@@ -1313,9 +1316,10 @@ def _worker_errors(
         console.print(f"[red]the server refused: {exc.status} {exc.code}: {exc.detail}[/red]")
         for reason in exc.body.get("reasons") or []:
             console.print(f"[red]  - {reason.get('code')}: {reason.get('detail')}[/red]")
-        if hints and exc.code in hints:
-            console.print(escape(hints[exc.code]), style="red")
-        raise typer.Exit((exits or {}).get(exc.code, 1)) from exc
+        code = "provider_retired" if says_retired(exc) else exc.code
+        if hints and code in hints:
+            console.print(escape(hints[code]), style="red")
+        raise typer.Exit((exits or {}).get(code, 1)) from exc
     except httpx.TransportError as exc:  # after the client's retries
         console.print(
             escape(f"cannot reach {_server_of(exc)}: {type(exc).__name__}: {exc}"),
@@ -1585,9 +1589,10 @@ def worker_leave(
     """Leave a pool, or withdraw a pending join (idempotent), and print the membership as JSON.
     The node's stake there starts unbonding (the pool's unbonding_period_s; a pending join's
     comes back at once), and leases it still holds there are given back. `worker run` never
-    leaves: stopping it keeps the node a member."""
+    leaves: stopping it keeps the node a member. A banned node exits 4 and one whose provider
+    an admin retired 5, as `worker run` does: the ban or the retirement ejected it already."""
     key = _key_file(node_key, "--node-key")
-    with _worker_errors():
+    with _worker_errors({"node_banned": BANNED_HINT, "provider_retired": RETIRED_LEAVE_HINT}, WORKER_EXITS):
         _print_model(asyncio.run(_leave(server, key, pool)))
 
 
@@ -1604,6 +1609,13 @@ BANNED_HINT = (
     "unban); a key its provider revoked, or its provider's retirement revoked, never "
     "works again: generate a new node key and register it (with the successor's provider key, "
     "after a retirement)"
+)
+
+RETIRED_LEAVE_HINT = (
+    "the node's provider was retired by an admin (its key lost or stolen): its nodes are revoked, "
+    "which ejected them from every pool, so there is nothing left to leave; its money goes to the "
+    "successor provider the admin named (the stake there once its unbonding ends). This node key "
+    "can do nothing any more: generate a new one and register it with the successor's provider key"
 )
 
 

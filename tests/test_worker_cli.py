@@ -497,6 +497,26 @@ def test_worker_run_ends_by_itself_with_a_status_of_its_own_when_no_work_can_com
             )
             assert r.status_code == 201, r.text
             ended = {name: proc.communicate(timeout=HANG_S) for name, proc in procs.items()}
+            # `worker leave` says it as `worker run` does, with the same statuses: the retired
+            # provider's node 5 (it exited 1, "refused: node_banned", with no word of the
+            # retirement), a banned node 4.
+            for name in ("retired", "keyless"):
+                node_key = runs[name][0][-1]
+                gone = runner.invoke(
+                    app, ["worker", "leave", "--server", url, "--pool", pool, "--node-key", node_key]
+                )
+                assert gone.exit_code == 5, gone.output
+                assert "provider was retired by an admin" in " ".join(gone.output.split())
+            r = http.post(
+                f"/v1/admin/nodes/{ids(runs['left'][0])['node_id']}/ban",
+                json={"reason": "x"},
+                headers=headers,
+            )
+            assert r.status_code == 200, r.text
+            banned = runner.invoke(
+                app, ["worker", "leave", "--server", url, "--pool", pool, "--node-key", runs["left"][0][3]]
+            )
+            assert banned.exit_code == 4 and "the node is banned" in banned.output, banned.output
         finally:
             for proc in procs.values():
                 if proc.poll() is None:

@@ -83,7 +83,7 @@ MEMBERSHIP_REASONS = frozenset({"pool_not_active", "not_a_member"})
 ENDED_MEMBERSHIPS = frozenset({"left", "ejected", "rejected"})
 
 
-def _says_retired(exc: BaseException) -> bool:
+def says_retired(exc: BaseException) -> bool:
     """A refusal that says an admin retired the provider: of its key (``provider_retired``), or
     of the node key (``node_banned`` with ``provider_retired: true``; the node is revoked for
     good, as its provider's key is)."""
@@ -317,7 +317,7 @@ class _Worker:
         try:
             interval = await self._start()
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
-            if _says_retired(exc):
+            if says_retired(exc):
                 self._retired()  # its registration or its node refused: nothing is held yet
                 assert self.end is not None
                 raise WorkerEnded(*self.end, self._stopped()) from exc
@@ -511,7 +511,7 @@ class _Worker:
         retired its provider, which sets why the run ends instead. The refusal says so
         (``provider_retired: true``); from a server whose refusal does not, the provider key
         tells (refused as ``provider_retired``), when the worker has it."""
-        if _says_retired(exc):
+        if says_retired(exc):
             self._retired()
             return
         if exc.code == "node_banned" and "provider_retired" not in exc.body and self.has_provider_key:
@@ -841,7 +841,7 @@ class _Worker:
             )
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
             self._error("heartbeat_failed", error=_why(exc))
-            if _says_retired(exc):
+            if says_retired(exc):
                 # The run ends, also while every slot is taken by a lease (its node is revoked:
                 # it cannot be submitted) and without the provider key.
                 self._retired()
@@ -890,7 +890,7 @@ class _Worker:
                 balance = await self.client.balance(stop=self.stop)
                 self.stats.earnings = balance.rewards_pending + balance.rewards_claimable + balance.withdrawn
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
-            if _says_retired(exc):
+            if says_retired(exc):
                 # No longer shown, they are the successor's now; and the run ends, also while
                 # every slot is taken by a lease (its node is revoked: it cannot be submitted).
                 self._retired()
