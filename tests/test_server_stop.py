@@ -243,3 +243,61 @@ def test_a_server_whose_exit_is_merely_slow_is_not_cut_short_and_exits_0(tmp_pat
     log = (tmp_path / "serve.log").read_text()
     assert "exit_forced" not in log, log[-3000:]
     assert server.returncode == 0, log[-3000:]
+
+
+# A process whose stop hangs in its cleanup (a database or Redis that stopped answering): the
+# guard, armed as a stop's cleanup starts, must end it. With "stalled", its stdout, where the log
+# goes, is a pipe nobody reads: a thread's write has filled it and blocks there, holding the
+# stream's lock, as a process logging to a hung log shipper does.
+HUNG_CLEANUP = """
+import sys, threading, time
+from orchestrator.core.logging import configure_logging
+from orchestrator.core.loops import ExitGuard
+
+configure_logging("WARNING", json=True)
+if sys.argv[1] == "stalled":
+    def flood():
+        while True:
+            sys.stdout.write("x" * 65536 + "\\n")
+            sys.stdout.flush()
+    threading.Thread(target=flood, daemon=True).start()
+    time.sleep(0.5)
+ExitGuard(0.5)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("stdout", ["read", "stalled"])
+def test_a_stop_whose_cleanup_hangs_is_ended_with_status_1_even_with_its_log_stalled(
+    tmp_path: Path, stdout: str
+) -> None:
+    """The guard's forced exit with the cleanup not done: status 1 (something the stop needs
+    hung), within the guard's bound, with an ``exit_forced`` line saying so. With stdout stalled
+    the guard's own log line blocked for good, and the process with it (it never exited); now the
+    line gets a second, then the process ends all the same, the line on stderr instead."""
+    out = tmp_path / "stdout"
+    err = tmp_path / "stderr"
+    with out.open("wb") as out_file, err.open("wb") as err_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", HUNG_CLEANUP, stdout],
+            stdout=subprocess.PIPE if stdout == "stalled" else out_file,
+            stderr=err_file,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        began = time.monotonic()
+        try:
+            status = proc.wait(8)
+        except subprocess.TimeoutExpired:
+            status = None
+        finally:
+            proc.kill()
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+    took = time.monotonic() - began
+    said = _log_lines(out.read_text() if stdout == "read" else err.read_text())
+    assert status == 1, (status, err.read_text()[-2000:])
+    assert took < 5, took
+    forced = [line for line in said if line["event"] == "exit_forced"]
+    assert [(f["cleanup_done"], f["status"], f["reason"]) for f in forced] == [(False, 1, "stop_bound")]
+    assert forced[0].get("log_blocked", False) is (stdout == "stalled")

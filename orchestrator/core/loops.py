@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime as dt
+import json
 import os
+import select
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Collection, Sequence
@@ -162,7 +165,8 @@ CANCEL_WAIT_S = 1.0
 #: loops' grace, the wait for the ticks it cancels, and 9 s for the rest of the cleanup and the
 #: interpreter's own exit (executor threads, atexit handlers), which take well under a second
 #: when nothing is stuck. ``serve`` begins its cleanup after the requests' 5 s grace
-#: (cli.SHUTDOWN_GRACE_S): 20 s after SIGTERM at most, within the Kubernetes manifests' 25 s.
+#: (cli.SHUTDOWN_GRACE_S): 20 s after SIGTERM at most, within the Kubernetes manifests' 25 s
+#: (and ``LAST_WORDS_S`` more if the ``exit_forced`` line cannot be written).
 EXIT_BOUND_S = STOP_GRACE_S + CANCEL_WAIT_S + 9.0
 
 
@@ -203,8 +207,42 @@ class ExitGuard:
 
     def _exit(self, waited_s: float, reason: str) -> None:
         status = 0 if self._done else 1
-        log.warning("exit_forced", waited_s=waited_s, reason=reason, cleanup_done=self._done, status=status)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
+        said = {"waited_s": waited_s, "reason": reason, "cleanup_done": self._done, "status": status}
+        # The log line and the flushes can block for good: on a stdout that is a pipe nobody
+        # reads any more (a log shipper that hung), or on the stream's lock, which a thread
+        # blocked so holds. They get LAST_WORDS_S in a thread of their own, and the process ends
+        # whether they are done or not (before, the guard itself hung there, and the process
+        # with it). If they are not, the line goes to stderr only if that can take it at once.
+        words = threading.Thread(target=_last_words, args=(said,), name="exit-forced-log", daemon=True)
+        words.start()
+        words.join(LAST_WORDS_S)
+        if words.is_alive():
+            now = dt.datetime.now(dt.UTC).isoformat()
+            _say_if_writable(
+                2, {"event": "exit_forced", "level": "warning", "timestamp": now, **said, "log_blocked": True}
+            )
         os._exit(status)
+
+
+#: How long a forced exit waits for its log line and the streams' flushes (``ExitGuard``).
+LAST_WORDS_S = 1.0
+
+
+def _last_words(said: dict[str, object]) -> None:
+    log.warning("exit_forced", **said)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
+def _say_if_writable(fd: int, event: dict[str, object]) -> None:
+    """Write ``event`` as one JSON line to ``fd`` only if that cannot block: the descriptor polls
+    writable now and the line is shorter than PIPE_BUF (a pipe with room for PIPE_BUF bytes
+    takes such a write whole, at once). The descriptor's flags are left alone: O_NONBLOCK
+    would be set on a file description that the parent process may share (its terminal)."""
+    line = (json.dumps(event, default=str) + "\n").encode()
+    with contextlib.suppress(Exception):
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        if len(line) < select.PIPE_BUF and poller.poll(0):
+            os.write(fd, line)
