@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import datetime as dt
+import email.utils
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -18,6 +19,7 @@ import structlog
 from sqlalchemy import select
 
 from api_schemas.tasks import LeasedTask, PolicyRef, Sample
+from orchestrator.core.clock import FakeClock
 from orchestrator.core.keys import generate_key, key_id_of
 from orchestrator.tasks.models import Submission
 from orchestrator.verification.jobs import drain
@@ -1374,3 +1376,81 @@ async def test_a_worker_whose_provider_was_blacklisted_from_the_pool_does_not_sa
         # and that running it again joins the pool again only without a blacklisting.
         assert "blacklisted its provider there" in end.detail, end.detail
         assert "joins it again, unless its provider is blacklisted there" in end.detail, end.detail
+
+
+class RealTimeClock(FakeClock):
+    """The server's clock as a deployment's: it moves on its own, so leases run out in real time
+    on the server as on the worker; ``ahead_s`` ahead of this machine's."""
+
+    def __init__(self, ahead_s: float = 0.0) -> None:
+        super().__init__()
+        self.ahead_s = ahead_s
+
+    def now(self) -> float:
+        return time.time() + self.ahead_s
+
+    def utcnow(self) -> dt.datetime:
+        return dt.datetime.fromtimestamp(self.now(), dt.UTC)
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+
+@dataclass
+class DatedTransport(FaultyTransport):
+    """Each answer with the ``Date`` header of the server's clock, as uvicorn sends it."""
+
+    clock: Any = None
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await super().handle_async_request(request)
+        response.headers["Date"] = email.utils.format_datetime(self.clock.utcnow(), usegmt=True)
+        return response
+
+
+@pytest.mark.parametrize(
+    "clock", [RealTimeClock(), RealTimeClock(ahead_s=200)], ids=["same_clock", "server_200s_ahead"]
+)
+async def test_a_lease_is_extended_before_its_deadline_whatever_the_servers_interval(
+    app: Any, app_state: Any, gate: asyncio.Event, clock: RealTimeClock
+) -> None:
+    """The server says when its leases run out (``lease_deadlines``, and the claim's
+    ``lease_expires_at``): the worker beats before they do, by half the time left, not only
+    every ``next_heartbeat_in_s``. Beating every minute, it lost a 10 s lease to the server
+    before its result was in (refused ``lease_expired``, counted dropped). The deadlines are
+    judged by the server's clock, as its ``Date`` header shows it: this machine's may be minutes
+    off (the signatures allow 5), and 200 s behind it the leases seemed to have minutes left."""
+    app_state.settings.heartbeat.interval_s = 3  # leases of 10 s are allowed
+    async with pool_setup(app, app_state, lease_duration_s=10) as s:
+        app_state.settings.heartbeat.interval_s = 60  # a beat a minute: longer than a lease
+        await s.enqueue(arithmetic_tasks(1, seed=2))
+        wire = DatedTransport(app_transport(app), clock=clock) if clock.ahead_s else None
+        run = start(app, s.pool_id, transport=wire, backend="gated", concurrency=1)
+        await run.until(lambda st: st.in_flight == 1)
+        await asyncio.sleep(12)  # longer than the lease lasts without a beat
+        gate.set()
+        stats = await run.until(lambda st: st.tasks_done == 1)
+        assert (stats.submitted, stats.dropped, stats.errors) == (1, 0, 0), stats
+        await run.finish()
+
+
+@pytest.mark.parametrize("clock", [RealTimeClock()])
+async def test_a_lease_past_its_pools_max_lease_is_dropped_at_its_deadline_not_at_the_next_beat(
+    app: Any, app_state: Any, gate: asyncio.Event
+) -> None:
+    """No beat extends a lease past its pool's ``max_lease_s`` from its claim: the server gives
+    its deadline at each beat, and the worker beats right after it, so the lease is dropped and
+    its work stopped within about a second of it, not at the next beat of the server's interval
+    (a minute here; the work went on until then, holding the slot)."""
+    app_state.settings.heartbeat.interval_s = 3  # leases of 10 s are allowed
+    async with pool_setup(app, app_state, lease_duration_s=10, max_lease_s=10) as s:
+        app_state.settings.heartbeat.interval_s = 60  # a beat a minute
+        await s.enqueue(arithmetic_tasks(1, seed=2))
+        run = start(app, s.pool_id, backend="gated", concurrency=1)
+        await run.until(lambda st: st.in_flight == 1)
+        began = time.monotonic()
+        await run.until(lambda st: st.dropped == 1 and st.in_flight == 0, within=20)
+        assert time.monotonic() - began < 13
+        gate.set()
+        stats = await run.finish()
+        assert (stats.submitted, stats.released, stats.dropped, stats.errors) == (0, 0, 1, 0), stats

@@ -25,10 +25,13 @@ Errors the server answers are raised as ``OrchestratorAPIError`` with the proble
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
+import email.utils
 import enum
 import functools
 import json
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from types import TracebackType
 from typing import Any, TypeVar
@@ -133,6 +136,11 @@ class WorkerClient(Backoff):
         self._provider_id = key_id_of(provider_key) if provider_key is not None else None
         self._node_id = key_id_of(node_key) if node_key is not None else None
         self.max_retries = max_retries
+        #: The server's clock less this machine's, in seconds, from the ``Date`` header of its
+        #: last answer that had one (whole seconds: an offset under a second reads as 0); None
+        #: before such an answer. Read to judge the server's times (a lease's deadline) by the
+        #: server's clock: the signatures let this machine's be minutes off.
+        self.clock_offset_s: float | None = None
         self._sleep: Callable[[float], Awaitable[None]] = anyio.sleep
         self._http = httpx.AsyncClient(
             base_url=base_url,
@@ -454,6 +462,7 @@ class WorkerClient(Backoff):
                 )
                 try:
                     response = await self._http.send(request, auth=auth)
+                    self._note_clock(response)
                     if response.is_error:
                         raise OrchestratorAPIError.from_response(response)
                 except Exception as exc:
@@ -461,6 +470,21 @@ class WorkerClient(Backoff):
                     raise
                 return response
         raise AssertionError("unreachable: tenacity either returns or reraises")  # pragma: no cover
+
+    def _note_clock(self, response: httpx.Response) -> None:
+        """``clock_offset_s`` from the answer's ``Date`` (truncated to the second: its middle)."""
+        date = response.headers.get("date")
+        if not date:
+            return
+        try:
+            at = email.utils.parsedate_to_datetime(date)
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return
+        if at.tzinfo is None:  # "-0000": UTC, said without a zone
+            at = at.replace(tzinfo=dt.UTC)
+        server = at.timestamp() + 0.5
+        offset = server - time.time()
+        self.clock_offset_s = 0.0 if abs(offset) < 1.0 else offset
 
     async def _sleep_unless(self, interrupt: asyncio.Event, seconds: float) -> None:
         """Sleep between attempts, waking at once when ``interrupt`` is set."""

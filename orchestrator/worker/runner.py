@@ -3,7 +3,9 @@
 ``run_worker`` runs until ``stop`` is set (or ``max_tasks`` leases have been worked): it
 registers the provider and node (idempotently), joins the pool, heartbeats in the background
 every ``next_heartbeat_in_s`` with the ids of the leases it holds (abandoning those the
-server names in ``drop_leases``), and keeps up to ``concurrency`` leases in flight, each run
+server names in ``drop_leases``), sooner when a lease would run out before then (by each
+lease's deadline, from its claim and each beat's ``lease_deadlines``, on the server's clock:
+``_next_beat_at``), and keeps up to ``concurrency`` leases in flight, each run
 by the backend and submitted. A claim asks for at most ``CLAIM_MAX_TASKS`` leases (the
 server's limit); it claims again until ``concurrency`` leases are held. A claim with no work
 waits for the server's ``Retry-After``; one refused for the pool's lease cap
@@ -41,6 +43,7 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
+import datetime as dt
 import functools
 import os
 import random
@@ -81,6 +84,8 @@ NOT_REACHED_STATUSES = frozenset({429, 502, 503, 504})
 MEMBERSHIP_REASONS = frozenset({"pool_not_active", "not_a_member"})
 # Memberships that ended: no work comes to the node in the pool until it joins again.
 ENDED_MEMBERSHIPS = frozenset({"left", "ejected", "rejected"})
+# The least time between two beats that a lease's deadline brings forward (``_next_beat_at``).
+MIN_BEAT_S = 1.0
 
 
 def says_retired(exc: BaseException) -> bool:
@@ -309,6 +314,11 @@ class _Worker:
         self.provider_retired = False
         #: The node's provider, as its record gives it (for a worker without the provider key).
         self.provider_id: str | None = None
+        #: Each lease in flight's deadline on the server, on the event loop's clock: from its
+        #: claim, then from each beat's ``lease_deadlines``. The heartbeats are timed by them.
+        self.deadlines: dict[str, float] = {}
+        #: Set when leases are taken: the heartbeat loop works out its next beat again.
+        self.leases_taken = asyncio.Event()
 
     # ------------------------------------------------------------------ top level
 
@@ -551,7 +561,9 @@ class _Worker:
         for lease in leases:
             task = asyncio.create_task(self._work(lease), name=f"lease-{lease.assignment_id}")
             self.running[lease.assignment_id] = task
+            self.deadlines[lease.assignment_id] = self._loop_time_of(lease.lease_expires_at)
             task.add_done_callback(functools.partial(self._forget, lease.assignment_id))
+        self.leases_taken.set()
         self._emit()
 
     async def _recover(self) -> bool:
@@ -779,6 +791,7 @@ class _Worker:
 
     def _forget(self, assignment_id: str, _task: asyncio.Task[None]) -> None:
         self.running.pop(assignment_id, None)
+        self.deadlines.pop(assignment_id, None)
         self.ended += 1
         self.submitting.discard(assignment_id)
         if not self.finishing:
@@ -817,20 +830,60 @@ class _Worker:
 
     # ------------------------------------------------------------------ background
 
-    async def _closing_within(self, seconds: float) -> bool:
-        """Wait up to ``seconds``; True once the worker is closing."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.closing.wait(), timeout=seconds)
+    async def _closing_within(self, seconds: float, *, wake: asyncio.Event | None = None) -> bool:
+        """Wait up to ``seconds`` (or until ``wake`` is set); True once the worker is closing."""
+        waits = [asyncio.create_task(self.closing.wait())]
+        if wake is not None:
+            waits.append(asyncio.create_task(wake.wait()))
+        try:
+            await asyncio.wait(waits, timeout=max(0.0, seconds), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
         return self.closing.is_set()
 
     async def _heartbeat_loop(self, interval: float) -> None:
-        while not await self._closing_within(interval):
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        while not self.closing.is_set():
+            self.leases_taken.clear()
+            at = self._next_beat_at(last + interval)
+            if await self._closing_within(at - loop.time(), wake=self.leases_taken):
+                return
+            if loop.time() < at:
+                continue  # leases were taken: the time of the next beat is worked out again
             beat = await self._beat()
+            last = loop.time()
             interval = min(interval, 5.0) if beat is None else beat.next_heartbeat_in_s
+
+    def _next_beat_at(self, at: float) -> float:
+        """When to beat next (on the event loop's clock): ``at``, the server's interval after the
+        last beat, or sooner when a lease held would run out before then. A beat comes by half
+        the time a lease has left (the server extends it then: it extends a lease with less
+        than three of its intervals left), down to ``MIN_BEAT_S`` apart; so a lease the server
+        no longer extends (its pool's ``max_lease_s`` from the claim) is dropped within about
+        that of its deadline, its work stopped, rather than up to an interval later. A deadline
+        more than ``MIN_BEAT_S`` past brings no beat forward: the beats after it did not drop
+        the lease (the server's clock is behind the estimate, or it could not be reached, and
+        an outage of the server gives its leases their time back), so it is left to the
+        server's interval, as a failing beat is to its retries."""
+        now = asyncio.get_running_loop().time()
+        for aid, deadline in self.deadlines.items():
+            if aid not in self.dropped and deadline + MIN_BEAT_S > now:
+                at = min(at, now + max(MIN_BEAT_S, (deadline - now) / 2))
+        return at
+
+    def _loop_time_of(self, at: dt.datetime) -> float:
+        """A time on the server's clock (a lease's deadline) on the event loop's, through the
+        server's clock as its last ``Date`` header showed it (this machine's without one)."""
+        server_now = time.time() + (self.client.clock_offset_s or 0.0)
+        return asyncio.get_running_loop().time() + (at.timestamp() - server_now)
 
     async def _beat(self, stop: asyncio.Event | None = None) -> HeartbeatOut | None:
         """One heartbeat with the leases in flight; abandons those the server names in
-        ``drop_leases``. None if it failed (an error counted)."""
+        ``drop_leases`` and keeps the others' deadlines (``lease_deadlines``). None if it failed
+        (an error counted)."""
         try:
             metrics = {"in_flight": float(len(self.running)), "tasks_done": float(self.stats.tasks_done)}
             # Retried until the held leases are settled (closing): a beat keeps them alive.
@@ -846,6 +899,10 @@ class _Worker:
                 # it cannot be submitted) and without the provider key.
                 self._retired()
             return None
+        # The deadlines after the beat (an older server sends none: the claims' stay).
+        for d in beat.lease_deadlines:
+            if d.assignment_id in self.deadlines:
+                self.deadlines[d.assignment_id] = self._loop_time_of(d.lease_expires_at)
         for aid in beat.drop_leases:
             task = self.running.get(aid)
             # A lease being submitted is left alone: the server will refuse the result. One
