@@ -1598,6 +1598,7 @@ def worker_leave(
 
 # `worker run`'s exit statuses when the run ends on its own (``WorkerEnded``'s reasons) or the
 # server refuses the node or the provider for good (problem codes); 1 for other refusals.
+# `worker leave` exits with the last two, for the same refusals.
 WORKER_EXITS = {
     "pool_completed": 3,
     "membership_ended": 4,
