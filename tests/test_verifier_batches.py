@@ -4,6 +4,7 @@ between processes (SKIP LOCKED) without deciding or paying anything twice."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 from collections import Counter
@@ -613,6 +614,68 @@ async def test_two_verifiers_do_not_both_score_a_partitions_batch(
     assert await decided(app_state) == (4, Counter(done=4))
 
 
+def queued_for_the_scorer(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Counts the lanes that have reached the scorer (entered ``ScorerTurns.turn``, waiting for
+    their turn or holding it) under ``"turns"``."""
+    real_turn = jobs.ScorerTurns.turn
+    counts: Counter[str] = Counter()
+
+    @contextlib.asynccontextmanager
+    async def counted(self: Any, *args: Any) -> Any:
+        counts["turns"] += 1
+        async with real_turn(self, *args) as go_on:
+            yield go_on
+
+    monkeypatch.setattr(jobs.ScorerTurns, "turn", counted)
+    return counts
+
+
+@postgres_only
+async def test_a_partition_whose_lane_waits_for_the_scorer_is_worked_by_another_verifier(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one scoring process, a tick's first lane scores its batch while its second waits
+    for its turn. The waiting lane held its partition's lock (at session level, on an idle
+    connection of its own), so a second verifier process passed that partition over though
+    nothing was being done with it. The second verifier now decides that partition's results
+    meanwhile, and the waiting lane, once its turn comes, scores none of them again."""
+    batches_of(app_state, 10)
+    real = service._score_inputs
+    scored: Counter[int] = Counter()
+    first_scoring, second_done = asyncio.Event(), asyncio.Event()
+    queued = queued_for_the_scorer(monkeypatch)
+
+    async def first_waits_for_the_second(inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        first = not scored
+        scored.update(i.job_id for i in inputs)
+        if first:  # the first verifier's first lane is scoring its batch
+            first_scoring.set()
+            await asyncio.wait_for(second_done.wait(), 10)
+        return await real(inputs, *args, **kwargs)
+
+    async def second() -> int:
+        await asyncio.wait_for(first_scoring.wait(), 10)
+        for _ in range(1000):  # the first verifier's other lane has read its batch: it waits
+            if queued["turns"] >= 2:
+                break
+            await asyncio.sleep(0.01)
+        try:
+            return await verify_batches(app_state, budget_s=math.inf)
+        finally:
+            second_done.set()
+
+    monkeypatch.setattr(service, "_score_inputs", first_waits_for_the_second)
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=8) as s:
+        first = s.workers[0]
+        s.workers[:] = [first, await in_another_partition(s, first)]
+        await results(s, 2)
+        counts = await asyncio.gather(verify_batches(app_state, budget_s=math.inf), second())
+    assert counts == [2, 2]  # the second verifier decided the waiting lane's partition
+    assert sorted(scored.values()) == [1] * 4, scored  # each result through the reward function once
+    assert await decided(app_state) == (4, Counter(done=4))
+    await books_balance(app_state)
+
+
 async def verifier_locks(app_state: Any) -> int:
     """How many verifier partition locks are held, by any connection."""
     async with app_state.engine.connect() as conn:
@@ -633,10 +696,10 @@ async def verifier_locks(app_state: Any) -> int:
 async def test_a_tick_cancelled_while_its_lanes_wait_for_the_scorer_leaves_no_partition_held(
     app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A stopping process cancels its tick while one lane's batch is scored and the others wait
-    for their turn, each holding its partition: every partition is free again (no lock left on
-    a pooled connection, which would keep every other verifier off the partition), and the next
-    tick decides everything."""
+    """A stopping process cancels its tick while one lane's batch is scored (holding its
+    partition) and the others wait for their turn (holding none): every partition is free again
+    (no lock left on a pooled connection, which would keep every other verifier off the
+    partition), and the next tick decides everything."""
     batches_of(app_state, 10)
     real = service._score_inputs
     scoring = asyncio.Event()
@@ -649,15 +712,17 @@ async def test_a_tick_cancelled_while_its_lanes_wait_for_the_scorer_leaves_no_pa
         return await real(*args, **kwargs)
 
     monkeypatch.setattr(service, "_score_inputs", hangs)
+    queued = queued_for_the_scorer(monkeypatch)
     async with pool_setup(app, app_state, workers=1, max_leases_per_node=8) as s:
         await three_partitions_with_work(s)
         tick = asyncio.create_task(verify_batches(app_state, budget_s=math.inf))
         await asyncio.wait_for(scoring.wait(), 10)
 
-        for _ in range(1000):  # the other lanes hold theirs, waiting for their turn
-            if await verifier_locks(app_state) == 3:
+        for _ in range(1000):  # the other lanes have read their batches: they wait for their turn
+            if queued["turns"] == 3:
                 break
             await asyncio.sleep(0.01)
+        assert await verifier_locks(app_state) == 1  # the scored batch's partition
         tick.cancel()
         with pytest.raises(asyncio.CancelledError):
             await tick

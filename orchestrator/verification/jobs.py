@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import structlog
 from sqlalchemy import func, select
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionmaker
 
 from orchestrator.core.clock import Clock
 from orchestrator.core.loops import tick_failed
@@ -27,6 +27,7 @@ from orchestrator.core.state import AppState
 from orchestrator.core.ticks import Keyset, claim_tick, tick_in_batches
 from orchestrator.ledger import succession
 from orchestrator.verification import service, validators
+from orchestrator.verification.models import VerificationJob
 from orchestrator.verification.scoring import Scorer, scorer_for
 
 log = structlog.get_logger(__name__)
@@ -74,9 +75,9 @@ class ScorerTurns:
     """Which of a tick's lanes may have a batch scored at once (PostgreSQL): as many as the
     scoring processes have a batch's worth of room for (``reward_processes // batch_size``, at
     least one). A lane reads its batch's inputs in a short transaction of its own, then waits
-    for its turn, holding no transaction or job row (``service.prescore``; only its partition's
-    lock at session level, ``_working``), and
-    gives the turn back once the batch is scored; only then does the batch's transaction begin.
+    for its turn holding no transaction, row, lock or connection (``service.prescore``), takes
+    its partition's lock once the turn has come (``_Claim``), and gives the turn back once the
+    batch is scored; only then does the batch's transaction begin.
     Before, every lane took its partition's lock and its batch and then queued for the one
     scoring process: 8 transactions open at once, and a tick ran past its budget by up to 8
     batches' scoring. A turn that comes after ``deadline`` says to stop (except the tick's
@@ -257,54 +258,16 @@ async def _verify_partition(
     Each batch takes its turn at the scorer from ``turns`` (PostgreSQL's lanes).
 
     PostgreSQL: a partition another verifier is working (its lock held) is left to it at once.
-    The lane holds the partition's lock for as long as it works it, at session level on a
-    connection of its own (``_working``), its batches' transactions on that connection: while a
-    batch waits for the scorer and is scored there is no transaction open, but another process
-    still finds the partition taken. With the lock taken only by each transaction, every
-    process working the backlog found the partition free while a batch was scored (the
-    partitions in the same order, oldest first) and scored the same batch again."""
-    if partition is None:
-        return await _batches(state, None, state.sessionmaker, scorer, size, retry_s, deadline, turns)
-    async with _working(state, partition) as sessionmaker:
-        if sessionmaker is None:  # another verifier is working this partition
-            return 0, False
-        return await _batches(state, partition, sessionmaker, scorer, size, retry_s, deadline, turns)
-
-
-@contextlib.asynccontextmanager
-async def _working(state: AppState, partition: int) -> AsyncIterator[async_sessionmaker[AsyncSession] | None]:
-    """The partition's verifier lock at session level on a connection of this lane's, and
-    sessions on that connection (their transactions' own try of the lock then succeeds), or
-    ``None`` if another verifier holds it. No transaction stays open in between. The lock is
-    given back when the lane is done; a lane that fails or is cancelled closes the connection
-    instead (its session, and the lock with it, ends), so a lock is never left in the pool."""
-    key = (service.VERIFIER_LOCK, partition)
-    async with state.engine.connect() as conn:
-        try:  # cut short anywhere (the lock taken or not, given back or not): the session ends
-            taken = await conn.scalar(select(func.pg_try_advisory_lock(*key)))
-            await conn.commit()
-            if not taken:
-                yield None
-                return
-            yield async_sessionmaker(**{**state.sessionmaker.kw, "bind": conn})
-            await conn.scalar(select(func.pg_advisory_unlock(*key)))
-            await conn.commit()
-        except BaseException:
-            await conn.invalidate()
-            raise
-
-
-async def _batches(
-    state: AppState,
-    partition: int | None,
-    sessionmaker: async_sessionmaker[AsyncSession],
-    scorer: Scorer,
-    size: int,
-    retry_s: float,
-    deadline: float,
-    turns: ScorerTurns | None,
-) -> tuple[int, bool]:
-    """``_verify_partition``'s batches, in sessions of ``sessionmaker``."""
+    A batch holds the partition's lock from when its turn at the scorer comes until its
+    transaction has committed, at session level on a connection of its own (``_Claim``), its
+    transaction on that connection: while the batch is scored there is no transaction open,
+    but another process finds the partition taken. While a lane waits for its turn it holds
+    nothing: another process may work the partition meanwhile, and the lane then scores only
+    the jobs read that are still waiting (``service.prescore``). With the lock taken only by
+    each transaction, every process working the backlog found the partition free while a batch
+    was scored (the partitions in the same order, oldest first) and scored the same batch
+    again; with the lock held by a lane for as long as it worked the partition, a lane waiting
+    for its turn kept every other process off a partition nobody was working."""
     secret = state.settings.seed_key
     total = 0
     # Where this process's last call stopped for its budget: results it cannot decide yet
@@ -315,49 +278,53 @@ async def _batches(
     start = state.verifier_resume.pop(partition, 0)
     after, wrapped = start, start == 0
     while True:
-        # Scored with no transaction open: SQLite's would hold the one write lock, PostgreSQL's
-        # its partition's lock and job rows, while waiting for the scorer.
-        prescored = await service.prescore(
-            sessionmaker,
-            scorer,
-            limit=size,
-            after_id=after,
-            now=state.clock.utcnow(),
-            reward_retry_s=retry_s,
-            reward_backoff=state.reward_backoff,
-            partition=partition,
-            turn=None if turns is None else turns.turn(),
-        )
-        if prescored.late:  # the budget ran out while it waited for the scorer: on from here
-            state.verifier_resume[partition] = after
-            return total, True
-        if prescored.held:  # another verifier is working this partition
-            break
-        if not prescored.attempted:
-            if wrapped:
-                break
-            after, wrapped = 0, True
-            continue
-        async with sessionmaker() as session, session.begin():
-            batch = await service.process_pending(
-                session,
-                secret=secret,
-                rng=state.rng,
-                now=state.clock.utcnow(),
-                scorer=scorer,
+        async with _Claim(state, partition) as claim:
+            # Scored with no transaction open: SQLite's would hold the one write lock,
+            # PostgreSQL's its partition's lock and job rows, while waiting for the scorer.
+            prescored = await service.prescore(
+                state.sessionmaker,
+                scorer,
                 limit=size,
                 after_id=after,
-                partition=partition,
-                prescored=prescored,
+                now=state.clock.utcnow(),
                 reward_retry_s=retry_s,
                 reward_backoff=state.reward_backoff,
+                partition=partition,
+                turn=None if turns is None else turns.turn(),
+                claim=None if partition is None else claim.take,
             )
+            if prescored.late:  # the budget ran out while it waited for the scorer: on from here
+                state.verifier_resume[partition] = after
+                return total, True
+            if prescored.held:  # another verifier is working this partition
+                break
+            if not prescored.read:
+                if wrapped:
+                    break
+                after, wrapped = 0, True
+                continue
+            batch = service.Batch(0, 0, prescored.last_id)  # all decided by another verifier
+            if prescored.attempted:
+                async with claim.sessionmaker() as session, session.begin():
+                    batch = await service.process_pending(
+                        session,
+                        secret=secret,
+                        rng=state.rng,
+                        now=state.clock.utcnow(),
+                        scorer=scorer,
+                        limit=size,
+                        after_id=after,
+                        partition=partition,
+                        prescored=prescored,
+                        reward_retry_s=retry_s,
+                        reward_backoff=state.reward_backoff,
+                    )
         total += batch.processed
         after = batch.last_id
         if partition is not None and batch.processed < batch.picked:
             state.verifier_failed_at[partition] = state.clock.monotonic()
         # At the newest: this partition is done, or another verifier is working it.
-        end = (batch.picked if partition is None else len(prescored.attempted)) < size
+        end = (batch.picked if partition is None else prescored.read) < size
         done = wrapped and (end or 0 < start <= after)  # the pass is back where it started
         if not done and state.clock.monotonic() >= deadline:
             state.verifier_resume[partition] = 0 if end else after
@@ -367,6 +334,63 @@ async def _batches(
         if end:
             after, wrapped = 0, True
     return total, False
+
+
+class _Claim:
+    """A batch's hold on its partition (PostgreSQL), taken once its turn at the scorer has come
+    (``take``) and given back when the batch is done: the partition's verifier lock at session
+    level on a connection of the batch's, and sessions on that connection (``sessionmaker``;
+    their transactions' own try of the lock then succeeds). No transaction stays open in
+    between. A batch that fails or is cancelled closes the connection instead (its session, and
+    the lock with it, ends), so a lock is never left in the pool. SQLite (no partition): the
+    process's sessions, nothing taken."""
+
+    def __init__(self, state: AppState, partition: int | None) -> None:
+        self._state = state
+        self._key = (service.VERIFIER_LOCK, partition)
+        self._conn: AsyncConnection | None = None
+        self.sessionmaker = state.sessionmaker
+
+    async def take(self, job_ids: frozenset[int]) -> frozenset[int] | None:
+        """The partition's lock, and which of ``job_ids`` still wait for their checks (read
+        after the lock is taken: a batch another verifier decided has committed by then);
+        ``None`` if another verifier holds the lock."""
+        conn = self._conn = await self._state.engine.connect()
+        if not await conn.scalar(select(func.pg_try_advisory_lock(*self._key))):
+            await conn.commit()
+            await self._close()
+            return None
+        waiting = select(VerificationJob.id).where(
+            VerificationJob.id.in_(job_ids), VerificationJob.stage == "checks"
+        )
+        still = frozenset((await conn.execute(waiting)).scalars())
+        await conn.commit()
+        self.sessionmaker = async_sessionmaker(**{**self._state.sessionmaker.kw, "bind": conn})
+        return still
+
+    async def _close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.close()
+
+    async def __aenter__(self) -> _Claim:
+        return self
+
+    async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if self._conn is None:
+            return
+        if exc is not None:  # cut short anywhere (the lock given back or not): the session ends
+            await self._conn.invalidate()
+            await self._close()
+            return
+        try:
+            await self._conn.scalar(select(func.pg_advisory_unlock(*self._key)))
+            await self._conn.commit()
+        except BaseException:
+            await self._conn.invalidate()
+            raise
+        finally:
+            await self._close()
 
 
 async def drain(state: AppState, *, max_rounds: int = 100) -> int:

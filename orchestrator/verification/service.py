@@ -49,7 +49,7 @@ import json
 import random
 import zlib
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -234,7 +234,7 @@ async def process_pending(
 
     With both ``partition`` and ``prescored`` (PostgreSQL's lanes) the batch is the prescored
     jobs still waiting, nothing is scored in the transaction, and the batch's ``last_id`` is the
-    last prescored job's."""
+    last job ``prescore`` read."""
     stmt = _waiting(after_id, limit)
     last = after_id
     if partition is not None:
@@ -244,7 +244,7 @@ async def process_pending(
         stmt = stmt.where(VerificationJob.verifier_partition == partition).with_for_update()
         if prescored is not None:  # decided meanwhile (by another process): not taken
             stmt = stmt.where(VerificationJob.id.in_(prescored.attempted))
-            last = max(prescored.attempted, default=after_id)
+            last = max(prescored.last_id, after_id)
         session.info[SYSTEM_SHARD] = partition
     elif is_postgres(session):  # the whole backlog at once: share it without waiting
         stmt = stmt.with_for_update(skip_locked=True)
@@ -501,11 +501,21 @@ class Prescored:
 
     attempted: frozenset[int]
     scored: dict[int, Scored]
-    # PostgreSQL: another verifier holds the partition (nothing read).
+    # PostgreSQL: another verifier holds the partition (nothing read, or nothing scored).
     held: bool = False
     # The jobs were read, but their turn at the scorer came after the tick's budget ran out
     # (``turn``): nothing was scored and nothing is attempted.
     late: bool = False
+    # How many jobs were read, and the highest id among them (``after_id`` if none): jobs read
+    # but not attempted were decided by another verifier before this one took the partition.
+    read: int = 0
+    last_id: int = 0
+
+
+#: PostgreSQL: a lane's claim on its partition once its turn at the scorer has come
+#: (``jobs._Claim.take``): given the ids read, those still waiting for their checks, the
+#: partition's lock taken; ``None`` if another verifier holds it.
+Claim = Callable[[frozenset[int]], Awaitable[frozenset[int] | None]]
 
 
 async def prescore(
@@ -519,6 +529,7 @@ async def prescore(
     reward_backoff: dict[int, tuple[dt.datetime, float]] | None = None,
     partition: int | None = None,
     turn: AbstractAsyncContextManager[bool] | None = None,
+    claim: Claim | None = None,
 ) -> Prescored:
     """Score the next batch's results with no transaction open. SQLite: every SQLite transaction
     holds the database's one write lock (``BEGIN IMMEDIATE``), so a batch that scored inside its
@@ -528,32 +539,44 @@ async def prescore(
 
     PostgreSQL (``partition``): the partition's next batch, read in a short transaction that
     tries the partition's lock (``held`` if another verifier has it: that one is working the
-    partition; a lane holds it already, at session level on the connection of ``sessionmaker``,
-    ``jobs._working``). A lane waiting for the scorer (``turn``, ``jobs.ScorerTurns``: entered
-    once the inputs are read, left once they are scored) then holds no transaction or row: the
-    batch's transaction (``process_pending``) takes the lock again and decides only the jobs
-    still waiting. A score's inputs (the result, the task's ``verification``, the pool's reward
-    function) never change once the job exists. A turn that says not to go on (the tick's
-    budget ran out meanwhile) scores nothing (``late``)."""
+    partition). The lane then waits for its turn at the scorer (``turn``, ``jobs.ScorerTurns``:
+    entered once the inputs are read, left once they are scored) holding no transaction, row,
+    lock or connection, so that another verifier may work the partition meanwhile. Once the
+    turn has come, ``claim`` takes the partition's lock (at session level, ``jobs._Claim``) and
+    says which of the jobs read are still waiting: only those are scored, so that a batch
+    another verifier scored and decided while this one waited is not scored again (``held``,
+    nothing scored, if that verifier still holds the partition). The batch's transaction
+    (``process_pending``) then decides only the jobs still waiting. A score's inputs (the
+    result, the task's ``verification``, the pool's reward function) never change once the job
+    exists. A turn that says not to go on (the tick's budget ran out meanwhile) scores nothing
+    (``late``)."""
     async with sessionmaker() as session, session.begin():
         stmt = _waiting(after_id, limit)
         if partition is not None:
             lock = func.pg_try_advisory_xact_lock(VERIFIER_LOCK, partition)
             if not await session.scalar(select(lock)):
-                return Prescored(frozenset(), {}, held=True)
+                return Prescored(frozenset(), {}, held=True, last_id=after_id)
             stmt = stmt.where(VerificationJob.verifier_partition == partition)
         jobs = list((await session.execute(stmt)).scalars())
         _, loaded = await _load(session, jobs) if jobs else ([], [])
         inputs = await _inputs(session, jobs)
         del loaded  # held until the inputs are read (the identity map holds rows weakly)
     if not jobs:
-        return Prescored(frozenset(), {})
+        return Prescored(frozenset(), {}, last_id=after_id)
+    read, last = len(jobs), jobs[-1].id
     retry = Retry(now, reward_retry_s, {} if reward_backoff is None else reward_backoff)
     async with turn or nullcontext(True) as go_on:
         if not go_on:
-            return Prescored(frozenset(), {}, late=True)
+            return Prescored(frozenset(), {}, late=True, read=read, last_id=last)
+        waiting = frozenset(j.id for j in jobs)
+        if claim is not None:
+            still = await claim(waiting)
+            if still is None:
+                return Prescored(frozenset(), {}, held=True, read=read, last_id=last)
+            waiting = still
+            inputs = [i for i in inputs if i.job_id in waiting]
         scored = await _score_inputs(inputs, scorer, retry)
-    return Prescored(frozenset(j.id for j in jobs), scored)
+    return Prescored(waiting, scored, read=read, last_id=last)
 
 
 def _waiting(after_id: int, limit: int) -> Select[VerificationJob]:
