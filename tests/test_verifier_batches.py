@@ -477,8 +477,8 @@ async def test_when_two_lanes_of_a_tick_fail_both_failures_are_reported(
         assert await decided(app_state) == (0, Counter(checks=2))
 
 
-async def three_partitions_with_work(s: PoolSetup) -> None:
-    """Two results from each of three providers, each in a partition of its own."""
+async def three_partitions_with_work(s: PoolSetup, per_worker: int = 2) -> None:
+    """``per_worker`` results from each of three providers, each in a partition of its own."""
     first = s.workers[0]
     second = await in_another_partition(s, first)
     while True:
@@ -489,7 +489,7 @@ async def three_partitions_with_work(s: PoolSetup) -> None:
             break
         s.workers.remove(third)
     s.workers[:] = [first, second, third]
-    await results(s, 2)
+    await results(s, per_worker)
 
 
 async def partition_locked(app_state: Any, job_id: int) -> bool:
@@ -543,6 +543,39 @@ async def test_lanes_wait_for_the_scorer_without_a_transaction(
     assert peak == 1  # batches being scored (or queued for it) at once: the scorer's one process
     assert await decided(app_state) == (6, Counter(done=6))
     await books_balance(app_state)
+
+
+@postgres_only
+async def test_small_batches_are_scored_side_by_side_up_to_the_scoring_processes(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Turns at the scorer were counted in full batches (``reward_processes // batch_size``, at
+    least one): with two scoring processes and batches of up to 10, three lanes' batches of one
+    result each were scored one at a time while a process idled. They are counted in results:
+    two of those batches are scored at once, never three."""
+    app_state.settings.verifier = VerifierSettings(batch_size=10, tick_budget_s=60, reward_processes=2)
+    scoring, peak = 0, 0
+    real = service._score_inputs
+
+    async def counted(inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal scoring, peak
+        scoring += 1
+        peak = max(peak, scoring)
+        try:
+            for _ in range(25):  # the other lanes have their chance to be scored beside it
+                if scoring > 2:
+                    break
+                await asyncio.sleep(0.04)
+            return await real(inputs, *args, **kwargs)
+        finally:
+            scoring -= 1
+
+    monkeypatch.setattr(service, "_score_inputs", counted)
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=8) as s:
+        await three_partitions_with_work(s, per_worker=1)
+        assert await verify_batches(app_state, budget_s=math.inf) == 3
+    assert peak == 2  # batches scored at once: one result each, two scoring processes
+    assert await decided(app_state) == (3, Counter(done=3))
 
 
 @postgres_only

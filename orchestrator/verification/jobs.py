@@ -12,6 +12,7 @@ right after."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import math
 from collections.abc import AsyncIterator
@@ -72,30 +73,70 @@ class VerifyReport:
 
 
 class ScorerTurns:
-    """Which of a tick's lanes may have a batch scored at once (PostgreSQL): as many as the
-    scoring processes have a batch's worth of room for (``reward_processes // batch_size``, at
-    least one). A lane reads its batch's inputs in a short transaction of its own, then waits
-    for its turn holding no transaction, row, lock or connection (``service.prescore``), takes
-    its partition's lock once the turn has come (``_Claim``), and gives the turn back once the
-    batch is scored; only then does the batch's transaction begin.
+    """Which of a tick's lanes may have a batch scored at once (PostgreSQL), counted in results:
+    as many results at once as there are scoring processes (``reward_processes``), a batch
+    taking as many as it has results (all of them, if it has more: it is scored alone). A lane
+    reads its batch's inputs in a short transaction of its own, then waits for its turn holding
+    no transaction, row, lock or connection (``service.prescore``), takes its partition's lock
+    once the turn has come (``_Claim``), and gives the turn back once the batch is scored; only
+    then does the batch's transaction begin. Turns are given in the order asked for (a batch
+    that does not fit yet is not passed by smaller ones behind it).
+
     Before, every lane took its partition's lock and its batch and then queued for the one
     scoring process: 8 transactions open at once, and a tick ran past its budget by up to 8
-    batches' scoring. A turn that comes after ``deadline`` says to stop (except the tick's
-    first, which always goes on): the lane takes no batch, the next tick goes on from there."""
+    batches' scoring. Turns were then counted in full batches (``reward_processes //
+    batch_size``, at least one), so batches smaller than ``batch_size`` (a partition with a few
+    results waiting, as most are when the verifier keeps up) were scored one at a time while
+    the other processes idled. A turn that comes after ``deadline`` says to stop (except the
+    tick's first, which always goes on): the lane takes no batch, the next tick goes on from
+    there."""
 
     def __init__(self, capacity: int, clock: Clock, deadline: float) -> None:
         self.capacity = max(1, capacity)
-        self._free = asyncio.Semaphore(self.capacity)
+        self._free = self.capacity
+        self._waiting: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
         self._clock = clock
         self._deadline = deadline
         self._given = 0
 
     @contextlib.asynccontextmanager
-    async def turn(self) -> AsyncIterator[bool]:
-        async with self._free:
+    async def turn(self, results: int) -> AsyncIterator[bool]:
+        """A turn for a batch of ``results`` results (at least one's room, at most all)."""
+        n = min(self.capacity, max(1, results))
+        if self._waiting or self._free < n:
+            asked = (n, asyncio.get_running_loop().create_future())
+            self._waiting.append(asked)
+            try:
+                await asked[1]
+            except BaseException:
+                if asked[1].done() and not asked[1].cancelled():  # given as it was cancelled
+                    self._give_back(n)
+                else:
+                    with contextlib.suppress(ValueError):
+                        self._waiting.remove(asked)
+                    self._give_back(0)  # those behind it may fit now
+                raise
+        else:
+            self._free -= n
+        try:
             go_on = not self._given or self._clock.monotonic() < self._deadline
             self._given += 1
             yield go_on
+        finally:
+            self._give_back(n)
+
+    def _give_back(self, n: int) -> None:
+        self._free += n
+        while self._waiting:
+            wanted, given = self._waiting[0]
+            if given.done():  # cancelled while it waited
+                self._waiting.popleft()
+                continue
+            if wanted > self._free:
+                return
+            self._waiting.popleft()
+            self._free -= wanted
+            given.set_result(None)
 
 
 async def verify_once(state: AppState) -> VerifyReport:
@@ -209,7 +250,7 @@ async def _verify_batches(state: AppState, *, budget_s: float) -> tuple[int, boo
     cut = False
     turns = None
     if partitions != [None]:  # SQLite scores its one lane's batch before the transaction
-        turns = ScorerTurns(scorer.processes // size, state.clock, deadline)
+        turns = ScorerTurns(scorer.processes, state.clock, deadline)
 
     async def lane() -> int:
         nonlocal begun, cut
@@ -290,7 +331,7 @@ async def _verify_partition(
                 reward_retry_s=retry_s,
                 reward_backoff=state.reward_backoff,
                 partition=partition,
-                turn=None if turns is None else turns.turn(),
+                turn=None if turns is None else turns.turn,
                 claim=None if partition is None else claim.take,
             )
             if prescored.late:  # the budget ran out while it waited for the scorer: on from here

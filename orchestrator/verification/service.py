@@ -528,7 +528,7 @@ async def prescore(
     reward_retry_s: float = 0.0,
     reward_backoff: dict[int, tuple[dt.datetime, float]] | None = None,
     partition: int | None = None,
-    turn: AbstractAsyncContextManager[bool] | None = None,
+    turn: Callable[[int], AbstractAsyncContextManager[bool]] | None = None,
     claim: Claim | None = None,
 ) -> Prescored:
     """Score the next batch's results with no transaction open. SQLite: every SQLite transaction
@@ -539,13 +539,14 @@ async def prescore(
 
     PostgreSQL (``partition``): the partition's next batch, read in a short transaction that
     tries the partition's lock (``held`` if another verifier has it: that one is working the
-    partition). The lane then waits for its turn at the scorer (``turn``, ``jobs.ScorerTurns``:
-    entered once the inputs are read, left once they are scored) holding no transaction, row,
-    lock or connection, so that another verifier may work the partition meanwhile. Once the
-    turn has come, ``claim`` takes the partition's lock (at session level, ``jobs._Claim``) and
-    says which of the jobs read are still waiting: only those are scored, so that a batch
-    another verifier scored and decided while this one waited is not scored again (``held``,
-    nothing scored, if that verifier still holds the partition). The batch's transaction
+    partition). The lane then waits for its turn at the scorer (``turn``, ``jobs.ScorerTurns``,
+    given the number of results: entered once the inputs are read, left once they are scored)
+    holding no transaction, row, lock or connection, so that another verifier may work the
+    partition meanwhile. Once the turn has come, ``claim`` takes the partition's lock (at
+    session level, ``jobs._Claim``) and says which of the jobs read are still waiting: only
+    those are scored, so that a batch another verifier scored and decided while this one
+    waited is not scored again (``held``, nothing scored, if that verifier still holds the
+    partition). The batch's transaction
     (``process_pending``) then decides only the jobs still waiting. A score's inputs (the
     result, the task's ``verification``, the pool's reward function) never change once the job
     exists. A turn that says not to go on (the tick's budget ran out meanwhile) scores nothing
@@ -565,7 +566,7 @@ async def prescore(
         return Prescored(frozenset(), {}, last_id=after_id)
     read, last = len(jobs), jobs[-1].id
     retry = Retry(now, reward_retry_s, {} if reward_backoff is None else reward_backoff)
-    async with turn or nullcontext(True) as go_on:
+    async with nullcontext(True) if turn is None else turn(len(inputs)) as go_on:
         if not go_on:
             return Prescored(frozenset(), {}, late=True, read=read, last_id=last)
         waiting = frozenset(j.id for j in jobs)
