@@ -191,6 +191,33 @@ async def test_prescoring_reads_a_batch_in_the_same_few_statements_whatever_its_
         assert counts[0] == counts[1], counts
 
 
+async def test_a_batchs_scoring_inputs_are_read_in_one_statement(app: Any, app_state: Any) -> None:
+    """A batch's results are scored before its transaction, their inputs read in a short one of
+    their own (``service.prescore``; on PostgreSQL after a try of the partition's lock): five
+    statements (the jobs, their submissions, tasks, pools and replicas), of which the batch's
+    transaction reads the first four again. They are one now."""
+    from orchestrator.verification.scoring import scorer_for
+    from tests.test_hot_paths import sql_log
+
+    scorer = scorer_for(app_state.settings.verifier)
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=8) as s:
+        await results(s, 3)
+        partition = None
+        if app_state.engine.dialect.name == "postgresql":
+            partition = service.partition_of(s.workers[0].contributor.provider_id)
+        async with sql_log(app_state) as statements:
+            scored = await service.prescore(
+                app_state.sessionmaker,
+                scorer,
+                limit=10,
+                after_id=0,
+                now=app_state.clock.utcnow(),
+                partition=partition,
+            )
+        assert (scored.read, len(scored.scored)) == (3, 3)
+        assert len([st for st in statements if "advisory" not in st]) == 1, statements
+
+
 def poison(monkeypatch: Any, submission_id: int) -> None:
     """The verdict on this submission fails (as a bad result would), the others are decided."""
     real_decide = service.decide

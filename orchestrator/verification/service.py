@@ -535,7 +535,7 @@ async def prescore(
     holds the database's one write lock (``BEGIN IMMEDIATE``), so a batch that scored inside its
     own would hold up every claim, result and heartbeat for as long as its reward functions ran
     (up to ``reward_timeout_s`` per result). The inputs are read in a short transaction first,
-    the batch's rows in a few reads (``_load``), not two a result.
+    in one statement (``_waiting_inputs``), not two a result.
 
     PostgreSQL (``partition``): the partition's next batch, read in a short transaction that
     tries the partition's lock (``held`` if another verifier has it: that one is working the
@@ -552,24 +552,19 @@ async def prescore(
     exists. A turn that says not to go on (the tick's budget ran out meanwhile) scores nothing
     (``late``)."""
     async with sessionmaker() as session, session.begin():
-        stmt = _waiting(after_id, limit)
         if partition is not None:
             lock = func.pg_try_advisory_xact_lock(VERIFIER_LOCK, partition)
             if not await session.scalar(select(lock)):
                 return Prescored(frozenset(), {}, held=True, last_id=after_id)
-            stmt = stmt.where(VerificationJob.verifier_partition == partition)
-        jobs = list((await session.execute(stmt)).scalars())
-        _, loaded = await _load(session, jobs) if jobs else ([], [])
-        inputs = await _inputs(session, jobs)
-        del loaded  # held until the inputs are read (the identity map holds rows weakly)
+        jobs, inputs = await _waiting_inputs(session, after_id, limit, partition)
     if not jobs:
         return Prescored(frozenset(), {}, last_id=after_id)
-    read, last = len(jobs), jobs[-1].id
+    read, last = len(jobs), jobs[-1]
     retry = Retry(now, reward_retry_s, {} if reward_backoff is None else reward_backoff)
     async with nullcontext(True) if turn is None else turn(len(inputs)) as go_on:
         if not go_on:
             return Prescored(frozenset(), {}, late=True, read=read, last_id=last)
-        waiting = frozenset(j.id for j in jobs)
+        waiting = frozenset(jobs)
         if claim is not None:
             still = await claim(waiting)
             if still is None:
@@ -578,6 +573,49 @@ async def prescore(
             inputs = [i for i in inputs if i.job_id in waiting]
         scored = await _score_inputs(inputs, scorer, retry)
     return Prescored(waiting, scored, read=read, last_id=last)
+
+
+async def _waiting_inputs(
+    session: AsyncSession, after_id: int, limit: int, partition: int | None
+) -> tuple[list[int], list[ScoreInput]]:
+    """The ids of the oldest jobs waiting for their checks after ``after_id`` (in
+    ``partition``, if given), and their scoring inputs, in one statement. A job whose rows
+    cannot be read or whose result cannot be parsed is logged and left for later (it has no
+    input). Read before the batch's own transaction (``prescore``), these were five statements
+    (the jobs, then ``_load``'s submissions, tasks, pools and replicas), the batch's
+    transaction reading all but the scoring inputs again."""
+    stmt = (
+        select(
+            VerificationJob.id,
+            VerificationJob.submission_id,
+            Submission.body,
+            Submission.received_at,
+            Pool.reward_function,
+            Task.verification,
+        )
+        .select_from(VerificationJob)
+        .outerjoin(Submission, Submission.id == VerificationJob.submission_id)
+        .outerjoin(Task, Task.id == VerificationJob.task_id)
+        .outerjoin(Pool, Pool.id == VerificationJob.pool_id)
+        .where(VerificationJob.stage == "checks", VerificationJob.id > after_id)
+        .order_by(VerificationJob.id)
+        .limit(limit)
+    )
+    if partition is not None:
+        stmt = stmt.where(VerificationJob.verifier_partition == partition)
+    ids: list[int] = []
+    inputs: list[ScoreInput] = []
+    for job_id, submission_id, body, received_at, reward_function, spec in await session.execute(stmt):
+        ids.append(job_id)
+        try:
+            if body is None or received_at is None or reward_function is None:
+                raise LookupError("the job's result, task or pool is gone")
+            inputs.append(
+                ScoreInput(job_id, submission_id, json.loads(body), reward_function, spec or {}, received_at)
+            )
+        except Exception:
+            log.exception("verification_failed", job_id=job_id, submission_id=submission_id)
+    return ids, inputs
 
 
 def _waiting(after_id: int, limit: int) -> Select[VerificationJob]:
