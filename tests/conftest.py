@@ -20,7 +20,7 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -446,6 +446,48 @@ def asgi_post(path: str, headers: dict[str, str], client: tuple[str, int]) -> di
         "server": ("testserver", 80),
         "state": {},
     }
+
+
+async def asgi_stream(
+    app: Any, path: str, token: str, between: Callable[[], Awaitable[Any]]
+) -> tuple[list[bytes], bool]:
+    """GET ``path`` (with its query) with bearer ``token`` through the app's ASGI callable,
+    running ``between()`` once the first part of the body has been sent: the parts sent, and
+    whether the answer was finished (its last message sent; a server closes the connection of an
+    unfinished one, and its client sees a broken download)."""
+    parts: list[bytes] = []
+    completed = False
+    request_sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal request_sent
+        if not request_sent:
+            request_sent = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await asyncio.Event().wait()  # the client stays connected
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal completed
+        if message["type"] != "http.response.body":
+            assert message["status"] == 200, message
+            return
+        if message.get("body"):
+            parts.append(message["body"])
+            if len(parts) == 1:
+                await between()
+        if not message.get("more_body", False):
+            completed = True
+
+    path, _, query = path.partition("?")
+    headers = {"authorization": f"Bearer {token}"}
+    scope = {
+        **asgi_post(path, headers, client=("192.0.2.9", 40000)),
+        "method": "GET",
+        "query_string": query.encode(),
+    }
+    await app(scope, receive, send)
+    return parts, completed
 
 
 def problem(response: httpx.Response, status: int, code: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from orchestrator.core.pagination import encode_cursor
 from orchestrator.feed import service as feed_service
 from orchestrator.tasks.models import Submission
 from orchestrator.verification.models import Verdict
-from tests.conftest import make_token, postgres_only, problem
+from tests.conftest import asgi_stream, make_token, postgres_only, problem
 from tests.tasks_helpers import PoolSetup, Worker, pool_setup, task
 from tests.test_verification import ECON
 from tests.verification_helpers import accept_in_transaction, answer_body, submit, verdicts, verify_all
@@ -262,6 +262,40 @@ async def test_the_export_streams_exactly_the_paged_feed(
             f"/v1/pools/{s.pool_id}/rollouts/export", params={"after": paged[-1]["cursor"]}, headers=s.headers
         )
         assert empty.status_code == 200 and empty.text == ""
+
+
+@pytest.mark.parametrize("change", ["revoke", "rotate"])
+async def test_an_export_stops_when_its_token_is_revoked_or_rotated_while_it_streams(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    """A trainer token revoked (or given a new secret) while its export streams served the rest
+    of the export all the same: every request after a revocation is refused, but the export read
+    on in transactions of its own, for as long as the pool's feed was (hours, for a large one).
+    The export now checks its token before each further chunk and breaks off (the answer is not
+    completed, so the client sees a broken download, not a short file) once it is dead."""
+    monkeypatch.setattr(feed_service, "EXPORT_CHUNK", 1)
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=10) as s:
+        w = s.workers[0]
+        for lease in await leases(s, w, 3):
+            await submit(w, lease, ["4"])
+        await verify_all(app_state)
+        async with app_state.sessionmaker() as session, session.begin():
+            secret, row = await create_token(session, role=Role.trainer, name="trainer", pool_ids=[s.pool_id])
+        path = f"/v1/pools/{s.pool_id}/rollouts/export"
+
+        # Untouched, the token reads the whole export.
+        parts, completed = await asgi_stream(app, path, secret, lambda: asyncio.sleep(0))
+        assert completed
+        assert len(b"".join(parts).splitlines()) == 3
+
+        async def change_token() -> None:
+            r = await s.admin.post(f"/v1/admin/tokens/{row.id}/{change}", headers=s.admin_headers)
+            assert r.status_code == 200, r.text
+
+        parts, completed = await asgi_stream(app, path, secret, change_token)
+        assert len(b"".join(parts).splitlines()) == 1  # the chunk sent before the change
+        assert not completed
+        problem(await s.admin.get(path, headers={"Authorization": f"Bearer {secret}"}), 401, "token_invalid")
 
 
 async def test_results_signed_with_an_older_policy_carry_their_own_step(app: Any, app_state: Any) -> None:

@@ -21,7 +21,7 @@ from orchestrator.ledger.service import ProviderAccount, SystemAccount, provider
 from orchestrator.payouts import export
 from orchestrator.payouts import service as payouts
 from orchestrator.payouts.models import Payout, PayoutRun
-from tests.conftest import Contributor, make_token, new_contributor, postgres_only, problem
+from tests.conftest import Contributor, asgi_stream, make_token, new_contributor, postgres_only, problem
 from tests.verification_helpers import books_balance
 from tests.waits import until_waiting
 
@@ -752,6 +752,34 @@ async def test_the_jsonl_export_parses_back_to_the_payouts(
         _expected(p) for p in payouts if p["status"] == "requested"
     ]
     assert all(isinstance(record["amount"], int) and record["paid_at"] is None for record in records)
+
+
+async def test_an_export_stops_when_its_admin_token_is_revoked_while_it_streams(
+    app: Any,
+    client: httpx.AsyncClient,
+    app_state: Any,
+    admin_headers: dict[str, str],
+    contributor: Contributor,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A settlement file kept streaming to an admin token revoked while it was read (a leaked
+    token being cut off), every payout's provider and amount; it now breaks off, unfinished."""
+    monkeypatch.setattr(export, "CHUNK_SIZE", 1)
+    await _settlement_fixture(client, app_state, admin_headers, contributor)
+    leaked = await make_token(app_state, "admin", name="leaked")
+    [row] = [
+        t
+        for t in (await client.get("/v1/admin/tokens", headers=admin_headers)).json()["items"]
+        if t["name"] == "leaked"
+    ]
+
+    async def revoke() -> None:
+        r = await client.post(f"/v1/admin/tokens/{row['id']}/revoke", headers=admin_headers)
+        assert r.status_code == 200, r.text
+
+    parts, completed = await asgi_stream(app, "/v1/admin/payouts/export?format=jsonl", leaked, revoke)
+    assert len(b"".join(parts).splitlines()) == 1  # of five: the chunk sent before the revocation
+    assert not completed
 
 
 async def test_an_empty_export_is_a_header_or_nothing(

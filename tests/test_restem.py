@@ -18,7 +18,7 @@ from orchestrator.restem import service as restem_service
 from orchestrator.restem.jobs import advance_once
 from orchestrator.tasks import retention
 from orchestrator.tasks.jobs import reap_once
-from tests.conftest import postgres_only, problem
+from tests.conftest import asgi_stream, postgres_only, problem
 from tests.tasks_helpers import PoolSetup, Worker, pool_setup, task
 from tests.test_verification import ECON
 from tests.verification_helpers import FixedDraw, accept_in_transaction, submit, verify_all
@@ -292,6 +292,33 @@ async def test_the_barrier_loop_expires_iterations_without_a_read(
         assert report_.ran and report_.expired == 1
         assert (await s.workers[0].claim(s.pool_id)).json()["reason"] == "no_tasks"
         assert (await get(s, it["id"]))["status"] == "expired"
+
+
+async def test_a_dataset_stops_when_its_token_is_revoked_while_it_streams(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trainer token revoked while it read an iteration's dataset read the rest of it; the
+    dataset now breaks off, unfinished, at the next chunk."""
+    monkeypatch.setattr(restem_service, "DATASET_CHUNK", 1)
+    async with pool_setup(app, app_state, workers=1) as s:
+        it = await create(s)
+        w = s.workers[0]
+        leases = await claim_all(w, s.pool_id, 2)
+        await submit(w, leases["p1"], ["4", "4", "1", "2"])
+        await submit(w, leases["p2"], ["6", "1", "2", "3"])
+        await verify_all(app_state)
+        assert (await get(s, it["id"]))["status"] == "complete"
+        async with app_state.sessionmaker() as session, session.begin():
+            secret, row = await create_token(session, role=Role.trainer, name="trainer", pool_ids=[s.pool_id])
+
+        async def revoke() -> None:
+            r = await s.admin.post(f"/v1/admin/tokens/{row.id}/revoke", headers=s.admin_headers)
+            assert r.status_code == 200, r.text
+
+        path = f"{base(s)}/{it['id']}/dataset"
+        parts, completed = await asgi_stream(app, path, secret, revoke)
+        assert [json.loads(x)["problem_id"] for x in b"".join(parts).splitlines()] == ["p1", "p1"]
+        assert not completed
 
 
 async def test_a_verdict_written_after_the_iteration_expired_does_not_change_its_dataset(

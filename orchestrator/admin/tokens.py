@@ -6,20 +6,24 @@ needed against guessing); the plaintext is shown once, at creation.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import enum
 import hashlib
 import hmac
 import secrets
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import structlog
 from fastapi import Depends, Request, Security
+from fastapi.responses import StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import bindparam, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncSession
+from starlette.types import Send
 
 from orchestrator.admin.models import ApiToken
 from orchestrator.core.db import utcnow
@@ -29,6 +33,13 @@ from orchestrator.core.state import app_state, check_in_transaction
 from orchestrator.pools.models import Pool
 
 TOKEN_PREFIX = "orch_"  # noqa: S105 - a prefix, not a secret
+
+# The request's bearer token, as ``_principal`` found it: (its id, the SHA-256 of its secret).
+_BEARER = "orchestrator.bearer"
+
+log = structlog.get_logger(__name__)
+
+Chunk = TypeVar("Chunk", bytes, str)
 
 
 class Role(enum.StrEnum):
@@ -213,6 +224,12 @@ _TOKEN_STILL_VALID = (
 )
 
 
+# The same, outside any transaction: a streamed answer's check between its chunks.
+_TOKEN_STILL_VALID_NOW = select(ApiToken.revoked_at, ApiToken.expires_at, ApiToken.token_hash).where(
+    ApiToken.id == bindparam("token_id")
+)
+
+
 def _token_invalid() -> Unauthorized:
     return Unauthorized(
         "the bearer token is not valid", code="token_invalid", headers={"WWW-Authenticate": "Bearer"}
@@ -258,12 +275,65 @@ async def _principal(request: Request) -> Principal:
             _refuse_unusable(again, state.clock.utcnow())
 
         check_in_transaction(request, still_valid)
+        request.scope[_BEARER] = (token_id, digest)
         structlog.contextvars.bind_contextvars(token_id=row.id)
         return Principal(
             token_id=row.id, name=row.name, role=Role(row.role), pool_ids=frozenset(row.pool_ids or ())
         )
 
     return await guarded_answer(request, "bearer", read)
+
+
+class _TokenDied(Exception):
+    """Raised by ``_while_valid`` when the token is dead: the stream ends there."""
+
+
+async def _while_valid(request: Request, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+    """``chunks`` for as long as the request's bearer token stays valid: it is read again (one
+    primary-key read, outside any transaction) before every chunk after the first, which the
+    request's own transaction vouched for; a dead one raises ``_TokenDied`` before the next chunk
+    is read."""
+    token_id, digest = request.scope[_BEARER]
+    state = app_state(request)
+    first = True
+    try:
+        while True:
+            if not first:
+                async with state.reader.connect() as conn:
+                    row = (await conn.execute(_TOKEN_STILL_VALID_NOW, {"token_id": token_id})).first()
+                try:
+                    if row is not None and not hmac.compare_digest(row.token_hash, digest):
+                        raise _token_invalid()
+                    _refuse_unusable(row, state.clock.utcnow())
+                except Unauthorized as refused:
+                    log.warning("stream_token_refused", token_id=token_id, code=refused.code)
+                    raise _TokenDied(refused.code) from refused
+            first = False
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                return
+            yield chunk
+    finally:
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+class TokenStreamingResponse(StreamingResponse):
+    """A streamed answer (an export, read chunk by chunk in transactions of its own) for a bearer
+    request, served only while its token stays valid. A token revoked, rotated or expired while
+    the answer streams reads no more of it, as every later request with it is refused. Its status
+    and first lines are sent already, so no problem can be: the answer is left unfinished (the
+    server closes the connection without the end of the chunked body), and the client sees a
+    broken download rather than a short file it could take for the whole one."""
+
+    def __init__(self, request: Request, content: AsyncIterator[Chunk], **kwargs: Any) -> None:
+        super().__init__(_while_valid(request, content), **kwargs)
+
+    async def stream_response(self, send: Send) -> None:
+        with contextlib.suppress(_TokenDied):
+            await super().stream_response(send)
 
 
 @before_body(_principal)

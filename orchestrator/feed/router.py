@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Query
+from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import StreamingResponse
 
 from api_schemas.common import NO_NUL, PROBLEM_RESPONSES
 from api_schemas.feed import RolloutChangePage, RolloutPage
-from orchestrator.admin.tokens import Principal, Role, require_roles
+from orchestrator.admin.tokens import Principal, Role, TokenStreamingResponse, require_roles
 from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import Session, State
 from orchestrator.feed import service
@@ -95,11 +95,15 @@ async def changes(
         503: FEED_BUSY,
     },
 )
-async def export(pool: ReaderPool, session: Session, state: State, after: After = None) -> StreamingResponse:
+async def export(
+    request: Request, pool: ReaderPool, session: Session, state: State, after: After = None
+) -> StreamingResponse:
     after_id = await service.resume_point(session, pool.id, after)
     upto_id = await service.export_bound(session, pool.id)
-    return StreamingResponse(
-        service.export_lines(state.sessionmaker, pool.id, after_id=after_id, upto_id=upto_id),
+    lines = service.export_lines(state.sessionmaker, pool.id, after_id=after_id, upto_id=upto_id)
+    return TokenStreamingResponse(
+        request,
+        lines,
         media_type="application/x-ndjson",
         headers={
             "Content-Disposition": f'attachment; filename="rollouts-{pool.id}.jsonl"',

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query, Response
+from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from api_schemas.common import NO_NUL, PROBLEM_RESPONSES, Page
@@ -22,7 +22,7 @@ from api_schemas.payouts import (
     WithdrawalIn,
     WithdrawalOut,
 )
-from orchestrator.admin.tokens import AdminOnly
+from orchestrator.admin.tokens import AdminOnly, TokenStreamingResponse
 from orchestrator.core.pagination import ID_MAX, CursorScope
 from orchestrator.core.routing import GuardedRoute
 from orchestrator.core.state import Session, State
@@ -203,6 +203,7 @@ async def list_payouts(
     },
 )
 async def export_payouts(
+    request: Request,
     _: AdminOnly,
     session: Session,
     state: State,
@@ -229,7 +230,8 @@ async def export_payouts(
     stamp = state.clock.utcnow().strftime("%Y%m%dT%H%M%SZ")
     scope = f"run-{run_id}-" if run_id is not None else ""
     filename = f"payouts-{scope}{status.value if status else 'all'}-{stamp}.{export_format.value}"
-    return StreamingResponse(
+    return TokenStreamingResponse(
+        request,
         export.render(export_format, chunks),
         media_type=export.MEDIA_TYPES[export_format],
         headers={

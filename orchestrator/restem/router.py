@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, cast
 
-from fastapi import APIRouter, Depends, Path, Query, Response
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from api_schemas.common import NO_NUL, PROBLEM_RESPONSES, Page
@@ -15,7 +15,7 @@ from api_schemas.restem import (
     IterationReport,
     IterationStatus,
 )
-from orchestrator.admin.tokens import Principal, Role, require_roles
+from orchestrator.admin.tokens import Principal, Role, TokenStreamingResponse, require_roles
 from orchestrator.audit.service import record
 from orchestrator.core.pagination import ID_MAX, CursorScope
 from orchestrator.core.routing import GuardedRoute
@@ -176,11 +176,12 @@ async def iteration_report(
     },
 )
 async def iteration_dataset(
-    pool: RunnerPool, iteration_id: IterationId, session: Session, state: State
+    request: Request, pool: RunnerPool, iteration_id: IterationId, session: Session, state: State
 ) -> StreamingResponse:
     iteration = await service.get(session, pool.id, iteration_id, now=state.clock.utcnow())
     spec = service.dataset_spec_or_conflict(iteration, pool)
-    return StreamingResponse(
+    return TokenStreamingResponse(
+        request,
         service.dataset_lines(state.sessionmaker, spec),
         media_type="application/x-ndjson",
         headers={
