@@ -10,6 +10,7 @@ import hashlib
 import itertools
 import json
 import math
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -22,13 +23,14 @@ from sqlalchemy import func, select
 from orchestrator.core.clock import FakeClock
 from orchestrator.core.keys import generate_key
 from orchestrator.core.signing import DEFAULT_COMPONENTS, MAX_TARGET_URI_LENGTH, SignatureAuth, sign_headers
+from orchestrator.tasks import evidence
 from orchestrator.tasks import jobs as task_jobs
 from orchestrator.tasks.jobs import reap_once
 from orchestrator.tasks.models import Assignment, Submission, Task, TaskReplica
 from orchestrator.verification.models import VerificationJob
 from tests.conftest import postgres_only, problem
 from tests.tasks_helpers import pool_setup, result_body, task
-from tests.waits import taking, until_waiting
+from tests.waits import taking, until, until_waiting
 
 
 async def test_heartbeats_extend_leases_and_name_the_ones_to_drop(
@@ -741,6 +743,38 @@ async def test_operators_recheck_a_results_evidence(app: Any, app_state: Any) ->
             404,
             "task_not_found",
         )
+
+
+async def test_rechecking_a_tasks_evidence_does_not_hold_up_the_other_requests(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every read of a task's results hashes each stored body and verifies its signature again
+    (some 50 ms for a 10 MiB body, up to 16 replicas and their audits a task). That ran on the
+    event loop: a trainer's or operator's read held up every other request of the process for
+    its whole length, heartbeats and /healthz included. Here a recheck that takes its time (the
+    large bodies' hashing) waits for /healthz to answer meanwhile; it now runs in a thread."""
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        task_id = (await s.enqueue([task()])).json()["first_task_id"]
+        lease = (await w.claim(s.pool_id)).json()["leases"][0]
+        await w.submit(lease)
+        entered, answered = threading.Event(), threading.Event()
+        answered_meanwhile: list[bool] = []
+        real = evidence.recheck
+
+        def slow(sub: Submission, *, window_s: int) -> evidence.EvidenceCheck:
+            entered.set()
+            answered_meanwhile.append(answered.wait(timeout=2))
+            return real(sub, window_s=window_s)
+
+        monkeypatch.setattr(evidence, "recheck", slow)
+        reading = asyncio.ensure_future(submissions_of(s, task_id))
+        await until(entered.is_set, "the recheck began")
+        assert (await s.admin.get("/healthz")).status_code == 200
+        answered.set()
+        (sub,) = await reading
+        assert sub["check"]["valid"], sub["check"]
+        assert answered_meanwhile == [True]
 
 
 async def test_evidence_keeps_every_signed_field(app: Any, app_state: Any) -> None:
