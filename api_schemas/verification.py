@@ -158,7 +158,13 @@ class ValidationClaimIn(StrictModel):
     pool_id: Text | None = Field(
         default=None, max_length=40, description="Only this pool (default: all in scope)"
     )
-    max_jobs: int = Field(default=1, ge=1, le=50)
+    max_jobs: int = Field(
+        default=1,
+        ge=1,
+        le=50,
+        description="At most this many jobs; fewer when their results add up to more than "
+        "ORCH_LIMITS__MAX_RESULT_BODY_BYTES (10 MiB by default; the first job whatever its size)",
+    )
     lease_s: int = Field(
         default=300,
         ge=30,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime as dt
 from typing import Any
 
@@ -103,6 +104,35 @@ async def test_validators_lease_jobs_and_post_idempotent_verdicts(
             r.json()["verdict"]["category"] == "fraud" and r.json()["verdict"]["reason"] == "toploc_mismatch"
         )
         assert len(await verdicts(s.admin, s.headers, s.pool_id)) == 2
+
+
+async def test_a_claim_takes_no_more_result_bytes_than_one_result_may_have(app: Any, app_state: Any) -> None:
+    """A claim answered up to 50 jobs, each with its signed result whole: results of up to
+    ORCH_LIMITS__MAX_RESULT_BODY_BYTES (10 MiB) each, with TOPLOC proofs of up to 7 MiB, the
+    nodes' choice, so one claim read, parsed and sent some 500 MB, on the event loop. Fresh
+    nodes' first results are all audited, so a few sybils with large results made it so. A claim
+    now takes jobs in order while their results add up to at most that limit (the first one
+    whatever its size); the others stay open for the next claim."""
+    app_state.rng = FixedDraw(0.0)  # audit everything
+    limit = app_state.settings.limits.max_result_body_bytes
+    proof = base64.b64encode(b"\x01" * (limit * 3 // 10)).decode()  # 40 % of the limit
+    async with pool_setup(app, app_state, workers=3, audit_method="validator", audit_rate_floor=1.0) as s:
+        for w in s.workers:
+            await s.enqueue([task()], key=f"v-{w.node_id[:8]}")
+            lease = (await w.claim(s.pool_id)).json()["leases"][0]
+            await submit(w, lease, ["4"], proof=proof)
+        await verify_all(app_state)
+        mine = await validator_headers(app_state, [s.pool_id])
+
+        first = (await s.admin.post("/v1/validation/claim", json={"max_jobs": 50}, headers=mine)).json()[
+            "jobs"
+        ]
+        assert [len(job["result"]["proof"]) for job in first] == [len(proof)] * 2  # a third: 120 %
+        second = (await s.admin.post("/v1/validation/claim", json={"max_jobs": 50}, headers=mine)).json()[
+            "jobs"
+        ]
+        assert len(second) == 1
+        assert len({job["job_id"] for job in first + second}) == 3
 
 
 async def test_an_expired_validator_lease_returns_to_the_queue(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
+import anyio
 from fastapi import APIRouter, Depends, Path, Query
 from sqlalchemy import ColumnElement, func, select
 
@@ -291,31 +292,37 @@ async def claim(
         now=state.clock.utcnow(),
         wait_s=state.settings.verifier.validator_wait_s,
         lease_s=body.lease_s,
+        max_bytes=state.settings.limits.max_result_body_bytes,
     )
-    jobs = []
-    for job, submission, task, seed in leased:
-        assert job.lease_expires_at is not None
-        jobs.append(
-            ValidationJobOut(
-                job_id=job.id,
-                fencing_token=job.fencing_token,
-                lease_expires_at=job.lease_expires_at,
-                pool_id=job.pool_id,
-                submission_id=submission.id,
-                node_id=submission.node_id,
-                task={
-                    "task_id": task.id,
-                    "prompt": task.prompt,
-                    "problem_ref": task.problem_ref,
-                    "sampling": task.sampling,
-                    "verification": task.verification,
-                },
-                policy_step=submission.policy_step,
-                seed=seed,
-                result=validators.result_body(submission),
+
+    def jobs() -> list[ValidationJobOut]:
+        out = []
+        for job, submission, task, seed in leased:
+            assert job.lease_expires_at is not None
+            out.append(
+                ValidationJobOut(
+                    job_id=job.id,
+                    fencing_token=job.fencing_token,
+                    lease_expires_at=job.lease_expires_at,
+                    pool_id=job.pool_id,
+                    submission_id=submission.id,
+                    node_id=submission.node_id,
+                    task={
+                        "task_id": task.id,
+                        "prompt": task.prompt,
+                        "problem_ref": task.problem_ref,
+                        "sampling": task.sampling,
+                        "verification": task.verification,
+                    },
+                    policy_step=submission.policy_step,
+                    seed=seed,
+                    result=validators.result_body(submission),
+                )
             )
-        )
-    return ValidationClaimOut(jobs=jobs)
+        return out
+
+    # Parsing the signed bodies (up to the claim's byte budget) is CPU work: off the event loop.
+    return ValidationClaimOut(jobs=await anyio.to_thread.run_sync(jobs))
 
 
 @validation_router.post(

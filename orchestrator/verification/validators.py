@@ -23,7 +23,7 @@ import json
 from typing import Any
 
 import structlog
-from sqlalchemy import Select, select
+from sqlalchemy import Select, func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from api_schemas.verification import ValidatorVerdictIn
@@ -66,18 +66,23 @@ async def claim(
     now: dt.datetime,
     wait_s: float,
     lease_s: int = LEASE_S,
+    max_bytes: int,
 ) -> list[tuple[ValidationJob, Submission, Task, int]]:
     """Lease up to ``max_jobs`` open jobs for ``lease_s`` seconds, of those still within their
-    ``wait_s`` (one past it is the housekeeping's to withdraw, at its next tick). A pool named
-    that does not exist, or that the token is not scoped to, is 404 ``pool_not_found`` (not an
-    empty answer, which would look like a pool with nothing to check)."""
+    ``wait_s`` (one past it is the housekeeping's to withdraw, at its next tick), in order while
+    their results' bodies add up to at most ``max_bytes`` (the first one whatever its size): the
+    bodies are the nodes' choice, up to ``limits.max_result_body_bytes`` each, and the claim
+    answers them whole. A pool named that does not exist, or that the token is not scoped to, is
+    404 ``pool_not_found`` (not an empty answer, which would look like a pool with nothing to
+    check)."""
     pools = _pools_in_scope(principal, pool_id)
     if pool_id is not None and (pools == [] or await session.get(Pool, pool_id) is None):
         raise NotFound(f"no pool {pool_id} in this token's scope", code="pool_not_found")
     if pools == []:
         return []
     stmt = (
-        select(ValidationJob)
+        select(ValidationJob, func.length(Submission.body))
+        .join(Submission, Submission.id == ValidationJob.submission_id)
         .where(ValidationJob.status == "open", ValidationJob.created_at > _wait_cutoff(now, wait_s))
         .order_by(ValidationJob.id)
         .limit(max_jobs)
@@ -85,8 +90,14 @@ async def claim(
     if pools is not None:
         stmt = stmt.where(ValidationJob.pool_id.in_(pools))
     if is_postgres(session):
-        stmt = stmt.with_for_update(skip_locked=True)
-    jobs = list((await session.execute(stmt)).scalars())
+        stmt = stmt.with_for_update(of=ValidationJob, skip_locked=True)
+    jobs: list[ValidationJob] = []
+    total = 0
+    for job, size in (await session.execute(stmt)).all():
+        total += int(size or 0)
+        if jobs and total > max_bytes:
+            break  # the rest stay open for the next claim
+        jobs.append(job)
     out = []
     for job in jobs:
         job.status = "leased"
