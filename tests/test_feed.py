@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import json
 from typing import Any
@@ -296,6 +297,32 @@ async def test_an_export_stops_when_its_token_is_revoked_or_rotated_while_it_str
         assert len(b"".join(parts).splitlines()) == 1  # the chunk sent before the change
         assert not completed
         problem(await s.admin.get(path, headers={"Authorization": f"Bearer {secret}"}), 401, "token_invalid")
+
+
+async def test_a_page_of_the_feed_reads_at_most_one_results_worth_of_bodies(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page read and parsed every rollout's signed body whole, up to 500 of them, each up to
+    ORCH_LIMITS__MAX_RESULT_BODY_BYTES (10 MiB: token ids beside long completions, proofs), the
+    nodes' choice: one trainer's page could take gigabytes of the API process's memory. A page
+    (and each chunk of the export) now stops once its bodies add up to that limit (the first
+    rollout whatever its size) and says has_more; the export serves every rollout all the same."""
+    monkeypatch.setattr(feed_service, "EXPORT_CHUNK", 100)
+    limit = app_state.settings.limits.max_result_body_bytes
+    proof = base64.b64encode(b"\x01" * (limit * 3 // 10)).decode()  # 40 % of the limit
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=10) as s:
+        w = s.workers[0]
+        for lease in await leases(s, w, 3):
+            await submit(w, lease, ["4"], proof=proof)
+        await verify_all(app_state)
+
+        first = await feed(s, limit=100)
+        assert len(first["items"]) == 2 and first["has_more"] is True  # a third: 120 %
+        second = await feed(s, limit=100, after=first["next_cursor"])
+        assert len(second["items"]) == 1 and second["has_more"] is False
+
+        r = await s.admin.get(f"/v1/pools/{s.pool_id}/rollouts/export", headers=s.headers)
+        assert [json.loads(line) for line in r.text.splitlines()] == first["items"] + second["items"]
 
 
 async def test_results_signed_with_an_older_policy_carry_their_own_step(app: Any, app_state: Any) -> None:

@@ -55,10 +55,20 @@ FEED_BUSY = {
 async def rollouts(
     pool: ReaderPool,
     session: Session,
+    state: State,
     after: After = None,
-    limit: Annotated[int, Query(ge=1, le=500, description="Rollouts per page")] = 100,
+    limit: Annotated[
+        int,
+        Query(
+            ge=1,
+            le=500,
+            description="Rollouts per page at most; fewer (with has_more) once their signed results "
+            "add up to ORCH_LIMITS__MAX_RESULT_BODY_BYTES",
+        ),
+    ] = 100,
 ) -> RolloutPage:
-    return await service.page(session, pool.id, after=after, limit=limit)
+    max_bytes = state.settings.limits.max_result_body_bytes
+    return await service.page(session, pool.id, after=after, limit=limit, max_bytes=max_bytes)
 
 
 @router.get(
@@ -100,7 +110,13 @@ async def export(
 ) -> StreamingResponse:
     after_id = await service.resume_point(session, pool.id, after)
     upto_id = await service.export_bound(session, pool.id)
-    lines = service.export_lines(state.sessionmaker, pool.id, after_id=after_id, upto_id=upto_id)
+    lines = service.export_lines(
+        state.sessionmaker,
+        pool.id,
+        after_id=after_id,
+        upto_id=upto_id,
+        max_bytes=state.settings.limits.max_result_body_bytes,
+    )
     return TokenStreamingResponse(
         request,
         lines,

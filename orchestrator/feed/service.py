@@ -193,22 +193,50 @@ _ROLLOUT_COLUMNS = (
 
 
 async def _rows(
-    session: AsyncSession, pool_id: str, *, after_id: int, upto_id: int | None, limit: int
-) -> Sequence[Row[Any]]:
-    stmt = (
-        select(*_ROLLOUT_COLUMNS)
-        .join(Submission, Submission.id == Verdict.submission_id)
-        .join(Task, Task.id == Verdict.task_id)
+    session: AsyncSession, pool_id: str, *, after_id: int, upto_id: int | None, limit: int, max_bytes: int
+) -> tuple[Sequence[Row[Any]], bool]:
+    """Up to ``limit`` rollouts after ``after_id``, in order, while their signed bodies add up to
+    at most ``max_bytes`` (the first whatever its size): a body is up to
+    ``limits.max_result_body_bytes``, the node's choice, and is read and parsed whole. Their
+    sizes are read first, without the bodies. With whether rollouts were left for that budget."""
+    where = [
+        *_accepted(pool_id),
+        Verdict.id > after_id,
         # A result whose evidence was pruned (tasks.retention) has no samples to serve.
-        .where(*_accepted(pool_id), Verdict.id > after_id, Submission.evidence_pruned_at.is_(None))
+        Submission.evidence_pruned_at.is_(None),
         # Nor one a fraud verdict against its node withdrew (Verdict), while that verdict stands.
-        .where(withdrawn_by().is_(None))
-        .order_by(Verdict.id)
-        .limit(limit)
-    )
+        withdrawn_by().is_(None),
+    ]
     if upto_id is not None:
-        stmt = stmt.where(Verdict.id <= upto_id)
-    return (await session.execute(stmt)).all()
+        where.append(Verdict.id <= upto_id)
+    sizes = (
+        await session.execute(
+            select(Verdict.id, func.length(Submission.body))
+            .join(Submission, Submission.id == Verdict.submission_id)
+            .where(*where)
+            .order_by(Verdict.id)
+            .limit(limit)
+        )
+    ).all()
+    ids: list[int] = []
+    total = 0
+    for verdict_id, size in sizes:
+        total += int(size or 0)
+        if ids and total > max_bytes:
+            break
+        ids.append(verdict_id)
+    if not ids:
+        return [], False
+    rows = (
+        await session.execute(
+            select(*_ROLLOUT_COLUMNS)
+            .join(Submission, Submission.id == Verdict.submission_id)
+            .join(Task, Task.id == Verdict.task_id)
+            .where(Verdict.id.in_(ids))
+            .order_by(Verdict.id)
+        )
+    ).all()
+    return rows, len(ids) < len(sizes)
 
 
 def verified_by(verifier: str, server_reward: float | None) -> VerifiedBy | None:
@@ -264,11 +292,17 @@ def _rollouts(rows: Sequence[Row[Any]]) -> list[Rollout]:
     return [rollout(r) for r in rows]
 
 
-async def page(session: AsyncSession, pool_id: str, *, after: str | None, limit: int) -> RolloutPage:
+async def page(
+    session: AsyncSession, pool_id: str, *, after: str | None, limit: int, max_bytes: int
+) -> RolloutPage:
+    """A page of up to ``limit`` rollouts, fewer (with ``has_more``) once their signed bodies
+    add up to ``max_bytes``."""
     after_id = await resume_point(session, pool_id, after)
     upto_id = await settled_bound(session)
-    rows = await _rows(session, pool_id, after_id=after_id, upto_id=upto_id, limit=limit + 1)
-    more = len(rows) > limit
+    rows, cut = await _rows(
+        session, pool_id, after_id=after_id, upto_id=upto_id, limit=limit + 1, max_bytes=max_bytes
+    )
+    more = cut or len(rows) > limit
     rows = rows[:limit]
     # Parsing signed bodies is CPU work: off the event loop.
     items = await anyio.to_thread.run_sync(_rollouts, rows)
@@ -299,17 +333,21 @@ async def export_lines(
     *,
     after_id: int,
     upto_id: int,
+    max_bytes: int,
     chunk_size: int | None = None,
 ) -> AsyncIterator[bytes]:
     """The feed as JSON Lines, a chunk at a time, each chunk read in its own short transaction
-    (no connection or lock is held while the client reads; SQLite transactions are write locks)."""
+    (no connection or lock is held while the client reads; SQLite transactions are write locks),
+    of up to ``chunk_size`` rollouts whose signed bodies add up to at most ``max_bytes``."""
     chunk_size = chunk_size or EXPORT_CHUNK
     while after_id < upto_id:
         async with sessionmaker() as session, session.begin():
-            rows = await _rows(session, pool_id, after_id=after_id, upto_id=upto_id, limit=chunk_size)
+            rows, cut = await _rows(
+                session, pool_id, after_id=after_id, upto_id=upto_id, limit=chunk_size, max_bytes=max_bytes
+            )
         if rows:
             yield await anyio.to_thread.run_sync(_lines, rows)
-        if len(rows) < chunk_size:
+        if len(rows) < chunk_size and not cut:
             return
         after_id = rows[-1].id
 
