@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime as dt
 import math
 import random
@@ -466,3 +467,26 @@ async def test_a_rollout_is_withdrawn_exactly_when_the_fraud_verdict_forfeited_i
         assert [i["verdict_id"] for i in served] == ([] if forfeited else [a["id"]])
         notices = seen(await changes(s, trainer))
         assert notices == ([("withdrawn", a["id"], False)] if forfeited else [])
+
+
+async def test_a_page_of_notices_reads_at_most_one_results_worth_of_bodies(app: Any, app_state: Any) -> None:
+    """As a feed page: a page of notices read every rollout's signed body whole (up to 500, each up
+    to ORCH_LIMITS__MAX_RESULT_BODY_BYTES); it now stops once they add up to that limit (the first
+    whatever its size) and says has_more."""
+    limit = app_state.settings.limits.max_result_body_bytes
+    proof = base64.b64encode(b"\x01" * (limit * 3 // 10)).decode()  # 40 % of the limit
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=10) as s:
+        w = s.workers[0]
+        for lease in await leases(s, w, 3):
+            await submit(w, lease, ["4"], proof=proof)
+        await verify_all(app_state)
+        items, _ = await whole_feed(s, limit=100)
+        assert len(items) == 3
+        for item in items:
+            await reverse(s, item["verdict_id"])
+
+        first = await changes(s, limit=100)
+        assert len(first["items"]) == 2 and first["has_more"] is True  # a third: 120 %
+        second = await changes(s, limit=100, after=first["next_cursor"])
+        assert len(second["items"]) == 1 and second["has_more"] is False
+        assert [i["change"] for i in first["items"] + second["items"]] == ["reversed"] * 3

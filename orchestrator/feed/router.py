@@ -86,10 +86,20 @@ async def rollouts(
 async def changes(
     pool: ReaderPool,
     session: Session,
+    state: State,
     after: After = None,
-    limit: Annotated[int, Query(ge=1, le=500, description="Notices per page")] = 100,
+    limit: Annotated[
+        int,
+        Query(
+            ge=1,
+            le=500,
+            description="Notices per page at most; fewer (with has_more) once their rollouts' signed "
+            "results add up to ORCH_LIMITS__MAX_RESULT_BODY_BYTES",
+        ),
+    ] = 100,
 ) -> RolloutChangePage:
-    return await service.changes(session, pool.id, after=after, limit=limit)
+    max_bytes = state.settings.limits.max_result_body_bytes
+    return await service.changes(session, pool.id, after=after, limit=limit, max_bytes=max_bytes)
 
 
 @router.get(

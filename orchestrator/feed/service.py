@@ -389,13 +389,39 @@ def _changes(rows: Sequence[Row[Any]]) -> list[RolloutChangeOut]:
     return [_change(r) for r in rows]
 
 
-async def changes(session: AsyncSession, pool_id: str, *, after: str | None, limit: int) -> RolloutChangePage:
+async def changes(
+    session: AsyncSession, pool_id: str, *, after: str | None, limit: int, max_bytes: int
+) -> RolloutChangePage:
     """Change notices of a pool's rollouts in the order they committed (``RolloutChange``),
     after a cursor, each with whether its rollout stands as this page is read (and then the
     rollout, unless its evidence was pruned). Ordered without holes as the feed is: the
-    notices' own table is locked for the bound."""
+    notices' own table is locked for the bound. Fewer than ``limit`` (with ``has_more``) once
+    their rollouts' signed bodies add up to ``max_bytes`` (the first whatever its size), as a
+    feed page."""
     after_id = await _change_resume_point(session, pool_id, after)
     upto_id = await settled_bound(session, RolloutChange)
+    where = [RolloutChange.pool_id == pool_id, RolloutChange.id > after_id]
+    if upto_id is not None:
+        where.append(RolloutChange.id <= upto_id)
+    sizes = (
+        await session.execute(
+            select(RolloutChange.id, func.length(Submission.body))
+            .join(Verdict, Verdict.id == RolloutChange.verdict_id)
+            .join(Submission, Submission.id == Verdict.submission_id)
+            .where(*where)
+            .order_by(RolloutChange.id)
+            .limit(limit + 1)
+        )
+    ).all()
+    ids: list[int] = []
+    total = 0
+    for change_id, size in sizes:
+        total += int(size or 0)
+        if ids and total > max_bytes:
+            break
+        ids.append(change_id)
+    more = len(ids) < len(sizes) or len(ids) > limit
+    ids = ids[:limit]
     stmt = (
         select(
             RolloutChange.id.label("change_id"),
@@ -410,14 +436,10 @@ async def changes(session: AsyncSession, pool_id: str, *, after: str | None, lim
         .join(Verdict, Verdict.id == RolloutChange.verdict_id)
         .join(Submission, Submission.id == Verdict.submission_id)
         .join(Task, Task.id == Verdict.task_id)
-        .where(RolloutChange.pool_id == pool_id, RolloutChange.id > after_id)
+        .where(RolloutChange.id.in_(ids))
         .order_by(RolloutChange.id)
-        .limit(limit + 1)
     )
-    if upto_id is not None:
-        stmt = stmt.where(RolloutChange.id <= upto_id)
-    rows = (await session.execute(stmt)).all()
-    more = len(rows) > limit
-    items = await anyio.to_thread.run_sync(_changes, rows[:limit])
+    rows = (await session.execute(stmt)).all() if ids else []
+    items = await anyio.to_thread.run_sync(_changes, rows)
     next_cursor = items[-1].cursor if items else after
     return RolloutChangePage(items=items, next_cursor=next_cursor, has_more=more)
