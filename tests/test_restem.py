@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime as dt
 import hashlib
 import json
@@ -919,3 +920,31 @@ async def test_a_page_of_iterations_runs_the_same_statements_for_one_iteration_o
             pages[limit] = statements
         assert len(pages[6]) == len(pages[1]), pages[6]
         assert [i["status"] for i in r.json()["items"]] == ["running"] + ["expired"] * 5
+
+
+async def test_a_dataset_reads_at_most_one_results_worth_of_bodies_at_a_time(
+    app: Any, app_state: Any
+) -> None:
+    """The dataset read its problems 100 at a time with every accepted result's signed body whole
+    (each up to ORCH_LIMITS__MAX_RESULT_BODY_BYTES, the nodes' choice): a gigabyte and more held
+    at once. Each part it streams now comes from results that add up to at most that limit (the
+    first problem's whatever their size), and the dataset is the same."""
+    limit = app_state.settings.limits.max_result_body_bytes
+    proof = base64.b64encode(b"\x01" * (limit * 3 // 10)).decode()  # 40 % of the limit
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=10) as s:
+        it = await create(s, problems=("p1", "p2", "p3"))
+        w = s.workers[0]
+        leases = await claim_all(w, s.pool_id, 3)
+        for pid, lease in leases.items():
+            await submit(w, lease, [QUESTIONS[pid][1]] * 4, proof=proof)
+        await verify_all(app_state)
+        assert (await get(s, it["id"]))["status"] == "complete"
+        async with app_state.sessionmaker() as session, session.begin():
+            secret, _ = await create_token(session, role=Role.trainer, name="trainer", pool_ids=[s.pool_id])
+
+        parts, completed = await asgi_stream(
+            app, f"{base(s)}/{it['id']}/dataset", secret, lambda: asyncio.sleep(0)
+        )
+        assert completed
+        by_part = [[json.loads(x)["problem_id"] for x in part.splitlines()] for part in parts]
+        assert by_part == [["p1", "p1", "p2", "p2"], ["p3", "p3"]]  # a third result: 120 %

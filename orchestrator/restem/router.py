@@ -182,7 +182,9 @@ async def iteration_dataset(
     spec = service.dataset_spec_or_conflict(iteration, pool)
     return TokenStreamingResponse(
         request,
-        service.dataset_lines(state.sessionmaker, spec),
+        service.dataset_lines(
+            state.sessionmaker, spec, max_bytes=state.settings.limits.max_result_body_bytes
+        ),
         media_type="application/x-ndjson",
         headers={
             "Content-Disposition": f'attachment; filename="restem-{pool.id}-{iteration.id}.jsonl"',

@@ -663,16 +663,40 @@ def _dataset_chunk(spec: DatasetSpec, problems: Sequence[Any], rows: Sequence[An
     return b"".join(out)
 
 
+def _dataset_results(spec: DatasetSpec, task_ids: list[int]) -> list[ColumnElement[bool]]:
+    """The conditions on the results a dataset draws from, for the tasks ``task_ids``."""
+    where = [
+        Submission.task_id.in_(task_ids),
+        Submission.policy_step == spec.policy_step,
+        Verdict.outcome == "accepted",
+        Verdict.reversed_at.is_(None),
+        withdrawn_by().is_(None),  # by a fraud verdict against its node (Verdict)
+        Submission.evidence_pruned_at.is_(None),  # its samples were archived (tasks.retention)
+    ]
+    if spec.cutoff is not None:
+        where.append(Verdict.decided_at <= spec.cutoff.decided_by)
+        if spec.cutoff.bound is not None:
+            where.append(Verdict.id <= spec.cutoff.bound)
+    return where
+
+
 async def dataset_lines(
-    sessionmaker: async_sessionmaker[AsyncSession], spec: DatasetSpec, *, chunk: int | None = None
+    sessionmaker: async_sessionmaker[AsyncSession],
+    spec: DatasetSpec,
+    *,
+    max_bytes: int,
+    chunk: int | None = None,
 ) -> AsyncIterator[bytes]:
     """The dataset as JSON Lines, problem by problem in creation order; each chunk of problems is
-    read in its own short transaction."""
+    read in its own short transaction: up to ``chunk`` problems, fewer once their results'
+    signed bodies add up to ``max_bytes`` (the first problem's whatever their size; the sizes are
+    read first, without the bodies, which are the nodes' choice, up to
+    ``limits.max_result_body_bytes`` each)."""
     chunk = chunk or DATASET_CHUNK
     after = -1
     while True:
         async with sessionmaker() as session, session.begin():
-            problems = (
+            candidates = (
                 await session.execute(
                     select(RestemProblem.problem_index, RestemProblem.problem_id, RestemProblem.task_id)
                     .where(
@@ -682,8 +706,23 @@ async def dataset_lines(
                     .limit(chunk)
                 )
             ).all()
-            if not problems:
+            if not candidates:
                 return
+            task_ids = [p.task_id for p in candidates]
+            sizes = await session.execute(
+                select(Submission.task_id, func.sum(func.length(Submission.body)))
+                .join(Verdict, Verdict.submission_id == Submission.id)
+                .where(*_dataset_results(spec, task_ids))
+                .group_by(Submission.task_id)
+            )
+            size_of = {task_id: int(size or 0) for task_id, size in sizes}
+            problems: list[Row[int, str, int]] = []
+            total = 0
+            for p in candidates:
+                total += size_of.get(p.task_id, 0)
+                if problems and total > max_bytes:
+                    break
+                problems.append(p)
             stmt = (
                 select(
                     Submission.id.label("submission_id"),
@@ -700,25 +739,14 @@ async def dataset_lines(
                 )
                 .join(Verdict, Verdict.submission_id == Submission.id)
                 .join(Task, Task.id == Submission.task_id)
-                .where(
-                    Submission.task_id.in_([p.task_id for p in problems]),
-                    Submission.policy_step == spec.policy_step,
-                    Verdict.outcome == "accepted",
-                    Verdict.reversed_at.is_(None),
-                    withdrawn_by().is_(None),  # by a fraud verdict against its node (Verdict)
-                    Submission.evidence_pruned_at.is_(None),  # its samples were archived (tasks.retention)
-                )
+                .where(*_dataset_results(spec, [p.task_id for p in problems]))
                 .order_by(Submission.id)
             )
-            if spec.cutoff is not None:
-                stmt = stmt.where(Verdict.decided_at <= spec.cutoff.decided_by)
-                if spec.cutoff.bound is not None:
-                    stmt = stmt.where(Verdict.id <= spec.cutoff.bound)
             rows = (await session.execute(stmt)).all()
         data = await anyio.to_thread.run_sync(_dataset_chunk, spec, problems, rows)
         if data:
             yield data
-        if len(problems) < chunk:
+        if len(candidates) < chunk and len(problems) == len(candidates):
             return
         after = problems[-1].problem_index
 
