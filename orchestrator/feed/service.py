@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import orjson
@@ -192,13 +192,19 @@ _ROLLOUT_COLUMNS = (
 )
 
 
+class _Batch(NamedTuple):
+    rows: Sequence[Row[Any]]
+    more: bool  # rollouts are left after this batch (past its limit or its byte budget)
+    last_id: int  # the last verdict id the batch took (a row of it may have dropped out since)
+
+
 async def _rows(
     session: AsyncSession, pool_id: str, *, after_id: int, upto_id: int | None, limit: int, max_bytes: int
-) -> tuple[Sequence[Row[Any]], bool]:
+) -> _Batch:
     """Up to ``limit`` rollouts after ``after_id``, in order, while their signed bodies add up to
     at most ``max_bytes`` (the first whatever its size): a body is up to
     ``limits.max_result_body_bytes``, the node's choice, and is read and parsed whole. Their
-    sizes are read first, without the bodies. With whether rollouts were left for that budget."""
+    sizes are read first, without the bodies."""
     where = [
         *_accepted(pool_id),
         Verdict.id > after_id,
@@ -215,28 +221,30 @@ async def _rows(
             .join(Submission, Submission.id == Verdict.submission_id)
             .where(*where)
             .order_by(Verdict.id)
-            .limit(limit)
+            .limit(limit + 1)
         )
     ).all()
     ids: list[int] = []
     total = 0
-    for verdict_id, size in sizes:
+    for verdict_id, size in sizes[:limit]:
         total += int(size or 0)
         if ids and total > max_bytes:
             break
         ids.append(verdict_id)
     if not ids:
-        return [], False
+        return _Batch([], False, after_id)
     rows = (
         await session.execute(
             select(*_ROLLOUT_COLUMNS)
             .join(Submission, Submission.id == Verdict.submission_id)
             .join(Task, Task.id == Verdict.task_id)
-            .where(Verdict.id.in_(ids))
+            # The same conditions again: a result pruned or a verdict reversed meanwhile (another
+            # transaction, committed between the two statements) is left out, as if before.
+            .where(Verdict.id.in_(ids), *where)
             .order_by(Verdict.id)
         )
     ).all()
-    return rows, len(ids) < len(sizes)
+    return _Batch(rows, len(ids) < len(sizes), ids[-1])
 
 
 def verified_by(verifier: str, server_reward: float | None) -> VerifiedBy | None:
@@ -299,13 +307,12 @@ async def page(
     add up to ``max_bytes``."""
     after_id = await resume_point(session, pool_id, after)
     upto_id = await settled_bound(session)
-    rows, cut = await _rows(
-        session, pool_id, after_id=after_id, upto_id=upto_id, limit=limit + 1, max_bytes=max_bytes
+    batch = await _rows(
+        session, pool_id, after_id=after_id, upto_id=upto_id, limit=limit, max_bytes=max_bytes
     )
-    more = cut or len(rows) > limit
-    rows = rows[:limit]
+    more = batch.more
     # Parsing signed bodies is CPU work: off the event loop.
-    items = await anyio.to_thread.run_sync(_rollouts, rows)
+    items = await anyio.to_thread.run_sync(_rollouts, batch.rows)
     if items:
         next_cursor: str | None = items[-1].cursor
     else:
@@ -342,14 +349,14 @@ async def export_lines(
     chunk_size = chunk_size or EXPORT_CHUNK
     while after_id < upto_id:
         async with sessionmaker() as session, session.begin():
-            rows, cut = await _rows(
+            batch = await _rows(
                 session, pool_id, after_id=after_id, upto_id=upto_id, limit=chunk_size, max_bytes=max_bytes
             )
-        if rows:
-            yield await anyio.to_thread.run_sync(_lines, rows)
-        if len(rows) < chunk_size and not cut:
+        if batch.rows:
+            yield await anyio.to_thread.run_sync(_lines, batch.rows)
+        if not batch.more:
             return
-        after_id = rows[-1].id
+        after_id = batch.last_id
 
 
 # ------------------------------------------------------------------ change notices
