@@ -25,6 +25,7 @@ from orchestrator.core.keys import generate_key
 from orchestrator.core.signing import DEFAULT_COMPONENTS, MAX_TARGET_URI_LENGTH, SignatureAuth, sign_headers
 from orchestrator.tasks import evidence
 from orchestrator.tasks import jobs as task_jobs
+from orchestrator.tasks import router as tasks_router
 from orchestrator.tasks.jobs import reap_once
 from orchestrator.tasks.models import Assignment, Submission, Task, TaskReplica
 from orchestrator.verification.models import VerificationJob
@@ -1399,3 +1400,27 @@ async def test_a_heartbeat_that_waited_for_the_reaper_is_told_to_drop_the_lease_
         r = await beat
         assert r.json()["drop_leases"] == [lease["assignment_id"]]
         problem(await w.submit(lease), 409, "lease_expired")
+
+
+async def test_a_tasks_detail_shows_its_latest_leases_not_every_one_a_node_made(
+    app: Any, app_state: Any, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node may give a lease back without an error and lease the same replica again, as often
+    as its request budget allows (15 times a second): the task's detail listed every lease it
+    ever had, so one node could grow it by a million rows a day and have the next trainer or
+    operator who looks at the task load them all. It now lists the latest TASK_LEASES_SHOWN
+    (1,000), oldest first; the replicas' leases_issued still count them all."""
+    monkeypatch.setattr(tasks_router, "TASK_LEASES_SHOWN", 3, raising=False)
+    async with pool_setup(app, app_state, workers=1) as s:
+        w = s.workers[0]
+        task_id = (await s.enqueue([task()])).json()["first_task_id"]
+        ids = []
+        for _ in range(5):
+            clock.advance(1)
+            lease = (await w.claim(s.pool_id)).json()["leases"][0]
+            ids.append(lease["assignment_id"])
+            assert (await w.release(lease)).status_code == 200
+        r = await s.admin.get(f"/v1/admin/pools/{s.pool_id}/tasks/{task_id}", headers=s.headers)
+        assert r.status_code == 200, r.text
+        assert [a["id"] for a in r.json()["assignments"]] == ids[-3:]
+        assert r.json()["replicas"][0]["leases_issued"] == 5

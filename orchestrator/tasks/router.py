@@ -76,6 +76,9 @@ async def _operator_pool(pool_id: PoolId, principal: Operator, session: Session)
 
 
 PublisherPool = Annotated[Pool, Depends(_publisher_pool)]
+
+# Leases a task's detail lists: its latest, oldest first.
+TASK_LEASES_SHOWN = 1000
 OperatorPool = Annotated[Pool, Depends(_operator_pool)]
 
 
@@ -407,7 +410,7 @@ async def _task(session: Session, pool: Pool, task_id: int, *, for_update: bool 
 @admin_router.get(
     "/pools/{pool_id}/tasks/{task_id}",
     response_model=TaskDetailOut,
-    summary="One task with its replicas and every lease it has had",
+    summary="One task with its replicas and its latest 1,000 leases (oldest first)",
 )
 async def get_task(pool: PublisherPool, task_id: TaskId, session: Session) -> TaskDetailOut:
     task = await _task(session, pool, task_id)
@@ -419,13 +422,18 @@ async def get_task(pool: PublisherPool, task_id: TaskId, session: Session) -> Ta
         ).scalars()
     )
     index = {r.id: r.replica_index for r in replicas}
-    assignments = (
+    # The latest leases only: a node may give a lease back and lease the replica again as often
+    # as its request budget allows, so "every lease" had no bound (replicas' leases_issued counts
+    # them all).
+    latest = (
         await session.execute(
             select(Assignment)
             .where(Assignment.task_id == task_id)
-            .order_by(Assignment.created_at, Assignment.id)
+            .order_by(Assignment.created_at.desc(), Assignment.id.desc())
+            .limit(TASK_LEASES_SHOWN)
         )
     ).scalars()
+    assignments = reversed(list(latest))
     return TaskDetailOut(
         **task_out(task).model_dump(),
         replicas=[
