@@ -218,6 +218,59 @@ async def test_a_batchs_scoring_inputs_are_read_in_one_statement(app: Any, app_s
         assert len([st for st in statements if "advisory" not in st]) == 1, statements
 
 
+async def test_a_result_that_arrives_while_a_batch_is_scored_waits_for_the_next_sqlite(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite: a batch is scored before its transaction, which holds the database's one write
+    lock. A result that arrived while the batch was scored (the batch not full) was taken by
+    the batch's transaction as well and scored there, the write lock held for as long as its
+    reward function ran: every claim, result and heartbeat waited. It is left for the next
+    tick's batch, scored before that one's transaction."""
+    if app_state.engine.dialect.name != "sqlite":
+        pytest.skip("SQLite's one write lock")
+    import sqlite3
+
+    from sqlalchemy.engine import make_url
+
+    path = make_url(app_state.settings.db.url).database
+    real = service._score_inputs
+    under_the_write_lock: list[list[int]] = []
+    late: list[Any] = []
+
+    def write_lock_held() -> bool:
+        probe = sqlite3.connect(path, timeout=0, isolation_level=None)
+        try:
+            probe.execute("BEGIN IMMEDIATE")
+            probe.execute("ROLLBACK")
+            return False
+        except sqlite3.OperationalError:
+            return True
+        finally:
+            probe.close()
+
+    async def scoring(inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if write_lock_held():
+            under_the_write_lock.append([i.job_id for i in inputs])
+        if late:  # a result comes in while the first batch is scored
+            worker, lease = late.pop()
+            await submit(worker, lease, ["4"])
+        return await real(inputs, *args, **kwargs)
+
+    monkeypatch.setattr(service, "_score_inputs", scoring)
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=8) as s:
+        await s.enqueue([task(), task()], key="late")
+        worker = s.workers[0]
+        first = (await worker.claim(s.pool_id)).json()["leases"][0]
+        second = (await worker.claim(s.pool_id)).json()["leases"][0]
+        await submit(worker, first, ["4"])
+        late.append((worker, second))
+        first_tick = await verify_batches(app_state, budget_s=math.inf)
+        assert under_the_write_lock == []  # was [[2]]: the late result, scored in the transaction
+        assert first_tick == 1
+        assert await verify_batches(app_state, budget_s=math.inf) == 1  # the next tick's
+    assert await decided(app_state) == (2, Counter(done=2))
+
+
 def poison(monkeypatch: Any, submission_id: int) -> None:
     """The verdict on this submission fails (as a bad result would), the others are decided."""
     real_decide = service.decide

@@ -365,7 +365,7 @@ async def _verify_partition(
         if partition is not None and batch.processed < batch.picked:
             state.verifier_failed_at[partition] = state.clock.monotonic()
         # At the newest: this partition is done, or another verifier is working it.
-        end = (batch.picked if partition is None else prescored.read) < size
+        end = prescored.read < size
         done = wrapped and (end or 0 < start <= after)  # the pass is back where it started
         if not done and state.clock.monotonic() >= deadline:
             state.verifier_resume[partition] = 0 if end else after

@@ -232,19 +232,24 @@ async def process_pending(
     ``reward_retry_s`` after it arrived, tried again as ``reward_backoff`` (the process's, see
     ``Retry``) allows.
 
-    With both ``partition`` and ``prescored`` (PostgreSQL's lanes) the batch is the prescored
-    jobs still waiting, nothing is scored in the transaction, and the batch's ``last_id`` is the
-    last job ``prescore`` read."""
+    With ``prescored`` (the verifier's batches) the batch is the prescored jobs still waiting,
+    nothing is scored in the transaction, and the batch's ``last_id`` is the last job
+    ``prescore`` read. A result that came in after ``prescore`` read the batch is left for the
+    next: scored here, on SQLite, it held the one write lock for as long as its reward
+    function ran."""
     stmt = _waiting(after_id, limit)
     last = after_id
+    if prescored is not None:
+        # Only the jobs scored before this transaction (those decided meanwhile, by another
+        # process, drop out here): one that came in since waits for the next batch, scored
+        # before that one's transaction, not in this one (SQLite's holds the one write lock).
+        stmt = stmt.where(VerificationJob.id.in_(prescored.attempted))
+        last = max(prescored.last_id, after_id)
     if partition is not None:
         lock = func.pg_try_advisory_xact_lock(VERIFIER_LOCK, partition)
         if not await session.scalar(select(lock)):
             return Batch(0, 0, after_id)
         stmt = stmt.where(VerificationJob.verifier_partition == partition).with_for_update()
-        if prescored is not None:  # decided meanwhile (by another process): not taken
-            stmt = stmt.where(VerificationJob.id.in_(prescored.attempted))
-            last = max(prescored.last_id, after_id)
         session.info[SYSTEM_SHARD] = partition
     elif is_postgres(session):  # the whole backlog at once: share it without waiting
         stmt = stmt.with_for_update(skip_locked=True)
@@ -255,11 +260,7 @@ async def process_pending(
     # until the batch ends, so that the per-job ``session.get`` calls find them there.
     submissions, loaded = await _load(session, jobs)
     retry = Retry(now, reward_retry_s, {} if reward_backoff is None else reward_backoff)
-    if prescored is None:
-        scored = await _score_all(session, jobs, scorer, retry)
-    else:  # jobs scored before this transaction; any other (none, with one writer) scored now
-        rest = [j for j in jobs if j.id not in prescored.attempted]
-        scored = {**prescored.scored, **(await _score_all(session, rest, scorer, retry) if rest else {})}
+    scored = prescored.scored if prescored is not None else await _score_all(session, jobs, scorer, retry)
     await lock_for_verdicts(session, submissions)
     loaded += await _lock_replicated_tasks(session, {j.task_id for j in jobs})
     # A rolled-back savepoint expires the rows it changed (a failed job, and the siblings its
