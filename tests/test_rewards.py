@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 from collections import Counter
@@ -122,9 +123,8 @@ def _jobs(*answers: str) -> list[VerificationJob]:
 
 
 async def test_vote_classes_do_not_depend_on_the_order_the_results_came_in() -> None:
-    """The distinct votes are taken most common first, ties by their text; each joins the first
-    class whose representative it is equivalent to. A vote with another count of samples is
-    never equivalent."""
+    """Votes joined by a chain of equivalent votes are one class, led by its most common vote
+    (ties by text). A vote with another count of samples is never equivalent."""
     scorer = scoring.Scorer(purpose="test")
     answers = ["1/2", "3", "0.5", "1/2", "\\frac{3}{1}", "1/3"]
     seen = []
@@ -154,3 +154,23 @@ async def test_votes_too_costly_to_compare_are_compared_as_text() -> None:
     assert classes.of == {v: v for v in votes}
     assert classes.details() == {"equivalence_unchecked": classes.unchecked}
     assert classes.unchecked is not None and "scoring" in classes.unchecked
+
+
+@pytest.mark.parametrize(
+    "answers",
+    [
+        # (a)=3 and x=3 are each 3, not each other: whichever text comes first, 3 joins them.
+        ["\\boxed{(a)=3}", "\\boxed{3}", "\\boxed{x=3}"],
+        # x > 0 read as an expected answer is (0, oo); (0, oo) read so is not x > 0.
+        ["\\boxed{x>0}", "\\boxed{(0,\\infty)}"],
+    ],
+)
+def test_classes_are_the_votes_joined_by_equivalent_votes_in_any_order(answers: list[str]) -> None:
+    """Equivalence is neither transitive nor symmetric: a class chosen by a representative's
+    text left out a vote equivalent to one of its members, to be outvoted. The classes are the
+    chains of votes equivalent either way round, the same in every order."""
+    math = MathAnswer()
+    votes = [[math.canonical(a)] for a in answers]
+    for order in itertools.permutations(votes):
+        assert scoring._vote_classes("math", list(order)) == [0] * len(votes)
+    assert scoring._vote_classes("math", [*votes, ["4"]]) == [0] * len(votes) + [1]

@@ -481,6 +481,27 @@ async def test_a_math_quorum_keeps_answers_that_are_not_equivalent_apart(app: An
         assert [vs[w.node_id]["category"] for w in s.workers] == ["valid", "fraud", "fraud", "valid"]
 
 
+async def test_a_math_quorum_never_outvotes_an_answer_equivalent_to_the_majority_s(
+    app: Any, app_state: Any, client: Any
+) -> None:
+    """Equivalence is not transitive (``x=3`` and ``3`` are one answer, ``(a)=3`` and ``3`` too,
+    ``(a)=3`` and ``x=3`` not). Were a class made of the votes equivalent to a representative
+    chosen by its text, a node writing the answer as ``(a)=3`` (its text comes first) would lead
+    the class with ``3`` and leave ``x=3`` out: an honest replica called a cheater (greedy
+    decoding) for the answer the majority gave. Votes joined by equivalent votes are one class."""
+    async with pool_setup(
+        app, app_state, workers=3, replication_factor=3, reward_function="math", economics=ECON, stake=1000
+    ) as s:
+        await _quorum(s, ["\\boxed{(a)=3}", "\\boxed{3}", "\\boxed{x=3}"], None)
+        await verify_all(app_state)
+        vs = {v["node_id"]: v for v in await verdicts(s.admin, s.headers, s.pool_id)}
+        assert [(vs[w.node_id]["category"], vs[w.node_id]["verifier"]) for w in s.workers] == [
+            ("valid", "quorum")
+        ] * 3
+        assert vs[s.workers[2].node_id]["details"]["equivalent"] == [['["(a)=3"]', '["3"]', '["x=3"]']]
+        assert [(await balances(client, w))["stake_locked"] for w in s.workers] == [1000] * 3
+
+
 async def test_an_inconclusive_quorum_adds_a_replica(app: Any, app_state: Any) -> None:
     async with pool_setup(app, app_state, workers=4, replication_factor=3) as s:
         await _quorum(s, ["Paris", "Lyon", "Nice"], None)

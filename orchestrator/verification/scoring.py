@@ -81,12 +81,16 @@ def _score(reward_function: str, completions: Sequence[str], spec: Mapping[str, 
 def _vote_classes(reward_function: str, answers: Sequence[Sequence[str]]) -> list[int]:
     """In a worker: each vote's class (``classes_of``) by the reward function's ``equivalent``.
     A vote is a result's canonical answers, one a sample; two votes are equivalent when they
-    have as many answers and each of the representative's is equivalent to the other's."""
+    have as many answers and each answer of one is equivalent to the other's, either way round
+    (``equivalent`` reads its first answer as an expected one, and ``x > 0`` read so is
+    ``(0, \\infty)``, not the other way round)."""
     fn = rewards.get(reward_function)
     equivalent = cast(rewards.ComparesAnswers, fn).equivalent
 
-    def same(representative: Sequence[str], vote: Sequence[str]) -> bool:
-        return len(representative) == len(vote) and all(map(equivalent, representative, vote))
+    def same(one: Sequence[str], other: Sequence[str]) -> bool:
+        return len(one) == len(other) and all(
+            equivalent(a, b) or equivalent(b, a) for a, b in zip(one, other, strict=True)
+        )
 
     try:
         return classes_of(answers, same)
@@ -99,19 +103,27 @@ def _vote_classes(reward_function: str, answers: Sequence[Sequence[str]]) -> lis
 
 
 def classes_of(votes: Sequence[_V], same: Callable[[_V, _V], bool]) -> list[int]:
-    """Each vote's class, in the order given: a vote joins the first class (by number) whose
-    representative, its first vote, is ``same`` as it (``same(representative, vote)``), else it
-    begins the next class. The order of ``votes`` decides the classes where ``same`` is not
-    transitive: the caller gives them in an order that does not depend on when they arrived."""
-    representatives: list[_V] = []
-    classes: list[int] = []
-    for vote in votes:
-        found = next((c for c, r in enumerate(representatives) if same(r, vote)), None)
-        if found is None:
-            found = len(representatives)
-            representatives.append(vote)
-        classes.append(found)
-    return classes
+    """Each vote's class, in the order given: two votes are one class when a chain of votes,
+    each ``same`` as the next, joins them (``same(earlier, later)``), and the classes are
+    numbered in the order of their first votes. Equivalence need not be transitive (``x=3``
+    and ``3`` are one answer, ``3`` and ``(a)=3`` too, ``x=3`` and ``(a)=3`` not): the chains
+    make the classes the same whatever the order, so that no vote is outvoted by a class
+    holding a vote it is the same as, whichever vote's text comes first. Each pair of votes
+    not yet in one class is compared once."""
+    root = list(range(len(votes)))
+
+    def find(i: int) -> int:
+        while root[i] != i:
+            i = root[i]
+        return i
+
+    for later in range(len(votes)):
+        for earlier in range(later):
+            a, b = find(earlier), find(later)
+            if a != b and same(votes[earlier], votes[later]):
+                root[max(a, b)] = min(a, b)
+    numbers: dict[int, int] = {}
+    return [numbers.setdefault(find(i), len(numbers)) for i in range(len(votes))]
 
 
 _pools: dict[tuple[str, int, int], ProcessPool] = {}

@@ -1287,10 +1287,12 @@ async def vote_classes(
     ``math``, where ``1/2``, ``0.5`` and ``\\frac{1}{2}`` are one answer) puts equivalent votes in one
     class; with any other each vote is its own, compared as text.
 
-    The rule (``scoring.classes_of``), which does not depend on the order the results came in:
-    the distinct votes are taken most common first, ties by their text; each joins the first
-    class whose representative (its first vote) it is equivalent to, the representative read
-    as an expected answer is by the reward function, else begins a class of its own. The
+    The rule (``scoring.classes_of``), which depends neither on the order the results came in
+    nor on their texts: two votes are one class when a chain of votes, each equivalent to the
+    next (either read as an expected answer is by the reward function), joins them, since
+    equivalence need not be transitive (``x=3`` and ``3``, ``3`` and ``(a)=3``, but not
+    ``x=3`` and ``(a)=3``) and no vote may be outvoted by a class holding a vote it is
+    equivalent to. A class's representative is its most common vote, ties by their text. The
     comparisons run in ``scorer``'s processes, within its time and memory limits; past them (an
     answer SymPy cannot finish with) the votes are compared as text, as before, and the
     verdicts say so (``equivalence_unchecked``)."""
