@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import json
 import os
+import time
 from collections import Counter
 from typing import Any
 
@@ -145,15 +146,16 @@ async def test_vote_classes_do_not_depend_on_the_order_the_results_came_in() -> 
 
 
 async def test_votes_too_costly_to_compare_are_compared_as_text() -> None:
-    """An answer SymPy cannot finish with (9^(9^9)) runs the comparison out of its limits: the
-    votes are compared as text, as before, and the verdicts say why."""
+    """An answer SymPy cannot finish with (9^(9^9)) against another runs its comparisons out of
+    their share of the time: those are made as text, and the verdicts say so."""
     jobs = [VerificationJob(canonical=json.dumps([a])) for a in ("9^{9^{9}}", "9^{9^{9}}+0", "1/2")]
     votes = Counter(service.vote_of(j.canonical) for j in jobs)
     scorer = scoring.Scorer(timeout_s=1.0, purpose="test")
     classes = await service.vote_classes("math", jobs, votes, scorer)
-    assert classes.of == {v: v for v in votes}
-    assert classes.details() == {"equivalence_unchecked": classes.unchecked}
-    assert classes.unchecked is not None and "scoring" in classes.unchecked
+    half = '["1/2"]'
+    assert [v for v in votes if classes.of[v] == half] == [half]
+    assert classes.details()["equivalence_unchecked"] == classes.unchecked
+    assert classes.unchecked is not None and "as text" in classes.unchecked
 
 
 @pytest.mark.parametrize(
@@ -172,5 +174,16 @@ def test_classes_are_the_votes_joined_by_equivalent_votes_in_any_order(answers: 
     math = MathAnswer()
     votes = [[math.canonical(a)] for a in answers]
     for order in itertools.permutations(votes):
-        assert scoring._vote_classes("math", list(order)) == [0] * len(votes)
-    assert scoring._vote_classes("math", [*votes, ["4"]]) == [0] * len(votes) + [1]
+        assert scoring._vote_classes("math", list(order)) == ([0] * len(votes), 0)
+    assert scoring._vote_classes("math", [*votes, ["4"]]) == ([0] * len(votes) + [1], 0)
+
+
+async def test_a_comparison_over_its_share_of_the_time_is_made_as_text() -> None:
+    """One answer SymPy takes long over (some 20 s against another) is cut at its share of the
+    time and compared as text; the other votes are still compared by equivalence."""
+    scorer = scoring.Scorer(timeout_s=2.5, purpose="test")
+    assert await scorer.vote_classes("math", [["1/3"], ["0.5"]]) == ([0, 1], 0)  # the worker started
+    started = time.monotonic()
+    classes, cut = await scorer.vote_classes("math", [["1/2"], ["(x+y+z+w+1)^{16}"], ["0.5"]])
+    assert time.monotonic() - started < 2.5
+    assert classes == [0, 1, 0] and cut >= 1

@@ -502,6 +502,25 @@ async def test_a_math_quorum_never_outvotes_an_answer_equivalent_to_the_majority
         assert [(await balances(client, w))["stake_locked"] for w in s.workers] == [1000] * 3
 
 
+async def test_a_slow_answer_leaves_the_other_math_votes_compared(app: Any, app_state: Any) -> None:
+    """An answer SymPy takes long over (``(x+y+z+w+1)^{16}``, quick to parse and some 20 s to
+    compare) is compared as text, the others still by equivalence: ``1/2`` and ``0.5`` outvote
+    it. Cut as one, every vote was compared as text: no majority, a tie-break replica, and when
+    it answered ``1/2`` the honest ``0.5`` was outvoted, judged fraud (greedy) and slashed,
+    because the node answering the slow answer made the comparison run out of time."""
+    app_state.settings.verifier.reward_timeout_s = 4
+    async with pool_setup(
+        app, app_state, workers=3, replication_factor=3, reward_function="math", economics=ECON, stake=1000
+    ) as s:
+        await _quorum(s, ["1/2", "0.5", "\\boxed{(x+y+z+w+1)^{16}}"], None)
+        await verify_all(app_state)
+        vs = {v["node_id"]: v for v in await verdicts(s.admin, s.headers, s.pool_id)}
+        assert [vs.get(w.node_id, {}).get("category") for w in s.workers] == ["valid", "valid", "fraud"]
+        details = vs[s.workers[2].node_id]["details"]
+        assert details["equivalent"] == [['["0.5"]', '["1/2"]']]
+        assert "as text" in details["equivalence_unchecked"]
+
+
 async def test_an_inconclusive_quorum_adds_a_replica(app: Any, app_state: Any) -> None:
     async with pool_setup(app, app_state, workers=4, replication_factor=3) as s:
         await _quorum(s, ["Paris", "Lyon", "Nice"], None)

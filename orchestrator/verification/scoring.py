@@ -22,7 +22,9 @@ import asyncio
 import atexit
 import multiprocessing
 import resource
+import signal
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -78,22 +80,79 @@ def _score(reward_function: str, completions: Sequence[str], spec: Mapping[str, 
         ) from None
 
 
-def _vote_classes(reward_function: str, answers: Sequence[Sequence[str]]) -> list[int]:
-    """In a worker: each vote's class (``classes_of``) by the reward function's ``equivalent``.
-    A vote is a result's canonical answers, one a sample; two votes are equivalent when they
-    have as many answers and each answer of one is equivalent to the other's, either way round
-    (``equivalent`` reads its first answer as an expected one, and ``x > 0`` read so is
-    ``(0, \\infty)``, not the other way round)."""
+#: Of a quorum's time limit, the share its comparisons of answers may use one by one (the rest
+#: is left for the worker to answer before the pool's timeout kills it).
+COMPARISONS_SHARE = 0.8
+
+
+class _ComparisonTimedOut(BaseException):
+    """A comparison of two answers ran out of its time (``SIGALRM`` in a worker). A
+    ``BaseException``: math-verify turns every ``Exception`` into "not equivalent"."""
+
+
+def _within(seconds: float, compare: Callable[[], bool]) -> bool | None:
+    """``compare()``, or None past ``seconds``: an alarm signal in the worker's main thread
+    interrupts SymPy between two Python steps (a C call that does not return in time is cut by
+    the pool's timeout instead)."""
+    armed = [True]
+
+    def expire(signum: int, frame: Any) -> None:
+        if armed[0]:
+            raise _ComparisonTimedOut
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    # Again every 50 ms until disarmed: an exception raised where Python ignores it (a garbage
+    # collector's callback, a ``__del__``) or a bare ``except:`` would lose a single alarm.
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001), 0.05)
+    try:
+        result = compare()
+        armed[0] = False
+        return result
+    except _ComparisonTimedOut:
+        return None
+    finally:
+        armed[0] = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _vote_classes(
+    reward_function: str, answers: Sequence[Sequence[str]], budget_s: float | None = None
+) -> tuple[list[int], int]:
+    """In a worker: each vote's class (``classes_of``) by the reward function's ``equivalent``,
+    and how many comparisons ran out of time. A vote is a result's canonical answers, one a
+    sample; two votes are equivalent when they have as many answers and each answer of one is
+    equivalent to the other's, either way round (``equivalent`` reads its first answer as an
+    expected one, and ``x > 0`` read so is ``(0, \\infty)``, not the other way round).
+
+    With ``budget_s`` each comparison may take its share of what is left of it (what is left,
+    over the comparisons that may be left): one that takes longer is cut and its two answers
+    are compared as text (they differ), so that one answer SymPy takes long over does not leave
+    every other vote compared as text."""
     fn = rewards.get(reward_function)
     equivalent = cast(rewards.ComparesAnswers, fn).equivalent
+    width = max((len(a) for a in answers), default=0)
+    left = [len(answers) * (len(answers) - 1) * width]  # at most: each pair, each way, each sample
+    deadline = None if budget_s is None else time.monotonic() + budget_s
+    timed_out = [0]
+
+    def compare(a: str, b: str) -> bool:
+        left[0] = max(left[0] - 1, 1)
+        if deadline is None or a == b:
+            return equivalent(a, b)
+        share = (deadline - time.monotonic()) / left[0]
+        result = _within(share, lambda: equivalent(a, b))
+        if result is None:
+            timed_out[0] += 1
+        return bool(result)
 
     def same(one: Sequence[str], other: Sequence[str]) -> bool:
         return len(one) == len(other) and all(
-            equivalent(a, b) or equivalent(b, a) for a, b in zip(one, other, strict=True)
+            compare(a, b) or compare(b, a) for a, b in zip(one, other, strict=True)
         )
 
     try:
-        return classes_of(answers, same)
+        return classes_of(answers, same), timed_out[0]
     except MemoryError:
         raise
     except Exception as exc:
@@ -178,13 +237,17 @@ class Scorer:
         scoring crashes the process would."""
         return await self._run(self.purpose, _score, (reward_function, list(completions), dict(spec)))
 
-    async def vote_classes(self, reward_function: str, votes: Sequence[Sequence[str]]) -> list[int]:
-        """Each vote's class (``classes_of``) by the reward function's ``equivalent``, within
-        the same limits as a result's scoring (``Unscorable`` past them, ``RewardFunctionFailed``
-        if it raises), in a pool of its own (``<purpose>-votes``, started on first use): a quorum
-        waits for its classes holding its task's locks, and must not queue behind the scoring
-        of other batches' results."""
-        args = (reward_function, [list(v) for v in votes])
+    async def vote_classes(
+        self, reward_function: str, votes: Sequence[Sequence[str]]
+    ) -> tuple[list[int], int]:
+        """Each vote's class (``classes_of``) by the reward function's ``equivalent``, and how
+        many comparisons were cut and made as text (``_vote_classes``: each may take its share
+        of ``COMPARISONS_SHARE`` of the time limit), within the same limits as a result's
+        scoring (``Unscorable`` past them, ``RewardFunctionFailed`` if it raises), in a pool of
+        its own (``<purpose>-votes``, started on first use): a quorum waits for its classes
+        holding its task's locks, and must not queue behind the scoring of other batches'
+        results."""
+        args = (reward_function, [list(v) for v in votes], self.timeout_s * COMPARISONS_SHARE)
         return await self._run(f"{self.purpose}-votes", _vote_classes, args)
 
     async def _run(self, purpose: str, function: Callable[..., _R], args: tuple[Any, ...]) -> _R:

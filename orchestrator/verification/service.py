@@ -1313,14 +1313,21 @@ async def vote_classes(
     if any(v not in canonical for v in order):
         return VoteClasses(identity)
     try:
-        numbers = await scorer.vote_classes(reward_function, [json.loads(canonical[v]) for v in order])
+        numbers, cut = await scorer.vote_classes(reward_function, [json.loads(canonical[v]) for v in order])
     except (Unscorable, RewardFunctionFailed) as exc:
         log.warning("vote_comparison_failed", reward_function=reward_function, detail=str(exc))
         return VoteClasses(identity, str(exc))
     representative: dict[int, str | None] = {}
     for vote, number in zip(order, numbers, strict=True):
         representative.setdefault(number, vote)
-    return VoteClasses({vote: representative[number] for vote, number in zip(order, numbers, strict=True)})
+    unchecked = None
+    if cut:
+        unchecked = (
+            f"{cut} comparison(s) of two answers took longer than their share of the time: made as text"
+        )
+        log.warning("vote_comparison_cut", reward_function=reward_function, comparisons=cut)
+    of = {vote: representative[number] for vote, number in zip(order, numbers, strict=True)}
+    return VoteClasses(of, unchecked)
 
 
 def _accepted_valid(job: VerificationJob) -> bool:
