@@ -5,11 +5,13 @@ count committed work, every process exports its clock offset, ended workers' ser
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
+from sqlalchemy import event
 
 from orchestrator.core import metrics
 from orchestrator.core.clock import SystemClock
@@ -346,3 +348,27 @@ async def test_probes_on_sqlite_do_not_wait_behind_a_writer(
     assert took < 5 and r.status_code == 200, (round(took, 1), r.status_code, r.text[:300])
     if path == "/metrics":
         assert "orchestrator_metrics_database_read 1.0" in r.text
+
+
+async def test_concurrent_scrapes_share_one_read_of_the_database_gauges(client: Any, app_state: Any) -> None:
+    """/metrics is public, and each scrape read the database's gauges (counts of nodes, claimable
+    tasks, leases, waiting jobs): 20 scrapes at once ran 20 such reads. Now a scrape that comes
+    while a read is under way waits for that one, so a flood of scrapes costs one read at a time;
+    each still gets the gauges, read since it asked."""
+    reads = 0
+
+    def count(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        nonlocal reads
+        reads += "AS oldest_validator" in statement
+
+    event.listen(app_state.engine.sync_engine, "before_cursor_execute", count)
+    try:
+        answers = await asyncio.gather(*(client.get("/metrics") for _ in range(20)))
+        assert [r.status_code for r in answers] == [200] * 20
+        assert all("orchestrator_tasks_claimable" in r.text for r in answers)
+        assert 1 <= reads <= 3, f"{reads} reads of the gauges for 20 scrapes at once"
+        before = reads
+        assert (await client.get("/metrics")).status_code == 200
+        assert reads == before + 1  # a scrape after the read ended reads afresh
+    finally:
+        event.remove(app_state.engine.sync_engine, "before_cursor_execute", count)

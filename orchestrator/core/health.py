@@ -92,7 +92,7 @@ DB_GAUGES_TIMEOUT_S = 3.0
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
 async def prometheus_metrics(state: State) -> Response:
     try:
-        await asyncio.wait_for(_read_db_gauges(state), timeout=DB_GAUGES_TIMEOUT_S)
+        await asyncio.wait_for(asyncio.shield(_gauges_read(state)), timeout=DB_GAUGES_TIMEOUT_S)
     except Exception as exc:
         # The request counters need no database: a scrape that failed with it (503) took them
         # away for the whole outage, and the 5xx alert had no data in the very outage that makes
@@ -103,6 +103,20 @@ async def prometheus_metrics(state: State) -> Response:
         log.warning("metrics_database_unavailable", error=type(exc).__name__)
     payload, content_type = metrics.render()
     return Response(payload, media_type=content_type)
+
+
+def _gauges_read(state: State) -> asyncio.Future[None]:
+    """The read of the database's gauges under way in this process, else a new one. /metrics
+    is public: a scrape that comes while a read is under way waits for that one (begun since it
+    asked, or a moment before) instead of starting its own, so a flood of scrapes costs one read
+    at a time, not one each. A read outlives a scrape that stopped waiting for it (its 3 s
+    bound), and the next scrape waits for it in turn."""
+    running = state.gauges_read
+    if running is None or running.done():
+        running = state.gauges_read = asyncio.ensure_future(_read_db_gauges(state))
+        # Its failure is each waiting scrape's to handle; with none left waiting, it is dropped.
+        running.add_done_callback(lambda done: done.cancelled() or done.exception())
+    return running
 
 
 async def _read_db_gauges(state: State) -> None:

@@ -48,6 +48,9 @@ class AppState:
     # Per loop, the first and the last time it read the serving marks as abandoned, in an
     # unbroken series of reads (``liveness.serving.read_serving``).
     marks_missing: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # The read of the database's gauges a /metrics scrape started and others wait for
+    # (``core.health``): one at a time per process.
+    gauges_read: asyncio.Future[None] | None = None
     # Per verifier partition, when (``clock.monotonic()``) one of this process's batches there last
     # left a result undecided (``verification.jobs.verify_batches``: that partition goes last).
     verifier_failed_at: dict[int, float] = field(default_factory=dict)
