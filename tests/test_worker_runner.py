@@ -1454,3 +1454,47 @@ async def test_a_lease_past_its_pools_max_lease_is_dropped_at_its_deadline_not_a
         gate.set()
         stats = await run.finish()
         assert (stats.submitted, stats.released, stats.dropped, stats.errors) == (0, 0, 1, 0), stats
+
+
+class OneSlowBackend(ArithmeticBackend):
+    """The arithmetic policy: the first generation waits until the gate opens, every other one
+    takes ``quick_s``; so one lease stays in flight while the others end and are claimed again
+    every fraction of a second."""
+
+    name = "one_slow"
+
+    def __init__(self, gate: asyncio.Event, quick_s: float) -> None:
+        super().__init__()
+        self.gate = gate
+        self.quick_s = quick_s
+        self.started = 0
+
+    async def generate(self, task: LeasedTask, seed: int, policy: PolicyRef) -> list[Sample]:
+        self.started += 1
+        await (self.gate.wait() if self.started == 1 else asyncio.sleep(self.quick_s))
+        return await super().generate(task, seed, policy)
+
+
+@pytest.mark.parametrize("clock", [RealTimeClock()])
+async def test_leases_taken_more_than_once_a_second_do_not_put_off_the_beat_a_lease_needs(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each claim's leases wake the heartbeat loop to work its next beat out again. That must
+    only ever bring the beat forward: worked out afresh from each wake's time, a beat due by a
+    lease's deadline (a second or half the time left, from then) was put off at every claim,
+    and with claims coming more than once a second (the other slots' work is quick) it never
+    came: the slow lease ran out on the server (refused lease_expired, counted dropped)."""
+    gate = asyncio.Event()
+    monkeypatch.setitem(registry.BUILT_IN, "one_slow", lambda options: OneSlowBackend(gate, quick_s=0.2))
+    app_state.settings.heartbeat.interval_s = 3  # leases of 10 s are allowed
+    async with pool_setup(app, app_state, lease_duration_s=10) as s:
+        app_state.settings.heartbeat.interval_s = 60  # a beat a minute: longer than a lease
+        await s.enqueue(arithmetic_tasks(120, seed=3))
+        run = start(app, s.pool_id, backend="one_slow", concurrency=2)
+        await run.until(lambda st: st.in_flight == 2)
+        await asyncio.sleep(12)  # longer than the slow lease lasts without a beat
+        assert run.latest.claimed > 20, run.latest  # the quick slot claimed all along
+        gate.set()
+        await asyncio.sleep(2)  # its result is in (or refused)
+        stats = await run.finish()
+        assert (stats.dropped, stats.errors) == (0, 0), stats

@@ -846,15 +846,21 @@ class _Worker:
     async def _heartbeat_loop(self, interval: float) -> None:
         loop = asyncio.get_running_loop()
         last = loop.time()
+        at: float | None = None
         while not self.closing.is_set():
             self.leases_taken.clear()
-            at = self._next_beat_at(last + interval)
+            # Leases taken only ever bring the beat forward: worked out afresh from each wake's
+            # time, a beat a deadline brought forward (half the time left, or MIN_BEAT_S, from
+            # then) was put off at every claim, and never came with claims more than once a
+            # MIN_BEAT_S (the lease ran out on the server).
+            due = self._next_beat_at(last + interval)
+            at = due if at is None else min(at, due)
             if await self._closing_within(at - loop.time(), wake=self.leases_taken):
                 return
             if loop.time() < at:
                 continue  # leases were taken: the time of the next beat is worked out again
             beat = await self._beat()
-            last = loop.time()
+            last, at = loop.time(), None
             interval = min(interval, 5.0) if beat is None else beat.next_heartbeat_in_s
 
     def _next_beat_at(self, at: float) -> float:
