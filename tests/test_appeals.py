@@ -1718,3 +1718,34 @@ async def test_appeals_racing_over_one_penalty_shortfall_take_it_once(
         standing = await forfeits_of_payment(app_state, named["R1"]["id"])
         assert sum(a for _, a, st in standing if st == "forfeited") == 5, standing
         await books_sound(app_state)
+
+
+async def test_a_reversal_an_older_release_wrote_during_a_rolling_upgrade_is_placed_by_its_time(
+    app: Any, app_state: Any, client: Any, clock: FakeClock
+) -> None:
+    """The migration job runs before the rolling update (README, Kubernetes), so for a while
+    pods of the release before 0045 serve appeals on its schema: their reversals set
+    ``reversed_at`` and leave ``reversed_after`` NULL, which the backfill, run already, never
+    fills. A later appeal replaying such a reversal placed it by nothing: an AssertionError,
+    500 at every appeal of the node's rejections in the pool. It is placed as that release
+    placed it, by its time (the backfill's rule): here after F1, before F2, so F2 takes the
+    payment."""
+    async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
+        w = s.workers[0]
+        v = await rejected_right(s, w, app_state, "invalid")
+        clock.advance(1)
+        f1 = await fraud(s, w, app_state)
+        clock.advance(10)
+        assert (await reverse(s, f1["id"])).status_code == 200
+        async with app_state.sessionmaker() as session, session.begin():
+            # As the release before 0045 writes a reversal.
+            await session.execute(update(Verdict).where(Verdict.id == f1["id"]).values(reversed_after=None))
+        clock.advance(1)
+        f2 = await fraud(s, w, app_state)
+        r = await reverse(s, v["id"])
+        assert r.status_code == 200, r.text
+        assert (r.json()["reward_paid_on_appeal"], r.json()["reward_forfeited_by"]) == (14, f2["id"])
+        b = await balances(client, w)
+        assert (b["rewards_pending"], b["rewards_claimable"]) == (0, 0), b
+        assert await forfeits_of_payment(app_state, v["id"]) == [(f2["id"], 14, "forfeited")]
+        await books_sound(app_state)

@@ -155,7 +155,8 @@ class Verdict(Base):
         "reversal comes after that verdict and before every later one in the write order the "
         "node's money followed (service._replay_order). A reversal before 0045: the place its "
         "reversed_at gave it, the latest fraud or invalid verdict of the node's in the pool dated no "
-        "later, or the verdict itself if later. NULL: not reversed",
+        "later, or the verdict itself if later. NULL: not reversed, or reversed by the release before "
+        "0045 during a rolling upgrade (placed so by time at each replay: service._place_by_time)",
     )
     reward_paid_on_appeal: Mapped[int] = mapped_column(
         BigInteger,

@@ -78,6 +78,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import aliased
+from sqlalchemy.orm.attributes import set_committed_value
 
 from orchestrator.admin.tokens import Principal
 from orchestrator.core import metrics
@@ -2525,14 +2526,36 @@ def _replay_order(decisions: list[Verdict]) -> list[tuple[bool, Verdict]]:
     ``_latest_written``; so before every decision written after it), reversals in the same place
     by ``reversed_at``, then id (the order of two reversals with no decision between them moves
     nothing). Reversals before revision 0045 keep the place their ``reversed_at`` gave them
-    then (see ``Verdict.reversed_after``)."""
+    then (see ``Verdict.reversed_after``; ``_place_by_time`` for those still unplaced)."""
     events: list[tuple[tuple[int, int, dt.datetime, int], bool, Verdict]] = []
     for v in decisions:
         events.append(((v.id, 0, v.decided_at, v.id), False, v))
         if v.reversed_at is not None:
-            assert v.reversed_after is not None  # set with reversed_at (by 0045 for earlier ones)
+            assert v.reversed_after is not None  # set with reversed_at, else by _place_by_time
             events.append(((v.reversed_after, 1, v.reversed_at, v.id), True, v))
     return [(reversal, v) for _, reversal, v in sorted(events, key=lambda e: e[0])]
+
+
+async def _place_by_time(session: AsyncSession, verdicts: list[Verdict]) -> None:
+    """Give each reversal of ``verdicts`` that has no ``reversed_after`` the place its time gave
+    it before revision 0045, as the migration's backfill did: after the latest fraud or invalid
+    verdict of the node's in the pool dated no later than ``reversed_at``, or its own verdict if
+    that is later. Such a reversal was written after the backfill by the release before 0045,
+    which a rolling upgrade leaves serving for a while on the schema its migration job has
+    already upgraded (README, Kubernetes). For this replay only (not written: the row is not
+    this appeal's to lock), as that release itself replays it."""
+    for v in {v.id: v for v in verdicts}.values():
+        if v.reversed_at is None or v.reversed_after is not None:
+            continue
+        slot = await session.scalar(
+            select(func.max(Verdict.id)).where(
+                Verdict.node_id == v.node_id,
+                Verdict.pool_id == v.pool_id,
+                Verdict.category.in_(("fraud", "invalid")),
+                Verdict.decided_at <= v.reversed_at,
+            )
+        )
+        set_committed_value(v, "reversed_after", max(int(slot or 0), v.id))
 
 
 @dataclass
@@ -2630,6 +2653,7 @@ async def _appeal_forfeits(
             )
         )
         frauds_after = list(found_frauds.scalars())
+    await _place_by_time(session, rows + frauds_after)
     left = amount
     holding: dict[int, tuple[Verdict, int]] = {}
     give_back: list[tuple[RewardForfeit, int, Verdict | None]] = []
