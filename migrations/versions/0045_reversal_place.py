@@ -22,7 +22,8 @@ verdict itself if that is later (the rule the code followed, so the replays of a
 treat them as before). NULL: not reversed.
 
 The downgrade drops the column: revision 0044 places every reversal by its time again, which
-moves no money already moved.
+moves no money already moved. It refuses while a reversal is placed elsewhere than its time
+would place it (an upgrade after it would place that one by time again, wrongly).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from migrations.guards import refuse_downgrade_while
+
 revision: str = "0045"
 down_revision: str | None = "0044"
 branch_labels: str | Sequence[str] | None = None
@@ -39,14 +42,14 @@ depends_on: str | Sequence[str] | None = None
 
 # Where 0044 placed each reversal (``service._reversal_slots`` then): after the latest fraud or
 # invalid verdict of the node's in the pool dated no later than the reversal, or its own verdict.
-BACKFILL = """
-UPDATE verdicts SET reversed_after = (
+PLACE_BY_TIME = """
     SELECT max(o.id) FROM verdicts AS o
     WHERE o.node_id = verdicts.node_id AND o.pool_id = verdicts.pool_id
       AND (o.id = verdicts.id OR (o.category IN ('fraud', 'invalid') AND o.decided_at <= verdicts.reversed_at))
-)
-WHERE reversed_at IS NOT NULL
 """
+# The reversals placed elsewhere than that.
+PLACED_OTHERWISE = f"SELECT count(*) FROM verdicts WHERE reversed_after <> ({PLACE_BY_TIME})"  # noqa: S608 - constants
+BACKFILL = f"UPDATE verdicts SET reversed_after = ({PLACE_BY_TIME}) WHERE reversed_at IS NOT NULL"  # noqa: S608 - constants
 
 
 def upgrade() -> None:
@@ -59,4 +62,13 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    # A reversal this revision placed elsewhere than its time would (a decision written after it
+    # but dated before it) would be placed by its time again after an upgrade: wrongly, for the
+    # replays of appeals to come. One placed where its time places it loses nothing.
+    refuse_downgrade_while(
+        PLACED_OTHERWISE,
+        "reversals are placed in their node's write order elsewhere than their time would place "
+        "them, which revision 0044 cannot record (the appeals replayed after it would place them by "
+        "time, and move the wrong money): not downgrading",
+    )
     op.drop_column("verdicts", "reversed_after")
