@@ -449,10 +449,11 @@ def asgi_post(path: str, headers: dict[str, str], client: tuple[str, int]) -> di
 
 
 async def asgi_stream(
-    app: Any, path: str, token: str, between: Callable[[], Awaitable[Any]]
+    app: Any, path: str, token: str, between: Callable[[], Awaitable[Any]], *, at_start: bool = False
 ) -> tuple[list[bytes], bool]:
     """GET ``path`` (with its query) with bearer ``token`` through the app's ASGI callable,
-    running ``between()`` once the first part of the body has been sent: the parts sent, and
+    running ``between()`` once the first part of the body has been sent (``at_start``: once the
+    status is sent, before any of the body, the request's own transaction over): the parts sent, and
     whether the answer was finished (its last message sent; a server closes the connection of an
     unfinished one, and its client sees a broken download)."""
     parts: list[bytes] = []
@@ -471,6 +472,8 @@ async def asgi_stream(
         nonlocal completed
         if message["type"] != "http.response.body":
             assert message["status"] == 200, message
+            if at_start:
+                await between()
             return
         if message.get("body"):
             parts.append(message["body"])

@@ -299,6 +299,32 @@ async def test_an_export_stops_when_its_token_is_revoked_or_rotated_while_it_str
         problem(await s.admin.get(path, headers={"Authorization": f"Bearer {secret}"}), 401, "token_invalid")
 
 
+async def test_an_export_whose_token_is_revoked_before_its_first_chunk_serves_none_of_it(
+    app: Any, app_state: Any
+) -> None:
+    """The export checked its token again only before the chunks after the first, taking the
+    first as vouched for by the request's transaction. That transaction commits before the answer
+    starts, and the first chunk (up to EXPORT_CHUNK rollouts) is read in a transaction of its own
+    after it: a revocation that committed in between (it waits only for transactions under way)
+    still had the first chunk served. The token is now read again before every chunk."""
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=10) as s:
+        w = s.workers[0]
+        for lease in await leases(s, w, 2):
+            await submit(w, lease, ["4"])
+        await verify_all(app_state)
+        async with app_state.sessionmaker() as session, session.begin():
+            secret, row = await create_token(session, role=Role.trainer, name="trainer", pool_ids=[s.pool_id])
+
+        async def revoke() -> None:
+            r = await s.admin.post(f"/v1/admin/tokens/{row.id}/revoke", headers=s.admin_headers)
+            assert r.status_code == 200, r.text
+
+        path = f"/v1/pools/{s.pool_id}/rollouts/export"
+        parts, completed = await asgi_stream(app, path, secret, revoke, at_start=True)
+        assert parts == []  # not one rollout read after the revocation
+        assert not completed
+
+
 async def test_a_page_of_the_feed_reads_at_most_one_results_worth_of_bodies(
     app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -290,25 +290,23 @@ class _TokenDied(Exception):
 
 async def _while_valid(request: Request, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
     """``chunks`` for as long as the request's bearer token stays valid: it is read again (one
-    primary-key read, outside any transaction) before every chunk after the first, which the
-    request's own transaction vouched for; a dead one raises ``_TokenDied`` before the next chunk
-    is read."""
+    primary-key read, outside any transaction) before every chunk, the first included (the
+    request's own transaction has committed before the answer starts, and each chunk is read in
+    a transaction of its own after it: a revocation may commit in between); a dead one raises
+    ``_TokenDied`` before the next chunk is read."""
     token_id, digest = request.scope[_BEARER]
     state = app_state(request)
-    first = True
     try:
         while True:
-            if not first:
-                async with state.reader.connect() as conn:
-                    row = (await conn.execute(_TOKEN_STILL_VALID_NOW, {"token_id": token_id})).first()
-                try:
-                    if row is not None and not hmac.compare_digest(row.token_hash, digest):
-                        raise _token_invalid()
-                    _refuse_unusable(row, state.clock.utcnow())
-                except Unauthorized as refused:
-                    log.warning("stream_token_refused", token_id=token_id, code=refused.code)
-                    raise _TokenDied(refused.code) from refused
-            first = False
+            async with state.reader.connect() as conn:
+                row = (await conn.execute(_TOKEN_STILL_VALID_NOW, {"token_id": token_id})).first()
+            try:
+                if row is not None and not hmac.compare_digest(row.token_hash, digest):
+                    raise _token_invalid()
+                _refuse_unusable(row, state.clock.utcnow())
+            except Unauthorized as refused:
+                log.warning("stream_token_refused", token_id=token_id, code=refused.code)
+                raise _TokenDied(refused.code) from refused
             try:
                 chunk = await anext(chunks)
             except StopAsyncIteration:
@@ -323,8 +321,9 @@ async def _while_valid(request: Request, chunks: AsyncIterator[Chunk]) -> AsyncI
 class TokenStreamingResponse(StreamingResponse):
     """A streamed answer (an export, read chunk by chunk in transactions of its own) for a bearer
     request, served only while its token stays valid. A token revoked, rotated or expired while
-    the answer streams reads no more of it, as every later request with it is refused. Its status
-    and first lines are sent already, so no problem can be: the answer is left unfinished (the
+    the answer streams (or between the request's transaction and its first chunk) reads no more of
+    it, as every later request with it is refused. Its status (and maybe first lines) is sent
+    already, so no problem can be: the answer is left unfinished (the
     server closes the connection without the end of the chunked body), and the client sees a
     broken download rather than a short file it could take for the whole one."""
 
