@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from orchestrator.admin.tokens import Role, create_token
 from orchestrator.core.clock import FakeClock
@@ -948,3 +949,46 @@ async def test_a_dataset_reads_at_most_one_results_worth_of_bodies_at_a_time(
         assert completed
         by_part = [[json.loads(x)["problem_id"] for x in part.splitlines()] for part in parts]
         assert by_part == [["p1", "p1", "p2", "p2"], ["p3", "p3"]]  # a third result: 120 %
+
+
+async def test_one_problems_results_are_read_at_most_one_results_worth_at_a_time(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dataset chunk took its first problem whatever its results' size, and a problem has one
+    accepted result per replica (replication up to 16), each up to
+    ORCH_LIMITS__MAX_RESULT_BODY_BYTES: one read of 160 MiB of bodies and more, parsed at once.
+    A problem whose results add up to more than that limit is now read a few results at a time
+    (the first whatever its size), keeping its best keep_correct samples so far; its lines are
+    the same."""
+    limit = app_state.settings.limits.max_result_body_bytes
+    proof = base64.b64encode(b"\x01" * (limit * 3 // 10)).decode()  # 40 % of the limit
+    read: list[int] = []  # the signed bodies' bytes each statement that reads them loaded
+    execute = AsyncSession.execute
+
+    async def spy(self: AsyncSession, statement: Any, *args: Any, **kwargs: Any) -> Any:
+        result = await execute(self, statement, *args, **kwargs)
+        sql = str(statement)
+        if "submissions.body" not in sql or "length(submissions.body)" in sql:
+            return result
+        frozen = result.freeze()
+        read.append(sum(len(row.body) for row in frozen()))
+        return frozen()
+
+    async with pool_setup(app, app_state, workers=3, max_leases_per_node=10) as s:
+        it = await create(s, problems=("p1",), replication=3)
+        submission_ids = []
+        for w in s.workers:
+            lease = (await claim_all(w, s.pool_id, 1))["p1"]
+            submission_ids.append((await submit(w, lease, ["4"] * 4, proof=proof))["submission_id"])
+        await verify_all(app_state)
+        assert (await get(s, it["id"]))["status"] == "complete"
+
+        monkeypatch.setattr(AsyncSession, "execute", spy)
+        lines = [json.loads(line) for line in (await dataset(s, it["id"])).splitlines()]
+        assert read and max(read) <= limit, read  # 120 % in one read before
+        best = sorted(
+            (restem_service.rank_key(it["id"], sid, i), sid, i) for sid in submission_ids for i in range(4)
+        )[:2]
+        assert [(x["problem_id"], x["submission_id"], x["sample_index"]) for x in lines] == [
+            ("p1", sid, i) for _, sid, i in best
+        ]

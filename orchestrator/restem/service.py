@@ -47,7 +47,7 @@ from typing import Any, cast
 
 import anyio
 import structlog
-from sqlalchemy import ColumnElement, Row, and_, exists, func, insert, or_, select
+from sqlalchemy import ColumnElement, Row, Select, and_, exists, func, insert, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -624,8 +624,13 @@ def _correct_flags(row: Row[Any], samples: list[dict[str, Any]], reward_function
     return [(fn.reward(s.get("completion") or "", spec) or 0.0) >= CORRECT for s in samples]
 
 
-def _dataset_chunk(spec: DatasetSpec, problems: Sequence[Any], rows: Sequence[Any]) -> bytes:
-    by_task: dict[int, list[tuple[str, dict[str, Any]]]] = {}
+# A dataset line with its rank among its problem's correct samples (``rank_key``).
+Ranked = tuple[str, dict[str, Any]]
+
+
+def _ranked_lines(spec: DatasetSpec, rows: Sequence[Any]) -> dict[int, list[Ranked]]:
+    """The lines of the correct samples of ``rows`` (results), by task, each with its rank."""
+    by_task: dict[int, list[Ranked]] = {}
     for row in rows:
         body = load_body(row.body)
         samples: list[dict[str, Any]] = body.get("samples") or []
@@ -654,13 +659,25 @@ def _dataset_chunk(spec: DatasetSpec, problems: Sequence[Any], rows: Sequence[An
             by_task.setdefault(row.task_id, []).append(
                 (rank_key(spec.iteration_id, row.submission_id, i), line)
             )
+    return by_task
+
+
+def _best(spec: DatasetSpec, lines: Sequence[Ranked]) -> list[Ranked]:
+    """The ``keep_correct`` best-ranked of a problem's lines."""
+    return sorted(lines, key=lambda pair: pair[0])[: spec.keep_correct]
+
+
+def _problem_lines(spec: DatasetSpec, problems: Sequence[Any], by_task: dict[int, list[Ranked]]) -> bytes:
     out = []
     for problem in problems:
-        kept = sorted(by_task.get(problem.task_id, []), key=lambda pair: pair[0])[: spec.keep_correct]
-        for _, line in kept:
+        for _, line in _best(spec, by_task.get(problem.task_id, [])):
             line["problem_id"] = problem.problem_id
             out.append(dumps_line(line))
     return b"".join(out)
+
+
+def _dataset_chunk(spec: DatasetSpec, problems: Sequence[Any], rows: Sequence[Any]) -> bytes:
+    return _problem_lines(spec, problems, _ranked_lines(spec, rows))
 
 
 def _dataset_results(spec: DatasetSpec, task_ids: list[int]) -> list[ColumnElement[bool]]:
@@ -680,6 +697,68 @@ def _dataset_results(spec: DatasetSpec, task_ids: list[int]) -> list[ColumnEleme
     return where
 
 
+def _dataset_rows(spec: DatasetSpec, task_ids: list[int]) -> Select[Any]:
+    """The results a dataset draws from for the tasks ``task_ids``, with their signed bodies."""
+    return (
+        select(
+            Submission.id.label("submission_id"),
+            Submission.task_id,
+            Submission.node_id,
+            Submission.policy_step,
+            Submission.body,
+            Verdict.server_reward,
+            Verdict.details,
+            Task.prompt,
+            Task.problem_ref,
+            Task.metadata_,
+            Task.verification,
+        )
+        .join(Verdict, Verdict.submission_id == Submission.id)
+        .join(Task, Task.id == Submission.task_id)
+        .where(*_dataset_results(spec, task_ids))
+        .order_by(Submission.id)
+    )
+
+
+async def _large_problem_lines(
+    sessionmaker: async_sessionmaker[AsyncSession], spec: DatasetSpec, problem: Any, *, max_bytes: int
+) -> bytes:
+    """The lines of one problem whose results' signed bodies add up to more than ``max_bytes``:
+    its results are read in id order, each read in its own short transaction while their
+    bodies add up to at most ``max_bytes`` (the first whatever its size), keeping the
+    ``keep_correct`` best-ranked lines so far (the same lines as one read of them all)."""
+    kept: list[Ranked] = []
+    after = 0
+    while True:
+        async with sessionmaker() as session, session.begin():
+            sizes = (
+                await session.execute(
+                    select(Submission.id, func.length(Submission.body))
+                    .join(Verdict, Verdict.submission_id == Submission.id)
+                    .where(*_dataset_results(spec, [problem.task_id]), Submission.id > after)
+                    .order_by(Submission.id)
+                )
+            ).all()
+            ids: list[int] = []
+            total = 0
+            for submission_id, size in sizes:
+                total += int(size or 0)
+                if ids and total > max_bytes:
+                    break
+                ids.append(submission_id)
+            if not ids:
+                break
+            rows = (
+                await session.execute(_dataset_rows(spec, [problem.task_id]).where(Submission.id.in_(ids)))
+            ).all()
+        ranked = await anyio.to_thread.run_sync(_ranked_lines, spec, rows)
+        kept = _best(spec, [*kept, *ranked.get(problem.task_id, [])])
+        if len(ids) == len(sizes):
+            break
+        after = ids[-1]
+    return await anyio.to_thread.run_sync(_problem_lines, spec, [problem], {problem.task_id: kept})
+
+
 async def dataset_lines(
     sessionmaker: async_sessionmaker[AsyncSession],
     spec: DatasetSpec,
@@ -689,9 +768,10 @@ async def dataset_lines(
 ) -> AsyncIterator[bytes]:
     """The dataset as JSON Lines, problem by problem in creation order; each chunk of problems is
     read in its own short transaction: up to ``chunk`` problems, fewer once their results'
-    signed bodies add up to ``max_bytes`` (the first problem's whatever their size; the sizes are
-    read first, without the bodies, which are the nodes' choice, up to
-    ``limits.max_result_body_bytes`` each)."""
+    signed bodies add up to ``max_bytes`` (the sizes are read first, without the bodies, which
+    are the nodes' choice, up to ``limits.max_result_body_bytes`` each). A first problem whose
+    results alone add up to more (one per replica) is read a few results at a time
+    (``_large_problem_lines``)."""
     chunk = chunk or DATASET_CHUNK
     after = -1
     while True:
@@ -723,27 +803,16 @@ async def dataset_lines(
                 if problems and total > max_bytes:
                     break
                 problems.append(p)
-            stmt = (
-                select(
-                    Submission.id.label("submission_id"),
-                    Submission.task_id,
-                    Submission.node_id,
-                    Submission.policy_step,
-                    Submission.body,
-                    Verdict.server_reward,
-                    Verdict.details,
-                    Task.prompt,
-                    Task.problem_ref,
-                    Task.metadata_,
-                    Task.verification,
-                )
-                .join(Verdict, Verdict.submission_id == Submission.id)
-                .join(Task, Task.id == Submission.task_id)
-                .where(*_dataset_results(spec, [p.task_id for p in problems]))
-                .order_by(Submission.id)
-            )
-            rows = (await session.execute(stmt)).all()
-        data = await anyio.to_thread.run_sync(_dataset_chunk, spec, problems, rows)
+            alone = len(problems) == 1 and size_of.get(problems[0].task_id, 0) > max_bytes
+            if not alone:
+                stmt = _dataset_rows(spec, [p.task_id for p in problems])
+                rows = (await session.execute(stmt)).all()
+        if alone:
+            # One problem whose results alone add up to more than max_bytes (a result per
+            # replica, up to 16): read a few of them at a time.
+            data = await _large_problem_lines(sessionmaker, spec, problems[0], max_bytes=max_bytes)
+        else:
+            data = await anyio.to_thread.run_sync(_dataset_chunk, spec, problems, rows)
         if data:
             yield data
         if len(candidates) < chunk and len(problems) == len(candidates):
