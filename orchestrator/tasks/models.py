@@ -168,7 +168,9 @@ class Assignment(Base):
         CheckConstraint(
             "status IN ('active', 'submitted', 'expired', 'released', 'cancelled')", name="status_known"
         ),
-        Index("ix_assignments_task_id", "task_id"),
+        # A task's leases, in the order they were made: its detail reads the latest few from the
+        # end (a node may churn a task's leases by the million), and lookups by task use it too.
+        Index("ix_assignments_task_id_created_at", "task_id", "created_at", "id"),
         Index("ix_assignments_pool_id_node_id", "pool_id", "node_id"),
         Index("ix_assignments_node_id_status", "node_id", "status"),
         # A claim counts the node's live leases in the pool: only live ones are indexed, so the
