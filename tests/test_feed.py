@@ -10,8 +10,10 @@ from typing import Any
 
 import pytest
 from sqlalchemy import update
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from orchestrator.admin.tokens import Role, create_token
+from orchestrator.core.db import utcnow
 from orchestrator.core.pagination import encode_cursor
 from orchestrator.feed import service as feed_service
 from orchestrator.tasks.models import Submission
@@ -349,6 +351,71 @@ async def test_a_page_of_the_feed_reads_at_most_one_results_worth_of_bodies(
 
         r = await s.admin.get(f"/v1/pools/{s.pool_id}/rollouts/export", headers=s.headers)
         assert [json.loads(line) for line in r.text.splitlines()] == first["items"] + second["items"]
+
+
+@postgres_only
+@pytest.mark.parametrize("change", ["prune", "reverse"])
+@pytest.mark.parametrize("which", ["last", "all"])
+async def test_rollouts_that_change_between_a_pages_sizes_and_its_rows_are_neither_served_nor_skip_others(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch, change: str, which: str
+) -> None:
+    """A page (and an export chunk) reads its rollouts' sizes, then the rollouts by id, two
+    statements that each see what committed before them on PostgreSQL. A result whose evidence
+    was pruned between them was parsed from its emptied body (a 500 for every read of that page)
+    and a verdict reversed between them was served. Such a rollout now drops out as if it had
+    changed before the read; the pages that follow, and the export, go on after it and serve
+    every other rollout once."""
+    monkeypatch.setattr(feed_service, "EXPORT_CHUNK", 2)
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=10) as s:
+        w = s.workers[0]
+        for lease in await leases(s, w, 5):
+            await submit(w, lease, ["4"])
+        await verify_all(app_state)
+        items = (await feed(s, limit=100))["items"]
+        verdict_ids = [i["verdict_id"] for i in items]
+        real_execute = AsyncSession.execute
+
+        def between_sizes_and_rows(drop: list[int]) -> None:
+            pending = True
+
+            async def spy(self: AsyncSession, statement: Any, *args: Any, **kwargs: Any) -> Any:
+                nonlocal pending
+                sql = str(statement)
+                if pending and "submissions.body" in sql and "length(" not in sql:
+                    pending = False  # the first read of rows: change them in another transaction
+                    async with app_state.sessionmaker() as other, other.begin():
+                        if change == "reverse":
+                            await other.execute(
+                                update(Verdict).where(Verdict.id.in_(drop)).values(reversed_at=utcnow())
+                            )
+                        else:
+                            subs = [i["submission_id"] for i in items if i["verdict_id"] in drop]
+                            await other.execute(
+                                update(Submission)
+                                .where(Submission.id.in_(subs))
+                                .values(body=b"", evidence_pruned_at=utcnow())
+                            )
+                return await real_execute(self, statement, *args, **kwargs)
+
+            monkeypatch.setattr(AsyncSession, "execute", spy)
+
+        # Pages of two: the page's last rollout, or both, change between its two reads.
+        drop = verdict_ids[1:2] if which == "last" else verdict_ids[:2]
+        between_sizes_and_rows(drop)
+        first = await feed(s, limit=2)
+        assert [i["verdict_id"] for i in first["items"]] == [v for v in verdict_ids[:2] if v not in drop]
+        assert first["has_more"] is True
+        rest, _ = await whole_feed(s, limit=2, after=first["next_cursor"])
+        assert [i["verdict_id"] for i in first["items"] + rest] == [v for v in verdict_ids if v not in drop]
+
+        # The export, chunks of two: its first chunk's last rollout, or both, change between its reads.
+        remaining = [v for v in verdict_ids if v not in drop]
+        drop = remaining[1:2] if which == "last" else remaining[:2]
+        between_sizes_and_rows(drop)
+        r = await s.admin.get(f"/v1/pools/{s.pool_id}/rollouts/export", headers=s.headers)
+        assert r.status_code == 200, r.text
+        served = [json.loads(line)["verdict_id"] for line in r.text.splitlines()]
+        assert served == [v for v in remaining if v not in drop]
 
 
 async def test_results_signed_with_an_older_policy_carry_their_own_step(app: Any, app_state: Any) -> None:
