@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, TypeVar
 
 from sqlalchemy import ColumnElement, exists, select
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -38,6 +39,8 @@ from orchestrator.core.keys import b64u_decode, b64u_encode
 # The largest id a BIGINT column holds: ids in paths, queries and cursors are bounded by it, so
 # a larger number is refused as input (422, 400) instead of failing in the database (500).
 ID_MAX = 2**63 - 1
+
+_T = TypeVar("_T")
 
 SCOPED_PREFIX = b"k2:"
 UNSCOPED_PREFIX = b"k1:"
@@ -147,3 +150,17 @@ async def require_listed(
         return
     if not await session.scalar(select(exists().where(id_column == key, *scope))):
         raise BadRequest(f"the cursor is not one this list issued: it names no {what}", code="cursor_invalid")
+
+
+def within_bytes(sized: Iterable[tuple[_T, int | None]], max_bytes: int) -> list[_T]:
+    """The leading items of ``sized`` (each with its size in bytes, read without its contents)
+    whose sizes add up to at most ``max_bytes``, and the first whatever its size: a page of
+    results' signed bodies, which their nodes make up to the body limit each, is read so."""
+    taken: list[_T] = []
+    total = 0
+    for item, size in sized:
+        total += int(size or 0)
+        if taken and total > max_bytes:
+            break
+        taken.append(item)
+    return taken

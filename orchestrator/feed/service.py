@@ -45,7 +45,7 @@ from api_schemas.feed import (
 )
 from api_schemas.tasks import Sampling
 from orchestrator.core.errors import BadRequest, ServiceUnavailable
-from orchestrator.core.pagination import ID_MAX, decode_cursor, encode_cursor
+from orchestrator.core.pagination import ID_MAX, decode_cursor, encode_cursor, within_bytes
 from orchestrator.core.sql import is_postgres
 from orchestrator.tasks.models import Submission, Task
 from orchestrator.verification.models import RolloutChange, Verdict, withdrawn_by
@@ -224,13 +224,7 @@ async def _rows(
             .limit(limit + 1)
         )
     ).all()
-    ids: list[int] = []
-    total = 0
-    for verdict_id, size in sizes[:limit]:
-        total += int(size or 0)
-        if ids and total > max_bytes:
-            break
-        ids.append(verdict_id)
+    ids: list[int] = within_bytes(sizes[:limit], max_bytes)
     if not ids:
         return _Batch([], False, after_id)
     rows = (
@@ -420,13 +414,7 @@ async def changes(
             .limit(limit + 1)
         )
     ).all()
-    ids: list[int] = []
-    total = 0
-    for change_id, size in sizes:
-        total += int(size or 0)
-        if ids and total > max_bytes:
-            break
-        ids.append(change_id)
+    ids: list[int] = within_bytes(sizes, max_bytes)
     more = len(ids) < len(sizes) or len(ids) > limit
     ids = ids[:limit]
     stmt = (

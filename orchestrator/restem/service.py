@@ -63,6 +63,7 @@ from api_schemas.restem import (
 from api_schemas.tasks import Sampling, TaskBatchIn, TaskIn
 from orchestrator.core.digest import body_digests
 from orchestrator.core.errors import Conflict, NotFound, UnprocessableEntity
+from orchestrator.core.pagination import within_bytes
 from orchestrator.core.sql import is_postgres
 from orchestrator.feed.service import dumps_line, load_body, sample_rewards, settled_bound
 from orchestrator.pools.models import Pool
@@ -739,13 +740,7 @@ async def _large_problem_lines(
                     .order_by(Submission.id)
                 )
             ).all()
-            ids: list[int] = []
-            total = 0
-            for submission_id, size in sizes:
-                total += int(size or 0)
-                if ids and total > max_bytes:
-                    break
-                ids.append(submission_id)
+            ids: list[int] = within_bytes(sizes, max_bytes)
             if not ids:
                 break
             rows = (
@@ -796,13 +791,7 @@ async def dataset_lines(
                 .group_by(Submission.task_id)
             )
             size_of = {task_id: int(size or 0) for task_id, size in sizes}
-            problems: list[Row[int, str, int]] = []
-            total = 0
-            for p in candidates:
-                total += size_of.get(p.task_id, 0)
-                if problems and total > max_bytes:
-                    break
-                problems.append(p)
+            problems = within_bytes(((p, size_of.get(p.task_id, 0)) for p in candidates), max_bytes)
             alone = len(problems) == 1 and size_of.get(problems[0].task_id, 0) > max_bytes
             if not alone:
                 stmt = _dataset_rows(spec, [p.task_id for p in problems])

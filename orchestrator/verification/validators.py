@@ -29,6 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from api_schemas.verification import ValidatorVerdictIn
 from orchestrator.admin.tokens import Principal, Role
 from orchestrator.core.errors import Conflict, NotFound, UnprocessableEntity
+from orchestrator.core.pagination import within_bytes
 from orchestrator.core.sql import is_postgres
 from orchestrator.pools.models import Pool
 from orchestrator.tasks.models import Submission, Task, TaskReplica
@@ -91,13 +92,8 @@ async def claim(
         stmt = stmt.where(ValidationJob.pool_id.in_(pools))
     if is_postgres(session):
         stmt = stmt.with_for_update(of=ValidationJob, skip_locked=True)
-    jobs: list[ValidationJob] = []
-    total = 0
-    for job, size in (await session.execute(stmt)).all():
-        total += int(size or 0)
-        if jobs and total > max_bytes:
-            break  # the rest stay open for the next claim
-        jobs.append(job)
+    # The rest stay open for the next claim.
+    jobs = within_bytes([(job, size) for job, size in (await session.execute(stmt)).all()], max_bytes)
     out = []
     for job in jobs:
         job.status = "leased"
