@@ -1508,6 +1508,21 @@ async def test_a_penaltys_part_that_a_reversed_fraud_verdict_held_past_a_later_o
         await books_sound(app_state)
 
 
+async def _penalised_in_another_lane(s: Any, w: Any, app_state: Any, partition: int) -> dict[str, Any]:
+    """R rejected (wrongly), H accepted (7), then a result I with one of its 3 samples cut by its
+    length (the pool's soft-invalid penalty) sent and left undecided, its verification job in
+    ``partition``'s verifier lane; R's verdict."""
+    v: dict[str, Any] = await rejected_right(s, w, app_state, "invalid")
+    await honest(s, w, app_state)
+    lease = await one_lease(s, w, n=3)
+    samples = answer_body(lease, ["4", "5", "4"])["samples"]
+    samples[1]["finish_reason"] = "length"
+    await submit(w, lease, ["4", "5", "4"], samples=samples)
+    async with app_state.sessionmaker() as session, session.begin():
+        await session.execute(update(VerificationJob).values(verifier_partition=partition))
+    return v
+
+
 @postgres_only
 async def test_an_appeal_locks_up_front_the_slashed_account_of_a_penalty_it_gives_back_from(
     app: Any, app_state: Any, client: Any
@@ -1528,14 +1543,7 @@ async def test_an_appeal_locks_up_front_the_slashed_account_of_a_penalty_it_give
         async with app_state.sessionmaker() as session, session.begin():
             # The other partition's slashed account is older than the provider's reward accounts.
             await ledger.account_id(session, slashed_there)
-        v = await rejected_right(s, w, app_state, "invalid")
-        await honest(s, w, app_state)
-        lease = await one_lease(s, w, n=3)
-        samples = answer_body(lease, ["4", "5", "4"])["samples"]
-        samples[1]["finish_reason"] = "length"
-        await submit(w, lease, ["4", "5", "4"], samples=samples)
-        async with app_state.sessionmaker() as session, session.begin():
-            await session.execute(update(VerificationJob).values(verifier_partition=other))
+        v = await _penalised_in_another_lane(s, w, app_state, other)
         await verify_all(app_state)
         i = (await verdicts(s.admin, s.headers, s.pool_id))[-1]
         assert (i["category"], i["slashed_amount"]) == ("invalid", 7)
@@ -1580,14 +1588,7 @@ async def test_an_appeal_locks_the_slashed_account_of_a_penalty_written_while_it
             # Both older than the provider's reward accounts and its partition's system accounts.
             await ledger.account_id(session, first)
             await ledger.account_id(session, slashed_there)
-        v = await rejected_right(s, w, app_state, "invalid")
-        await honest(s, w, app_state)
-        lease = await one_lease(s, w, n=3)
-        samples = answer_body(lease, ["4", "5", "4"])["samples"]
-        samples[1]["finish_reason"] = "length"
-        await submit(w, lease, ["4", "5", "4"], samples=samples)
-        async with app_state.sessionmaker() as session, session.begin():
-            await session.execute(update(VerificationJob).values(verifier_partition=other))
+        v = await _penalised_in_another_lane(s, w, app_state, other)
         pending = provider_account(provider, ProviderAccount.rewards_pending)
         async with app_state.sessionmaker() as session:
             ids = await ledger.lock_accounts(session, [first, slashed_there, pending])
