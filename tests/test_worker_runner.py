@@ -1498,3 +1498,34 @@ async def test_leases_taken_more_than_once_a_second_do_not_put_off_the_beat_a_le
         await asyncio.sleep(2)  # its result is in (or refused)
         stats = await run.finish()
         assert (stats.dropped, stats.errors) == (0, 0), stats
+
+
+@pytest.mark.parametrize("clock", [RealTimeClock()])
+async def test_a_beat_refused_with_a_long_retry_after_is_tried_again_before_the_lease_runs_out(
+    app: Any, app_state: Any, gate: asyncio.Event
+) -> None:
+    """A beat refused 429 with ``Retry-After: 60`` while a lease has a few seconds left: the
+    client waited the minute out before trying again, the lease ran out on the server meanwhile
+    and its result was refused (``lease_expired``, counted dropped). The beat is now tried once
+    more about a second before the lease's deadline (once: no more than that against the
+    server's wish), which extends it."""
+    app_state.settings.heartbeat.interval_s = 3  # leases of 10 s are allowed
+    async with pool_setup(app, app_state, lease_duration_s=10) as s:
+        app_state.settings.heartbeat.interval_s = 60  # a beat a minute: the lease's beat comes by it
+        await s.enqueue(arithmetic_tasks(1, seed=2))
+        wire = FaultyTransport(app_transport(app))
+        beats = "/v1/nodes/me/heartbeat"
+        run = start(app, s.pool_id, transport=wire, backend="gated", concurrency=1)
+        await run.until(lambda st: st.in_flight == 1)
+        wire.fail(beats, "429:60")  # the lease's beat (about 5 s before its deadline) is refused
+        await asyncio.sleep(11)  # past the lease's deadline (10 s from its claim)
+        refused = [b for b in wire.to(beats) if b.status == 429]
+        assert len(refused) == 1, wire.to(beats)
+        gate.set()
+        stats = await run.until(lambda st: st.tasks_done == 1)
+        assert (stats.submitted, stats.dropped) == (1, 0), stats
+        # Tried once more, not hammered: the refused beat and the early one, then the
+        # server's minute (the next beats come by the extended lease's deadline, 10 s on).
+        after = wire.to(beats)[wire.to(beats).index(refused[0]) :]
+        assert [b.status for b in after[:2]] == [429, 200], after
+        await run.finish()

@@ -189,6 +189,43 @@ def test_retry_after_dates_are_understood() -> None:
     assert parse_retry_after("soon") is None
 
 
+async def test_a_heartbeats_retry_comes_once_before_each_lease_deadline_its_wait_would_pass(
+    app: Any, app_state: Any
+) -> None:
+    """A beat refused 429 with ``Retry-After: 60`` waited the minute out, letting the leases it
+    names run out on the server. With their ``deadlines``, the wait is cut short to try again
+    ``early_retry_lead_s`` before each (once each; deadlines within that of an early retry are
+    its too, and early retries come at most that often); past them the server's wait stands."""
+    client, wire = faulty_client(app)
+    client.early_retry_lead_s = 0.5
+    loop = asyncio.get_running_loop()
+    sent: list[float] = []
+    forward = wire.handle_async_request
+
+    async def timed(request: httpx.Request) -> httpx.Response:
+        sent.append(loop.time())
+        return await forward(request)
+
+    wire.handle_async_request = timed  # type: ignore[method-assign]
+    async with client:
+        await client.register(SPECS, "1")
+        sent.clear()
+        wire.fail("/v1/nodes/me/heartbeat", *["429:60"] * 6)
+        stop = asyncio.Event()
+        loop.call_later(3.5, stop.set)
+        began = loop.time()
+        deadlines = [began + 1.0, began + 1.2, began + 1.4, began + 3.0]
+        with pytest.raises(OrchestratorAPIError) as exc:
+            await client.heartbeat(deadlines=deadlines, stop=stop)
+        assert exc.value.status == 429
+        assert loop.time() - began < 4.5  # ended by the stop, in the server's minute
+        at = [round(t - began, 1) for t in sent]
+        # Tried; then 0.5 s before the first deadline; 0.5 s later (the soonest) for the second
+        # (the third, within 0.5 s of that retry, is its too); 0.5 s before the last.
+        assert len(at) == 4, at
+        assert at[0] < 0.2 and 0.4 <= at[1] <= 0.7 and 0.9 <= at[2] <= 1.15 and 2.4 <= at[3] <= 2.7, at
+
+
 async def test_retries_give_up_with_the_last_error(app: Any, app_state: Any) -> None:
     client, wire = faulty_client(app, max_retries=2)
     async with client:

@@ -15,6 +15,14 @@ Retries (tenacity; exponential backoff with full jitter, ``Retry-After`` honoure
   never saw), so it retries only when the request cannot have reached the server (connect
   errors and connection-pool timeouts) or was refused before any work (429, 503).
 
+A heartbeat is given the deadlines of the leases it names (``deadlines``, on the event loop's
+clock): a wait before a retry that would let one of them pass (a 429's ``Retry-After: 60`` with
+a lease 10 s from its end) is cut short, once per deadline, so that the retry is sent
+``early_retry_lead_s`` (1 s) before it; later waits are the server's again. Waiting the whole
+``Retry-After``, the call let the lease run out on the server and its work was lost. Deadlines
+within ``early_retry_lead_s`` of an early retry are its too, and early retries come at most
+that often; they count among the ``max_retries``.
+
 A ``401`` ``nonce_replayed`` with ``nonces_remembered_since`` (the server lost its spent nonces
 and refused, before any work, a signature created before it noticed) is signed afresh and sent
 again once by ``SignatureAuth`` itself.
@@ -30,9 +38,10 @@ import email.utils
 import enum
 import functools
 import json
+import math
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from types import TracebackType
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -116,6 +125,9 @@ class WorkerClient(Backoff):
     backoff_max_s: float = 30.0
     #: A server's ``Retry-After`` is honoured up to this many seconds.
     retry_after_cap_s: float = 300.0
+    #: A retry brought forward by a deadline (``heartbeat``'s ``deadlines``) is sent this long
+    #: before it, and early retries come at most this often.
+    early_retry_lead_s: float = 1.0
 
     def __init__(
         self,
@@ -240,15 +252,26 @@ class WorkerClient(Backoff):
         leases: list[str] | None = None,
         metrics: dict[str, float] | None = None,
         *,
+        deadlines: Collection[float] = (),
         stop: asyncio.Event | None = None,
     ) -> HeartbeatOut:
         """Report liveness and the leases being worked on; the answer says when to beat next,
         which leases to drop and, in ``lease_deadlines``, each other one's deadline after the
-        beat. Once ``stop`` is set, no further attempt is made."""
+        beat. Once ``stop`` is set, no further attempt is made.
+
+        ``deadlines``: when the leases run out, on the event loop's clock
+        (``asyncio.get_running_loop().time()``; read again before each wait). A wait before a
+        retry that would let one pass is cut short, once per deadline, so the retry comes
+        ``early_retry_lead_s`` before it (see the module docstring)."""
         body = HeartbeatIn(metrics=metrics or {}, leases=leases or [])
-        return await self._call_model(
-            HeartbeatOut, "POST", "/v1/nodes/me/heartbeat", body.model_dump(mode="json"), interrupt=stop
+        response = await self._call(
+            "POST",
+            "/v1/nodes/me/heartbeat",
+            body.model_dump(mode="json"),
+            interrupt=stop,
+            deadlines=deadlines,
         )
+        return HeartbeatOut.model_validate_json(response.content)
 
     async def claim(self, pool_id: str, max_tasks: int = 1, *, stop: asyncio.Event | None = None) -> ClaimOut:
         """Lease up to ``max_tasks`` replicas (at most ``CLAIM_MAX_TASKS``, the server's limit
@@ -424,9 +447,12 @@ class WorkerClient(Backoff):
         params: dict[str, Any] | None = None,
         headers: dict[str, str] | None = None,
         interrupt: asyncio.Event | None = None,
+        deadlines: Collection[float] | None = None,
     ) -> httpx.Response:
         """One call, retried per ``retry``. Once ``interrupt`` is set there is no further
-        attempt: the wait before the next one ends at once and the last failure is raised."""
+        attempt: the wait before the next one ends at once and the last failure is raised.
+        ``deadlines`` (event loop times) bring forward a retry whose wait would let one pass
+        (``_BeforeDeadlines``)."""
         if provider:
             if self._provider_auth is None:
                 raise ProviderKeyRequired(f"{method} {path} must be signed by the provider key")
@@ -441,9 +467,12 @@ class WorkerClient(Backoff):
         )
         headers = {**({"Content-Type": "application/json"} if content is not None else {}), **(headers or {})}
         sleep = self._sleep if interrupt is None else functools.partial(self._sleep_unless, interrupt)
+        wait: Callable[[RetryCallState], float] = self._wait
+        if deadlines is not None:
+            wait = _BeforeDeadlines(wait, deadlines, self.early_retry_lead_s)
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.max_retries + 1),
-            wait=self._wait,
+            wait=wait,
             retry=retry_if_exception(lambda exc: _retryable(exc, retry)),
             sleep=sleep,
             before_sleep=lambda state: _log_retry(method, path, state),
@@ -496,6 +525,39 @@ class WorkerClient(Backoff):
             for task in (sleeper, waiter):
                 task.cancel()
             await asyncio.gather(sleeper, waiter, return_exceptions=True)
+
+
+class _BeforeDeadlines:
+    """The wait before a retry (``wait``'s), cut short when it would let one of ``deadlines``
+    (event loop times, read again at each wait) pass: the retry then comes ``lead_s`` before the
+    nearest one ahead (at once with less than that left). Once per deadline: the early retry's
+    own deadline and any within ``lead_s`` after the retry are done with, and the next early
+    retry comes ``lead_s`` after it at the soonest (a shorter wait asked for stays). A failed
+    early retry is waited after as the server asks (or the backoff says), unless that would let
+    a later deadline pass."""
+
+    def __init__(
+        self, wait: Callable[[RetryCallState], float], deadlines: Collection[float], lead_s: float
+    ) -> None:
+        self._wait = wait
+        self._deadlines = deadlines
+        self._lead_s = lead_s
+        #: When the last early retry was sent (event loop time); -inf before one.
+        self._early_at = -math.inf
+
+    def __call__(self, state: RetryCallState) -> float:
+        seconds = self._wait(state)
+        now = asyncio.get_running_loop().time()
+        done_until = max(now, self._early_at + self._lead_s)
+        nearest = min((d for d in self._deadlines if d > done_until), default=None)
+        if nearest is None or now + seconds <= nearest - self._lead_s:
+            return seconds
+        at = max(now, nearest - self._lead_s, self._early_at + self._lead_s)
+        if at >= now + seconds:
+            return seconds  # what was asked ends sooner: no early retry needed
+        self._early_at = at
+        log.info("retry_before_deadline", wait_s=round(seconds, 1), deadline_in_s=round(nearest - now, 1))
+        return at - now
 
 
 def _seg(value: str) -> str:

@@ -5,9 +5,11 @@ registers the provider and node (idempotently), joins the pool, heartbeats in th
 every ``next_heartbeat_in_s`` with the ids of the leases it holds (abandoning those the
 server names in ``drop_leases``), sooner when a lease would run out before then (by each
 lease's deadline, from its claim and each beat's ``lease_deadlines``, on the server's clock:
-``_next_beat_at``), and keeps up to ``concurrency`` leases in flight, each run
-by the backend and submitted. A claim asks for at most ``CLAIM_MAX_TASKS`` leases (the
-server's limit); it claims again until ``concurrency`` leases are held. A claim with no work
+``_next_beat_at``; a beat refused with a ``Retry-After`` that would let a lease run out is
+tried again once just before its deadline: ``WorkerClient.heartbeat``'s ``deadlines``), and
+keeps up to ``concurrency`` leases in flight, each run by the backend and submitted. A claim
+asks for at most ``CLAIM_MAX_TASKS`` leases (the server's limit); it claims again until
+``concurrency`` leases are held. A claim with no work
 waits for the server's ``Retry-After``; one refused for the pool's lease cap
 (``lease_cap_reached``, the node's own leases) only until one of its leases ends, if sooner.
 A result is submitted until the server answers, through an outage of any length (the lease
@@ -892,10 +894,14 @@ class _Worker:
         (an error counted)."""
         try:
             metrics = {"in_flight": float(len(self.running)), "tasks_done": float(self.stats.tasks_done)}
-            # Retried until the held leases are settled (closing): a beat keeps them alive.
+            leases = [aid for aid in self.running if aid not in self.dropped]
+            # Retried until the held leases are settled (closing): a beat keeps them alive. A
+            # wait before a retry (a 429's Retry-After) that would let one of their deadlines
+            # pass is cut short, once per deadline, to try just before it (the client's).
             beat = await self.client.heartbeat(
-                leases=[aid for aid in self.running if aid not in self.dropped],
+                leases=leases,
                 metrics=metrics,
+                deadlines=[self.deadlines[aid] for aid in leases if aid in self.deadlines],
                 stop=stop or self.closing,
             )
         except (OrchestratorAPIError, httpx.HTTPError) as exc:
