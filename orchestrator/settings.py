@@ -226,6 +226,19 @@ class VerifierSettings(BaseModel):
             "it the scoring process is killed and the result is inconclusive (reward_unscorable)."
         ),
     )
+    vote_compare_s: float = Field(
+        default=2,
+        gt=0,
+        le=600,
+        description=(
+            "Longest a math quorum's comparisons of answers may take while its transaction holds "
+            "the task's locks (SQLite: the one write lock), capped by reward_timeout_s; a "
+            "comparison cut short counts the two answers as different (equivalence_unchecked). "
+            "The comparisons are made before the transaction, under reward_timeout_s, whenever "
+            "the votes are known then; only a quorum whose votes changed meanwhile, or one "
+            "decided when its missing replicas are withdrawn, compares them under the locks."
+        ),
+    )
     reward_retry_s: float = Field(
         default=3600,
         ge=0,

@@ -5,6 +5,7 @@ a node that left, fell unhealthy or never polls, or on a provider the pool does 
 from __future__ import annotations
 
 import datetime as dt
+import time
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from prometheus_client import REGISTRY
 
 from orchestrator.core.clock import FakeClock
 from orchestrator.verification.jobs import verify_once
+from orchestrator.verification.scoring import scorer_for
 from tests.tasks_helpers import pool_setup
 from tests.verification_helpers import FixedDraw, balances, submit, verdicts, verify_all
 
@@ -168,6 +170,32 @@ async def test_an_undecided_vote_whose_tie_break_nobody_takes_is_inconclusive(
         vs = await verdicts(s.admin, s.headers, s.pool_id)
         assert [(v["category"], v["reason"]) for v in vs] == [("inconclusive", "quorum_timeout")] * 3
         assert (await _task_detail(s))["status"] == "completed"
+
+
+async def test_a_math_quorum_decided_under_its_locks_compares_within_vote_compare_s(
+    app: Any, app_state: Any, clock: FakeClock
+) -> None:
+    """A quorum decided when its missing replica is withdrawn compares its votes in the
+    housekeeping's transaction, which holds the task's and the accounts' locks (SQLite: the one
+    write lock, every claim and result waiting). Its comparisons get ``vote_compare_s`` (2 s)
+    in all, not 80% of ``reward_timeout_s`` (10 s): an answer SymPy takes long over
+    (``(x+y+z+w+1)^{16}``) held the transaction some 5 s. Cut comparisons count as different,
+    the others still by equivalence: ``1/2``, ``0.5`` and ``\\frac{1}{2}`` outvote it."""
+    async with pool_setup(app, app_state, workers=4, replication_factor=5, reward_function="math") as s:
+        await s.enqueue([TASK], key="r5")
+        answers = ["1/2", "0.5", "\\frac{1}{2}", "\\boxed{(x+y+z+w+1)^{16}}"]
+        await _answer(app_state, s, s.workers, answers)
+        assert await verdicts(s.admin, s.headers, s.pool_id) == []  # the fifth replica is out
+        # The comparing process started (its start is not counted against the limit).
+        await scorer_for(app_state.settings.verifier).vote_classes("math", [["1/3"], ["0.5"]])
+        started = time.monotonic()
+        assert (await _tick(app_state, clock, WAIT_S + 1)).quorum_waits_expired == 4
+        assert time.monotonic() - started < 3.0  # was 4.7 s
+        vs = {v["node_id"]: v for v in await verdicts(s.admin, s.headers, s.pool_id)}
+        assert [vs[w.node_id]["category"] for w in s.workers] == ["valid"] * 3 + ["invalid"]
+        details = vs[s.workers[3].node_id]["details"]
+        assert details["equivalent"] == [['["0.5"]', '["1/2"]', '["\\\\frac{1}{2}"]']]
+        assert "as text" in details["equivalence_unchecked"]
 
 
 async def test_a_lone_result_of_a_replicated_task_waits_for_its_sibling(

@@ -7,8 +7,9 @@ interrupt. Run in a thread of the verifier, one such result would hold up its ba
 batch's locks and every later result for good. So the reward functions run in a pool of worker
 processes (``pebble``), started on first use, one pool per server process and purpose (the
 verifier loop's, and the validator verdict route's, so that a validator's request never queues
-behind a verifier batch's slow results in a process running both; and the quorum's comparisons
-of equivalent answers, ``Scorer.vote_classes``, beside each): scoring a result
+behind a verifier batch's slow results in a process running both; and the comparisons of
+equivalent answers a quorum makes while it holds its locks, ``Scorer.vote_classes``, beside
+each; those made before the batch's transaction use the scoring pool): scoring a result
 that takes longer than ``timeout_s`` kills its worker (a new one takes its place), and each
 worker's address space is capped at ``memory_mb``. Such a result is ``Unscorable``; the
 verifier judges it ``inconclusive`` (``reward_unscorable``: no reward, no penalty, since the
@@ -224,6 +225,9 @@ class Scorer:
     processes: int = 1
     #: Scorers of one purpose share a pool: ``verifier`` (the loop) or ``requests``.
     purpose: str = "verifier"
+    #: The longest a quorum's comparisons of answers may take while the caller holds a
+    #: transaction's locks (``vote_classes(locked=True)``), capped by ``timeout_s``.
+    vote_compare_s: float = 2.0
 
     async def score(
         self, reward_function: str, completions: Sequence[str], spec: Mapping[str, Any]
@@ -238,27 +242,37 @@ class Scorer:
         return await self._run(self.purpose, _score, (reward_function, list(completions), dict(spec)))
 
     async def vote_classes(
-        self, reward_function: str, votes: Sequence[Sequence[str]]
+        self, reward_function: str, votes: Sequence[Sequence[str]], *, locked: bool = True
     ) -> tuple[list[int], int]:
         """Each vote's class (``classes_of``) by the reward function's ``equivalent``, and how
         many comparisons were cut and made as text (``_vote_classes``: each may take its share
-        of ``COMPARISONS_SHARE`` of the time limit), within the same limits as a result's
-        scoring (``Unscorable`` past them, ``RewardFunctionFailed`` if it raises), in a pool of
-        its own (``<purpose>-votes``, started on first use): a quorum waits for its classes
-        holding its task's locks, and must not queue behind the scoring of other batches'
-        results."""
-        args = (reward_function, [list(v) for v in votes], self.timeout_s * COMPARISONS_SHARE)
-        return await self._run(f"{self.purpose}-votes", _vote_classes, args)
+        of ``COMPARISONS_SHARE`` of the time limit), within a time limit and the memory limit
+        (``Unscorable`` past them, ``RewardFunctionFailed`` if it raises).
 
-    async def _run(self, purpose: str, function: Callable[..., _R], args: tuple[Any, ...]) -> _R:
+        ``locked``: the caller holds a transaction's locks (a quorum decided in its batch's
+        transaction, or by the housekeeping): the time limit is ``vote_compare_s`` (at most
+        ``timeout_s``), in a pool of its own (``<purpose>-votes``, started on first use), so
+        that the locks are not held for a whole ``timeout_s`` per quorum and the comparisons do
+        not queue behind the scoring of other batches' results. Otherwise (``service.prescore``,
+        no transaction open) the time limit is ``timeout_s``, in the scoring pool, as a result's
+        scoring."""
+        limit_s = min(self.vote_compare_s, self.timeout_s) if locked else self.timeout_s
+        purpose = f"{self.purpose}-votes" if locked else self.purpose
+        args = (reward_function, [list(v) for v in votes], limit_s * COMPARISONS_SHARE)
+        return await self._run(purpose, _vote_classes, args, limit_s)
+
+    async def _run(
+        self, purpose: str, function: Callable[..., _R], args: tuple[Any, ...], timeout_s: float | None = None
+    ) -> _R:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         for death in range(1, DEATHS_ALLOWED + 1):
             future = _pool(purpose, self.processes, self.memory_mb).schedule(
-                function, args=args, timeout=self.timeout_s
+                function, args=args, timeout=timeout_s
             )
             try:
                 return await asyncio.wrap_future(future)
             except FutureTimeout as exc:
-                raise Unscorable(f"scoring took longer than {self.timeout_s:g} s") from exc
+                raise Unscorable(f"scoring took longer than {timeout_s:g} s") from exc
             except MemoryError as exc:
                 raise Unscorable(f"scoring needed more than {self.memory_mb} MB") from exc
             except ProcessExpired as exc:
@@ -276,4 +290,5 @@ def scorer_for(settings: VerifierSettings, purpose: str = "verifier") -> Scorer:
         memory_mb=settings.reward_memory_mb,
         processes=settings.reward_processes,
         purpose=purpose,
+        vote_compare_s=settings.vote_compare_s,
     )

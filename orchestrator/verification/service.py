@@ -49,9 +49,9 @@ import json
 import random
 import zlib
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
@@ -237,7 +237,8 @@ async def process_pending(
     nothing is scored in the transaction, and the batch's ``last_id`` is the last job
     ``prescore`` read. A result that came in after ``prescore`` read the batch is left for the
     next: scored here, on SQLite, it held the one write lock for as long as its reward
-    function ran."""
+    function ran. A quorum the batch decides takes its vote classes from ``prescore``'s
+    (``Prescored.classes``) when its votes are those it compared."""
     stmt = _waiting(after_id, limit)
     last = after_id
     if prescored is not None:
@@ -267,10 +268,11 @@ async def process_pending(
     # A rolled-back savepoint expires the rows it changed (a failed job, and the siblings its
     # quorum touched): their ids are read now, not from those rows after the loop.
     ids = [(job, job.id, job.submission_id) for job in jobs]
+    known = prescored.classes if prescored is not None else {}
     done = 0
     for job, job_id, submission_id in ids:
         if job_id in scored and await _checks_in_savepoint(
-            session, job, job_id, submission_id, scored[job_id], secret, rng, now, scorer
+            session, job, job_id, submission_id, scored[job_id], secret, rng, now, scorer, known
         ):
             done += 1
     return Batch(len(ids), done, max(ids[-1][1], last))
@@ -286,12 +288,15 @@ async def _checks_in_savepoint(
     rng: random.Random,
     now: dt.datetime,
     scorer: Scorer,
+    known: Mapping[VoteKey, VoteClasses],
 ) -> bool:
     """One result that cannot be processed must not hold up the others: each job in its own
     savepoint; a failure is logged and the job is tried again on a later tick."""
     try:
         async with session.begin_nested():
-            await _run_checks(session, job, scored, secret=secret, rng=rng, now=now, scorer=scorer)
+            await _run_checks(
+                session, job, scored, secret=secret, rng=rng, now=now, scorer=scorer, known=known
+            )
     except Exception:
         log.exception("verification_failed", job_id=job_id, submission_id=submission_id)
         return False
@@ -512,6 +517,9 @@ class Prescored:
     # but not attempted were decided by another verifier before this one took the partition.
     read: int = 0
     last_id: int = 0
+    # The vote classes of the quorums the batch is expected to decide, compared before its
+    # transaction (``_classes_before``), by their votes (``vote_key``).
+    classes: Mapping[VoteKey, VoteClasses] = field(default_factory=dict)
 
 
 #: PostgreSQL: a lane's claim on its partition once its turn at the scorer has come
@@ -552,7 +560,11 @@ async def prescore(
     (``process_pending``) then decides only the jobs still waiting. A score's inputs (the
     result, the task's ``verification``, the pool's reward function) never change once the job
     exists. A turn that says not to go on (the tick's budget ran out meanwhile) scores nothing
-    (``late``)."""
+    (``late``).
+
+    Once scored, the votes of the quorums the batch is to decide are compared as well, still
+    with no transaction open (``_classes_before``), so that the batch's transaction does not
+    hold its locks while SymPy compares answers."""
     async with sessionmaker() as session, session.begin():
         if partition is not None:
             lock = func.pg_try_advisory_xact_lock(VERIFIER_LOCK, partition)
@@ -574,7 +586,103 @@ async def prescore(
             waiting = still
             inputs = [i for i in inputs if i.job_id in waiting]
         scored = await _score_inputs(inputs, scorer, retry)
-    return Prescored(waiting, scored, read=read, last_id=last)
+        classes = await _classes_before(sessionmaker, scorer, inputs, scored)
+    return Prescored(waiting, scored, read=read, last_id=last, classes=classes)
+
+
+async def _classes_before(
+    sessionmaker: async_sessionmaker[AsyncSession],
+    scorer: Scorer,
+    inputs: Sequence[ScoreInput],
+    scored: Mapping[int, Scored],
+) -> dict[VoteKey, VoteClasses]:
+    """The vote classes of the quorums ``scored``'s results are to complete, compared before
+    the batch's transaction: for each result whose pool's reward function compares answers
+    (``math``), which the server could not check and which its reward function scored, of a
+    replicated task whose every replica has then reported and whose other results are all
+    checked, the votes ``try_quorum`` will count once the batch's results are checked (the
+    task's results that count, as read now, and the batch's, each its canonical answers). The
+    transaction uses them only for these very votes (``vote_key``): one whose votes turn out
+    otherwise (a result of the batch rejected by its checks, a sibling checked or decided
+    meanwhile by another batch)
+    compares them itself. The siblings are read in a short transaction of their own; a failure
+    here is logged and leaves the comparisons to the transaction."""
+    reward_function = {i.job_id: i.reward_function for i in inputs}
+    compares: dict[str, bool] = {}
+
+    def compares_answers(name: str) -> bool:
+        if name not in compares:
+            try:
+                compares[name] = rewards.compares_answers(rewards.get(name))
+            except KeyError:  # not installed in this process
+                compares[name] = False
+        return compares[name]
+
+    voting = [
+        job_id
+        for job_id, s in scored.items()
+        if s.unscorable is None and not _checkable(s.per_sample) and compares_answers(reward_function[job_id])
+    ]
+    if not voting:
+        return {}
+    try:
+        sibling = aliased(VerificationJob)
+        of_tasks = select(sibling.task_id).where(sibling.id.in_(voting))
+        async with sessionmaker() as session, session.begin():
+            rows = (
+                await session.execute(
+                    select(
+                        VerificationJob.id,
+                        VerificationJob.task_id,
+                        VerificationJob.stage,
+                        VerificationJob.findings,
+                        VerificationJob.canonical,
+                        Task.replication,
+                    )
+                    .join(Task, Task.id == VerificationJob.task_id)
+                    .where(VerificationJob.task_id.in_(of_tasks), Task.replication > 1)
+                    .order_by(VerificationJob.id)
+                )
+            ).all()
+    except Exception:
+        log.exception("vote_comparison_failed", detail="the quorums' votes could not be read")
+        return {}
+    tasks: dict[int, list[Any]] = {}
+    for row in rows:
+        tasks.setdefault(row.task_id, []).append(row)
+    wanted: dict[VoteKey, tuple[str, list[VerificationJob], Counter[str | None]]] = {}
+    for siblings in tasks.values():
+        if len(siblings) < siblings[0].replication:
+            continue  # replicas still out: no quorum yet
+        name = next((reward_function[r.id] for r in siblings if r.id in reward_function), None)
+        valid: list[VerificationJob] = []
+        for row in siblings:
+            if row.id in scored:  # this batch's: counts once checked, unless unscorable
+                if scored[row.id].unscorable is None:
+                    valid.append(VerificationJob(canonical=json.dumps(scored[row.id].canonical)))
+                continue
+            if row.stage == "checks":
+                break  # a result not checked by this batch: its own batch decides the quorum
+            job = VerificationJob(stage=row.stage, findings=row.findings, canonical=row.canonical)
+            if job.stage == "quorum" or _accepted_valid(job):
+                valid.append(job)
+        else:
+            votes = Counter(vote_of(j.canonical) for j in valid)
+            if name is not None and len(votes) > 1:
+                wanted.setdefault(vote_key(name, votes), (name, valid, votes))
+    keys = list(wanted)
+    outcomes = await asyncio.gather(
+        *(vote_classes(*wanted[k], scorer, locked=False) for k in keys), return_exceptions=True
+    )
+    classes: dict[VoteKey, VoteClasses] = {}
+    for key, outcome in zip(keys, outcomes, strict=True):
+        if isinstance(outcome, VoteClasses):
+            classes[key] = outcome
+        elif isinstance(outcome, Exception):  # left to the transaction
+            log.error("vote_comparison_failed", reward_function=key[0], exc_info=outcome)
+        else:
+            raise outcome
+    return classes
 
 
 async def _waiting_inputs(
@@ -741,6 +849,7 @@ async def _run_checks(
     rng: random.Random,
     now: dt.datetime,
     scorer: Scorer,
+    known: Mapping[VoteKey, VoteClasses] | None = None,
 ) -> None:
     submission = await session.get(Submission, job.submission_id)
     task = await session.get(Task, job.task_id)
@@ -751,7 +860,7 @@ async def _run_checks(
     assert pool is not None
     assert replica is not None
     result, per_sample, canonical = scored.result, scored.per_sample, scored.canonical
-    checkable = bool(per_sample) and all(r is not None for r in per_sample)
+    checkable = _checkable(per_sample)
     server_reward = sum(r for r in per_sample if r is not None) / len(per_sample) if checkable else None
     # A sample is paid when its reward is above 0, or when it has none (nothing to check it
     # against): a result a plugin scored only in part pays its unscored samples, not its wrong ones.
@@ -803,14 +912,14 @@ async def _run_checks(
             session, job, submission, Decision("rejected", category, finding.code, "checks", details), now=now
         )
         if task.replication > 1:  # siblings waiting for a quorum now know this result does not count
-            await try_quorum(session, task, pool, secret=secret, now=now, scorer=scorer)
+            await try_quorum(session, task, pool, secret=secret, now=now, scorer=scorer, known=known)
         return
     # A vote between replicas is only needed where the server cannot check answers itself:
     # replicas sample with different seeds, so checkable answers are judged one by one.
     if task.replication > 1 and not checkable:
         job.stage = "quorum"
         await session.flush()
-        await try_quorum(session, task, pool, secret=secret, now=now, scorer=scorer)
+        await try_quorum(session, task, pool, secret=secret, now=now, scorer=scorer, known=known)
         return
     trust = await _trust(session, pool.id, submission.node_id, submission.provider_id)
     audit_by_replica = pool.audit_method == "replicate" and not checkable
@@ -972,12 +1081,17 @@ async def try_quorum(
     now: dt.datetime,
     scorer: Scorer,
     timeout_note: str | None = None,
+    known: Mapping[VoteKey, VoteClasses] | None = None,
 ) -> None:
     """Decide the task's waiting results once every replica has reported. With
     ``timeout_note`` (the missing replicas were withdrawn) an undecided vote asks for no further
     replica: the results are inconclusive, ``quorum_timeout``. Votes are counted by class
     (``vote_classes``): where the pool's reward function compares answers (``math``), the
-    equivalent answers' votes are one class, compared in ``scorer``'s processes."""
+    equivalent answers' votes are one class. The classes are taken from ``known`` (compared
+    before the transaction, ``prescore``) when it holds these very votes (``vote_key``: the
+    classes depend on nothing else); otherwise (a sibling checked or decided meanwhile, the
+    housekeeping's ``expire_quorum_waits``) they are compared now, in ``scorer``'s processes,
+    within ``vote_compare_s`` (the caller holds the task's and accounts' locks)."""
     jobs = list(
         (
             await session.execute(
@@ -996,7 +1110,9 @@ async def try_quorum(
         return
     valid = [j for j in jobs if j.stage == "quorum" or _accepted_valid(j)]
     votes = Counter(vote_of(j.canonical) for j in valid)
-    classes = await vote_classes(pool.reward_function, valid, votes, scorer)
+    classes = (known or {}).get(vote_key(pool.reward_function, votes))
+    if classes is None:
+        classes = await vote_classes(pool.reward_function, valid, votes, scorer, locked=True)
     tally = Counter(classes.of[vote_of(j.canonical)] for j in valid)
     answer, count = tally.most_common(1)[0] if tally else (None, 0)
     if count >= 2 and count * 2 > task.min_quorum:
@@ -1283,6 +1399,8 @@ async def vote_classes(
     valid: Sequence[VerificationJob],
     votes: Counter[str | None],
     scorer: Scorer,
+    *,
+    locked: bool = True,
 ) -> VoteClasses:
     """The votes' classes. A reward function that compares answers (``rewards.compares_answers``:
     ``math``, where ``1/2``, ``0.5`` and ``\\frac{1}{2}`` are one answer) puts equivalent votes in one
@@ -1294,9 +1412,17 @@ async def vote_classes(
     equivalence need not be transitive (``x=3`` and ``3``, ``3`` and ``(a)=3``, but not
     ``x=3`` and ``(a)=3``) and no vote may be outvoted by a class holding a vote it is
     equivalent to. A class's representative is its most common vote, ties by their text. The
-    comparisons run in ``scorer``'s processes, within its time and memory limits; past them (an
-    answer SymPy cannot finish with) the votes are compared as text, as before, and the
-    verdicts say so (``equivalence_unchecked``)."""
+    comparisons run in ``scorer``'s processes, within its time and memory limits (``locked``:
+    the caller holds a transaction's locks, and the time limit is ``vote_compare_s``); past
+    them (an answer SymPy cannot finish with) the votes are compared as text, as before, and
+    the verdicts say so (``equivalence_unchecked``).
+
+    The classes depend only on ``reward_function`` and ``votes`` with their counts
+    (``vote_key``): the votes are compared most common first, ties by text, each by its
+    canonical answers, which its vote names (the answers themselves, or their SHA-256); ``valid``
+    only supplies those answers. So classes compared before a transaction (``prescore``) are
+    those the transaction would compare for the same votes, but for comparisons cut for time,
+    which the transaction's shorter limit would cut more often."""
     identity: dict[str | None, str | None] = {v: v for v in votes}
     if len(votes) < 2:
         return VoteClasses(identity)
@@ -1314,7 +1440,9 @@ async def vote_classes(
     if any(v not in canonical for v in order):
         return VoteClasses(identity)
     try:
-        numbers, cut = await scorer.vote_classes(reward_function, [json.loads(canonical[v]) for v in order])
+        numbers, cut = await scorer.vote_classes(
+            reward_function, [json.loads(canonical[v]) for v in order], locked=locked
+        )
     except (Unscorable, RewardFunctionFailed) as exc:
         log.warning("vote_comparison_failed", reward_function=reward_function, detail=str(exc))
         return VoteClasses(identity, str(exc))
@@ -1333,6 +1461,22 @@ async def vote_classes(
 
 def _accepted_valid(job: VerificationJob) -> bool:
     return job.stage == "done" and not job.findings and job.canonical is not None
+
+
+#: A quorum's votes as far as its classes go (``vote_classes``): the reward function and each
+#: vote with its count.
+VoteKey = tuple[str, frozenset[tuple[str | None, int]]]
+
+
+def vote_key(reward_function: str, votes: Counter[str | None]) -> VoteKey:
+    """What a quorum's vote classes depend on (``vote_classes``): with the counts, since the
+    votes are compared most common first and a class is named by its most common vote."""
+    return reward_function, frozenset(votes.items())
+
+
+def _checkable(per_sample: Sequence[float | None]) -> bool:
+    """Whether the server checked a result's answers itself (every sample has a reward)."""
+    return bool(per_sample) and all(r is not None for r in per_sample)
 
 
 # ------------------------------------------------------------------ verdicts and money
