@@ -246,6 +246,9 @@ async def _verify_batches(state: AppState, *, budget_s: float) -> tuple[int, boo
     # Partitions are worked by up to VERIFIER_LANES batches at once, each lane taking the next
     # partition in that order; a partition is begun only before the deadline (the first always).
     todo = iter(partitions)
+    # The lanes' results scored and not yet committed, by job id: a lane's quorum counts the
+    # votes of a task's other replicas, which other lanes (their providers' partitions) check.
+    scored: dict[int, service.Scored] = {}
     begun = 0
     cut = False
     turns = None
@@ -261,7 +264,14 @@ async def _verify_batches(state: AppState, *, budget_s: float) -> tuple[int, boo
                 return done
             begun += 1
             n, stopped = await _verify_partition(
-                state, partition, scorer=scorer, size=size, retry_s=retry_s, deadline=deadline, turns=turns
+                state,
+                partition,
+                scorer=scorer,
+                size=size,
+                retry_s=retry_s,
+                deadline=deadline,
+                turns=turns,
+                scored=scored,
             )
             done += n
             cut = cut or stopped
@@ -293,6 +303,7 @@ async def _verify_partition(
     retry_s: float,
     deadline: float,
     turns: ScorerTurns | None = None,
+    scored: dict[int, service.Scored] | None = None,
 ) -> tuple[int, bool]:
     """One partition's batches (``None``: SQLite's one backlog) until it is done or the
     deadline passes; returns how many jobs were processed and whether the deadline stopped it.
@@ -304,7 +315,10 @@ async def _verify_partition(
     transaction on that connection: while the batch is scored there is no transaction open,
     but another process finds the partition taken. While a lane waits for its turn it holds
     nothing: another process may work the partition meanwhile, and the lane then scores only
-    the jobs read that are still waiting (``service.prescore``). With the lock taken only by
+    the jobs read that are still waiting (``service.prescore``). A batch's scores are in
+    ``scored`` (the tick's lanes') from when it is scored until its transaction has ended, so
+    that another lane's batch holding a replica of the same task compares the quorum's votes
+    before its transaction too. With the lock taken only by
     each transaction, every process working the backlog found the partition free while a batch
     was scored (the partitions in the same order, oldest first) and scored the same batch
     again; with the lock held by a lane for as long as it worked the partition, a lane waiting
@@ -333,6 +347,7 @@ async def _verify_partition(
                 partition=partition,
                 turn=None if turns is None else turns.turn,
                 claim=None if partition is None else claim.take,
+                others=scored,
             )
             if prescored.late:  # the budget ran out while it waited for the scorer: on from here
                 state.verifier_resume[partition] = after
@@ -346,20 +361,27 @@ async def _verify_partition(
                 continue
             batch = service.Batch(0, 0, prescored.last_id)  # all decided by another verifier
             if prescored.attempted:
-                async with claim.sessionmaker() as session, session.begin():
-                    batch = await service.process_pending(
-                        session,
-                        secret=secret,
-                        rng=state.rng,
-                        now=state.clock.utcnow(),
-                        scorer=scorer,
-                        limit=size,
-                        after_id=after,
-                        partition=partition,
-                        prescored=prescored,
-                        reward_retry_s=retry_s,
-                        reward_backoff=state.reward_backoff,
-                    )
+                if scored is not None:
+                    scored.update(prescored.scored)
+                try:
+                    async with claim.sessionmaker() as session, session.begin():
+                        batch = await service.process_pending(
+                            session,
+                            secret=secret,
+                            rng=state.rng,
+                            now=state.clock.utcnow(),
+                            scorer=scorer,
+                            limit=size,
+                            after_id=after,
+                            partition=partition,
+                            prescored=prescored,
+                            reward_retry_s=retry_s,
+                            reward_backoff=state.reward_backoff,
+                        )
+                finally:
+                    if scored is not None:
+                        for job_id in prescored.scored:
+                            scored.pop(job_id, None)
         total += batch.processed
         after = batch.last_id
         if partition is not None and batch.processed < batch.picked:

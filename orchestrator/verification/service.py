@@ -540,6 +540,7 @@ async def prescore(
     partition: int | None = None,
     turn: Callable[[int], AbstractAsyncContextManager[bool]] | None = None,
     claim: Claim | None = None,
+    others: Mapping[int, Scored] | None = None,
 ) -> Prescored:
     """Score the next batch's results with no transaction open. SQLite: every SQLite transaction
     holds the database's one write lock (``BEGIN IMMEDIATE``), so a batch that scored inside its
@@ -564,7 +565,9 @@ async def prescore(
 
     Once scored, the votes of the quorums the batch is to decide are compared as well, still
     with no transaction open (``_classes_before``), so that the batch's transaction does not
-    hold its locks while SymPy compares answers."""
+    hold its locks while SymPy compares answers. ``others``: the results other batches of this
+    process scored and have not yet committed (PostgreSQL's lanes), by job id, whose votes
+    those quorums will count too."""
     async with sessionmaker() as session, session.begin():
         if partition is not None:
             lock = func.pg_try_advisory_xact_lock(VERIFIER_LOCK, partition)
@@ -586,7 +589,7 @@ async def prescore(
             waiting = still
             inputs = [i for i in inputs if i.job_id in waiting]
         scored = await _score_inputs(inputs, scorer, retry)
-        classes = await _classes_before(sessionmaker, scorer, inputs, scored)
+        classes = await _classes_before(sessionmaker, scorer, inputs, scored, others or {})
     return Prescored(waiting, scored, read=read, last_id=last, classes=classes)
 
 
@@ -595,6 +598,7 @@ async def _classes_before(
     scorer: Scorer,
     inputs: Sequence[ScoreInput],
     scored: Mapping[int, Scored],
+    others: Mapping[int, Scored],
 ) -> dict[VoteKey, VoteClasses]:
     """The vote classes of the quorums ``scored``'s results are to complete, compared before
     the batch's transaction: for each result whose pool's reward function compares answers
@@ -605,8 +609,11 @@ async def _classes_before(
     transaction uses them only for these very votes (``vote_key``): one whose votes turn out
     otherwise (a result of the batch rejected by its checks, a sibling checked or decided
     meanwhile by another batch)
-    compares them itself. The siblings are read in a short transaction of their own; a failure
-    here is logged and leaves the comparisons to the transaction."""
+    compares them itself. A sibling still waiting for its checks counts as the batch's do when
+    another batch of this process has scored it (``others``, taken before the siblings are
+    read: one gone from it since has committed); any other leaves the quorum to its own batch.
+    The siblings are read in a short transaction of their own; a failure here is logged and
+    leaves the comparisons to the transaction."""
     reward_function = {i.job_id: i.reward_function for i in inputs}
     compares: dict[str, bool] = {}
 
@@ -625,6 +632,7 @@ async def _classes_before(
     ]
     if not voting:
         return {}
+    others = dict(others)  # before the read: a batch that leaves it has committed by then
     try:
         sibling = aliased(VerificationJob)
         of_tasks = select(sibling.task_id).where(sibling.id.in_(voting))
@@ -657,12 +665,13 @@ async def _classes_before(
         name = next((reward_function[r.id] for r in siblings if r.id in reward_function), None)
         valid: list[VerificationJob] = []
         for row in siblings:
-            if row.id in scored:  # this batch's: counts once checked, unless unscorable
-                if scored[row.id].unscorable is None:
-                    valid.append(VerificationJob(canonical=json.dumps(scored[row.id].canonical)))
+            by = scored.get(row.id) or (others.get(row.id) if row.stage == "checks" else None)
+            if by is not None:  # scored, to be checked: counts once checked, unless unscorable
+                if by.unscorable is None:
+                    valid.append(VerificationJob(canonical=json.dumps(by.canonical)))
                 continue
             if row.stage == "checks":
-                break  # a result not checked by this batch: its own batch decides the quorum
+                break  # a result no batch has scored yet: its own batch decides the quorum
             job = VerificationJob(stage=row.stage, findings=row.findings, canonical=row.canonical)
             if job.stage == "quorum" or _accepted_valid(job):
                 valid.append(job)
