@@ -739,7 +739,8 @@ def revoke_token_cmd(
         ),
     ],
 ) -> None:
-    """Revoke an API token at once and for good (every request with it is then 401)."""
+    """Revoke an API token at once and for good (every request with it is then 401, and an
+    export it is streaming breaks off before its next chunk, left unfinished)."""
     from orchestrator.admin.tokens import TOKEN_PREFIX, revoke_token
 
     by_secret = token.startswith(TOKEN_PREFIX)
@@ -777,7 +778,8 @@ def rotate_token_cmd(
     no_expiry: Annotated[bool, typer.Option("--no-expiry", help="Valid until revoked from now on")] = False,
 ) -> None:
     """Give an API token a new secret and print it once: the token keeps its id, role, scope and
-    the pools it owns, and its old secret is refused at once (a leaked secret, a rotation policy)."""
+    the pools it owns, and its old secret is refused at once, an export streaming with it breaking
+    off before its next chunk (a leaked secret, a rotation policy)."""
 
     from orchestrator.admin.tokens import KEEP_EXPIRY, TOKEN_PREFIX, rotate_token
     from orchestrator.core.db import utcnow
