@@ -218,6 +218,38 @@ async def test_a_batchs_scoring_inputs_are_read_in_one_statement(app: Any, app_s
         assert len([st for st in statements if "advisory" not in st]) == 1, statements
 
 
+async def test_a_batch_of_unreplicated_math_results_reads_no_quorum_votes(app: Any, app_state: Any) -> None:
+    """Once a batch is scored, ``prescore`` reads the other results of the replicated tasks its
+    math results belong to and compares their votes (``_classes_before``). A math result the
+    server cannot check (no expected answer) of a task of replication 1 has no quorum to
+    decide, yet its batch read the siblings in a transaction of its own: a second statement,
+    and on SQLite a second take of the one write lock, for every such batch."""
+    from orchestrator.verification.scoring import scorer_for
+    from tests.test_hot_paths import sql_log
+
+    scorer = scorer_for(app_state.settings.verifier)
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=8, reward_function="math") as s:
+        await s.enqueue([{**task(), "verification": {}} for _ in range(3)], key="open")
+        for _ in range(3):
+            lease = (await s.workers[0].claim(s.pool_id)).json()["leases"][0]
+            await submit(s.workers[0], lease, ["4"])
+        partition = None
+        if app_state.engine.dialect.name == "postgresql":
+            partition = service.partition_of(s.workers[0].contributor.provider_id)
+        async with sql_log(app_state) as statements:
+            scored = await service.prescore(
+                app_state.sessionmaker,
+                scorer,
+                limit=10,
+                after_id=0,
+                now=app_state.clock.utcnow(),
+                partition=partition,
+            )
+        assert (scored.read, len(scored.scored)) == (3, 3)
+        assert all(r is None for one in scored.scored.values() for r in one.per_sample)  # unchecked
+        assert len([st for st in statements if "advisory" not in st]) == 1, statements  # was 2
+
+
 async def test_a_result_that_arrives_while_a_batch_is_scored_waits_for_the_next_sqlite(
     app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -327,6 +327,9 @@ class ScoreInput:
     reward_function: str
     spec: dict[str, Any]
     received_at: dt.datetime
+    # The task's replicas, as read: only a replicated task's results may complete a quorum
+    # (``_classes_before``).
+    replication: int = 1
 
 
 @dataclass(frozen=True)
@@ -384,6 +387,7 @@ async def score_input(session: AsyncSession, job: VerificationJob) -> ScoreInput
         pool.reward_function,
         task.verification or {},
         submission.received_at,
+        task.replication,
     )
 
 
@@ -615,6 +619,7 @@ async def _classes_before(
     The siblings are read in a short transaction of their own; a failure here is logged and
     leaves the comparisons to the transaction."""
     reward_function = {i.job_id: i.reward_function for i in inputs}
+    replicated = {i.job_id for i in inputs if i.replication > 1}
     compares: dict[str, bool] = {}
 
     def compares_answers(name: str) -> bool:
@@ -628,7 +633,10 @@ async def _classes_before(
     voting = [
         job_id
         for job_id, s in scored.items()
-        if s.unscorable is None and not _checkable(s.per_sample) and compares_answers(reward_function[job_id])
+        if job_id in replicated  # a task of one replica has no quorum: nothing to read
+        and s.unscorable is None
+        and not _checkable(s.per_sample)
+        and compares_answers(reward_function[job_id])
     ]
     if not voting:
         return {}
@@ -711,6 +719,7 @@ async def _waiting_inputs(
             Submission.received_at,
             Pool.reward_function,
             Task.verification,
+            Task.replication,
         )
         .select_from(VerificationJob)
         .outerjoin(Submission, Submission.id == VerificationJob.submission_id)
@@ -724,13 +733,23 @@ async def _waiting_inputs(
         stmt = stmt.where(VerificationJob.verifier_partition == partition)
     ids: list[int] = []
     inputs: list[ScoreInput] = []
-    for job_id, submission_id, body, received_at, reward_function, spec in await session.execute(stmt):
+    for job_id, submission_id, body, received_at, reward_function, spec, replication in await session.execute(
+        stmt
+    ):
         ids.append(job_id)
         try:
             if body is None or received_at is None or reward_function is None:
                 raise LookupError("the job's result, task or pool is gone")
             inputs.append(
-                ScoreInput(job_id, submission_id, json.loads(body), reward_function, spec or {}, received_at)
+                ScoreInput(
+                    job_id,
+                    submission_id,
+                    json.loads(body),
+                    reward_function,
+                    spec or {},
+                    received_at,
+                    replication or 1,
+                )
             )
         except Exception:
             log.exception("verification_failed", job_id=job_id, submission_id=submission_id)
