@@ -19,7 +19,7 @@ from orchestrator.tasks.models import Submission
 from orchestrator.verification import scoring, service
 from orchestrator.verification.jobs import release_once, verify_once
 from orchestrator.verification.models import Verdict, VerificationJob
-from tests.conftest import problem
+from tests.conftest import postgres_only, problem
 from tests.scoring_helpers import Gate
 from tests.tasks_helpers import pool_setup, task
 from tests.verification_helpers import (
@@ -556,6 +556,48 @@ async def test_a_math_quorum_s_answers_are_compared_before_its_transaction(
         assert [vs[w.node_id]["category"] for w in s.workers] == ["valid", "valid", "fraud"]
         assert vs[s.workers[2].node_id]["details"]["equivalent"] == [['["0.5"]', '["1/2"]']]
     assert compared == [False]  # was [True]: compared holding the locks
+
+
+@postgres_only
+async def test_a_math_quorum_decided_by_a_lane_that_did_not_compare_it_uses_the_lane_s_classes(
+    app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL: the three replicas' results are in three partitions, checked by lanes side by
+    side; the lane that scores last compares the quorum's votes before its transaction, with the
+    others' scores. The quorum is decided by the lane whose transaction commits last, which need
+    not be that one (a lane with a larger batch, or waiting for the task's lock): it found no
+    classes for the votes in its own batch's and compared them holding its locks. The classes
+    depend on nothing but the votes (``vote_key``), so the tick's lanes share them."""
+    real = scoring.Scorer.vote_classes
+    compared: list[bool] = []
+
+    async def watched(self: Any, reward_function: str, votes: Any, **kwargs: Any) -> Any:
+        compared.append(kwargs.get("locked", True))
+        return await real(self, reward_function, votes, **kwargs)
+
+    monkeypatch.setattr(scoring.Scorer, "vote_classes", watched)
+    process_pending = service.process_pending
+    first: list[int] = []
+
+    async def first_commits_last(session: Any, **kwargs: Any) -> Any:
+        if first[0] in kwargs["prescored"].attempted:  # the first result's lane: after the others
+            await asyncio.sleep(1.5)
+        return await process_pending(session, **kwargs)
+
+    monkeypatch.setattr(service, "process_pending", first_commits_last)
+    async with pool_setup(
+        app, app_state, workers=3, replication_factor=3, reward_function="math", economics=ECON, stake=1000
+    ) as s:
+        await s.enqueue([{"prompt": "Half?", "sampling": {"max_tokens": 64, "temperature": 0}}], key="half")
+        for worker, answer in zip(s.workers, ["1/2", "0.5", "3"], strict=True):
+            lease = (await worker.claim(s.pool_id)).json()["leases"][0]
+            await submit(worker, lease, [answer])
+        async with app_state.sessionmaker() as session:
+            first.append(min((await session.execute(select(VerificationJob.id))).scalars()))
+        await verify_all(app_state)
+        vs = {v["node_id"]: v for v in await verdicts(s.admin, s.headers, s.pool_id)}
+        assert [vs[w.node_id]["category"] for w in s.workers] == ["valid", "valid", "fraud"]
+    assert True not in compared, compared  # was [False, True]: compared again holding the locks
 
 
 async def test_a_slow_answer_leaves_the_other_math_votes_compared(app: Any, app_state: Any) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -249,6 +250,10 @@ async def _verify_batches(state: AppState, *, budget_s: float) -> tuple[int, boo
     # The lanes' results scored and not yet committed, by job id: a lane's quorum counts the
     # votes of a task's other replicas, which other lanes (their providers' partitions) check.
     scored: dict[int, service.Scored] = {}
+    # The quorums' vote classes the lanes compared before their transactions, by their votes:
+    # the lane whose transaction decides a quorum (the last to commit) need not be the one that
+    # compared its votes, and the classes depend on nothing else (``service.vote_key``).
+    classes: dict[service.VoteKey, service.VoteClasses] = {}
     begun = 0
     cut = False
     turns = None
@@ -272,6 +277,7 @@ async def _verify_batches(state: AppState, *, budget_s: float) -> tuple[int, boo
                 deadline=deadline,
                 turns=turns,
                 scored=scored,
+                classes=classes,
             )
             done += n
             cut = cut or stopped
@@ -304,6 +310,7 @@ async def _verify_partition(
     deadline: float,
     turns: ScorerTurns | None = None,
     scored: dict[int, service.Scored] | None = None,
+    classes: dict[service.VoteKey, service.VoteClasses] | None = None,
 ) -> tuple[int, bool]:
     """One partition's batches (``None``: SQLite's one backlog) until it is done or the
     deadline passes; returns how many jobs were processed and whether the deadline stopped it.
@@ -318,7 +325,8 @@ async def _verify_partition(
     the jobs read that are still waiting (``service.prescore``). A batch's scores are in
     ``scored`` (the tick's lanes') from when it is scored until its transaction has ended, so
     that another lane's batch holding a replica of the same task compares the quorum's votes
-    before its transaction too. With the lock taken only by
+    before its transaction too; the vote classes a batch compared are in ``classes`` (the tick's
+    lanes'), which every batch's transaction looks its quorums' votes up in. With the lock taken only by
     each transaction, every process working the backlog found the partition free while a batch
     was scored (the partitions in the same order, oldest first) and scored the same batch
     again; with the lock held by a lane for as long as it worked the partition, a lane waiting
@@ -363,6 +371,9 @@ async def _verify_partition(
             if prescored.attempted:
                 if scored is not None:
                     scored.update(prescored.scored)
+                if classes is not None:
+                    classes.update(prescored.classes)
+                    prescored = dataclasses.replace(prescored, classes=classes)
                 try:
                     async with claim.sessionmaker() as session, session.begin():
                         batch = await service.process_pending(
