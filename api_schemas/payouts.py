@@ -81,6 +81,7 @@ class PayoutRunIn(StrictModel):
         default=1000,
         ge=1,
         le=10_000,
+        strict=True,
         description="Take at most this many requested payouts, oldest first (default 1,000); a run "
         "stops before its total would pass 2^63 - 1, and the rest wait for the next run",
     )

@@ -923,7 +923,7 @@ async def test_payout_runs_need_an_admin_and_a_key_and_name_real_runs(
         problem(await start_run(client, headers, "run-0009"), 403, "role_forbidden")
         problem(await client.get("/v1/admin/payouts/runs", headers=headers), 403, "role_forbidden")
     problem(await start_run(client, admin_headers, None), 400, "invalid_header")
-    for bad in (0, 10_001, True, "5"):
+    for bad in (0, 10_001, True, "5", 5.0):  # a count, strict as the amounts are: 5.0 is not one
         problem(await start_run(client, admin_headers, "run-0010", max_payouts=bad), 422, "validation_failed")
     problem(await client.get("/v1/admin/payouts/runs/7", headers=admin_headers), 404, "payout_run_not_found")
     r = await client.get("/v1/admin/payouts/export?run_id=7", headers=admin_headers)
