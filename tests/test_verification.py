@@ -31,7 +31,7 @@ from tests.verification_helpers import (
     verdicts,
     verify_all,
 )
-from tests.waits import HANG_S
+from tests.waits import HANG_S, sqlite_write_lock_held
 
 ECON = {
     "min_stake_per_node": 1000,
@@ -502,24 +502,6 @@ async def test_a_math_quorum_never_outvotes_an_answer_equivalent_to_the_majority
         assert [(await balances(client, w))["stake_locked"] for w in s.workers] == [1000] * 3
 
 
-def _sqlite_write_lock_held(app_state: Any) -> bool:
-    """Whether a transaction holds SQLite's one write lock (every claim and result waits for
-    it), as another connection finds it without waiting."""
-    import sqlite3
-
-    from sqlalchemy.engine import make_url
-
-    probe = sqlite3.connect(make_url(app_state.settings.db.url).database, timeout=0, isolation_level=None)
-    try:
-        probe.execute("BEGIN IMMEDIATE")
-        probe.execute("ROLLBACK")
-        return False
-    except sqlite3.OperationalError:
-        return True
-    finally:
-        probe.close()
-
-
 @pytest.mark.parametrize("one_by_one", [False, True], ids=["in-one-batch", "one-batch-each"])
 async def test_a_math_quorum_s_answers_are_compared_before_its_transaction(
     app: Any, app_state: Any, monkeypatch: pytest.MonkeyPatch, one_by_one: bool
@@ -536,7 +518,7 @@ async def test_a_math_quorum_s_answers_are_compared_before_its_transaction(
 
     async def watched(self: Any, reward_function: str, votes: Any, **kwargs: Any) -> Any:
         if app_state.engine.dialect.name == "sqlite":
-            compared.append(_sqlite_write_lock_held(app_state))
+            compared.append(sqlite_write_lock_held(app_state))
         else:  # other lanes' transactions may hold their locks meanwhile: the scorer is told
             compared.append(kwargs.get("locked", True))
         return await real(self, reward_function, votes, **kwargs)

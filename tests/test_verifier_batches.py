@@ -25,6 +25,7 @@ from orchestrator.verification.models import Verdict, VerificationJob
 from tests.conftest import postgres_only
 from tests.tasks_helpers import PoolSetup, Worker, pool_setup, task
 from tests.verification_helpers import balances, books_balance, submit
+from tests.waits import sqlite_write_lock_held
 
 ECON = {
     "min_stake_per_node": 1000,
@@ -196,26 +197,32 @@ async def test_a_batchs_scoring_inputs_are_read_in_one_statement(app: Any, app_s
     their own (``service.prescore``; on PostgreSQL after a try of the partition's lock): five
     statements (the jobs, their submissions, tasks, pools and replicas), of which the batch's
     transaction reads the first four again. They are one now."""
+    async with pool_setup(app, app_state, workers=1, max_leases_per_node=8) as s:
+        await results(s, 3)
+        scored, statements = await _prescored_logged(app_state, s)
+        assert (scored.read, len(scored.scored)) == (3, 3)
+        assert len([st for st in statements if "advisory" not in st]) == 1, statements
+
+
+async def _prescored_logged(app_state: Any, s: Any) -> tuple[Any, list[str]]:
+    """``service.prescore`` of the first worker's results (in its provider's partition on
+    PostgreSQL), and the statements it sent."""
     from orchestrator.verification.scoring import scorer_for
     from tests.test_hot_paths import sql_log
 
-    scorer = scorer_for(app_state.settings.verifier)
-    async with pool_setup(app, app_state, workers=1, max_leases_per_node=8) as s:
-        await results(s, 3)
-        partition = None
-        if app_state.engine.dialect.name == "postgresql":
-            partition = service.partition_of(s.workers[0].contributor.provider_id)
-        async with sql_log(app_state) as statements:
-            scored = await service.prescore(
-                app_state.sessionmaker,
-                scorer,
-                limit=10,
-                after_id=0,
-                now=app_state.clock.utcnow(),
-                partition=partition,
-            )
-        assert (scored.read, len(scored.scored)) == (3, 3)
-        assert len([st for st in statements if "advisory" not in st]) == 1, statements
+    partition = None
+    if app_state.engine.dialect.name == "postgresql":
+        partition = service.partition_of(s.workers[0].contributor.provider_id)
+    async with sql_log(app_state) as statements:
+        scored = await service.prescore(
+            app_state.sessionmaker,
+            scorer_for(app_state.settings.verifier),
+            limit=10,
+            after_id=0,
+            now=app_state.clock.utcnow(),
+            partition=partition,
+        )
+    return scored, statements
 
 
 async def test_a_batch_of_unreplicated_math_results_reads_no_quorum_votes(app: Any, app_state: Any) -> None:
@@ -224,27 +231,12 @@ async def test_a_batch_of_unreplicated_math_results_reads_no_quorum_votes(app: A
     server cannot check (no expected answer) of a task of replication 1 has no quorum to
     decide, yet its batch read the siblings in a transaction of its own: a second statement,
     and on SQLite a second take of the one write lock, for every such batch."""
-    from orchestrator.verification.scoring import scorer_for
-    from tests.test_hot_paths import sql_log
-
-    scorer = scorer_for(app_state.settings.verifier)
     async with pool_setup(app, app_state, workers=1, max_leases_per_node=8, reward_function="math") as s:
         await s.enqueue([{**task(), "verification": {}} for _ in range(3)], key="open")
         for _ in range(3):
             lease = (await s.workers[0].claim(s.pool_id)).json()["leases"][0]
             await submit(s.workers[0], lease, ["4"])
-        partition = None
-        if app_state.engine.dialect.name == "postgresql":
-            partition = service.partition_of(s.workers[0].contributor.provider_id)
-        async with sql_log(app_state) as statements:
-            scored = await service.prescore(
-                app_state.sessionmaker,
-                scorer,
-                limit=10,
-                after_id=0,
-                now=app_state.clock.utcnow(),
-                partition=partition,
-            )
+        scored, statements = await _prescored_logged(app_state, s)
         assert (scored.read, len(scored.scored)) == (3, 3)
         assert all(r is None for one in scored.scored.values() for r in one.per_sample)  # unchecked
         assert len([st for st in statements if "advisory" not in st]) == 1, statements  # was 2
@@ -260,28 +252,12 @@ async def test_a_result_that_arrives_while_a_batch_is_scored_waits_for_the_next_
     tick's batch, scored before that one's transaction."""
     if app_state.engine.dialect.name != "sqlite":
         pytest.skip("SQLite's one write lock")
-    import sqlite3
-
-    from sqlalchemy.engine import make_url
-
-    path = make_url(app_state.settings.db.url).database
     real = service._score_inputs
     under_the_write_lock: list[list[int]] = []
     late: list[Any] = []
 
-    def write_lock_held() -> bool:
-        probe = sqlite3.connect(path, timeout=0, isolation_level=None)
-        try:
-            probe.execute("BEGIN IMMEDIATE")
-            probe.execute("ROLLBACK")
-            return False
-        except sqlite3.OperationalError:
-            return True
-        finally:
-            probe.close()
-
     async def scoring(inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        if write_lock_held():
+        if sqlite_write_lock_held(app_state):
             under_the_write_lock.append([i.job_id for i in inputs])
         if late:  # a result comes in while the first batch is scored
             worker, lease = late.pop()

@@ -97,3 +97,21 @@ def taking(
         return done
 
     monkeypatch.setattr(owner, name, slow)
+
+
+def sqlite_write_lock_held(app_state: Any) -> bool:
+    """Whether a transaction holds SQLite's one write lock (every claim and result waits for
+    it), as another connection finds it without waiting."""
+    import sqlite3
+
+    from sqlalchemy.engine import make_url
+
+    probe = sqlite3.connect(make_url(app_state.settings.db.url).database, timeout=0, isolation_level=None)
+    try:
+        probe.execute("BEGIN IMMEDIATE")
+        probe.execute("ROLLBACK")
+        return False
+    except sqlite3.OperationalError:
+        return True
+    finally:
+        probe.close()
