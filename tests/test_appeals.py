@@ -1050,6 +1050,19 @@ async def test_of_two_fraud_verdicts_in_the_window_the_one_that_would_have_held_
         await books_sound(app_state)
 
 
+async def _rejected_then_a_fraud_reversed(
+    s: Any, w: Any, app_state: Any, clock: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """R rejected (wrongly), a second later fraud F1, reversed on appeal 10 s after; R's and
+    F1's verdicts."""
+    v: dict[str, Any] = await rejected_right(s, w, app_state, "invalid")
+    clock.advance(1)
+    f1: dict[str, Any] = await fraud(s, w, app_state)
+    clock.advance(10)
+    assert (await reverse(s, f1["id"])).status_code == 200
+    return v, f1
+
+
 async def test_a_fraud_verdict_written_after_an_earlier_appeal_but_dated_before_it_takes_the_payment(
     app: Any, app_state: Any, client: Any, clock: FakeClock
 ) -> None:
@@ -1062,11 +1075,7 @@ async def test_a_fraud_verdict_written_after_an_earlier_appeal_but_dated_before_
     the node kept 14."""
     async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
         w = s.workers[0]
-        v = await rejected_right(s, w, app_state, "invalid")
-        clock.advance(1)
-        f1 = await fraud(s, w, app_state)
-        clock.advance(10)
-        assert (await reverse(s, f1["id"])).status_code == 200
+        v, f1 = await _rejected_then_a_fraud_reversed(s, w, app_state, clock)
         clock.advance(1)
         f2 = await fraud(s, w, app_state)
         await result_decided_ago(app_state, f2["id"], 2)  # dated 1 s before F1's appeal
@@ -1733,11 +1742,7 @@ async def test_a_reversal_an_older_release_wrote_during_a_rolling_upgrade_is_pla
     payment."""
     async with pool_setup(app, app_state, workers=1, economics=ECON, stake=1000) as s:
         w = s.workers[0]
-        v = await rejected_right(s, w, app_state, "invalid")
-        clock.advance(1)
-        f1 = await fraud(s, w, app_state)
-        clock.advance(10)
-        assert (await reverse(s, f1["id"])).status_code == 200
+        v, f1 = await _rejected_then_a_fraud_reversed(s, w, app_state, clock)
         async with app_state.sessionmaker() as session, session.begin():
             # As the release before 0045 writes a reversal.
             await session.execute(update(Verdict).where(Verdict.id == f1["id"]).values(reversed_after=None))
