@@ -22,7 +22,7 @@ from orchestrator.core import metrics
 from orchestrator.core.clock import Clock, SystemClock
 from orchestrator.core.errors import PROBLEM_MEDIA_TYPE, install_error_handlers
 from orchestrator.core.health import router as health_router
-from orchestrator.core.hotstore import HotStore, check_clock, check_memory_policy
+from orchestrator.core.hotstore import HotStore, check_hot_store_clock, check_memory_policy
 from orchestrator.core.instance_lock import InstanceLock
 from orchestrator.core.logging import configure_logging
 from orchestrator.core.loops import ExitGuard, await_stuck, stop_loops
@@ -154,7 +154,7 @@ def create_app(
         # A Redis that may evict keys loses spent nonces unseen (README, Redis): said at startup.
         await check_memory_policy(store)
         if isinstance(state.clock, SystemClock):  # a test's clock is not the host's
-            await check_clock(store, state.clock.now)
+            await check_hot_store_clock(store, state.clock.now)
         stop = asyncio.Event()
         tasks = background.start(state, stop) if settings.server.background_loops else []
         if serving_marks:  # every API process, whatever its background_loops

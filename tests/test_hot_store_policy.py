@@ -19,7 +19,7 @@ from asgi_lifespan import LifespanManager
 
 from orchestrator.app import create_app
 from orchestrator.core.clock import FakeClock
-from orchestrator.core.hotstore import MemoryHotStore, RedisHotStore, check_clock
+from orchestrator.core.hotstore import MemoryHotStore, RedisHotStore, check_hot_store_clock
 from orchestrator.settings import RedisSettings, Settings
 from tests.process_helpers import free_port, stop
 
@@ -114,8 +114,8 @@ async def test_an_api_process_whose_clock_differs_from_redis_s_says_so_at_startu
         store = RedisHotStore.from_url(url, "clock-test:")
         try:
             with structlog.testing.capture_logs() as logs:
-                agrees = await check_clock(store, now=time.time)
-                ahead = await check_clock(store, now=lambda: time.time() + 60)
+                agrees = await check_hot_store_clock(store, now=time.time)
+                ahead = await check_hot_store_clock(store, now=lambda: time.time() + 60)
         finally:
             await store.aclose()
     assert agrees is not None and abs(agrees) < 5
@@ -123,4 +123,4 @@ async def test_an_api_process_whose_clock_differs_from_redis_s_says_so_at_startu
     warnings = [e for e in logs if e["log_level"] == "warning"]
     assert [w["event"] for w in warnings] == ["hot_store_clock_skew"], logs
     assert 55 < warnings[0]["offset_s"] < 65 and "NTP" in warnings[0]["detail"]
-    assert await check_clock(MemoryHotStore(), now=time.time) is None  # one process, one clock
+    assert await check_hot_store_clock(MemoryHotStore(), now=time.time) is None  # one process, one clock

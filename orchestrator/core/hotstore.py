@@ -432,7 +432,9 @@ async def check_memory_policy(store: HotStore, timeout_s: float = 5) -> str | No
     return policy
 
 
-async def check_clock(store: HotStore, now: Callable[[], float], timeout_s: float = 5) -> float | None:
+async def check_hot_store_clock(
+    store: HotStore, now: Callable[[], float], timeout_s: float = 5
+) -> float | None:
     """At startup: this process's clock (``now``) less the Redis hot store's, in seconds (read in
     the middle of the round trip), with one ``hot_store_clock_skew`` warning when they differ by
     more than ``CLOCK_SKEW_WARN_S`` beyond what the round trip leaves uncertain. The nonce-loss
